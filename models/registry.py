@@ -1,0 +1,74 @@
+"""Drafter plug-ins: a dict literal from ``kind`` to its builder, plus save/load of drafter checkpoints.
+
+Adding a drafter = a model file, a builder entry here, a schema section and an objective in train/.
+A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``drafter.json`` (kind, config, meta).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.llama import Llama, LlamaConfig
+
+DRAFTERS = {
+    "draft_lm": build_draft_lm,
+}
+# How to rebuild each kind from the config stored in drafter.json.
+_FROM_CONFIG = {
+    "draft_lm": lambda cfg: Llama(LlamaConfig(**cfg)),
+}
+
+
+def build_drafter(kind: str, params: dict, target: Llama) -> torch.nn.Module:
+    if kind not in DRAFTERS:
+        raise DraftsmithError(f"drafter.kind {kind!r} unknown (known: {', '.join(DRAFTERS)})")
+    return DRAFTERS[kind](params, target)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    if getattr(model, "cfg", None) is not None and getattr(model.cfg, "tie_embeddings", False):
+        sd.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage, and it is redundant
+    return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
+
+
+def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict) -> Path:
+    """Write atomically: a half-written checkpoint never sits under the final name."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(_weights(model), str(tmp / "model.safetensors"))
+    info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
+    (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(tmp, path)
+    return path
+
+
+def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.nn.Module, dict]:
+    path = Path(path)
+    meta_file = path / "drafter.json"
+    if not meta_file.is_file():
+        raise DraftsmithError(f"{path}: not a drafter checkpoint (no drafter.json)")
+    info = json.loads(meta_file.read_text())
+    kind = info.get("kind")
+    if kind not in _FROM_CONFIG:
+        raise DraftsmithError(f"{meta_file}: unknown drafter kind {kind!r}")
+    model = _FROM_CONFIG[kind](info["config"])
+    missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise DraftsmithError(f"{path}: weights do not match drafter.json (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]})")
+    if getattr(model.cfg, "tie_embeddings", False):
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.to(device=device, dtype=dtype).eval(), info

@@ -1,0 +1,108 @@
+"""Find a recipe (shipped name or path), parse YAML, apply dotted ``a.b=c`` overrides, validate once.
+
+Every failure becomes a one-line DraftsmithError naming the file, line or dotted key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.recipes.schema import Recipe
+
+RECIPE_DIR = Path(__file__).parent
+DRAFTER_KINDS = ("draft_lm",)
+
+
+def shipped_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+
+
+def find_recipe(spec: str) -> Path:
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return p
+    shipped = RECIPE_DIR / f"{spec.removesuffix('.yaml')}.yaml"
+    if "/" not in spec and shipped.is_file():
+        return shipped
+    raise DraftsmithError(f"recipe not found: {spec} (no such file, and not a shipped recipe: "
+                          f"{', '.join(shipped_recipes())})")
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DraftsmithError(f"{path}: cannot read recipe ({type(e).__name__})") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise DraftsmithError(f"{path}{where}: YAML syntax error: {problem}") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise DraftsmithError(f"{path}: a recipe must be a YAML mapping, got {type(doc).__name__}")
+    return doc
+
+
+def apply_overrides(doc: dict, overrides: list[str]) -> dict:
+    """Apply ``a.b.c=value`` strings; values are parsed as YAML scalars/lists ("3" -> 3, "[0,29]" -> list)."""
+    for ov in overrides:
+        if "=" not in ov:
+            raise DraftsmithError(f"override {ov!r}: expected dotted.key=value")
+        key, raw = ov.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise DraftsmithError(f"override {ov!r}: empty key segment")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = doc
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise DraftsmithError(f"override {ov!r}: {'.'.join(parts[:i + 1])} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return doc
+
+
+def _format_error(err: dict) -> str:
+    loc = [str(x) for x in err["loc"]]
+    # Discriminated unions put the chosen tag into the path (drafter.draft_lm.x): drop it.
+    if len(loc) > 1 and loc[0] == "drafter" and loc[1] in DRAFTER_KINDS:
+        loc.pop(1)
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {key}"
+    msg = err["msg"].removeprefix("Value error, ")
+    if not key:
+        return msg
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        return f"{key}: {msg}"
+    return f"{key}: {msg} (got {err.get('input')!r})"
+
+
+def validate(doc: dict, origin: str) -> Recipe:
+    try:
+        return Recipe.model_validate(doc)
+    except ValidationError as e:
+        errors = e.errors()
+        more = f" (+{len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise DraftsmithError(f"{origin}: " + "; ".join(_format_error(x) for x in errors[:3]) + more) from None
+
+
+def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    path = find_recipe(spec)
+    doc = apply_overrides(read_yaml(path), list(overrides))
+    return validate(doc, str(path))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,61 @@
+"""Every shipped recipe validates; strictness (unknown keys, types, ranges); overrides re-validate."""
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.recipes.loader import dump_recipe, load_recipe, shipped_recipes, validate
+
+
+@pytest.mark.parametrize("name", shipped_recipes())
+def test_shipped_recipes_validate(name):
+    r = load_recipe(name)
+    assert r.name and r.stages() == ["generate", "train", "eval"]
+    assert validate(__import__("yaml").safe_load(dump_recipe(r)), name) == r  # dump/load round-trips
+
+
+def test_shipped_names_and_paths_both_work():
+    assert "quickstart" in shipped_recipes() and "tiny" in shipped_recipes()
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    assert load_recipe(str(RECIPE_DIR / "quickstart.yaml")) == load_recipe("quickstart")
+
+
+def test_overrides_are_typed_and_revalidated():
+    r = load_recipe("quickstart", ["train.steps=7", "drafter.init_layers=[3, 4]", "eval.baseline_hf=false",
+                                   "data.prompts.n=5", "out_dir=/tmp/x"])
+    assert r.train.steps == 7 and r.drafter.init_layers == [3, 4] and r.eval.baseline_hf is False
+    assert r.data.prompts.n == 5 and str(r.run_dir) == "/tmp/x"
+    with pytest.raises(DraftsmithError, match=r"train.steps: Input should be greater than 0"):
+        load_recipe("quickstart", ["train.steps=0"])
+    with pytest.raises(DraftsmithError, match=r"init_layers has 1 entries but n_layers is 2"):
+        load_recipe("quickstart", ["drafter.init_layers=[1]"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.stepz=3", "unknown key train.stepz"),
+    ("drafter.n_layrs=3", "unknown key drafter.n_layrs"),
+    ("data.prompts.colour=red", "unknown key data.prompts.colour"),
+    ("train.lr=fast", "train.lr: Input should be a valid number"),
+    ("eval.draft_len=99", "eval.draft_len: Input should be less than or equal to 32"),
+    ("data.temperature=-1", "data.temperature: Input should be greater than or equal to 0"),
+    ("drafter.kind=medusa9", "drafter: Input tag 'medusa9' found using 'kind' does not match"),
+    ("data.prompts.source=file", "prompts.path is required"),
+    ("train.steps", "expected dotted.key=value"),
+    ("train.steps.x=1", "train.steps is not a section"),
+])
+def test_bad_overrides_name_the_key(override, message):
+    with pytest.raises(DraftsmithError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        load_recipe("quickstart", [override])
+
+
+def test_yaml_errors_name_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("name: x\ntrain:\n  steps: 3\n  lr: [1, 2\n")
+    with pytest.raises(DraftsmithError, match=r"bad.yaml line \d+: YAML syntax error"):
+        load_recipe(str(p))
+    p.write_text("- a\n- b\n")
+    with pytest.raises(DraftsmithError, match="must be a YAML mapping"):
+        load_recipe(str(p))
+    with pytest.raises(DraftsmithError, match="recipe not found: nope.yaml"):
+        load_recipe("nope.yaml")
