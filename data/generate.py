@@ -46,7 +46,9 @@ def generate_batch(model: Llama, prompts: list[list[int]], max_new_tokens: int, 
         valid[b, L - len(p):] = True
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # each row's RoPE positions start at 0 after its padding
     cache = model.new_cache(B, L + max_new_tokens)
-    logits = model(ids, pos=pos, cache=cache, valid=valid)[:, -1]  # (B, V)
+    last = torch.zeros(B, L, dtype=torch.bool, device=dev)
+    last[:, -1] = True  # the LM head only where the next token is predicted: prefill is compute-bound on CPU
+    logits = model(ids, pos=pos, cache=cache, valid=valid, logits_at=last)  # (B, V)
     next_pos = pos[:, -1:] + 1
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
     done = torch.zeros(B, dtype=torch.bool, device=dev)

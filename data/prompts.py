@@ -14,9 +14,11 @@ import os
 import random
 import re
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from draftsmith.errors import DraftsmithError
 
@@ -64,53 +66,40 @@ def package_file(source: str) -> Path:
 
 def _open(path: Path):
     """Binary handle; gzip is detected by its magic bytes so a misnamed file still reads."""
-    try:
-        with open(path, "rb") as f:
-            gz = f.read(2) == b"\x1f\x8b"
-        return gzip.open(path, "rb") if gz else open(path, "rb")
-    except FileNotFoundError:
-        raise DraftsmithError(f"prompts file {path}: not found") from None
-    except OSError as e:
-        raise DraftsmithError(f"prompts file {path}: cannot read ({e.strerror or e})") from None
-
-
-def _first_char(path: Path) -> str:
-    with _open(path) as f:
-        try:
-            head = f.read(65536)
-        except (OSError, EOFError) as e:
-            raise DraftsmithError(f"prompts file {path}: cannot read ({e})") from None
-    return head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1].decode("latin-1")
+    with open(path, "rb") as f:
+        gz = f.read(2) == b"\x1f\x8b"
+    return gzip.open(path, "rb") if gz else open(path, "rb")
 
 
 def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
     """Yield (record index, record, "line N") per non-blank line."""
     index = 0
     with _open(path) as f:
-        try:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
-                except UnicodeDecodeError:
-                    raise DraftsmithError(f"prompts file {path} line {lineno}: not valid UTF-8") from None
-                if not text.strip():
-                    continue
-                try:
-                    rec = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise DraftsmithError(f"prompts file {path} line {lineno}: invalid JSON ({e.msg})") from None
-                yield index, rec, f"line {lineno}"
-                index += 1
-        except (OSError, EOFError) as e:  # a corrupt or cut-off .gz
-            raise DraftsmithError(f"prompts file {path}: cannot read ({e})") from None
+        for lineno, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError:
+                raise DraftsmithError(f"prompts file {path} line {lineno}: not valid UTF-8") from None
+            if not text.strip():
+                continue
+            try:
+                rec = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DraftsmithError(f"prompts file {path} line {lineno}: invalid JSON ({e.msg})") from None
+            yield index, rec, f"line {lineno}"
+            index += 1
+
+
+_TAIL = object()  # marks the dropped incomplete last element of a cut-off array
 
 
 class JsonArrayStream:
-    """Streams the elements of a top-level JSON array: one ``raw_decode`` per element over a growing text buffer,
-    so the whole file is never held in memory and a caller that stops early stops reading.
+    """Streams the elements of a top-level JSON array: one ``raw_decode`` per element over a text buffer that is
+    refilled in chunks, so the file is never held whole and a caller that stops early stops reading.
 
     With ``allow_truncated`` an incomplete last element (a file cut off mid-record) is dropped with a warning;
-    ``complete`` counts the elements decoded and ``truncated`` says whether a tail was dropped.
+    ``complete`` counts the elements decoded, ``truncated`` says whether a tail was dropped, ``bytes_read`` how
+    much of the (decompressed) file was read.
     """
 
     def __init__(self, path: Path, *, allow_truncated: bool = False):
@@ -118,50 +107,46 @@ class JsonArrayStream:
         self.complete, self.truncated = 0, False
 
     def __iter__(self) -> Iterator[tuple[int, Any, str]]:
-        self._dec, self._utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8")()
-        self._buf, self._pos, self._eof = "", 0, False
-        self._line0, self._cur, self._cur_line = 0, 0, 0  # lines before the buffer; a newline-count cursor in it
+        self._dec, self._utf8 = json.JSONDecoder(), codecs.getincrementaldecoder("utf-8-sig")()
+        self._buf, self._pos, self._eof, self.bytes_read, self._bad_byte = "", 0, False, 0, None
         with _open(self.path) as self._f:
             if self._peek() != "[":
                 raise DraftsmithError(f"prompts file {self.path}: expected a JSON array ('[') at the top level")
             self._pos += 1
-            while True:
-                c = self._peek()
-                if c == "]":
-                    return
+            while (c := self._peek()) != "]":
                 if self.complete:
-                    if c != ",":
-                        yield from self._bad_tail(f"expected ',' or ']' but found {c!r}" if c else "unexpected end")
+                    if c == "":
+                        self._cut_off("the file ends before ']'")
                         return
+                    if c != ",":
+                        raise DraftsmithError(f"prompts file {self.path} record {self.complete}: invalid JSON "
+                                              f"(expected ',' or ']' before it, found {c!r})")
                     self._pos += 1
-                    if self._peek() == "]":
-                        raise DraftsmithError(f"prompts file {self.path} line {self._line()}: trailing comma")
-                where = f"record {self.complete} (line {self._line()})"
+                    self._peek()  # raw_decode does not skip the whitespace after the comma
                 value = self._decode()
                 if value is _TAIL:
                     return
-                yield self.complete, value, where
+                yield self.complete, value, f"record {self.complete}"
                 self.complete += 1
 
     def _fill(self, size: int) -> bool:
         """Drop consumed text and append about ``size`` more characters; False at end of file."""
+        if self._bad_byte is not None:
+            raise DraftsmithError(f"prompts file {self.path} record {self.complete}: not valid UTF-8 (byte "
+                                  f"{self._bad_byte})")
         if self._eof:
             return False
-        try:
-            data = self._f.read(size)
-        except (OSError, EOFError) as e:
-            raise DraftsmithError(f"prompts file {self.path}: cannot read ({e})") from None
+        data = self._f.read(size)
         self._eof = not data
-        self._line0 += self._buf.count("\n", 0, self._pos)
-        self._cur_line -= self._buf.count("\n", 0, self._pos)
-        self._cur -= self._pos
         try:
             text = self._utf8.decode(data, final=self._eof)
-        except UnicodeDecodeError:
-            if not (self._eof and self.allow_truncated):  # a cut-off file may end inside a character
-                line = self._line0 + self._buf.count("\n", self._pos) + 1
-                raise DraftsmithError(f"prompts file {self.path} near line {line}: not valid UTF-8") from None
-            text = ""
+        except UnicodeDecodeError as e:
+            # Keep the valid text and raise once parsing reaches the bad byte, so the error names its record.
+            # A cut-off file may end inside a character: that tail is dropped with the incomplete record.
+            if not (self._eof and self.allow_truncated):
+                self._bad_byte = self.bytes_read + e.start - (len(e.object) - len(data))
+            text = e.object[:e.start].decode("utf-8")
+        self.bytes_read += len(data)
         self._buf, self._pos = self._buf[self._pos:] + text, 0
         return True
 
@@ -172,11 +157,6 @@ class JsonArrayStream:
             if self._pos < len(self._buf) or not self._fill(_CHUNK):
                 return self._buf[self._pos:self._pos + 1]
 
-    def _line(self) -> str:
-        self._cur_line += self._buf.count("\n", self._cur, self._pos)
-        self._cur = self._pos
-        return str(self._line0 + self._cur_line + 1)
-
     def _decode(self):
         while True:
             try:
@@ -186,34 +166,26 @@ class JsonArrayStream:
                     return value
             except json.JSONDecodeError as e:
                 if self._eof:
-                    return self._tail_or_raise(e)
+                    self._cut_off(e.msg)
+                    return _TAIL
             # Grow geometrically so a record larger than a chunk costs O(size) in total, not O(size^2).
             self._fill(max(_CHUNK, len(self._buf) - self._pos))
 
-    def _tail_or_raise(self, e: json.JSONDecodeError):
-        line = self._line0 + e.lineno
+    def _cut_off(self, problem: str) -> None:
+        """The array ends early: expected for the cut-off ShareGPT dump (``allow_truncated``), else an error."""
         if not self.allow_truncated:
-            raise DraftsmithError(f"prompts file {self.path} record {self.complete} line {line}: "
-                                  f"invalid JSON ({e.msg})")
+            raise DraftsmithError(f"prompts file {self.path} record {self.complete}: invalid JSON ({problem})")
         self.truncated = True
-        log.warning("%s: dropped an incomplete last record (record %d, line %s, %d characters): the file is cut "
-                    "off there", self.path, self.complete, self._line(), len(self._buf) - self._pos)
-        return _TAIL
-
-    def _bad_tail(self, msg: str):
-        if not self.allow_truncated or self._peek():
-            raise DraftsmithError(f"prompts file {self.path} line {self._line()}: invalid JSON ({msg})")
-        self.truncated = True
-        return iter(())
-
-
-_TAIL = object()
+        # info, not warning: the one file this is allowed for (the packaged ShareGPT dump) is always cut off
+        log.info("%s: file cut off in record %d; dropped the incomplete tail", self.path, self.complete)
 
 
 def iter_file(path: Path, *, allow_truncated: bool = False) -> Iterator[tuple[int, Any, str]]:
     """JSON array or JSONL (optionally gzipped), told apart by the first non-blank character."""
     path = Path(path)
-    if _first_char(path) == "[":
+    with _open(path) as f:
+        head = f.read(65536)
+    if head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1] == b"[":
         return iter(JsonArrayStream(path, allow_truncated=allow_truncated))
     return iter_jsonl(path)
 
@@ -223,7 +195,7 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[int, Any, str]]:
         import datasets
 
         ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # datasets raises many types: network, offline mode, unknown split or config
+    except Exception as e:  # noqa: BLE001 - datasets raises many types: network, offline, unknown split
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
         hint = " (HF_HUB_OFFLINE is set: only datasets already in the local cache load)" if offline else ""
         first = (str(e).strip().splitlines() or [""])[0]
@@ -281,10 +253,13 @@ def _normalize(msgs: list[dict], max_turns: int | None) -> list[dict]:
             if m["role"] == "system" and usable:
                 out.append(m)
             continue
-        if not usable or (m["role"] == "user" and users == max_turns):
+        if not usable:
             break
-        users += m["role"] == "user"
         out.append(m)
+        if m["role"] == "user":
+            users += 1
+            if users == max_turns:
+                break
     return out if users else []
 
 
@@ -304,7 +279,9 @@ def _to_prompt(rec, source: str, index: int, max_turns: int | None) -> Prompt | 
     msgs = _normalize(msgs, max_turns)
     if not msgs:
         return "no non-empty first user turn"
-    rid = next((rec[k] for k in ("question_id", "id") if rec.get(k) is not None), index)
+    # ShareGPT ids repeat (123 times in the packaged dump), so ShareGPT-form records are named by position.
+    keys = () if "conversations" in rec else ("question_id", "id")
+    rid = next((rec[k] for k in keys if rec.get(k) is not None), index)
     cat = rec.get("category")
     return Prompt(f"{source}:{rid}", msgs, None if cat is None else str(cat))
 
@@ -327,25 +304,41 @@ def load_prompts(source: str, path: str | None = None, n: int | None = None, *, 
         label, rows = f"hub dataset {path!r} ({split})", _iter_hub(path, split)
     else:
         file = Path(path) if path else package_file(source)
-        label, rows = f"prompts file {file}", iter_file(file, allow_truncated=source == "sharegpt")
-        path = str(file)
-    prompts, skipped = [], Counter()
-    for index, rec, where in rows:
-        try:
-            p = _to_prompt(rec, source, index, max_turns)
-        except _BadRecord as e:
-            raise DraftsmithError(f"{label} {where}: {e}") from None
-        if isinstance(p, str):
-            skipped[p] += 1
-            continue
-        prompts.append(p)
-        if n is not None and not shuffle and len(prompts) == n:
-            break  # stop reading: for the big ShareGPT file this is the point of streaming
-    if skipped:
-        reasons = ", ".join(f"{c} {r}" for r, c in skipped.most_common())
-        log.warning("%s: skipped %d records (%s)", label, sum(skipped.values()), reasons)
+        label, path = f"prompts file {file}", str(file)
+    try:
+        if source != "hub":
+            rows = iter_file(file, allow_truncated=source == "sharegpt")
+        prompts = _collect(rows, source, label, None if shuffle else n, max_turns)
+    except FileNotFoundError:
+        raise DraftsmithError(f"{label}: not found") from None
+    except (OSError, EOFError) as e:  # unreadable, a directory, a corrupt or cut-off .gz
+        raise DraftsmithError(f"{label}: cannot read ({getattr(e, 'strerror', None) or e})") from None
     if not prompts:
         raise DraftsmithError(f"empty prompt set: source {source} ({path}) yielded no usable prompts")
     if shuffle:
         random.Random(seed).shuffle(prompts)
     return prompts[:n] if n is not None else prompts
+
+
+def _collect(rows, source: str, label: str, n: int | None, max_turns: int | None) -> list[Prompt]:
+    """Convert rows until ``n`` usable prompts; skips are counted in one warning (no prompt text is logged)."""
+    prompts, skipped, seen = [], Counter(), set()
+    with closing(rows):  # closes the file at once when we stop early
+        for index, rec, where in rows:
+            try:
+                p = _to_prompt(rec, source, index, max_turns)
+            except _BadRecord as e:
+                raise DraftsmithError(f"{label} {where}: {e}") from None
+            if isinstance(p, str):
+                skipped[p] += 1
+                continue
+            if p.id in seen:  # a record's own id can repeat or equal another's position: keep ids unique
+                p.id = f"{p.id}@{index}"
+            seen.add(p.id)
+            prompts.append(p)
+            if len(prompts) == n:
+                break  # stop reading: for the big ShareGPT file this is the point of streaming
+    if skipped:
+        reasons = ", ".join(f"{c} {r}" for r, c in skipped.most_common())
+        log.warning("%s: skipped %d records (%s)", label, sum(skipped.values()), reasons)
+    return prompts

@@ -91,7 +91,13 @@ def _save_resolved(recipe) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Overrides may come after options (`run quickstart -q train.steps=3`): argparse leaves those over.
+    bad = [a for a in extra if a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
                         stream=sys.stderr)
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):

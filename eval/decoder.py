@@ -1,0 +1,196 @@
+"""The bundled speculative decoder: plain autoregressive decoding and chain (gpt-fast style) speculative
+decoding on our own KV cache, batch 1. Lossless: at temperature 0 both produce identical tokens for any
+drafter, and with sampling the output follows the target distribution (docs/algorithms.md A1, C4, C7).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from draftsmith.eval.accept import greedy_accept, process_logits, rejection_accept
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one or more (merged) decodes. Prefill is excluded from the forward counts and timings."""
+
+    new_tokens: int = 0  # tokens emitted (after EOS/max truncation)
+    target_forwards: int = 0  # verify forwards
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted (as verified: a step's drafts after an EOS still count)
+    accept_counts: list[int] = field(default_factory=list)  # [k] = verify steps that accepted exactly k drafts
+    draft_time_s: float = 0.0  # wall time in drafter calls
+    verify_time_s: float = 0.0  # wall time in target verify calls and acceptance
+
+    @property
+    def tau(self) -> float:
+        """Block efficiency: tokens produced per verify forward (accepted drafts + one correction/bonus each)."""
+        return (self.accepted + self.target_forwards) / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def per_position_acceptance(self) -> list[float]:
+        """[i] = P(draft i accepted | drafts < i accepted), from accept_counts; 0.0 where never reached.
+
+        Steps whose γ was clamped near max_new_tokens count as rejections past their last draft.
+        """
+        c = self.accept_counts
+        out = []
+        for i in range(len(c) - 1):
+            reached = sum(c[i:])
+            out.append(sum(c[i + 1:]) / reached if reached else 0.0)
+        return out
+
+    def merge(self, other: DecodeStats) -> DecodeStats:
+        """Add ``other`` into self (in place; returns self). Histograms of different lengths are zero-padded."""
+        self.new_tokens += other.new_tokens
+        self.target_forwards += other.target_forwards
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.draft_time_s += other.draft_time_s
+        self.verify_time_s += other.verify_time_s
+        n = max(len(self.accept_counts), len(other.accept_counts))
+        a = self.accept_counts + [0] * (n - len(self.accept_counts))
+        b = other.accept_counts + [0] * (n - len(other.accept_counts))
+        self.accept_counts = [x + y for x, y in zip(a, b)]
+        return self
+
+
+def _sync(device: torch.device) -> None:
+    # CUDA calls are asynchronous: wait for the queued work so perf_counter measures it, not its launch.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator):
+    """logits (V,) -> (token (1,) long, probs (V,) it was drawn from, or None when greedy)."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True), None
+    probs = process_logits(logits, temperature, top_k, top_p)  # (V,) fp32
+    return torch.multinomial(probs, 1, generator=generator), probs
+
+
+def _emit(out: list[int], new: list[int], eos_ids: set[int] | None, max_new_tokens: int) -> bool:
+    """Append ``new`` to ``out`` up to and including the first EOS and at most max_new_tokens; True when done."""
+    for t in new:
+        if len(out) >= max_new_tokens:
+            return True
+        out.append(t)
+        if eos_ids and t in eos_ids:
+            return True
+    return len(out) >= max_new_tokens
+
+
+def _prepare(model, prompt_ids: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    return prompt_ids.to(device=device, dtype=torch.long).view(1, -1)  # (1, T)
+
+
+@torch.no_grad()
+def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                            top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
+                            generator: torch.Generator | None = None) -> list[int]:
+    """Plain decoding with our KV cache: prompt_ids (T,) -> the new tokens (EOS included if hit)."""
+    if max_new_tokens <= 0:
+        return []
+    prompt = _prepare(target, prompt_ids)
+    cache = target.new_cache(1, prompt.shape[1] + max_new_tokens)
+    logits = target(prompt, cache=cache)[0, -1]  # (V,)
+    out: list[int] = []
+    while True:
+        tok, _ = _pick(logits, temperature, top_k, top_p, generator)
+        if _emit(out, [int(tok)], eos_ids, max_new_tokens):
+            return out
+        logits = target(tok.view(1, 1), cache=cache)[0, -1]  # (V,)
+
+
+def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator):
+    """Propose γ tokens. feed (k,): tokens the drafter has not seen yet, ending with the current token.
+
+    Returns drafts (γ,) long and q (γ, V) (the exact distributions sampled from) or None when greedy. The last
+    draft is never fed to the drafter (the verify decides whether it survives).
+    """
+    drafts, q_rows = [], []
+    for _ in range(gamma):
+        logits = drafter(feed.view(1, -1), cache=dcache)[0, -1]  # (V,)
+        tok, q = _pick(logits, temperature, top_k, top_p, generator)
+        drafts.append(tok)
+        q_rows.append(q)
+        feed = tok
+    drafts_t = torch.cat(drafts) if drafts else feed.new_empty(0)  # (γ,)
+    q_t = torch.stack(q_rows) if drafts and q_rows[0] is not None else None  # (γ, V)
+    return drafts_t, q_t
+
+
+def _verify(target, tcache, cur: torch.Tensor, drafts: torch.Tensor, q, temperature, top_k, top_p, generator):
+    """One target forward over [cur, d1..dγ] and the acceptance rule -> (n accepted, next token)."""
+    logits = target(torch.cat([cur, drafts]).view(1, -1), cache=tcache)[0]  # (γ+1, V)
+    if temperature <= 0:
+        return greedy_accept(drafts, logits)
+    p = process_logits(logits, temperature, top_k, top_p)  # (γ+1, V), same processing as the drafts (C7.2)
+    if q is None:  # γ = 0: nothing drafted, the "bonus" is an ordinary sample from p
+        q = p.new_empty(0, p.shape[-1])
+    return rejection_accept(drafts, q, p, generator)
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
+                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                         eos_ids: set[int] | None = None,
+                         generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+    """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
+
+    prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens; stats).
+    Cache invariant: both caches hold every committed token except the current one ``cur``; the draft cache may
+    also lag by one ``pending`` token (the last draft of a fully accepted step, which it never saw).
+    """
+    if draft_len < 0:
+        raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+    stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = _prepare(target, prompt_ids)
+    device = prompt.device
+    max_len = prompt.shape[1] + max_new_tokens + draft_len + 2
+    tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
+    logits = target(prompt, cache=tcache)[0, -1]  # (V,) prefill; its last row gives the first new token
+    cur, _ = _pick(logits, temperature, top_k, top_p, generator)  # (1,)
+    v_draft = drafter(prompt, cache=dcache).shape[-1]
+    if v_draft != logits.shape[-1]:  # draft ids are fed to the target as they are: the vocabularies must agree
+        raise ValueError(f"drafter vocabulary {v_draft} != target vocabulary {logits.shape[-1]}")
+    pending = prompt.new_empty(0)  # (0|1,)
+    out: list[int] = []
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        # A step emits at most γ+1 tokens: never overshoot max_new_tokens (this also bounds the caches).
+        gamma = min(draft_len, max_new_tokens - len(out) - 1)
+        t0 = time.perf_counter()
+        d0 = dcache.length
+        drafts, q = _draft(drafter, dcache, torch.cat([pending, cur]), gamma, temperature, top_k, top_p,
+                           generator)
+        _sync(device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        n, nxt = _verify(target, tcache, cur, drafts, q, temperature, top_k, top_p, generator)
+        t2 = time.perf_counter()  # the acceptance rule synced on its result
+        # Commit cur + d1..dn. The draft cache holds pending, cur, d1..d_{γ-1}: with n == γ all of it is kept
+        # and dγ becomes pending; otherwise keep pending, cur, d1..dn (and nothing is pending any more).
+        tcache.length = t_len + 1 + n
+        if gamma > 0:
+            dcache.length = min(dcache.length, d0 + pending.numel() + 1 + n)
+            pending = drafts[gamma - 1:] if n == gamma else drafts[:0]
+        else:  # nothing was fed to the drafter this step: cur joins the tokens it still has to see
+            pending = torch.cat([pending, cur])
+        cur = drafts.new_tensor([nxt])
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        stats.target_forwards += 1
+        stats.drafted += gamma
+        stats.accepted += n
+        stats.accept_counts[n] += 1
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+    stats.new_tokens = len(out)
+    return out, stats

@@ -1,0 +1,312 @@
+"""The speculative decoder: greedy losslessness for good, bad and adversarial drafters, EOS handling, the
+acceptance rules on hand-made inputs, sampling exactness (unit and end to end) and DecodeStats bookkeeping.
+Tiny random models in float64 so rounding cannot flip an argmax."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from draftsmith.eval.accept import greedy_accept, process_logits, rejection_accept
+from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.models.llama import Llama, LlamaConfig
+from torch import nn
+
+CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
+CFG8 = LlamaConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
+PROMPTS = [[5], [3, 14, 15, 92, 65], list(range(10, 40))]
+NEW = 48
+
+
+def _model(seed: int, cfg: LlamaConfig = CFG, logit_scale: float = 1.0) -> Llama:
+    torch.manual_seed(seed)
+    m = Llama(cfg).double().eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(logit_scale)  # sharper distributions: fewer effective outcomes, less sampling noise
+    return m
+
+
+def _noisy_copy(model: Llama, scale: float = 0.25, seed: int = 2) -> Llama:
+    """The model with Gaussian noise on every weight: a mediocre drafter that accepts some drafts, not all."""
+    m = _model(0, model.cfg)
+    m.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
+    return m
+
+
+class AntiDrafter(nn.Module):
+    """Llama-like drafter whose argmax is always the target's argmin, so every greedy draft is rejected."""
+
+    def __init__(self, target: Llama):
+        super().__init__()
+        self.target = target
+
+    def new_cache(self, batch: int, max_len: int):
+        return self.target.new_cache(batch, max_len)
+
+    def forward(self, ids, cache=None):
+        return -self.target(ids, cache=cache)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models: intra-op threads only add sync overhead, and on a busy small box they can cost 10x.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _model(0)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target):
+    return {tuple(p): autoregressive_generate(target, torch.tensor(p), NEW) for p in PROMPTS}
+
+
+def _naive_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Reference: recompute the whole sequence each step, no cache."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def _check_tau_consistency(st: DecodeStats):
+    # tau = 1 + sum_k prod_{j<=k} alpha_j holds exactly when both come from the same histogram (A1.3).
+    assert sum(st.accept_counts) == st.target_forwards
+    assert sum(k * c for k, c in enumerate(st.accept_counts)) == st.accepted
+    ppa = st.per_position_acceptance()
+    assert st.tau == pytest.approx(1 + sum(math.prod(ppa[:k]) for k in range(1, len(ppa) + 1)))
+
+
+# ---- 1. greedy losslessness -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=lambda p: f"T{len(p)}")
+def test_ar_matches_naive_recompute(target, ar_outputs, prompt):
+    out = ar_outputs[tuple(prompt)]
+    assert len(out) == NEW
+    assert out == _naive_greedy(target, prompt, NEW)
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+@pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
+def test_greedy_lossless(target, ar_outputs, kind, draft_len):
+    drafter = {"bad": lambda: _model(1), "noisy": lambda: _noisy_copy(target), "oracle": lambda: target,
+               "anti": lambda: AntiDrafter(target)}[kind]()
+    total = DecodeStats()
+    for prompt in PROMPTS:
+        out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len)
+        assert out == ar_outputs[tuple(prompt)]
+        assert st.new_tokens == NEW
+        assert st.accepted <= st.drafted <= draft_len * st.target_forwards
+        _check_tau_consistency(st)
+        if kind == "oracle":  # every draft accepted: full steps of draft_len + 1, the last one maybe clamped
+            assert st.acceptance_rate == 1.0
+            assert st.target_forwards == math.ceil((NEW - 1) / (draft_len + 1))
+            assert st.tau == pytest.approx((NEW - 1) / st.target_forwards)
+            assert st.accept_counts[draft_len] >= st.target_forwards - 1
+            # only the clamped last step can look like a rejection to the histogram-based estimate
+            assert min(st.per_position_acceptance()) >= 1 - 1 / st.target_forwards
+        if kind == "anti":  # every draft rejected: one token per verify
+            assert st.drafted == draft_len * st.target_forwards - sum(range(1, draft_len + 1))
+            assert st.accepted == 0 and st.acceptance_rate == 0.0
+            assert st.target_forwards == NEW - 1 and st.tau == 1.0
+            assert st.accept_counts[0] == st.target_forwards
+            assert st.per_position_acceptance() == [0.0] * draft_len
+        total.merge(st)
+    if kind == "noisy":  # partial acceptance: the rollback of both caches mid-chain is exercised
+        assert 0.1 < total.acceptance_rate < 0.9
+        assert sum(total.accept_counts[1:draft_len]) > 0 or draft_len == 1
+
+
+def test_short_budgets(target, ar_outputs):
+    """max_new_tokens near 0: γ is clamped (down to a verify with no drafts) and nothing overshoots."""
+    prompt = PROMPTS[1]
+    for n in (0, 1, 2, 3, 4):
+        out, st = speculative_generate(target, _model(1), torch.tensor(prompt), n, draft_len=4)
+        assert out == ar_outputs[tuple(prompt)][:n]
+        assert st.new_tokens == n
+        assert math.ceil(max(0, n - 1) / 5) <= st.target_forwards <= max(0, n - 1)
+        assert st.drafted <= max(0, n - 2) * 4
+
+
+# ---- 2. EOS -----------------------------------------------------------------------------------------------------
+
+def test_eos_stops_right_after(target, ar_outputs):
+    prompt = PROMPTS[1]
+    full = ar_outputs[tuple(prompt)]
+    i = next(i for i in range(3, NEW) if full[i] not in full[:i])  # a token the target first emits at step i
+    eos = {full[i], 96 if full[i] != 96 else 95}
+    expect = full[:i + 1]
+    assert autoregressive_generate(target, torch.tensor(prompt), NEW, eos_ids=eos) == expect
+    for drafter in (target, _model(1), _noisy_copy(target), AntiDrafter(target)):
+        for draft_len in (1, 4):
+            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len,
+                                           eos_ids=eos)
+            assert out == expect and st.new_tokens == len(expect)
+
+
+def test_eos_with_sampling(target):
+    """Sampled outputs end at their first EOS and contain no earlier one."""
+    eos = set(range(0, 97, 8))  # frequent enough to be hit within 48 tokens
+    gen = torch.Generator().manual_seed(0)
+    hits = 0
+    for seed in range(6):
+        out, _ = speculative_generate(target, _model(1), torch.tensor(PROMPTS[seed % 3]), NEW, draft_len=3,
+                                      temperature=1.0, eos_ids=eos, generator=gen)
+        assert all(t not in eos for t in out[:-1])
+        hits += out[-1] in eos
+        assert len(out) == NEW or out[-1] in eos
+    assert hits > 0
+
+
+# ---- 3. acceptance rules on hand-made inputs ---------------------------------------------------------------------
+
+def _onehot_logits(tokens: list[int], vocab: int = 10) -> torch.Tensor:
+    logits = torch.randn(len(tokens), vocab) * 0.1
+    logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 5.0
+    return logits  # (len, V): argmax of row i is tokens[i]
+
+
+def test_greedy_accept_rule():
+    tgt = _onehot_logits([3, 1, 4, 1])  # γ = 3 drafts + the bonus row
+    assert greedy_accept(torch.tensor([3, 1, 4]), tgt) == (3, 1)  # all accepted, bonus
+    assert greedy_accept(torch.tensor([0, 1, 4]), tgt) == (0, 3)  # none: correction at row 0
+    assert greedy_accept(torch.tensor([3, 1, 9]), tgt) == (2, 4)  # some: a later match does not count
+    assert greedy_accept(torch.tensor([3, 7, 4]), tgt) == (1, 1)
+    assert greedy_accept(torch.tensor([], dtype=torch.long), tgt[:1]) == (0, 3)  # γ = 0
+
+
+def test_rejection_accept_q_equals_p_always_accepts():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(4, 10, generator=gen), -1)  # (γ+1, V)
+    for _ in range(200):
+        drafts = torch.multinomial(p[:3], 1, generator=gen).squeeze(-1)  # (γ,)
+        n, _ = rejection_accept(drafts, p[:3], p, gen)
+        assert n == 3
+
+
+def test_rejection_accept_point_mass_outside_support_always_rejects():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.0, 0.5, 0.3, 0.2, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])  # (γ+1, V), γ = 1
+    q = torch.tensor([[1.0, 0.0, 0.0, 0.0, 0.0]])  # a point mass on token 0, where p is 0
+    seen = set()
+    for _ in range(300):
+        n, tok = rejection_accept(torch.tensor([0]), q, p, gen)
+        assert n == 0 and p[0, tok] > 0
+        seen.add(tok)
+    assert seen == {1, 2, 3}
+    # q = 0 on the drafted token (inconsistent input) is a rejection, never a division by zero
+    assert rejection_accept(torch.tensor([1]), q, p, gen)[0] == 0
+
+
+def test_process_logits_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]], dtype=torch.float64)
+    full = process_logits(logits, 1.0)
+    assert full.dtype == torch.float32 and torch.allclose(full, torch.softmax(logits.float(), -1))
+    assert (process_logits(logits, 1.0, top_k=2) > 0).sum() == 2
+    # top-p keeps the smallest most-probable set whose mass reaches p
+    kept = process_logits(logits, 1.0, top_p=float(full[0, :2].sum()) + 1e-3) > 0
+    assert kept[0].tolist() == [True, True, True, False, False]
+    assert (process_logits(logits, 1.0, top_p=1e-6) > 0).sum() == 1
+    assert torch.equal(process_logits(logits, 0.0), torch.tensor([[1.0, 0, 0, 0, 0]]))
+    sharp = process_logits(logits, 0.5)
+    assert sharp[0, 0] > full[0, 0]
+
+
+# ---- 4. sampling exactness ---------------------------------------------------------------------------------------
+
+def _tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+@pytest.mark.parametrize("filtered", [False, True])
+def test_rejection_accept_preserves_target_distribution(filtered):
+    gen = torch.Generator().manual_seed(0)
+    V, gamma, N = 8, 3, 20_000
+    kw = {"top_k": 5, "top_p": 0.9} if filtered else {}
+    p = process_logits(torch.randn(gamma + 1, V, generator=gen) * 1.5, 1.0, **kw)  # (γ+1, V)
+    q = process_logits(torch.randn(gamma, V, generator=gen) * 1.5, 1.0, **kw)  # (γ, V), q != p
+    assert _tv(p[0], q[0]) > 0.2
+    drafts = torch.multinomial(q, N, replacement=True, generator=gen).T  # (N, γ), each row drawn from q
+    first = torch.zeros(V)
+    second, n_second = torch.zeros(V), 0
+    for row in drafts:
+        n, tok = rejection_accept(row, q, p, gen)
+        emitted = row[:n].tolist() + [tok]
+        first[emitted[0]] += 1
+        if n >= 1:  # given draft 1 survived, the next emitted token must follow p_2 (rows are fixed here)
+            second[emitted[1]] += 1
+            n_second += 1
+    assert _tv(first / N, p[0]) < 0.02
+    assert _tv(second / n_second, p[1]) < 0.03
+
+
+def _exact_joint(model: Llama, prompt: list[int], depth: int) -> torch.Tensor:
+    """P(t1..t_depth | prompt) at temperature 1 by enumerating all V**depth continuations (no cache)."""
+    V = model.cfg.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * depth).view(-1, depth)  # (V**depth, depth)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
+    with torch.no_grad():
+        probs = process_logits(model(ids)[:, len(prompt) - 1:], 1.0)  # (V**depth, depth, V)
+    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).view(*[V] * depth)
+
+
+def test_speculative_sampling_matches_target_end_to_end():
+    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    prompt, depth, N = [1, 2, 3, 4], 3, 3000
+    joint = _exact_joint(target, prompt, depth)  # (V, V, V)
+    counts = torch.zeros_like(joint)
+    gen = torch.Generator().manual_seed(0)
+    st = DecodeStats()
+    for _ in range(N):
+        # 4 new tokens: the prefill one, then a first verify step with the full γ = 2
+        out, s = speculative_generate(target, drafter, torch.tensor(prompt), 4, draft_len=2, temperature=1.0,
+                                      generator=gen)
+        counts[tuple(out[:depth])] += 1
+        st.merge(s)
+    emp = counts / N
+    assert 0.05 < st.acceptance_rate < 0.95  # both accept and reject paths were exercised
+    for dims in [(1, 2), (0, 2), (0, 1)]:  # marginals of t1, t2, t3
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert _tv(emp.sum(2), joint.sum(2)) < 0.05  # joint of (t1, t2)
+
+
+# ---- 5. stats -----------------------------------------------------------------------------------------------------
+
+def test_stats_merge_and_helpers():
+    a = DecodeStats(new_tokens=10, target_forwards=4, drafted=12, accepted=6, accept_counts=[1, 1, 1, 1],
+                    draft_time_s=0.5, verify_time_s=1.0)
+    assert a.tau == 2.5 and a.acceptance_rate == 0.5
+    assert a.per_position_acceptance() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    _check_tau_consistency(a)
+    b = DecodeStats(new_tokens=3, target_forwards=2, drafted=2, accepted=0, accept_counts=[2, 0])
+    total = DecodeStats().merge(a).merge(b)
+    assert total.accept_counts == [3, 1, 1, 1]
+    assert (total.new_tokens, total.target_forwards, total.drafted, total.accepted) == (13, 6, 14, 6)
+    assert total.draft_time_s == 0.5 and total.verify_time_s == 1.0
+    _check_tau_consistency(total)
+    empty = DecodeStats()
+    assert empty.tau == 0.0 and empty.acceptance_rate == 0.0 and empty.per_position_acceptance() == []
+
+
+def test_stats_times_and_counts(target):
+    out, st = speculative_generate(target, _model(1), torch.tensor(PROMPTS[2]), NEW, draft_len=3)
+    assert st.draft_time_s > 0 and st.verify_time_s > 0
+    assert len(st.accept_counts) == 4 and sum(st.accept_counts) == st.target_forwards
+    assert st.new_tokens == len(out) == 1 + st.accepted + st.target_forwards  # prefill token + per-step tokens
+
+
+def test_rejects_bad_arguments(target):
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(target, _model(1, CFG8), torch.tensor([1, 2]), 4)
+    with pytest.raises(ValueError, match="draft_len"):
+        speculative_generate(target, target, torch.tensor([1, 2]), 4, draft_len=-1)
