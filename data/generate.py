@@ -20,8 +20,8 @@ from draftsmith.data.records import FORMAT, Record, read_shard_meta, shard_name,
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.llama import Llama
-from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.runlog import RunLog
+from draftsmith.runtime import resolve_device, resolve_dtype
 
 log = logging.getLogger("draftsmith.data")
 

@@ -23,14 +23,15 @@ class RunLog:
             try:
                 import wandb as wb
             except ImportError:
-                raise DraftsmithError("train.wandb is on but wandb is not installed: pip install 'draftsmith[wandb]'")
+                raise DraftsmithError("train.wandb is on but wandb is not installed: "
+                                      "pip install 'draftsmith[wandb]'") from None
             self.wandb = wb.init(project="draftsmith", name=f"{Path(run_dir).name}-{stage}", config=config or {})
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise DraftsmithError("train.tensorboard is on but tensorboard is not installed: "
-                                      "pip install 'draftsmith[tensorboard]'")
+                                      "pip install 'draftsmith[tensorboard]'") from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / stage))
 
     def log(self, metrics: dict, step: int | None = None) -> None:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
 from draftsmith.eval.accept import greedy_accept, process_logits, rejection_accept
 
 

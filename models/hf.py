@@ -95,7 +95,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
 
 
 def hf_to_own_key(k: str) -> str:
-    return k[len("model."):] if k.startswith("model.") else k
+    return k.removeprefix("model.")
 
 
 def own_to_hf_key(k: str) -> str:

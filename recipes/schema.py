@@ -5,7 +5,7 @@ CLI only ever sees a validated, frozen ``Recipe``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -85,7 +85,7 @@ class DraftLMConfig(Strict):
     """Keep the copied embeddings / LM head frozen (they dominate the parameter count of small drafters)."""
 
 
-DrafterConfig = Annotated[Union[DraftLMConfig], Field(discriminator="kind")]
+DrafterConfig = Annotated[DraftLMConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):

@@ -16,7 +16,8 @@ TINY = LlamaConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, 
 
 
 def _hf_pair(cfg: LlamaConfig, seed=0, **hf_extra):
-    from transformers import LlamaConfig as HFConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(HFConfig(**{**config_to_hf(cfg), **hf_extra})).double().eval()

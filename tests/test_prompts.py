@@ -133,7 +133,8 @@ def test_missing_package_names_the_pip_package(monkeypatch):
 
 
 def test_empty_prompt_set(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"turns": ["   "]}, {"messages": [{"role": "assistant", "content": "x"}]}])
+    records = [{"turns": ["   "]}, {"messages": [{"role": "assistant", "content": "x"}]}]
+    path = write_jsonl(tmp_path / "p.jsonl", records)
     with pytest.raises(DraftsmithError, match=r"empty prompt set: source file \(.*p\.jsonl\) yielded no usable"):
         load_prompts("file", str(path))
     (tmp_path / "empty.jsonl").write_text("\n\n")

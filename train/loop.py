@@ -18,7 +18,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.hf import load_model, tokenizer_hash
 from draftsmith.models.registry import build_drafter, save_drafter
 from draftsmith.runlog import RunLog
-from draftsmith.runtime import resolve_device, resolve_dtype
+from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import OBJECTIVES
 
 

@@ -30,7 +30,8 @@ def draft_lm_objective(model, batch: dict, loss_cfg) -> StepOutput:
     with torch.no_grad():
         m = {"top1": (logits.argmax(-1) == batch["labels"]).float().mean().item(), "tokens": per_pos.numel()}
         if "topk_ids" in batch:
-            m["accept_lb"] = losses.acceptance_lower_bound(logits, batch["topk_ids"], batch["topk_logprobs"]).mean().item()
+            bound = losses.acceptance_lower_bound(logits, batch["topk_ids"], batch["topk_logprobs"])
+            m["accept_lb"] = bound.mean().item()
     return StepOutput(per_pos.mean(), m)
 
 
