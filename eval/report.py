@@ -15,11 +15,11 @@ def write_plot(report: dict, path: Path) -> None:
     ppa = report["per_position_acceptance"]
     a1.bar(range(1, len(ppa) + 1), ppa, color="#4c72b0")
     a1.set(xlabel="draft position", ylabel="P(accept | earlier accepted)", ylim=(0, 1),
-           title="Per-position acceptance")
+           title="Per-position acceptance", xticks=range(1, len(ppa) + 1))
     counts = report["accept_counts"]
     total = max(sum(counts), 1)
     a2.bar(range(len(counts)), [c / total for c in counts], color="#55a868")
-    a2.set(xlabel="drafts accepted per step", ylabel="fraction of steps", title=f"tau = {report['tau']:.2f}")
+    a2.set(xticks=range(len(counts)), xlabel="drafts accepted per step", ylabel="fraction of steps", title=f"tau = {report['tau']:.2f}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
