@@ -85,6 +85,14 @@ def _emit(out: list[int], new: list[int], eos_ids: set[int] | None, max_new_toke
     return len(out) >= max_new_tokens
 
 
+def _prefill(model, prompt: torch.Tensor, cache) -> torch.Tensor:
+    """Fill the cache with the prompt (1, T); returns the last position's logits (V,). The LM head runs only there:
+    over a whole prompt it is the largest matmul of the prefill, and only the last row is ever used."""
+    last = torch.zeros_like(prompt, dtype=torch.bool)
+    last[:, -1] = True
+    return model(prompt, cache=cache, logits_at=last)[-1]
+
+
 def _prepare(model, prompt_ids: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
     return prompt_ids.to(device=device, dtype=torch.long).view(1, -1)  # (1, T)
@@ -99,7 +107,7 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
         return []
     prompt = _prepare(target, prompt_ids)
     cache = target.new_cache(1, prompt.shape[1] + max_new_tokens)
-    logits = target(prompt, cache=cache)[0, -1]  # (V,)
+    logits = _prefill(target, prompt, cache)  # (V,)
     out: list[int] = []
     while True:
         tok, _ = _pick(logits, temperature, top_k, top_p, generator)
@@ -157,9 +165,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     device = prompt.device
     max_len = prompt.shape[1] + max_new_tokens + draft_len + 2
     tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
-    logits = target(prompt, cache=tcache)[0, -1]  # (V,) prefill; its last row gives the first new token
+    logits = _prefill(target, prompt, tcache)  # (V,): the first new token comes from the prefill's last row
     cur, _ = _pick(logits, temperature, top_k, top_p, generator)  # (1,)
-    v_draft = drafter(prompt, cache=dcache).shape[-1]
+    v_draft = drafter(prompt, cache=dcache).shape[-1]  # drafters only promise the plain Llama call signature
     if v_draft != logits.shape[-1]:  # draft ids are fed to the target as they are: the vocabularies must agree
         raise ValueError(f"drafter vocabulary {v_draft} != target vocabulary {logits.shape[-1]}")
     pending = prompt.new_empty(0)  # (0|1,)

@@ -19,7 +19,8 @@ def write_plot(report: dict, path: Path) -> None:
     counts = report["accept_counts"]
     total = max(sum(counts), 1)
     a2.bar(range(len(counts)), [c / total for c in counts], color="#55a868")
-    a2.set(xticks=range(len(counts)), xlabel="drafts accepted per step", ylabel="fraction of steps", title=f"tau = {report['tau']:.2f}")
+    a2.set(xticks=range(len(counts)), xlabel="drafts accepted per step", ylabel="fraction of steps",
+           title=f"tau = {report['tau']:.2f}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
