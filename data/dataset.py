@@ -1,5 +1,6 @@
-"""Stream distillation records into training: a map-style Dataset over all shards (shards are loaded lazily
-and kept in a small cache, never all at once) and the collate that aligns teacher rows with student positions.
+"""Stream distillation records into training: a map-style Dataset over all shards (shards are opened lazily,
+a few at a time, and each record's rows are sliced from the memory-mapped file), the collate that aligns
+teacher rows with student positions, and a ``datasets`` view for users who want the HF ecosystem.
 """
 from __future__ import annotations
 
@@ -9,24 +10,27 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from draftsmith.data.records import Record, load_shard, read_manifest
+from draftsmith.data.records import SIGNALS, Record, Shard, load_shard, read_manifest
 
 
 class RecordDataset(Dataset):
-    def __init__(self, data_dir: Path, max_seq_len: int, cache_shards: int = 4):
+    """All records of a data folder. ``signals``: signal groups to read (None = all stored), e.g. {"topk"}:
+    a drafter that does not need hidden states never reads them from disk."""
+
+    def __init__(self, data_dir: Path, max_seq_len: int, signals: set[str] | None = None, cache_shards: int = 4):
         self.dir = Path(data_dir)
         self.manifest = read_manifest(self.dir)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.signals = max_seq_len, signals
         self.index = [(si, j) for si, e in enumerate(self.manifest["shards"]) for j in range(e["n_sequences"])]
-        self._cache: OrderedDict = OrderedDict()
+        self._cache: OrderedDict[int, Shard] = OrderedDict()
         self._cache_size = cache_shards
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def _shard(self, si: int):
+    def _shard(self, si: int) -> Shard:
         if si not in self._cache:
-            self._cache[si] = load_shard(self.dir / self.manifest["shards"][si]["file"])
+            self._cache[si] = load_shard(self.dir / self.manifest["shards"][si]["file"], self.signals)
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(si)
@@ -34,32 +38,66 @@ class RecordDataset(Dataset):
 
     def __getitem__(self, i: int) -> Record:
         si, j = self.index[i]
-        r = self._shard(si).record(j)
-        T = self.max_seq_len
-        if len(r.input_ids) > T:  # cut the tail; keep the teacher rows of the loss tokens that remain
-            keep = int(r.loss_mask[:T].sum())
-            r = Record(r.input_ids[:T], r.loss_mask[:T], r.prompt_index,
-                       None if r.topk_ids is None else r.topk_ids[:keep],
-                       None if r.topk_logprobs is None else r.topk_logprobs[:keep])
+        return truncate(self._shard(si).record(j), self.max_seq_len)
+
+
+def truncate(r: Record, T: int) -> Record:
+    """Cut a record to T tokens; keep the teacher rows of the tokens that remain."""
+    if len(r.input_ids) <= T:
         return r
+    keep = int(r.loss_mask[:T].sum())
+    sig = {k: v[:T] if SIGNALS[k] == "token" else v[:keep] for k, v in r.signals.items()}
+    return Record(r.input_ids[:T], r.loss_mask[:T], r.prompt_index, r.sample_index, r.source, sig)
 
 
 def collate(records: list[Record]) -> dict[str, torch.Tensor]:
     """Right-pad to the longest sequence.
 
-    Returns input_ids (B, T); predict_mask (B, T): position t is trained to predict token t+1, which must be a
-    target-written token; labels (N,) and, if stored, topk_ids / topk_logprobs (N, K), in the row-major order of
-    predict_mask's True entries (which is the order teacher rows are stored in).
+    Returns input_ids (B, T); attention_mask (B, T) bool; predict_mask (B, T): position t is trained to predict
+    token t+1, which must be a response token; labels (N,); loss-axis signals (topk_ids, topk_logprobs (N, K),
+    spec_token, spec_accept (N,)) in the row-major order of predict_mask's True entries, which is the order they
+    are stored in; token-axis signals (hidden_last (B, T, D), hidden_aux (B, T, A, D)) zero-padded.
     """
     B, T = len(records), max(len(r.input_ids) for r in records)
     ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.bool)
     predict = torch.zeros(B, T, dtype=torch.bool)
     for b, r in enumerate(records):
         n = len(r.input_ids)
         ids[b, :n] = r.input_ids
+        attn[b, :n] = True
         predict[b, :n - 1] = r.loss_mask[1:]
-    batch = {"input_ids": ids, "predict_mask": predict, "labels": ids[:, 1:][predict[:, :-1]]}
-    if records[0].topk_ids is not None:
-        batch["topk_ids"] = torch.cat([r.topk_ids for r in records])
-        batch["topk_logprobs"] = torch.cat([r.topk_logprobs for r in records])
+    batch = {"input_ids": ids, "attention_mask": attn, "predict_mask": predict,
+             "labels": ids[:, 1:][predict[:, :-1]], "source": torch.tensor([r.source for r in records])}
+    for name in records[0].signals:
+        rows = [r.signals[name] for r in records]
+        if SIGNALS[name] == "loss":
+            batch[name] = torch.cat(rows)
+        else:
+            padded = rows[0].new_zeros((B, T, *rows[0].shape[1:]))
+            for b, x in enumerate(rows):
+                padded[b, :len(x)] = x
+            batch[name] = padded
     return batch
+
+
+def hf_dataset(data_dir: Path, signals: set[str] | None = None):
+    """The records as a streaming ``datasets.IterableDataset`` (one row per sequence, nothing loaded up front).
+
+    Columns: input_ids, loss_mask, prompt_index, sample_index, source, and each stored signal as nested lists.
+    """
+    import datasets
+
+    manifest = read_manifest(Path(data_dir))
+    files = [str(Path(data_dir) / e["file"]) for e in manifest["shards"]]
+
+    def rows(shard_files):
+        for f in shard_files:
+            shard = load_shard(Path(f), signals)
+            for i in range(len(shard)):
+                r = shard.record(i)
+                yield {"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist(),
+                       "prompt_index": r.prompt_index, "sample_index": r.sample_index, "source": r.source,
+                       **{k: v.tolist() for k, v in r.signals.items()}}
+
+    return datasets.IterableDataset.from_generator(rows, gen_kwargs={"shard_files": files})

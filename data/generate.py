@@ -1,170 +1,347 @@
-"""`draftsmith generate`: the target answers prompts; we store its tokens, the loss mask and top-k teacher
-log-probs captured during generation (so the target never runs twice).
+"""`draftsmith generate`: turn prompts into distillation records (see data/records.py for the format).
 
-Batched, left-padded generation with one KV cache. Work is split into shards of ``data.shard_size`` prompts;
-a finished shard is never redone, so a killed run resumes where it stopped. ``manifest.json`` comes last.
+Every (prompt, sample) becomes one conversation, produced turn by turn (data/chat.py splices responses into the
+chat template by token id) by one of three writers:
+- target: the target regenerates every assistant turn; teacher signals are captured while it generates;
+- drafter: on-policy data (DistillSpec): a drafter writes the turns, the target scores them afterwards;
+- dataset: the dataset's own replies are kept ("fixed data") and only scored.
+Work is cut into shards of ``data.shard_size`` prompts: the unit of resume (a finished shard is never redone,
+``manifest.json`` comes last) and of data parallelism (rank r of N takes shards r, r+N, ...). Randomness is
+seeded per (seed, prompt, sample), so resuming, batch size and rank count never change the data.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import random
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.data.chat import ChatLayout, chat_layout
+from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch
 from draftsmith.data.prompts import load_prompts
-from draftsmith.data.records import FORMAT, Record, read_shard_meta, shard_name, write_manifest, write_shard
+from draftsmith.data.records import (
+    FORMAT,
+    SOURCES,
+    Record,
+    bytes_per_token,
+    quantize_fp8,
+    read_shard_meta,
+    shard_entry,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, tokenizer_hash
-from draftsmith.models.llama import Llama
+from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
+from draftsmith.models.registry import load_drafter
+from draftsmith.models.sampling import row_generator
 from draftsmith.runlog import RunLog
-from draftsmith.runtime import resolve_device, resolve_dtype
+from draftsmith.runtime import barrier, init_distributed, resolve_device, resolve_dtype
 
 log = logging.getLogger("draftsmith.data")
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def data_hash(recipe) -> str:
-    """Everything that changes the records: the target and the data section (not `enabled`)."""
-    d = {"target": recipe.target.model_dump(exclude={"device"}), "data": recipe.data.model_dump(exclude={"enabled"})}
+    """Everything that changes the records: the target, the seed and the data section (not `enabled`)."""
+    d = {"target": recipe.target.model_dump(exclude={"device"}), "seed": recipe.seed,
+         "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"})}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
-@torch.no_grad()
-def generate_batch(model: Llama, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0,
-                   eos_ids: set[int] = frozenset(), topk: int = 0, generator: torch.Generator | None = None):
-    """Left-pad ``prompts`` into one batch and decode. Returns per prompt (response ids, topk ids, topk logprobs);
-    the top-k rows are the target's distribution (temperature 1) at each response token, EOS included."""
-    B, L = len(prompts), max(len(p) for p in prompts)
-    dev = model.embed_tokens.weight.device
-    ids = torch.zeros(B, L, dtype=torch.long, device=dev)
-    valid = torch.zeros(B, L, dtype=torch.bool, device=dev)
-    for b, p in enumerate(prompts):
-        ids[b, L - len(p):] = torch.tensor(p, device=dev)
-        valid[b, L - len(p):] = True
-    pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # each row's RoPE positions start at 0 after its padding
-    cache = model.new_cache(B, L + max_new_tokens)
-    last = torch.zeros(B, L, dtype=torch.bool, device=dev)
-    last[:, -1] = True  # the LM head only where the next token is predicted: prefill is compute-bound on CPU
-    logits = model(ids, pos=pos, cache=cache, valid=valid, logits_at=last)  # (B, V)
-    next_pos = pos[:, -1:] + 1
-    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
-    done = torch.zeros(B, dtype=torch.bool, device=dev)
-    out, tk_ids, tk_lp = [], [], []
-    for _ in range(max_new_tokens):
-        logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V) fp32
-        if temperature > 0:
-            tok = torch.multinomial(torch.softmax(logits.float() / temperature, -1), 1, generator=generator)[:, 0]
-        else:
-            tok = logp.argmax(-1)
-        out.append(tok)
-        if topk:
-            v, i = logp.topk(topk, dim=-1)
-            tk_ids.append(i)
-            tk_lp.append(v)
-        done |= torch.isin(tok, eos)
-        if done.all():
-            break
-        logits = model(tok[:, None], pos=next_pos, cache=cache)[:, -1]
-        next_pos = next_pos + 1
-    toks = torch.stack(out, 1).cpu()  # (B, n)
-    results = []
-    for b in range(B):
-        row = toks[b].tolist()
-        n = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))  # keep EOS, drop what follows
-        ti = torch.stack(tk_ids, 1)[b, :n].cpu() if topk else None
-        tl = torch.stack(tk_lp, 1)[b, :n].cpu() if topk else None
-        results.append((row[:n], ti, tl))
-    return results
+@dataclass
+class Unit:
+    """One conversation to produce: a (prompt, sample) pair, its layout and who writes its responses."""
+
+    prompt_index: int
+    sample_index: int
+    layout: ChatLayout
+    n_turns: int
+    source: str  # "target" | "drafter" | "dataset"
+    gen: torch.Generator | None = None
+    seq: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: list[Generated] = field(default_factory=list)
+
+    def est_tokens(self, max_new: int) -> int:
+        """Upper bound of the final length: template tokens plus a full response per turn."""
+        return sum(len(s) + 1 for s in self.layout.segments[:self.n_turns]) + self.n_turns * max_new
 
 
-def tokenize_prompts(prompts, tok, max_len: int, too_long: str) -> tuple[list[tuple[int, list[int]]], int]:
-    """Chat-template every prompt (first user turn and any system message); returns [(index, ids)], n_skipped."""
-    kept, skipped = [], 0
-    for i, p in enumerate(prompts):
-        ids = encode_chat(tok, first_turn(p.messages))
-        if len(ids) > max_len:
-            if too_long == "skip":
-                skipped += 1
+@dataclass
+class Stats:
+    prompts: int = 0
+    skipped_too_long: int = 0
+    truncated: int = 0
+    turns_dropped_too_long: int = 0
+    skipped_no_response: int = 0
+
+
+def plan_units(prompts, tok, eos: set[int], dc, seed: int, stats: Stats) -> list[list[Unit]]:
+    """Per prompt, its n_samples units (a prompt that cannot be used gets none, and is counted)."""
+    plan = []
+    for pi, p in enumerate(prompts):
+        layout = chat_layout(tok, p.messages, eos)
+        n_turns = layout.n_turns
+        if dc.responses == "dataset":
+            n_turns = next((i for i, r in enumerate(layout.responses) if r is None), n_turns)
+        units: list[Unit] = []
+        plan.append(units)
+        if n_turns == 0:
+            stats.skipped_no_response += 1
+            continue
+        if len(layout.segments[0]) > dc.max_prompt_tokens:
+            if dc.too_long == "skip":
+                stats.skipped_too_long += 1
                 continue
-            ids = ids[-max_len:]
-        kept.append((i, ids))
-    return kept, skipped
+            layout.segments[0] = layout.segments[0][-dc.max_prompt_tokens:]  # keep the end: the question
+            stats.truncated += 1
+        for si in range(dc.n_samples):
+            units.append(Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si)))
+    return plan
+
+
+def _writer(dc, seed: int, pi: int, si: int) -> str:
+    if dc.responses == "dataset":
+        return "dataset"
+    if dc.on_policy is not None and random.Random(f"{seed}:{pi}:{si}").random() < dc.on_policy.fraction:
+        return "drafter"
+    return "target"
+
+
+def pack(units: list[Unit], batch_size: int, batch_tokens: int | None, max_new: int) -> list[list[Unit]]:
+    """Length-sorted batches (less padding) of at most batch_size units and, if set, batch_tokens KV slots."""
+    batches, cur = [], []
+    for u in sorted(units, key=lambda u: u.est_tokens(max_new)):
+        full = len(cur) == batch_size or (batch_tokens and (len(cur) + 1) * u.est_tokens(max_new) > batch_tokens)
+        if cur and full:
+            batches.append(cur)
+            cur = []
+        cur.append(u)
+    return batches + ([cur] if cur else [])
+
+
+def run_turns(units: list[Unit], write_turn, eos: set[int], max_ctx: int, stats: Stats) -> None:
+    """Produce every unit's conversation turn by turn. ``write_turn(contexts, units, turn)`` returns one
+    Generated per context. A later turn whose context would exceed ``max_ctx`` ends that conversation."""
+    for turn in range(max(u.n_turns for u in units)):
+        active, contexts = [], []
+        for u in units:
+            if turn >= u.n_turns:
+                continue
+            ctx = u.seq + (u.layout.segments[0] if turn == 0 else u.layout.glue(turn, u.turns[-1].tokens, eos))
+            if turn and len(ctx) > max_ctx:
+                stats.turns_dropped_too_long += 1
+                u.n_turns = turn
+                continue
+            active.append(u)
+            contexts.append(ctx)
+        if not active:
+            break
+        for u, ctx, g in zip(active, contexts, write_turn(contexts, active, turn)):
+            u.mask += [0] * (len(ctx) - len(u.seq)) + [1] * len(g.tokens)
+            u.seq = ctx + g.tokens
+            u.turns.append(g)
+
+
+class Producer:
+    """Holds the models and settings of one generate run and turns a shard's units into records."""
+
+    def __init__(self, recipe, device: str):
+        dc = self.dc = recipe.data
+        dtype = resolve_dtype(recipe.target.dtype, device)
+        self.device, self.seed = device, recipe.seed
+        self.tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code,
+                              recipe.target.revision)
+        self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
+        self.tok_hash = tokenizer_hash(self.tgt.tokenizer)
+        self.sampling = Sampling(dc.temperature, dc.top_k, dc.top_p)
+        n = self.tgt.model.cfg.n_layers
+        layers = dc.signals.hidden_layers
+        aux = (1, n // 2 - 1, n - 4) if layers == "eagle3" else tuple(layers or ())
+        for i in aux:
+            if not 0 <= i < n:
+                raise DraftsmithError(f"data.signals.hidden_layers: layer {i} is outside the target's {n} layers")
+        self.capture = Capture(dc.signals.topk, dc.signals.hidden_last, aux)
+        self.drafter = self._drafter(dc.on_policy, "data.on_policy.checkpoint", dtype)
+        self.labeller = self._drafter(dc.specdec_labels, "data.specdec_labels.checkpoint", dtype)
+        lc = dc.specdec_labels
+        self.label_sampling = Sampling(lc.temperature, lc.top_k, lc.top_p) if lc else None
+        self._vllm = None
+
+    def _drafter(self, section, key: str, dtype):
+        if section is None:
+            return None
+        model, info = load_drafter(Path(section.checkpoint), dtype=dtype, device=self.device)
+        if info.get("kind") != "draft_lm":
+            raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter; only a "
+                                  f"standalone draft LM can write or label sequences on its own")
+        if info.get("tokenizer_hash", self.tok_hash) != self.tok_hash or model.cfg.vocab_size != \
+                self.tgt.model.cfg.vocab_size:
+            raise DraftsmithError(f"{key}: {section.checkpoint} was trained with a different tokenizer than "
+                                  f"target {self.tgt.name!r}")
+        return model
+
+    def shard_records(self, units: list[Unit], stats: Stats, on_batch) -> list[Record]:
+        dc = self.dc
+        wants_signals = bool(self.capture.topk or self.capture.layer_ids(1) or self.labeller is not None)
+        for u in units:
+            u.gen = row_generator(self.device, self.seed, u.prompt_index, u.sample_index)
+        for source in ("target", "drafter", "dataset"):
+            group = [u for u in units if u.source == source]
+            for batch in pack(group, dc.batch_size, dc.batch_tokens, dc.max_new_tokens):
+                run_turns(batch, self._writer(source), self.eos, dc.max_prompt_tokens, stats)
+                if (source != "target" or dc.backend == "vllm") and wants_signals:
+                    self._score(batch)
+                on_batch(batch)
+        return [self._record(u) for u in sorted(units, key=lambda u: (u.prompt_index, u.sample_index))]
+
+    def _writer(self, source: str):
+        dc = self.dc
+
+        def target(contexts, units, turn):
+            return decode_batch(self.tgt.model, contexts, dc.max_new_tokens, self.eos, self.sampling,
+                                [u.gen for u in units], self.capture, self.labeller, self.label_sampling)
+
+        def drafter(contexts, units, turn):
+            return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
+                                [u.gen for u in units])
+
+        def dataset(contexts, units, turn):
+            return [Generated(u.layout.responses[turn][:dc.max_new_tokens]) for u in units]
+
+        def vllm(contexts, units, turn):
+            from draftsmith.data.backends import vllm_generate
+
+            return vllm_generate(self, contexts, [(self.seed, u.prompt_index, u.sample_index, turn) for u in units])
+
+        if source == "target" and dc.backend == "vllm":
+            return vllm
+        return {"target": target, "drafter": drafter, "dataset": dataset}[source]
+
+    def _score(self, units: list[Unit]) -> None:
+        """Teacher signals for responses the target did not write during capture: one forward per batch."""
+        scored = score_batch(self.tgt.model, [u.seq for u in units], [u.mask for u in units], self.capture,
+                             self.labeller, self.label_sampling, [u.gen for u in units])
+        for u, g in zip(units, scored):
+            u.turns = [Generated([t for turn in u.turns for t in turn.tokens], g.loss_signals, g.hidden)]
+
+    def _record(self, u: Unit) -> Record:
+        signals = {k: torch.cat([g.loss_signals[k] for g in u.turns]) for k in u.turns[0].loss_signals}
+        if "topk_logprobs" in signals:
+            signals["topk_logprobs"] = signals["topk_logprobs"].to(_DTYPES[self.dc.signals.topk_dtype])
+        if "spec_accept" in signals:
+            signals["spec_accept"] = signals["spec_accept"].float()
+        for name, h in u.turns[-1].hidden.items():  # the last turn's pass saw the whole sequence
+            if self.dc.signals.hidden_dtype == "float8":
+                signals[name], signals[name + "_scale"] = quantize_fp8(h)
+            else:
+                signals[name] = h.to(_DTYPES[self.dc.signals.hidden_dtype])
+        return Record(u.seq, u.mask, u.prompt_index, u.sample_index, SOURCES[u.source], signals)
 
 
 def generate(recipe) -> Path:
     """Run the data stage; returns the data folder (with manifest.json)."""
-    out = recipe.run_dir / "data"
-    out.mkdir(parents=True, exist_ok=True)
-    dc = recipe.data
+    dc, out = recipe.data, recipe.run_dir / "data"
+    rank, world, local_rank = init_distributed()
     device = resolve_device(recipe.target.device)
-    tgt = load_model(recipe.target.model, resolve_dtype(recipe.target.dtype, device), device,
-                     recipe.target.trust_remote_code, recipe.target.revision)
+    if device == "cuda" and world > 1:
+        device = f"cuda:{local_rank}"
+    out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        for stale in out.glob("*.tmp*"):  # left by a killed run; never read
+            stale.unlink()
+    barrier()
+    prod = Producer(recipe, device)
     pc = dc.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)
-    items, skipped = tokenize_prompts(prompts, tgt.tokenizer, dc.max_prompt_tokens, dc.too_long)
-    if not items:
-        raise DraftsmithError(f"data.prompts: all {len(prompts)} prompts are longer than data.max_prompt_tokens")
-    dhash, thash = data_hash(recipe), tokenizer_hash(tgt.tokenizer)
-    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": thash}
-    eos = stop_ids(tgt.path, tgt.tokenizer)
-    gen = torch.Generator(device=device).manual_seed(recipe.seed)
-    runlog = RunLog(recipe.run_dir, "generate")
-    shards = [items[i:i + dc.shard_size] for i in range(0, len(items), dc.shard_size)]
-    entries, t0, new_tokens = [], time.perf_counter(), 0
-    bar = tqdm(total=len(items), desc="generate", unit="prompt", dynamic_ncols=True)
-    for si, shard_items in enumerate(shards):
+    stats = Stats(prompts=len(prompts))
+    plan = plan_units(prompts, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
+    if not any(plan):
+        raise DraftsmithError(f"data.prompts: none of the {len(prompts)} prompts is usable "
+                              f"({stats.skipped_too_long} longer than data.max_prompt_tokens, "
+                              f"{stats.skipped_no_response} without a reply to keep)")
+    dhash = data_hash(recipe)
+    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
+    shards = [plan[i:i + dc.shard_size] for i in range(0, len(plan), dc.shard_size)]
+    mine = [si for si in range(len(shards)) if si % world == rank]
+    runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
+    bar = tqdm(total=sum(len(shards[si]) for si in mine), desc=f"generate[{rank}]" if world > 1 else "generate",
+               unit="prompt", dynamic_ncols=True)
+    t0, new_tokens = time.perf_counter(), 0
+
+    def on_batch(batch: list[Unit]) -> None:
+        nonlocal new_tokens
+        new_tokens += sum(sum(u.mask) for u in batch)
+        bar.update(len(batch) / dc.n_samples)
+        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
+
+    for si in mine:
         path = out / shard_name(si)
         if path.exists():
             if read_shard_meta(path).get("data_hash") != dhash:
                 raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new "
                                       f"out_dir or delete {out}")
-            entries.append(_entry_from_existing(path))
-            bar.update(len(shard_items))
+            bar.update(len(shards[si]))
             continue
-        records = []
-        order = sorted(shard_items, key=lambda x: len(x[1]))  # similar lengths per batch: less padding
-        for b in range(0, len(order), dc.batch_size):
-            batch = order[b:b + dc.batch_size]
-            res = generate_batch(tgt.model, [ids for _, ids in batch], dc.max_new_tokens,
-                                 temperature=dc.temperature, eos_ids=eos, topk=dc.topk, generator=gen)
-            for (idx, ids), (resp, ti, tl) in zip(batch, res):
-                records.append(Record(ids + resp, [0] * len(ids) + [1] * len(resp), idx, ti, tl))
-                new_tokens += len(resp)
-            bar.update(len(batch))
-            rate = new_tokens / (time.perf_counter() - t0)
-            bar.set_postfix(tok_s=f"{rate:.0f}")
-        records.sort(key=lambda r: r.prompt_index)
-        entries.append(write_shard(path, records, meta))
-        runlog.log({"shard": si, "new_tokens": new_tokens, "tokens_per_s": round(rate, 1)})
+        units = [u for per_prompt in shards[si] for u in per_prompt]
+        dropped = stats.turns_dropped_too_long
+        records = prod.shard_records(units, stats, on_batch) if units else []
+        counts = {"turns_dropped_too_long": stats.turns_dropped_too_long - dropped,
+                  **{s: sum(u.source == s for u in units) for s in SOURCES}}
+        entry = write_shard(path, records, meta, counts)
+        runlog.log({"shard": si, "rank": rank, "sequences": entry["n_sequences"], "new_tokens": new_tokens,
+                    "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1)})
     bar.close()
-    n_tok = sum(e["n_tokens"] for e in entries)
-    n_loss = sum(e["n_loss_tokens"] for e in entries)
-    total_bytes = sum(e["bytes"] for e in entries)
-    manifest = {
-        "format": FORMAT, **meta, "recipe": recipe.name,
-        "n_sequences": sum(e["n_sequences"] for e in entries), "n_tokens": n_tok, "n_loss_tokens": n_loss,
-        "skipped_too_long": skipped,
-        "signals": {"topk": dc.topk, "topk_dtype": "float16"} if dc.topk else {},
-        "bytes_per_token": round(total_bytes / max(n_tok, 1), 2),
-        "bytes_per_loss_token": round(total_bytes / max(n_loss, 1), 2),
-        "shards": entries,
-    }
-    write_manifest(out, manifest)
-    dt = time.perf_counter() - t0
-    runlog.log({"done": True, "n_sequences": manifest["n_sequences"], "n_loss_tokens": n_loss,
-                "seconds": round(dt, 1), "bytes_per_loss_token": manifest["bytes_per_loss_token"]})
-    print(f"generate: {manifest['n_sequences']} sequences, {n_loss} target tokens, {skipped} prompts skipped "
-          f"(too long), {manifest['bytes_per_loss_token']} bytes/target token -> {out}")
+    barrier()
+    if rank == 0:
+        manifest = _manifest(recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(shards))],
+                             stats)
+        write_manifest(out, manifest)
+        dt = time.perf_counter() - t0
+        runlog.log({"done": True, "n_sequences": manifest["n_sequences"], "n_loss_tokens": manifest["n_loss_tokens"],
+                    "seconds": round(dt, 1), "bytes_per_token": manifest["bytes_per_token"]["per_token"]})
+        print(f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
+              f"{stats.prompts} prompts in {dt:.0f}s; skipped {stats.skipped_too_long} too long, "
+              f"{stats.skipped_no_response} without a reply; "
+              f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token -> {out}")
+    barrier()
     return out
 
 
-def _entry_from_existing(path: Path) -> dict:
-    from draftsmith.data.records import load_shard
-
-    s = load_shard(path)
-    return {"file": path.name, "n_sequences": len(s), "n_tokens": len(s.tensors["input_ids"]),
-            "n_loss_tokens": int(s.tensors["loss_mask"].sum()), "bytes": path.stat().st_size}
+def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], stats: Stats) -> dict:
+    dc, cap = recipe.data, prod.capture
+    signals = {}
+    if cap.topk:
+        signals["topk"] = {"k": cap.topk, "dtype": dc.signals.topk_dtype, "axis": "loss",
+                           "tail": "1 - sum(exp(topk_logprobs))"}
+    hidden = {"dtype": dc.signals.hidden_dtype, "dim": prod.tgt.model.cfg.dim, "axis": "token"}
+    if cap.hidden_last:
+        signals["hidden_last"] = {**hidden, "layer": "final_norm"}
+    if cap.aux_layers:
+        signals["hidden_aux"] = {**hidden, "layers": list(cap.aux_layers)}
+    if dc.specdec_labels:
+        signals["specdec"] = {"axis": "loss", **dc.specdec_labels.model_dump()}
+    # Counts a rank saw are not summed across ranks, so the manifest counts from the shards themselves.
+    return {
+        "format": FORMAT, **meta, "recipe": recipe.name, "responses": dc.responses,
+        "n_sequences": sum(e["n_sequences"] for e in entries),
+        "n_tokens": sum(e["n_tokens"] for e in entries),
+        "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),
+        "prompts": {"loaded": stats.prompts, "skipped_too_long": stats.skipped_too_long,
+                    "truncated": stats.truncated, "skipped_no_response": stats.skipped_no_response,
+                    "turns_dropped_too_long": sum(e["counts"]["turns_dropped_too_long"] for e in entries)},
+        "sequences_by_writer": {s: sum(e["counts"][s] for e in entries) for s in SOURCES},
+        "sampling": {"temperature": dc.temperature, "top_k": dc.top_k, "top_p": dc.top_p, "n_samples": dc.n_samples},
+        "on_policy": dc.on_policy.model_dump() if dc.on_policy else None,
+        "signals": signals,
+        "bytes_per_token": bytes_per_token(entries),
+        "shards": entries,
+    }

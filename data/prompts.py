@@ -244,8 +244,9 @@ def _messages(rec: dict) -> list[dict] | None:
 
 
 def _normalize(msgs: list[dict], max_turns: int | None) -> list[dict]:
-    """Drop leading assistant turns (nothing to answer), cut at the first empty message and after the
-    ``max_turns``-th user turn. Empty when no non-empty user turn starts the conversation."""
+    """Drop leading assistant turns (nothing to answer), cut at the first empty message and before the
+    ``max_turns + 1``-th user turn (the reply to the last kept user turn stays: fixed-data mode scores it).
+    Empty when no non-empty user turn starts the conversation."""
     out, users = [], 0
     for m in msgs:
         usable = bool(m["content"].strip())
@@ -253,13 +254,10 @@ def _normalize(msgs: list[dict], max_turns: int | None) -> list[dict]:
             if m["role"] == "system" and usable:
                 out.append(m)
             continue
-        if not usable:
+        if not usable or (m["role"] == "user" and users == max_turns):
             break
         out.append(m)
-        if m["role"] == "user":
-            users += 1
-            if users == max_turns:
-                break
+        users += m["role"] == "user"
     return out if users else []
 
 

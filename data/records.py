@@ -1,9 +1,16 @@
 """On-disk distillation records: safetensors shards plus a ``manifest.json`` written last.
 
-A shard stores ragged sequences flat: ``input_ids`` (int32), ``loss_mask`` (uint8, 1 = target-written token),
-``offsets`` (int64, n+1), ``prompt_index`` (int64, n) and, per loss token, teacher signals ``topk_ids`` (int32,
-(N, K)) and ``topk_logprobs`` (float16, (N, K)); teacher row j belongs to the j-th loss token of the shard.
-Shards are written to a temp name and renamed, so a killed run never leaves a partial shard that looks complete.
+A shard stores ragged sequences flat. Per sequence: ``offsets`` (int64, n+1), ``prompt_index`` (int64),
+``sample_index`` (int32), ``source`` (uint8: 0 target, 1 drafter, 2 dataset). Per token: ``input_ids`` (uint16
+when the vocabulary fits, else int32) and ``loss_mask`` (uint8, 1 = a response token, i.e. a training label).
+Teacher signals, each optional (see ``SIGNALS``), live on one of two axes:
+- ``token``: one row per token of the sequence (hidden states: EAGLE-style drafters read every position);
+- ``loss``: one row per loss token, in order (top-k log-probs, SpecDec++ labels).
+fp8 hidden states carry a per-row float32 scale in ``<name>_scale``.
+
+Shards are written to a temp name and renamed, so a killed run never leaves a partial shard that looks complete;
+each shard also carries its own manifest entry in its metadata, so the manifest can be rebuilt from the shards.
+Reading is lazy: a record's rows are sliced out of the memory-mapped file, never the whole shard.
 """
 from __future__ import annotations
 
@@ -18,50 +25,86 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 
-FORMAT = "draftsmith-records/1"
+FORMAT = "draftsmith-records/2"
+SOURCES = {"target": 0, "drafter": 1, "dataset": 2}
+# signal tensor -> axis. GROUPS names the unit a recipe turns on and bytes/token is reported for; per-sequence
+# arrays (offsets, prompt_index, ...) count towards "tokens".
+SIGNALS = {
+    "topk_ids": "loss", "topk_logprobs": "loss",
+    "hidden_last": "token", "hidden_last_scale": "token",
+    "hidden_aux": "token", "hidden_aux_scale": "token",
+    "spec_token": "loss", "spec_accept": "loss",
+}
+GROUPS = {"tokens": ("input_ids", "loss_mask"), "topk": ("topk_ids", "topk_logprobs"),
+          "hidden_last": ("hidden_last", "hidden_last_scale"), "hidden_aux": ("hidden_aux", "hidden_aux_scale"),
+          "specdec": ("spec_token", "spec_accept")}
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclass
 class Record:
-    input_ids: list[int]  # prompt + response tokens
-    loss_mask: list[int]  # 1 where the token was written by the target (a training label)
+    input_ids: list[int] | torch.Tensor  # prompt + response tokens (T,)
+    loss_mask: list[int] | torch.Tensor  # (T,) 1 where the token is a response token (a training label)
     prompt_index: int
-    topk_ids: torch.Tensor | None = None  # (n_loss, K) int
-    topk_logprobs: torch.Tensor | None = None  # (n_loss, K) float
+    sample_index: int = 0
+    source: int = 0  # SOURCES value
+    signals: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (T, ...) or (n_loss, ...)
 
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def write_shard(path: Path, records: list[Record], meta: dict[str, str]) -> dict:
-    """Write records to ``path`` atomically; returns the shard's manifest entry."""
-    ids = [t for r in records for t in r.input_ids]
-    mask = [m for r in records for m in r.loss_mask]
-    offsets = [0]
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) -> (fp8 values (..., D), float32 scale (...,)): one absmax scale per row."""
+    scale = (x.float().abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    return (x.float() / scale[..., None]).to(FP8), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale[..., None].float()
+
+
+def _id_dtype(ids: torch.Tensor) -> torch.dtype:
+    return torch.uint16 if ids.numel() == 0 or int(ids.max()) < 65536 else torch.int32
+
+
+def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts: dict | None = None) -> dict:
+    """Write records to ``path`` atomically; returns the shard's manifest entry (also stored in its metadata).
+    ``counts``: extra per-shard tallies kept in the entry (the manifest sums them across shards and ranks)."""
     for r in records:
-        if r.loss_mask and r.loss_mask[0]:
+        if len(r.loss_mask) and r.loss_mask[0]:
             raise ValueError("the first token of a record cannot be a loss token (nothing predicts it)")
-        offsets.append(offsets[-1] + len(r.input_ids))
+    ids = torch.cat([torch.as_tensor(r.input_ids, dtype=torch.int64) for r in records] or [torch.zeros(0)]).long()
+    mask = torch.cat([torch.as_tensor(r.loss_mask, dtype=torch.uint8) for r in records] or [torch.zeros(0)]).to(
+        torch.uint8)
+    lengths = torch.tensor([len(r.input_ids) for r in records], dtype=torch.int64)
     tensors = {
-        "input_ids": torch.tensor(ids, dtype=torch.int32),
-        "loss_mask": torch.tensor(mask, dtype=torch.uint8),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "input_ids": ids.to(_id_dtype(ids)),
+        "loss_mask": mask,
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         "prompt_index": torch.tensor([r.prompt_index for r in records], dtype=torch.int64),
+        "sample_index": torch.tensor([r.sample_index for r in records], dtype=torch.int32),
+        "source": torch.tensor([r.source for r in records], dtype=torch.uint8),
     }
-    if records and records[0].topk_ids is not None:
-        tensors["topk_ids"] = torch.cat([r.topk_ids for r in records]).to(torch.int32)
-        tensors["topk_logprobs"] = torch.cat([r.topk_logprobs for r in records]).to(torch.float16)
+    for name in sorted(records[0].signals) if records else []:
+        if name not in SIGNALS:
+            raise ValueError(f"unknown signal {name!r}")
+        rows = torch.cat([r.signals[name] for r in records])
+        for r in records:  # each row set must match its axis: a misaligned signal would train on wrong targets
+            want = len(r.input_ids) if SIGNALS[name] == "token" else int(torch.as_tensor(r.loss_mask).sum())
+            if len(r.signals[name]) != want:
+                raise ValueError(f"signal {name}: {len(r.signals[name])} rows, expected {want} ({SIGNALS[name]})")
+        tensors[name] = rows.to(_id_dtype(rows)) if name in ("topk_ids", "spec_token") else rows.contiguous()
+    entry = {"file": path.name, "n_sequences": len(records), "n_tokens": int(len(ids)),
+             "n_loss_tokens": int(mask.sum()), "tensor_bytes": {k: v.nbytes for k, v in tensors.items()},
+             "counts": counts or {}}
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, **meta})
+    save_file(tensors, str(tmp), metadata={"format": FORMAT, **meta, "entry": json.dumps(entry)})
     os.replace(tmp, path)
-    return {
-        "file": path.name,
-        "n_sequences": len(records),
-        "n_tokens": len(ids),
-        "n_loss_tokens": int(sum(mask)),
-        "bytes": path.stat().st_size,
-    }
+    entry["bytes"] = path.stat().st_size
+    return entry
 
 
 def read_shard_meta(path: Path) -> dict[str, str]:
@@ -69,38 +112,79 @@ def read_shard_meta(path: Path) -> dict[str, str]:
         return fh.metadata() or {}
 
 
-@dataclass
+def shard_entry(path: Path) -> dict:
+    """The manifest entry a finished shard carries in its metadata."""
+    entry = json.loads(read_shard_meta(path)["entry"])
+    entry["bytes"] = path.stat().st_size
+    return entry
+
+
 class Shard:
-    """A loaded shard; ``record(i)`` slices one sequence and its teacher rows out of the flat arrays."""
+    """A shard opened for lazy reading: small per-sequence arrays in memory, signals sliced on demand."""
 
-    tensors: dict[str, torch.Tensor]
-    loss_offsets: torch.Tensor = field(init=False)
-
-    def __post_init__(self):
-        mask = self.tensors["loss_mask"].long()
-        off = self.tensors["offsets"]
-        csum = torch.cat([torch.zeros(1, dtype=torch.long), mask.cumsum(0)])
-        self.loss_offsets = csum[off]  # teacher-row offset of each sequence
+    def __init__(self, path: Path, signals: set[str] | None = None):
+        self.path = Path(path)
+        self._fh = safe_open(str(path), framework="pt")  # memory-mapped; slices read only what they cover
+        keys = set(self._fh.keys())
+        self.signals = sorted(k for k in keys if k in SIGNALS and (signals is None or _group(k) in signals))
+        self.offsets = self._fh.get_tensor("offsets")
+        self.loss_mask = self._fh.get_tensor("loss_mask")
+        csum = torch.cat([torch.zeros(1, dtype=torch.int64), self.loss_mask.long().cumsum(0)])
+        self.loss_offsets = csum[self.offsets]  # loss-row offset of each sequence
+        self.prompt_index = self._fh.get_tensor("prompt_index")
+        self.sample_index = self._fh.get_tensor("sample_index")
+        self.source = self._fh.get_tensor("source")
 
     def __len__(self) -> int:
-        return len(self.tensors["offsets"]) - 1
+        return len(self.offsets) - 1
+
+    def keys(self) -> list[str]:
+        return sorted(self._fh.keys())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        return self._fh.get_tensor(name)
 
     def record(self, i: int) -> Record:
-        t, off, loff = self.tensors, self.tensors["offsets"], self.loss_offsets
-        a, b, la, lb = off[i].item(), off[i + 1].item(), loff[i].item(), loff[i + 1].item()
-        has_topk = "topk_ids" in t
-        return Record(
-            input_ids=t["input_ids"][a:b].long(),
-            loss_mask=t["loss_mask"][a:b].bool(),
-            prompt_index=int(t["prompt_index"][i]),
-            topk_ids=t["topk_ids"][la:lb].long() if has_topk else None,
-            topk_logprobs=t["topk_logprobs"][la:lb].float() if has_topk else None,
-        )
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        la, lb = int(self.loss_offsets[i]), int(self.loss_offsets[i + 1])
+        raw = {n: self._fh.get_slice(n)[(a if SIGNALS[n] == "token" else la):(b if SIGNALS[n] == "token" else lb)]
+               for n in self.signals}
+        sig = {}
+        for n, t in raw.items():
+            if n.endswith("_scale"):
+                continue
+            if t.dtype == FP8:
+                t = dequantize_fp8(t, raw[n + "_scale"])
+            elif n in ("topk_ids", "spec_token"):
+                t = t.long()
+            elif t.is_floating_point():
+                t = t.float()
+            sig[n] = t
+        return Record(self._fh.get_slice("input_ids")[a:b].long(), self.loss_mask[a:b].bool(),
+                      int(self.prompt_index[i]), int(self.sample_index[i]), int(self.source[i]), sig)
 
 
-def load_shard(path: Path) -> Shard:
-    with safe_open(str(path), framework="pt") as fh:
-        return Shard({k: fh.get_tensor(k) for k in fh.keys()})
+def _group(name: str) -> str:
+    return next((g for g, names in GROUPS.items() if name in names), "tokens")
+
+
+def load_shard(path: Path, signals: set[str] | None = None) -> Shard:
+    """Open a shard; ``signals``: the signal groups to read (None = all), e.g. {"topk"}."""
+    return Shard(path, signals)
+
+
+def bytes_per_token(entries: list[dict]) -> dict:
+    """Stored bytes per token and per loss token, for each signal group present (tensor payload, exact)."""
+    n_tok = sum(e["n_tokens"] for e in entries) or 1
+    n_loss = sum(e["n_loss_tokens"] for e in entries) or 1
+    per_group: dict[str, int] = {}
+    for e in entries:
+        for name, nb in e["tensor_bytes"].items():
+            per_group[_group(name)] = per_group.get(_group(name), 0) + nb
+    total = sum(e["bytes"] for e in entries)
+    return {"per_token": {g: round(b / n_tok, 2) for g, b in per_group.items()},
+            "per_loss_token": {g: round(b / n_loss, 2) for g, b in per_group.items()},
+            "file_per_token": round(total / n_tok, 2), "file_per_loss_token": round(total / n_loss, 2)}
 
 
 def read_manifest(data_dir: Path) -> dict:
@@ -109,11 +193,12 @@ def read_manifest(data_dir: Path) -> dict:
         raise DraftsmithError(f"{data_dir}: no manifest.json (run `draftsmith generate` first, or it was interrupted)")
     manifest = json.loads(m.read_text())
     if manifest.get("format") != FORMAT:
-        raise DraftsmithError(f"{m}: unsupported records format {manifest.get('format')!r}")
+        raise DraftsmithError(f"{m}: unsupported records format {manifest.get('format')!r} (expected {FORMAT}; "
+                              f"regenerate the data)")
     return manifest
 
 
 def write_manifest(data_dir: Path, manifest: dict) -> None:
-    tmp = Path(data_dir) / "manifest.json.tmp"
+    tmp = Path(data_dir) / f"manifest.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(manifest, indent=2))
     os.replace(tmp, Path(data_dir) / "manifest.json")

@@ -16,3 +16,28 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return _DTYPES[dtype]
+
+
+def init_distributed() -> tuple[int, int, int]:
+    """(rank, world size, local rank). Under torchrun / accelerate launch (WORLD_SIZE > 1) this joins the process
+    group (gloo on CPU, nccl on CUDA) unless someone already did; a plain run is rank 0 of 1."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        # Ranks meet only at the start and the end; the end waits for the slowest rank, so allow hours.
+        dist.init_process_group(backend, timeout=datetime.timedelta(hours=6))
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    return 0, 1, 0
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()

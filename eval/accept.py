@@ -1,37 +1,10 @@
-"""Acceptance rules for chain speculative decoding (batch 1): greedy prefix matching, Leviathan/Chen rejection
-sampling, and the logits -> probabilities processing shared by draft and target (docs/algorithms.md A1, C7).
+"""Acceptance rules for chain speculative decoding (batch 1): greedy prefix matching and Leviathan/Chen rejection
+sampling (docs/algorithms.md A1, C7); the logits processing they rely on lives in models/sampling.py.
 Letters follow the docs: p = target, q = draft.
 """
 from __future__ import annotations
 
 import torch
-
-
-def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits (..., V) -> fp32 probabilities (..., V) after temperature, then top-k, then top-p.
-
-    Must be applied identically to draft and target logits (pitfall C7.2). ``temperature <= 0`` gives the
-    one-hot argmax distribution, so greedy is the zero-temperature limit of the same rule.
-    """
-    x = logits.float()
-    if temperature <= 0:
-        return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
-    x = x / temperature
-    if 0 < top_k < x.shape[-1]:
-        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]  # (..., 1)
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        x = x.masked_fill(_top_p_drop(x, top_p), float("-inf"))
-    return torch.softmax(x, dim=-1)
-
-
-def _top_p_drop(x: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Bool mask (..., V) of tokens outside the smallest most-probable set whose mass reaches ``top_p``."""
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    probs = torch.softmax(sorted_x, dim=-1)
-    mass_before = probs.cumsum(-1) - probs  # mass of strictly more probable tokens
-    drop_sorted = mass_before >= top_p  # the top token always has mass_before 0, so it is always kept
-    return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 
 def _accepted_prefix(ok: torch.Tensor) -> int:

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.eval.accept import greedy_accept, process_logits, rejection_accept
+from draftsmith.eval.accept import greedy_accept, rejection_accept
+from draftsmith.models.sampling import process_logits
 
 
 @dataclass

@@ -48,22 +48,78 @@ class PromptsConfig(Strict):
         return self
 
 
+class SignalsConfig(Strict):
+    """Teacher signals stored with every sequence; each is optional. Bytes per token land in the manifest."""
+
+    topk: int = Field(32, ge=0)
+    """Top-k target log-probs per response token (the tail mass is implied: 1 - sum). 0 = tokens only."""
+    topk_dtype: Literal["float16", "bfloat16"] = "float16"
+    hidden_last: bool = False
+    """The target's last hidden state (post final norm, what the LM head reads) at every position."""
+    hidden_layers: list[int] | Literal["eagle3"] | None = None
+    """Outputs of these 0-indexed target layers at every position; eagle3 = [1, L/2-1, L-4] (EAGLE-3 fusion)."""
+    hidden_dtype: Literal["bfloat16", "float16", "float8"] = "bfloat16"
+    """float8 = e4m3 with one float32 scale per row (about half of bf16)."""
+
+
+class OnPolicyConfig(Strict):
+    """DistillSpec on-policy data: a fraction of sequences is written by a drafter and scored by the target."""
+
+    checkpoint: str
+    """Drafter checkpoint folder (a standalone draft LM with the target's tokenizer)."""
+    fraction: float = Field(1.0, ge=0.0, le=1.0)
+    """Mixing ratio lambda: probability that a (prompt, sample) is drafter-written rather than target-written."""
+
+
+class SpecDecLabelsConfig(Strict):
+    """SpecDec++ labels: at each response token, the drafter's sample y and min(1, p(y)/q(y))."""
+
+    checkpoint: str
+    """Drafter checkpoint folder (a standalone draft LM with the target's tokenizer)."""
+    temperature: float = Field(1.0, ge=0.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
 class DataConfig(Strict):
     enabled: bool = True
     prompts: PromptsConfig = PromptsConfig(source="sharegpt", n=256)
+    responses: Literal["target", "dataset"] = "target"
+    """target = the target regenerates every assistant turn; dataset = keep the dataset's replies, score them."""
+    on_policy: OnPolicyConfig | None = None
+    specdec_labels: SpecDecLabelsConfig | None = None
+    backend: Literal["native", "vllm"] = "native"
+    """vllm: generate target responses with vLLM (GPU), then score them with draftsmith's model."""
+    vllm_gpu_memory: float = Field(0.5, gt=0.0, lt=1.0)
+    """backend=vllm: share of GPU memory vLLM may take (the scoring model needs the rest)."""
     max_prompt_tokens: int = Field(512, gt=0)
-    """Prompts longer than this (after the chat template) are truncated from the left or skipped."""
+    """Context before an assistant turn; first turns longer than this follow too_long, later turns end the chat."""
     too_long: Literal["truncate", "skip"] = "skip"
     max_new_tokens: int = Field(256, gt=0)
-    """Longest target response generated per prompt (stops earlier at EOS)."""
+    """Longest response per turn (stops earlier at EOS); dataset replies are cut to it."""
     temperature: float = Field(0.0, ge=0.0)
-    """0 = greedy target responses; > 0 samples them."""
+    """0 = greedy target responses; > 0 samples them (with top_k / top_p)."""
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n_samples: int = Field(1, gt=0)
+    """Responses generated per prompt (needs temperature > 0)."""
     batch_size: int = Field(16, gt=0)
-    """Prompts generated together (left-padded, one KV cache)."""
-    topk: int = Field(32, ge=0)
-    """Teacher top-k log-probs stored per response token (plus the tail mass). 0 = tokens only."""
+    """Most conversations generated together (left-padded, one KV cache)."""
+    batch_tokens: int | None = Field(None, gt=0)
+    """Token budget per batch: batch size x (longest context + new tokens) stays under it. None = no budget."""
+    signals: SignalsConfig = SignalsConfig()
     shard_size: int = Field(256, gt=0)
-    """Prompts per safetensors shard; a shard is the unit of resume."""
+    """Prompts per safetensors shard; a shard is the unit of resume and of data-parallel work."""
+
+    @model_validator(mode="after")
+    def _modes(self):
+        if self.n_samples > 1 and self.temperature == 0 and self.responses == "target":
+            raise ValueError("data.n_samples > 1 needs data.temperature > 0 (greedy samples are identical)")
+        if self.responses == "dataset" and self.on_policy is not None:
+            raise ValueError("data.on_policy needs data.responses=target (dataset replies are not regenerated)")
+        if self.responses == "dataset" and self.backend == "vllm":
+            raise ValueError("data.backend=vllm generates responses: it needs data.responses=target")
+        return self
 
 
 class DraftLMConfig(Strict):

@@ -9,9 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from draftsmith.eval.accept import greedy_accept, process_logits, rejection_accept
+from draftsmith.eval.accept import greedy_accept, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.models.llama import Llama, LlamaConfig
+from draftsmith.models.sampling import process_logits
 
 CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
 CFG8 = LlamaConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)

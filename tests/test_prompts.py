@@ -175,10 +175,10 @@ def test_max_turns_n_and_shuffle(tmp_path):
                                {"from": "gpt", "value": "a2"}]}
     path = write_jsonl(tmp_path / "p.jsonl", [convo] + [{"turns": [f"q{i}", "again"]} for i in range(9)])
     one = load_prompts("file", str(path), max_turns=1)
-    assert one[0].messages == [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}]
+    assert [m["content"] for m in one[0].messages] == ["S", "u1", "a1"]  # the reply to the kept turn stays
     assert all(len(p.messages) == 1 for p in one[1:])
     two = load_prompts("file", str(path), max_turns=2)
-    assert [m["content"] for m in two[0].messages] == ["S", "u1", "a1", "u2"]
+    assert [m["content"] for m in two[0].messages] == ["S", "u1", "a1", "u2", "a2"]
     assert [p.id for p in load_prompts("file", str(path), n=3)] == ["file:0", "file:1", "file:2"]
     s1 = load_prompts("file", str(path), n=4, shuffle=True, seed=1)
     assert len(s1) == 4 and s1 == load_prompts("file", str(path), n=4, shuffle=True, seed=1)
@@ -200,7 +200,7 @@ def test_hub_rows_use_the_same_detection(monkeypatch):
     fake = types.SimpleNamespace(load_dataset=lambda name, split: rows if split == "train" else 1 / 0)
     monkeypatch.setitem(sys.modules, "datasets", fake)
     prompts = load_prompts("hub", "org/set", max_turns=1)
-    assert [(p.id, p.category, len(p.messages)) for p in prompts] == [("hub:0", None, 2), ("hub:1", "c", 1)]
+    assert [(p.id, p.category, len(p.messages)) for p in prompts] == [("hub:0", None, 3), ("hub:1", "c", 1)]
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(DraftsmithError, match=r"cannot load hub dataset 'org/set' split 'test' \(HF_HUB_OFFLINE"):
         load_prompts("hub", "org/set", split="test")
@@ -250,7 +250,7 @@ def test_sharegpt_first_n_is_fast():
     assert len(prompts) == 50 and len({p.id for p in prompts}) == 50
     for p in prompts:
         roles = [m["role"] for m in p.messages]
-        assert roles in (["user"], ["system", "user"])
+        assert roles in (["user"], ["system", "user"], ["user", "assistant"], ["system", "user", "assistant"])
         assert all(isinstance(m["content"], str) and m["content"].strip() for m in p.messages)
 
 

@@ -19,7 +19,7 @@ from draftsmith.models.hf import load_model, tokenizer_hash
 from draftsmith.models.registry import build_drafter, save_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
-from draftsmith.train.objectives import OBJECTIVES
+from draftsmith.train.objectives import OBJECTIVES, SIGNALS_NEEDED
 
 
 def build_optimizer(model: torch.nn.Module, tc):
@@ -66,7 +66,7 @@ def train(recipe) -> Path:
     kind = recipe.drafter.kind
     drafter = build_drafter(kind, recipe.drafter.model_dump(exclude={"kind"}), tgt.model).float().train()
     del tgt
-    ds = RecordDataset(data_dir, tc.max_seq_len)
+    ds = RecordDataset(data_dir, tc.max_seq_len, signals=SIGNALS_NEEDED[kind])
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
     loader = torch.utils.data.DataLoader(ds, batch_size=tc.micro_batch_size, shuffle=True, collate_fn=collate,

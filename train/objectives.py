@@ -38,3 +38,7 @@ def draft_lm_objective(model, batch: dict, loss_cfg) -> StepOutput:
 OBJECTIVES = {
     "draft_lm": draft_lm_objective,
 }
+# Signal groups each kind reads from the records (the rest, e.g. hidden states, is never read from disk).
+SIGNALS_NEEDED = {
+    "draft_lm": {"topk"},
+}

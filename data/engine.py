@@ -1,0 +1,217 @@
+"""Batched target passes for the data stage, on draftsmith's own Llama.
+
+- ``decode_batch``: left-padded batched generation with one KV cache. Teacher signals are captured while the
+  target generates (top-k log-probs at each new token, hidden states at every position, SpecDec++ labels from a
+  drafter run in lock-step), so the target never runs twice over its own responses.
+- ``score_batch``: one teacher-forced forward over finished sequences (dataset responses, drafter-written or
+  vLLM-written responses) giving the same signals.
+
+Signals (``Capture``): top-k log-probs are the target's raw distribution (temperature 1) whatever the sampling
+settings, the teacher that KD losses match. Hidden states: ``hidden_last`` is the post-final-norm state the LM
+head reads (Medusa / EAGLE-1 feature); ``hidden_aux`` stacks the outputs of chosen layers (EAGLE-3 fusion).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.models.llama import Llama
+from draftsmith.models.sampling import process_logits, sample_rows
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def pick(self, logits: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+        """logits (B, V) -> tokens (B,): argmax when greedy, else row b sampled with gens[b]."""
+        if self.temperature <= 0:
+            return logits.argmax(-1)
+        return sample_rows(process_logits(logits, self.temperature, self.top_k, self.top_p), gens)
+
+
+@dataclass(frozen=True)
+class Capture:
+    topk: int = 0
+    hidden_last: bool = False
+    aux_layers: tuple[int, ...] = ()  # 0-indexed target layers whose *output* is stored (EAGLE-3: [1, L/2-1, L-4])
+
+    def layer_ids(self, n_layers: int) -> tuple[int, ...]:
+        """Llama.capture_layers indices: i is the output of block i-1; n_layers the final (pre-norm) state."""
+        ids = {layer + 1 for layer in self.aux_layers}
+        if self.hidden_last:
+            ids.add(n_layers)
+        return tuple(sorted(ids))
+
+    def hidden_rows(self, model: Llama, captured: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Captured {index: (B, T, D)} -> {"hidden_last": (B, T, D), "hidden_aux": (B, T, A, D)}."""
+        out = {}
+        if self.hidden_last:
+            out["hidden_last"] = model.norm(captured[model.cfg.n_layers])
+        if self.aux_layers:
+            out["hidden_aux"] = torch.stack([captured[layer + 1] for layer in self.aux_layers], dim=2)
+        return out
+
+
+@dataclass
+class Generated:
+    """One row's output. ``tokens``: the response (EOS included when hit). ``loss_signals``: one row per response
+    token. ``hidden``: one row per position of context + response."""
+
+    tokens: list[int]
+    loss_signals: dict[str, torch.Tensor] = field(default_factory=dict)
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def specdec_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: Sampling,
+                   gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpecDec++ labels (algorithms.md A7). p_logits / q_logits (N, V): target and drafter at the same positions.
+
+    Returns (y (N,) the drafter's sample, accept (N,) float32 = min(1, p(y)/q(y))), the exact probability that
+    speculative sampling accepts y. p and q get the same processing (C7.2); q(y) = 0 cannot happen for a sample.
+    """
+    p = process_logits(p_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    q = process_logits(q_logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    y = q.argmax(-1) if sampling.temperature <= 0 else sample_rows(q, gens)
+    py, qy = p.gather(-1, y[:, None])[:, 0], q.gather(-1, y[:, None])[:, 0]
+    return y, torch.where(qy > 0, (py / qy.clamp_min(1e-30)).clamp(max=1.0), torch.zeros_like(py))
+
+
+def _topk_rows(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (N, V) fp32
+    v, i = logp.topk(k, dim=-1)
+    return i, v
+
+
+def _left_pad(contexts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, L = len(contexts), max(len(c) for c in contexts)
+    ids = torch.zeros(B, L, dtype=torch.long, device=device)
+    valid = torch.zeros(B, L, dtype=torch.bool, device=device)
+    for b, c in enumerate(contexts):
+        ids[b, L - len(c):] = torch.tensor(c, device=device)
+        valid[b, L - len(c):] = True
+    pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # each row's RoPE positions start at 0 after its padding
+    return ids, valid, pos
+
+
+@torch.no_grad()
+def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                 sampling: Sampling, gens: list[torch.Generator], capture: Capture = Capture(),
+                 companion: Llama | None = None, label_sampling: Sampling | None = None) -> list[Generated]:
+    """Generate a response for every context (left-padded into one batch, one KV cache).
+
+    contexts: token lists (ragged). gens: one generator per row (sampling and labels draw from it, so a row's
+    output does not depend on its batch-mates). companion: a drafter fed the same tokens in lock-step; with it,
+    each response token gets SpecDec++ labels (``spec_token``, ``spec_accept``) under ``label_sampling``.
+    """
+    dev = model.embed_tokens.weight.device
+    B, L = len(contexts), max(len(c) for c in contexts)
+    ids, valid, pos = _left_pad(contexts, dev)
+    layer_ids = capture.layer_ids(model.cfg.n_layers)
+    cache = model.new_cache(B, L + max_new_tokens)
+    last = torch.zeros(B, L, dtype=torch.bool, device=dev)
+    last[:, -1] = True  # the LM head only where the next token is predicted: prefill is compute-bound on CPU
+    none = torch.zeros(B, 1, dtype=torch.bool, device=dev)
+
+    def step(x, p, v, at):
+        out = model(x, pos=p, cache=cache, valid=v, capture_layers=layer_ids, logits_at=at)
+        logits, captured = out if layer_ids else (out, {})
+        hidden.append(capture.hidden_rows(model, captured))
+        return logits
+
+    hidden: list[dict[str, torch.Tensor]] = []
+    logits = step(ids, pos, valid, last)  # (B, V)
+    dcache = q_logits = None
+    if companion is not None:
+        dcache = companion.new_cache(B, L + max_new_tokens)
+        q_logits = companion(ids, pos=pos, cache=dcache, valid=valid, logits_at=last)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
+    done = torch.zeros(B, dtype=torch.bool, device=dev)
+    toks, rows = [], {"topk_ids": [], "topk_logprobs": [], "spec_token": [], "spec_accept": []}
+    next_pos = pos[:, -1:] + 1
+    for t in range(max_new_tokens):
+        tok = sampling.pick(logits, gens)
+        toks.append(tok)
+        if capture.topk:
+            i, v = _topk_rows(logits, capture.topk)
+            rows["topk_ids"].append(i)
+            rows["topk_logprobs"].append(v)
+        if companion is not None:
+            y, acc = specdec_labels(logits, q_logits, label_sampling or sampling, gens)
+            rows["spec_token"].append(y)
+            rows["spec_accept"].append(acc)
+        done |= torch.isin(tok, eos)
+        if done.all() or t == max_new_tokens - 1:
+            break
+        logits = step(tok[:, None], next_pos, None, None)[:, -1]
+        if companion is not None:
+            q_logits = companion(tok[:, None], pos=next_pos, cache=dcache)[:, -1]
+        next_pos = next_pos + 1
+    if layer_ids:  # the last token's hidden state: one more forward, LM head skipped
+        step(tok[:, None], next_pos, None, none)
+    return _split_rows(contexts, L, torch.stack(toks, 1).cpu(), eos_ids, rows, hidden)
+
+
+def _split_rows(contexts, L, toks, eos_ids, rows, hidden) -> list[Generated]:
+    stacked = {k: torch.stack(v, 1).cpu() for k, v in rows.items() if v}  # (B, n, ...)
+    hid = {k: torch.cat([h[k] for h in hidden], 1).cpu() for k in (hidden[0] if hidden else {})}  # (B, L+n, ...)
+    out = []
+    for b, c in enumerate(contexts):
+        row = toks[b].tolist()
+        n = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))  # keep EOS, drop what follows
+        out.append(Generated(row[:n], {k: v[b, :n] for k, v in stacked.items()},
+                             {k: v[b, L - len(c):L + n] for k, v in hid.items()}))
+    return out
+
+
+@torch.no_grad()
+def score_batch(model: Llama, seqs: list[list[int]], masks: list[list[int]], capture: Capture,
+                companion: Llama | None = None, label_sampling: Sampling | None = None,
+                gens: list[torch.Generator] | None = None, chunk: int = 1024) -> list[Generated]:
+    """Teacher-forced signals for finished sequences (right-padded, no cache). masks[b][t] = 1 marks a response
+    token; its loss row comes from position t-1. The LM head runs in chunks of ``chunk`` rows over the loss
+    positions only, so (N, V) logits never exist for the whole batch at once."""
+    dev = model.embed_tokens.weight.device
+    B, T = len(seqs), max(len(s) for s in seqs)
+    ids = torch.zeros(B, T, dtype=torch.long, device=dev)
+    predict = torch.zeros(B, T, dtype=torch.bool, device=dev)
+    for b, (s, m) in enumerate(zip(seqs, masks)):
+        ids[b, :len(s)] = torch.tensor(s, device=dev)
+        predict[b, :len(s) - 1] = torch.tensor(m[1:], dtype=torch.bool, device=dev)
+    h, captured = _final_hidden(model, ids, capture.layer_ids(model.cfg.n_layers))
+    hid = {k: v.cpu() for k, v in capture.hidden_rows(model, captured).items()}
+    h = h[predict]  # (N, D) row-major over (b, t): the order loss rows are stored in
+    hq = _final_hidden(companion, ids, ())[0][predict] if companion is not None else None
+    row_gens = [gens[b] for b in range(B) for _ in range(int(predict[b].sum()))] if gens is not None else None
+    rows: dict[str, list[torch.Tensor]] = {}
+    for a in range(0, len(h), chunk):
+        logits = model.lm_head(h[a:a + chunk])  # (n, V)
+        if capture.topk:
+            i, v = _topk_rows(logits, capture.topk)
+            rows.setdefault("topk_ids", []).append(i.cpu())
+            rows.setdefault("topk_logprobs", []).append(v.cpu())
+        if hq is not None:
+            y, acc = specdec_labels(logits, companion.lm_head(hq[a:a + chunk]), label_sampling or Sampling(),
+                                    row_gens[a:a + chunk])
+            rows.setdefault("spec_token", []).append(y.cpu())
+            rows.setdefault("spec_accept", []).append(acc.cpu())
+    flat = {k: torch.cat(v) for k, v in rows.items()}
+    counts = predict.sum(1).tolist()
+    out, start = [], 0
+    for b, s in enumerate(seqs):
+        n = counts[b]
+        out.append(Generated([], {k: v[start:start + n] for k, v in flat.items()},
+                             {k: v[b, :len(s)] for k, v in hid.items()}))
+        start += n
+    return out
+
+
+def _final_hidden(model: Llama, ids: torch.Tensor, layer_ids: tuple[int, ...]):
+    """Post-norm final hidden states (B, T, D) and the captured layers, with the LM head skipped."""
+    n = model.cfg.n_layers
+    none = torch.zeros_like(ids, dtype=torch.bool)
+    _, captured = model(ids, capture_layers=tuple(sorted({*layer_ids, n})), logits_at=none)
+    return model.norm(captured[n]), captured
