@@ -1,4 +1,4 @@
-"""Batched data generation (draftsmith.data.generate.generate_batch: left-padded, one KV cache, top-k teacher
+"""Batched data generation (draftsmith.data.engine.decode_batch: left-padded, one KV cache, top-k teacher
 log-probs captured) vs one-prompt-at-a-time HF ``generate`` on the same prompts and target, side by side in one
 run. Prints target tokens/s for both and the ratio. Usage:
 python benchmarks/generate_throughput.py [--n 32] [--batch 16] [--max-new 64] [--topk 32]
@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from draftsmith.data.generate import generate_batch
+from draftsmith.data.engine import Capture, Sampling, decode_batch
 from draftsmith.data.prompts import load_prompts
 from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids
 
@@ -41,12 +41,13 @@ def main() -> None:
         order = sorted(prompts, key=len)  # as the generate stage does: similar lengths share a batch
         t0, ours = time.perf_counter(), 0
         for b in range(0, len(order), a.batch):
-            res = generate_batch(tgt.model, order[b:b + a.batch], a.max_new, eos_ids=eos, topk=a.topk)
-            ours += sum(len(r[0]) for r in res)
+            batch = order[b:b + a.batch]
+            res = decode_batch(tgt.model, batch, a.max_new, eos, Sampling(), [None] * len(batch), Capture(a.topk))
+            ours += sum(len(g.tokens) for g in res)
         t_ours = time.perf_counter() - t0
     print(f"prompts {len(prompts)}, max_new_tokens {a.max_new}, threads {torch.get_num_threads()}")
     print(f"HF generate, one prompt at a time: {hf_tokens} tokens in {t_hf:.1f}s = {hf_tokens / t_hf:.1f} tok/s")
-    print(f"draftsmith generate_batch, batch {a.batch}, top-{a.topk} captured: {ours} tokens in {t_ours:.1f}s = "
+    print(f"draftsmith decode_batch, batch {a.batch}, top-{a.topk} captured: {ours} tokens in {t_ours:.1f}s = "
           f"{ours / t_ours:.1f} tok/s")
     print(f"ratio: {(ours / t_ours) / (hf_tokens / t_hf):.2f}x")
 

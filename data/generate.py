@@ -16,7 +16,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -76,23 +76,22 @@ class Unit:
 
 @dataclass
 class Stats:
-    prompts: int = 0
+    """Per-shard tallies; they travel in the shard's manifest entry, so resumed and multi-rank runs sum exactly."""
+
     skipped_too_long: int = 0
     truncated: int = 0
     turns_dropped_too_long: int = 0
     skipped_no_response: int = 0
 
 
-def plan_units(prompts, tok, eos: set[int], dc, seed: int, stats: Stats) -> list[list[Unit]]:
-    """Per prompt, its n_samples units (a prompt that cannot be used gets none, and is counted)."""
-    plan = []
-    for pi, p in enumerate(prompts):
+def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: Stats) -> list[Unit]:
+    """The units of ``prompts`` (global indices from ``start``): n_samples each; unusable prompts are counted."""
+    units = []
+    for pi, p in enumerate(prompts, start):
         layout = chat_layout(tok, p.messages, eos)
         n_turns = layout.n_turns
         if dc.responses == "dataset":
             n_turns = next((i for i, r in enumerate(layout.responses) if r is None), n_turns)
-        units: list[Unit] = []
-        plan.append(units)
         if n_turns == 0:
             stats.skipped_no_response += 1
             continue
@@ -102,9 +101,8 @@ def plan_units(prompts, tok, eos: set[int], dc, seed: int, stats: Stats) -> list
                 continue
             layout.segments[0] = layout.segments[0][-dc.max_prompt_tokens:]  # keep the end: the question
             stats.truncated += 1
-        for si in range(dc.n_samples):
-            units.append(Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si)))
-    return plan
+        units += [Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si)) for si in range(dc.n_samples)]
+    return units
 
 
 def _writer(dc, seed: int, pi: int, si: int) -> str:
@@ -262,19 +260,13 @@ def generate(recipe) -> Path:
     pc = dc.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)
-    stats = Stats(prompts=len(prompts))
-    plan = plan_units(prompts, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
-    if not any(plan):
-        raise DraftsmithError(f"data.prompts: none of the {len(prompts)} prompts is usable "
-                              f"({stats.skipped_too_long} longer than data.max_prompt_tokens, "
-                              f"{stats.skipped_no_response} without a reply to keep)")
     dhash = data_hash(recipe)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
-    shards = [plan[i:i + dc.shard_size] for i in range(0, len(plan), dc.shard_size)]
-    mine = [si for si in range(len(shards)) if si % world == rank]
+    starts = range(0, len(prompts), dc.shard_size)
+    mine = [si for si in range(len(starts)) if si % world == rank]
     runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
-    bar = tqdm(total=sum(len(shards[si]) for si in mine), desc=f"generate[{rank}]" if world > 1 else "generate",
-               unit="prompt", dynamic_ncols=True)
+    bar = tqdm(total=sum(min(dc.shard_size, len(prompts) - starts[si]) for si in mine), unit="prompt",
+               desc=f"generate[{rank}]" if world > 1 else "generate", dynamic_ncols=True)
     t0, new_tokens = time.perf_counter(), 0
 
     def on_batch(batch: list[Unit]) -> None:
@@ -284,39 +276,46 @@ def generate(recipe) -> Path:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
 
     for si in mine:
-        path = out / shard_name(si)
+        path, start = out / shard_name(si), starts[si]
+        shard_prompts = prompts[start:start + dc.shard_size]
         if path.exists():
             if read_shard_meta(path).get("data_hash") != dhash:
                 raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new "
                                       f"out_dir or delete {out}")
-            bar.update(len(shards[si]))
+            bar.update(len(shard_prompts))
             continue
-        units = [u for per_prompt in shards[si] for u in per_prompt]
-        dropped = stats.turns_dropped_too_long
+        stats = Stats()
+        units = plan_units(shard_prompts, start, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
+        bar.update(len(shard_prompts) - len(units) / dc.n_samples)  # unusable prompts are done at once
         records = prod.shard_records(units, stats, on_batch) if units else []
-        counts = {"turns_dropped_too_long": stats.turns_dropped_too_long - dropped,
-                  **{s: sum(u.source == s for u in units) for s in SOURCES}}
+        counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
         entry = write_shard(path, records, meta, counts)
         runlog.log({"shard": si, "rank": rank, "sequences": entry["n_sequences"], "new_tokens": new_tokens,
                     "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1)})
     bar.close()
     barrier()
     if rank == 0:
-        manifest = _manifest(recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(shards))],
-                             stats)
+        manifest = _manifest(recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(starts))],
+                             len(prompts))
+        if manifest["n_sequences"] == 0:
+            c = manifest["prompts"]
+            raise DraftsmithError(f"data.prompts: none of the {len(prompts)} prompts is usable "
+                                  f"({c['skipped_too_long']} longer than data.max_prompt_tokens, "
+                                  f"{c['skipped_no_response']} without a reply to keep)")
         write_manifest(out, manifest)
         dt = time.perf_counter() - t0
+        c = manifest["prompts"]
         runlog.log({"done": True, "n_sequences": manifest["n_sequences"], "n_loss_tokens": manifest["n_loss_tokens"],
                     "seconds": round(dt, 1), "bytes_per_token": manifest["bytes_per_token"]["per_token"]})
         print(f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
-              f"{stats.prompts} prompts in {dt:.0f}s; skipped {stats.skipped_too_long} too long, "
-              f"{stats.skipped_no_response} without a reply; "
+              f"{len(prompts)} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
+              f"{c['skipped_no_response']} without a reply; "
               f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token -> {out}")
     barrier()
     return out
 
 
-def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], stats: Stats) -> dict:
+def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], n_prompts: int) -> dict:
     dc, cap = recipe.data, prod.capture
     signals = {}
     if cap.topk:
@@ -329,15 +328,13 @@ def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], stats: St
         signals["hidden_aux"] = {**hidden, "layers": list(cap.aux_layers)}
     if dc.specdec_labels:
         signals["specdec"] = {"axis": "loss", **dc.specdec_labels.model_dump()}
-    # Counts a rank saw are not summed across ranks, so the manifest counts from the shards themselves.
+    # Every count comes from the shards' own entries: exact after a resume and across ranks.
     return {
         "format": FORMAT, **meta, "recipe": recipe.name, "responses": dc.responses,
         "n_sequences": sum(e["n_sequences"] for e in entries),
         "n_tokens": sum(e["n_tokens"] for e in entries),
         "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),
-        "prompts": {"loaded": stats.prompts, "skipped_too_long": stats.skipped_too_long,
-                    "truncated": stats.truncated, "skipped_no_response": stats.skipped_no_response,
-                    "turns_dropped_too_long": sum(e["counts"]["turns_dropped_too_long"] for e in entries)},
+        "prompts": {"loaded": n_prompts, **{k: sum(e["counts"][k] for e in entries) for k in asdict(Stats())}},
         "sequences_by_writer": {s: sum(e["counts"][s] for e in entries) for s in SOURCES},
         "sampling": {"temperature": dc.temperature, "top_k": dc.top_k, "top_p": dc.top_p, "n_samples": dc.n_samples},
         "on_policy": dc.on_policy.model_dump() if dc.on_policy else None,

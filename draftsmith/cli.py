@@ -14,8 +14,11 @@ from draftsmith.errors import DraftsmithError
 
 STAGES = {
     "run": "Run every stage the recipe enables, in order: generate -> train -> eval.",
-    "generate": "Data: the target answers the recipe's prompts; store tokens, loss mask and top-k teacher "
-                "log-probs as safetensors shards in <out_dir>/data (resumable: rerun to continue).",
+    "generate": "Data: the target regenerates every assistant turn of the recipe's prompts (or a drafter writes "
+                "them: data.on_policy; or the dataset's replies are scored: data.responses=dataset) and stores "
+                "tokens, loss mask and the teacher signals in data.signals (top-k log-probs, hidden states) plus "
+                "optional SpecDec++ labels as safetensors shards in <out_dir>/data. Resumable: rerun after a kill. "
+                "Data-parallel: torchrun --nproc_per_node N -m draftsmith generate RECIPE.",
     "train": "Train the recipe's drafter on <out_dir>/data; checkpoints go to <out_dir>/checkpoints.",
     "eval": "Speculative decoding with the trained drafter vs plain decoding: tau, acceptance, tokens/s, "
             "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",

@@ -95,3 +95,14 @@ def tiny_overrides(tmp_path, tiny_model_dir, prompts_file):
     """Overrides that point the shipped `tiny` recipe at the fixtures, writing into tmp_path."""
     return [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
             f"eval.prompts.path={prompts_file}", f"out_dir={tmp_path / 'run'}"]
+
+
+def shard_tensors(data_dir) -> dict:
+    """{shard file name: {tensor name: tensor}} for every shard of a data folder (for byte-identity checks)."""
+    from draftsmith.data.records import load_shard
+
+    out = {}
+    for p in sorted(data_dir.glob("shard-*.safetensors")):
+        shard = load_shard(p)
+        out[p.name] = {k: shard.tensor(k) for k in shard.keys()}
+    return out

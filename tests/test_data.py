@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from conftest import shard_tensors
 
 from draftsmith.cli import main
 from draftsmith.data.chat import chat_layout
@@ -54,12 +55,11 @@ def chats_file(tmp_path_factory):
 
 
 @pytest.fixture
-def run_args(tmp_path, tiny_model_dir, chats_file):
+def run_args(tmp_path, tiny_overrides, chats_file):
     """`generate tiny` on the multi-turn chats, float64 so greedy argmaxes cannot flip between code paths."""
     def args(*extra, out="run"):
-        return ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={chats_file}",
-                f"eval.prompts.path={chats_file}", f"out_dir={tmp_path / out}", "target.dtype=float64",
-                "data.prompts.max_turns=null", "data.max_prompt_tokens=256", "-q", *extra]
+        return ["generate", "tiny", *tiny_overrides, f"data.prompts.path={chats_file}", f"out_dir={tmp_path / out}",
+                "target.dtype=float64", "data.prompts.max_turns=null", "data.max_prompt_tokens=256", "-q", *extra]
     return args
 
 
@@ -398,14 +398,6 @@ def test_recipe_rejects_contradictions(run_args, capsys):
 # --- resume and data parallelism ------------------------------------------------------------------------------
 
 
-def _tensors(data_dir):
-    out = {}
-    for p in sorted(data_dir.glob("shard-*.safetensors")):
-        s = load_shard(p)
-        out[p.name] = {k: s.tensor(k) for k in s.keys()}
-    return out
-
-
 def _same(a, b):
     assert a.keys() == b.keys()
     for name in a:
@@ -438,7 +430,7 @@ def test_resume_after_injected_crash_gives_the_identical_dataset(tmp_path, run_a
     monkeypatch.setattr(gen, "write_shard", real)
     assert main(run_args(*SAMPLED, out="crash")) == 0
     assert not list(data.glob("*.tmp*"))
-    _same(_tensors(tmp_path / "clean" / "data"), _tensors(data))
+    _same(shard_tensors(tmp_path / "clean" / "data"), shard_tensors(data))
     clean, resumed = read_manifest(tmp_path / "clean" / "data"), read_manifest(data)
     assert clean["shards"] == resumed["shards"] and clean["n_loss_tokens"] == resumed["n_loss_tokens"]
 
@@ -456,7 +448,7 @@ def test_two_ranks_equal_one_rank(tmp_path, run_args):
            "-m", "draftsmith", *run_args(*SAMPLED, out="two")]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
-    _same(_tensors(tmp_path / "one" / "data"), _tensors(tmp_path / "two" / "data"))
+    _same(shard_tensors(tmp_path / "one" / "data"), shard_tensors(tmp_path / "two" / "data"))
     one, two = read_manifest(tmp_path / "one" / "data"), read_manifest(tmp_path / "two" / "data")
     assert one["shards"] == two["shards"] and one["n_sequences"] == two["n_sequences"] == 10
 

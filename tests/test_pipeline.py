@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import torch
+from conftest import shard_tensors
 
 from draftsmith.cli import main
-from draftsmith.data.records import load_shard, read_manifest
+from draftsmith.data.records import read_manifest
 
 REPORT_KEYS = {"target", "drafter", "prompts", "temperature", "max_new_tokens", "strategy", "tau", "acceptance_rate",
                "per_position_acceptance", "tokens_per_s", "speedup", "lossless_match", "device"}
@@ -43,24 +44,16 @@ def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
         torch.testing.assert_close(hf(ids).logits, drafter(ids), rtol=1e-4, atol=1e-4)
 
 
-def _shard_tensors(data_dir):
-    out = {}
-    for p in sorted(data_dir.glob("shard-*.safetensors")):
-        shard = load_shard(p)
-        out[p.name] = {k: shard.tensor(k) for k in shard.keys()}
-    return out
-
-
 def test_generate_resumes_after_crash(tmp_path, tiny_overrides):
     args = ["generate", "tiny", *tiny_overrides, "-q"]
     assert main(args) == 0
     data = tmp_path / "run" / "data"
-    before = _shard_tensors(data)
+    before = shard_tensors(data)
     # Simulate a kill during shard 1: the manifest was never written, a temp file is left behind.
     (data / "manifest.json").unlink()
     (data / "shard-00001.safetensors").rename(data / "shard-00001.safetensors.tmp999")
     assert main(args) == 0
-    after = _shard_tensors(data)
+    after = shard_tensors(data)
     assert before.keys() == after.keys()
     for name in before:
         for k in before[name]:
