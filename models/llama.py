@@ -1,4 +1,4 @@
-"""A small, self-contained Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) with an explicit KV cache.
+"""A small, self-contained Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) with an explicit KV cache.
 
 Used for the target *and* for standalone draft LMs. The cache is slot-addressed: every row of a batch writes
 its new tokens at the same slots, but each row carries its own RoPE positions and a key-validity mask, so
@@ -30,6 +30,7 @@ class LlamaConfig:
     max_seq_len: int = 4096
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v
+    qk_norm: bool = False  # Qwen3 RMS-normalises each head of q and k before RoPE
 
     @property
     def hd(self) -> int:
@@ -100,12 +101,18 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
         B, T, _ = x.shape
         hd, H, Hkv = self.cfg.hd, self.cfg.n_heads, self.cfg.n_kv_heads
-        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, H, hd)
+        k = self.k_proj(x).view(B, T, Hkv, hd)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd)
         v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:

@@ -54,6 +54,26 @@ def test_qwen2_style_bias_matches_transformers():
         torch.testing.assert_close(own(ids), hf(ids).logits, rtol=1e-6, atol=1e-6)
 
 
+def test_qwen3_qk_norm_matches_transformers_and_round_trips():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=32, intermediate_size=96)).double().eval()
+    cfg = config_from_hf(hf.config.to_dict())
+    assert cfg.qk_norm and cfg.hd == 32 and not cfg.attention_bias
+    own = Llama(cfg).double().eval()
+    missing, unexpected = own.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()},
+                                              strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # the q/k norms really are loaded
+    ids = torch.randint(0, 101, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(own(ids), hf(ids).logits, rtol=1e-6, atol=1e-6)
+        c = own.new_cache(2, 32)  # and incrementally, through the KV cache
+        torch.testing.assert_close(torch.cat([own(ids[:, :10], cache=c), own(ids[:, 10:], cache=c)], 1), own(ids))
+    assert config_to_hf(cfg)["model_type"] == "qwen3"
+
+
 def test_cache_incremental_equals_full_and_rollback():
     torch.manual_seed(0)
     m = Llama(TINY).double().eval()

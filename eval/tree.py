@@ -1,0 +1,111 @@
+"""Draft trees for speculative decoding (algorithms.md A11): static trees from a Medusa-style choices list, the
+tree attention mask and positions from parent pointers, greedy acceptance over a tree, and KV-cache compaction of
+the accepted path.
+
+Nodes are numbered in breadth-first order (a parent always precedes its children); ``parents[i] == -1`` marks a
+child of the root, the current token. Row/column 0 of a mask is the root, row i + 1 is node i.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """A static tree: node i is the ``ranks[i]``-th most likely child (0 = top-1) of node ``parents[i]``."""
+
+    parents: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def depths(self) -> list[int]:
+        """1-based depth of every node (children of the root have depth 1)."""
+        d: list[int] = []
+        for p in self.parents:
+            d.append(1 if p < 0 else d[p] + 1)
+        return d
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
+    """Medusa-style choices: each entry is a path of child ranks from the root, e.g. ``[[0], [1], [0, 0]]`` is the
+    root's top-2 children plus the top child of the best one. Every prefix of a path must be listed too."""
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    index: dict[tuple[int, ...], int] = {(): -1}
+    for i, p in enumerate(paths):
+        if not p or min(p) < 0:
+            raise ValueError(f"tree choice {list(p)}: paths are non-empty lists of ranks >= 0")
+        if p[:-1] not in index:
+            raise ValueError(f"tree choice {list(p)}: its prefix {list(p[:-1])} is not in the tree")
+        index[p] = i
+    return TreeSpec(tuple(index[p[:-1]] for p in paths), tuple(p[-1] for p in paths))
+
+
+def chain_tree(depth: int) -> TreeSpec:
+    """A chain of ``depth`` top-1 drafts as a tree (what chain speculative decoding verifies)."""
+    return tree_from_choices([[0] * d for d in range(1, depth + 1)])
+
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """parents (N,) long -> (N+1, N+1) bool: row j attends to itself and its ancestors, the root included.
+
+    Reference implementation (one row per node, parents first): mask[i] = mask[parent(i)] | {i}.
+    """
+    n = parents.numel()
+    mask = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
+    mask[1:, 0] = True
+    for i, p in enumerate(parents.tolist()):
+        if p >= 0:
+            mask[i + 1] |= mask[p + 1]
+    return mask
+
+
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """(N,) 1-based depths: the number of ancestors a node attends to, root excluded."""
+    return ancestor_mask(parents)[1:].sum(-1) - 1
+
+
+def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
+    """Greedy verification of a tree. tokens (N,) node tokens; logits (N+1, V): row 0 at the root, row i+1 at node i.
+
+    A node is accepted when its token is the target's argmax at its parent and its parent is accepted. Returns the
+    deepest accepted root-to-node path (node indices; the first of equally deep paths, i.e. the higher-ranked
+    one) and the next token, the target's argmax after the path (a correction, or the bonus at a leaf).
+    """
+    best = logits.argmax(-1)  # (N+1,)
+    par = parents.tolist()
+    ok = (tokens == best[parents + 1]).tolist()
+    accepted = [False] * len(par)
+    depth = [0] * len(par)
+    last, last_depth = -1, 0
+    for i, p in enumerate(par):  # parents first: one pass settles every node
+        accepted[i] = ok[i] and (p < 0 or accepted[p])
+        depth[i] = 1 if p < 0 else depth[p] + 1
+        if accepted[i] and depth[i] > last_depth:
+            last, last_depth = i, depth[i]
+    path = []
+    node = last
+    while node >= 0:
+        path.append(node)
+        node = par[node]
+    return path[::-1], int(best[last + 1])
+
+
+def compact_cache(cache, start: int, keep: list[int]) -> None:
+    """Keep slots ``start + keep[j]`` as slots ``start + j`` (keep ascending), in every layer and the validity mask,
+    then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive."""
+    if keep == list(range(len(keep))):  # already in place (a chain, or the top path): nothing to move
+        cache.length = start + len(keep)
+        return
+    src = torch.tensor([start + k for k in keep], device=cache.valid.device)
+    n = len(keep)
+    for k, v in zip(cache.k, cache.v):
+        k[:, :, start:start + n] = k[:, :, src]  # advanced indexing copies first, so overlaps are safe
+        v[:, :, start:start + n] = v[:, :, src]
+    cache.valid[:, start:start + n] = cache.valid[:, src]
+    cache.length = start + n
