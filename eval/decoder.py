@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.eval.accept import greedy_accept, rejection_accept
-from draftsmith.eval.tree import TreeSpec, ancestor_mask, compact_cache, greedy_tree_accept
+from draftsmith.eval.tree import (
+    DynamicTree,
+    TreeSpec,
+    ancestor_mask,
+    compact_cache,
+    greedy_tree_accept,
+    rerank,
+    sample_tree_accept,
+)
 from draftsmith.models.sampling import process_logits
 
 
@@ -237,42 +245,102 @@ def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.
     return tokens
 
 
-@torch.no_grad()
-def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, tree: TreeSpec, *,
-                              eos_ids: set[int] | None = None) -> tuple[list[int], DecodeStats]:
-    """Greedy tree speculative decoding (static tree, e.g. from ``tree_from_choices``), batch 1.
+def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tuple[torch.Tensor, list[int]]:
+    """EAGLE-2-style dynamic tree with a Llama-like drafter -> (node tokens (N,), parents) in depth-sorted order.
 
-    Each step drafts the whole tree, verifies it in one target forward under the tree mask, keeps the deepest
-    path whose tokens are the target's argmax, and compacts the target KV cache to that path. Output equals the
-    target's own greedy decoding token for token. The drafter re-reads the accepted path next step (its cache is
-    rolled back to the root), which keeps its cache trivially consistent.
+    Root: the drafter's top-k tokens. Each level: feed the k frontier nodes in one forward (tree mask: committed
+    prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
+    frontier. Finally keep the ``total_tokens`` best of all recorded nodes (``rerank``).
     """
-    stats = DecodeStats(accept_counts=[0] * (max(tree.depths) + 1))
+    k, device = spec.top_k, feed.device
+    logq = torch.log_softmax(drafter(feed.view(1, -1), cache=dcache)[0, -1].float(), -1)  # (V,)
+    base = dcache.length  # the root (current token) sits at slot base - 1; slot index == position
+    v, i = logq.topk(k)
+    tok, par, score, depth = i.tolist(), [-1] * k, v.tolist(), [1] * k
+    frontier, fed = list(range(k)), []  # fed: node ids in slot order after base
+    for d in range(1, spec.depth):
+        slot = {n: base + j for j, n in enumerate(fed + frontier)}
+        mask = torch.zeros(1, len(frontier), base + len(fed) + len(frontier), dtype=torch.bool, device=device)
+        mask[0, :, :base] = True
+        for r, n in enumerate(frontier):
+            while n >= 0:  # a frontier node's ancestors were all frontier nodes, so all were fed
+                mask[0, r, slot[n]] = True
+                n = par[n]
+        dcache.length = base + len(fed)
+        pos = torch.full((1, len(frontier)), base - 1 + d, device=device)
+        out = drafter(torch.tensor([tok[n] for n in frontier], device=device).view(1, -1), pos=pos, cache=dcache,
+                      attn_mask=mask)[0]  # (k, V)
+        fed += frontier
+        cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
+        cum = torch.tensor([score[n] for n in frontier], device=device)[:, None] + cv
+        first = len(tok)
+        for r, n in enumerate(frontier):
+            tok += ci[r].tolist()
+            par += [n] * k
+            score += cum[r].tolist()
+            depth += [d + 1] * k
+        frontier = [first + j for j in cum.flatten().topk(min(k, cum.numel())).indices.tolist()]
+    keep = rerank(score, par, depth, spec.total_tokens)
+    index = {n: j for j, n in enumerate(keep)}
+    parents = [index[par[n]] if par[n] >= 0 else -1 for n in keep]
+    return torch.tensor([tok[n] for n in keep], dtype=torch.long, device=device), parents
+
+
+@torch.no_grad()
+def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
+                              tree: TreeSpec | DynamicTree, *,
+                              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                              eos_ids: set[int] | None = None,
+                              generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+    """Tree speculative decoding, batch 1, over a static tree (``tree_from_choices``) or an EAGLE-2-style
+    ``DynamicTree`` rebuilt every step from the drafter's confidence.
+
+    Each step drafts the whole tree (children are the drafter's top-k tokens), verifies it in one target forward
+    under the tree mask, and compacts the target KV cache to the accepted path. Greedy: the deepest path whose
+    tokens are the target's argmax; output equals the target's greedy decoding token for token. Sampling: the
+    point-mass rule of ``sample_tree_accept``; output follows the target's processed distribution. The drafter
+    re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
+    """
+    dynamic = isinstance(tree, DynamicTree)
+    max_depth = tree.depth if dynamic else max(tree.depths)
+    n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)  # most nodes a step holds
+    stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
     if max_new_tokens <= 0:
         return [], stats
     prompt = _prepare(target, prompt_ids)
     device = prompt.device
-    parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
-    anc = ancestor_mask(parents)  # (N+1, N+1)
-    depths = torch.tensor([0, *tree.depths], device=device)  # root first
-    max_len = prompt.shape[1] + max_new_tokens + len(tree) + max(tree.depths) + 2
+    if not dynamic:
+        parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
+        anc = ancestor_mask(parents)  # (N+1, N+1)
+        depths = anc.sum(-1) - 1  # (N+1,) root first
+    max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
-    cur = _prefill(target, prompt, tcache).argmax(-1, keepdim=True)  # (1,)
+    cur, _ = _pick(_prefill(target, prompt, tcache), temperature, top_k, top_p, generator)  # (1,)
     pending = prompt[0]  # tokens the drafter has not seen yet (the whole prompt at first)
     out: list[int] = []
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
     while not done:
         t0 = time.perf_counter()
         root = dcache.length + pending.numel() + 1  # the drafter's cache length once it has read pending + cur
-        tokens = _draft_tree(drafter, dcache, torch.cat([pending, cur]), tree, anc)
+        if dynamic:
+            tokens, par = _draft_dynamic(drafter, dcache, torch.cat([pending, cur]), tree)
+            parents = torch.tensor(par, dtype=torch.long, device=device)
+            anc = ancestor_mask(parents)
+            depths = anc.sum(-1) - 1
+        else:
+            tokens = _draft_tree(drafter, dcache, torch.cat([pending, cur]), tree, anc)
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length
-        mask = torch.ones(1, len(tree) + 1, t_len + len(tree) + 1, dtype=torch.bool, device=device)
+        mask = torch.ones(1, len(tokens) + 1, t_len + len(tokens) + 1, dtype=torch.bool, device=device)
         mask[0, :, t_len:] = anc
         logits = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
                         attn_mask=mask)[0]  # (N+1, V)
-        path, nxt = greedy_tree_accept(tokens, parents, logits)
+        if temperature <= 0:
+            path, nxt = greedy_tree_accept(tokens, parents, logits)
+        else:
+            path, nxt = sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p),
+                                           generator)
         t2 = time.perf_counter()
         compact_cache(tcache, t_len, [0] + [i + 1 for i in path])  # keep cur and the accepted path
         dcache.length = root
@@ -280,7 +348,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         cur = tokens.new_tensor([nxt])
         done = _emit(out, pending.tolist() + [nxt], eos_ids, max_new_tokens)
         stats.target_forwards += 1
-        stats.drafted += len(tree)
+        stats.drafted += len(tokens)
         stats.accepted += len(path)
         stats.accept_counts[len(path)] += 1
         stats.draft_time_s += t1 - t0

@@ -32,6 +32,34 @@ class TreeSpec:
         return d
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2-style dynamic tree (algorithms.md A6.2): per step, expand the ``top_k`` best frontier nodes by
+    cumulative draft log-prob for ``depth`` levels, then keep the ``total_tokens`` best nodes overall."""
+
+    top_k: int = 8
+    depth: int = 5
+    total_tokens: int = 48
+
+    def __post_init__(self):
+        if min(self.top_k, self.depth, self.total_tokens) < 1:
+            raise ValueError(f"dynamic tree needs top_k, depth, total_tokens >= 1, got {self}")
+
+
+def rerank(scores: list[float], parents: list[int], depths: list[int], budget: int) -> list[int]:
+    """The ``budget`` best-scored nodes, closed under ancestors and sorted by (depth, index) so parents come first.
+
+    A child's cumulative log-prob never exceeds its parent's, so the best set is ancestor-closed up to ties; the
+    closure makes it so regardless."""
+    best = sorted(range(len(scores)), key=lambda n: (-scores[n], n))[:budget]
+    keep = set()
+    for n in best:
+        while n >= 0 and n not in keep:
+            keep.add(n)
+            n = parents[n]
+    return sorted(keep, key=lambda n: (depths[n], n))
+
+
 def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
     """Medusa-style choices: each entry is a path of child ranks from the root, e.g. ``[[0], [1], [0, 0]]`` is the
     root's top-2 children plus the top child of the best one. Every prefix of a path must be listed too."""
@@ -94,6 +122,28 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torc
         path.append(node)
         node = par[node]
     return path[::-1], int(best[last + 1])
+
+
+def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
+                       generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Lossless sampling over a tree of deterministic (top-k) children (algorithms.md A11.4, point-mass rule).
+
+    probs (N+1, V): the target's processed distribution at the root and at each node. From the root: draw
+    y ~ p(node); if a child of the node carries y, descend into it and repeat; otherwise emit y and stop. Every
+    emitted token is an exact sample of the target given the tokens before it, so the output follows the target.
+    Returns (accepted path of node indices, the token drawn where the walk stopped).
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i, (t, p) in enumerate(zip(tokens.tolist(), parents.tolist())):
+        children.setdefault(p, {}).setdefault(t, i)  # siblings are distinct top-k tokens; keep the first if not
+    node, path = -1, []
+    while True:
+        y = int(torch.multinomial(probs[node + 1], 1, generator=generator))
+        child = children.get(node, {}).get(y)
+        if child is None:
+            return path, y
+        path.append(child)
+        node = child
 
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:

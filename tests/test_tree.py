@@ -1,20 +1,24 @@
 """Draft trees (issue 4, first part): tree construction from choices, ancestor masks against brute force, the greedy
-tree acceptance rule on hand-made logits, KV compaction, and greedy losslessness of tree speculative decoding for
-good, noisy, oracle and always-wrong drafters over chains and branching trees (float64 tiny models)."""
+and sampling tree acceptance rules, KV compaction, greedy losslessness of tree speculative decoding for good, noisy,
+oracle and always-wrong drafters over chains and branching trees (float64 tiny models), and the target's
+distribution kept when sampling through a tree."""
 from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder import NEW, PROMPTS, _model, _noisy_copy
+from test_decoder import CFG8, NEW, PROMPTS, _exact_joint, _model, _noisy_copy, _tv
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
 from draftsmith.eval.tree import (
+    DynamicTree,
     ancestor_mask,
     chain_tree,
     compact_cache,
     greedy_tree_accept,
     node_depths,
+    rerank,
+    sample_tree_accept,
     tree_from_choices,
 )
 
@@ -23,7 +27,8 @@ BINARY3 = [[a] for a in range(2)] + [[a, b] for a in range(2) for b in range(2)]
 MEDUSA_LIKE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0],
                [0, 0, 0, 0, 0]]
 TREES = {"chain1": chain_tree(1), "chain3": chain_tree(3), "chain5": chain_tree(5),
-         "binary3": tree_from_choices(BINARY3), "medusa": tree_from_choices(MEDUSA_LIKE)}
+         "binary3": tree_from_choices(BINARY3), "medusa": tree_from_choices(MEDUSA_LIKE),
+         "dynamic": DynamicTree(top_k=3, depth=4, total_tokens=10), "dynamic_wide": DynamicTree(5, 5, 60)}
 
 
 class AntiDrafter(nn.Module):
@@ -109,13 +114,15 @@ def test_tree_greedy_lossless(target, ar_outputs, kind, tree):
     drafter = {"bad": lambda: _model(1), "noisy": lambda: _noisy_copy(target), "oracle": lambda: target,
                "anti": lambda: AntiDrafter(target)}[kind]()
     spec = TREES[tree]
-    depth = max(spec.depths)
+    depth = spec.depth if isinstance(spec, DynamicTree) else max(spec.depths)
     for prompt in PROMPTS:
         out, stats = tree_speculative_generate(target, drafter, torch.tensor(prompt), NEW, spec)
         assert out == ar_outputs[tuple(prompt)], (kind, tree, len(prompt))
         assert stats.new_tokens == NEW and sum(stats.accept_counts) == stats.target_forwards
-        if kind == "oracle":  # the top path is the target's own greedy continuation: always fully accepted
+        if kind == "oracle" and not isinstance(spec, DynamicTree):  # the top path is the target's greedy one
             assert stats.accept_counts[depth] >= stats.target_forwards - 1
+        if kind == "oracle":  # a dynamic tree may spend its budget on siblings, but the top child always matches
+            assert stats.accepted >= stats.target_forwards - 1
         if kind == "anti":
             assert stats.accepted == 0 and stats.target_forwards == NEW - 1
 
@@ -130,3 +137,66 @@ def test_tree_beats_chain_acceptance_with_a_noisy_drafter(target):
     # and a chain tree accepts exactly what the chain decoder accepts
     _, ref = speculative_generate(target, drafter, prompt, NEW, draft_len=3)
     assert chain.tau == pytest.approx(ref.tau, rel=0.1)
+
+
+def test_tree_sampling_matches_target_end_to_end():
+    """Sampling through a branching tree keeps the target's distribution: joint of the first 3 new tokens."""
+    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    prompt, depth, N = [1, 2, 3, 4], 3, 3000
+    joint = _exact_joint(target, prompt, depth)  # (V, V, V)
+    counts = torch.zeros_like(joint)
+    gen = torch.Generator().manual_seed(0)
+    spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]])
+    accepted = 0
+    for _ in range(N):
+        out, s = tree_speculative_generate(target, drafter, torch.tensor(prompt), 4, spec, temperature=1.0,
+                                           generator=gen)
+        counts[tuple(out[:depth])] += 1
+        accepted += s.accepted
+    emp = counts / N
+    assert 0.1 * N < accepted < 2 * N  # some steps accept, some reject
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert _tv(emp.sum(2), joint.sum(2)) < 0.05
+
+
+def test_sample_tree_accept_descends_only_into_matching_children():
+    probs = torch.zeros(4, 5)
+    probs[0, 2] = 1.0  # root: surely 2 -> node 1 carries 2
+    probs[2, 4] = 1.0  # node 1: surely 4 -> no child carries 4 -> emitted
+    tokens, parents = torch.tensor([1, 2, 3]), torch.tensor([-1, -1, 1])
+    assert sample_tree_accept(tokens, parents, probs) == ([1], 4)
+
+
+def test_rerank_is_ancestor_closed_and_parent_first():
+    scores = [-0.1, -2.0, -0.3, -0.2, -5.0]  # node 3 (child of 1) outscores its parent: closure must add 1
+    parents = [-1, -1, 0, 1, 2]
+    depths = [1, 1, 2, 2, 3]
+    assert rerank(scores, parents, depths, 3) == [0, 1, 2, 3]
+    assert rerank(scores, parents, depths, 1) == [0]
+
+
+def test_dynamic_tree_sampling_matches_target_end_to_end():
+    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    prompt, depth, N = [1, 2, 3, 4], 3, 2000
+    joint = _exact_joint(target, prompt, depth)
+    counts = torch.zeros_like(joint)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(N):
+        out, _ = tree_speculative_generate(target, drafter, torch.tensor(prompt), 4, DynamicTree(2, 3, 5),
+                                           temperature=1.0, generator=gen)
+        counts[tuple(out[:depth])] += 1
+    emp = counts / N
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.035, dims
+
+
+def test_dynamic_tree_follows_a_confident_drafter_to_full_depth():
+    """With a sharp target as its own drafter, the top-1 path outscores every sibling, so reranking keeps it to
+    the full depth and every step accepts `depth` drafts."""
+    target = _model(0, logit_scale=30.0)
+    prompt = torch.tensor(PROMPTS[1])
+    ref = autoregressive_generate(target, prompt, NEW)
+    out, stats = tree_speculative_generate(target, target, prompt, NEW, DynamicTree(top_k=3, depth=4,
+                                                                                     total_tokens=10))
+    assert out == ref and stats.accept_counts[4] >= stats.target_forwards - 1
