@@ -17,9 +17,15 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.prompts import load_prompts
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
-from draftsmith.eval.report import write_markdown, write_plot
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, tokenizer_hash
+from draftsmith.eval.decoder import (
+    DecodeStats,
+    autoregressive_generate,
+    speculative_generate,
+    tree_speculative_generate,
+)
+from draftsmith.eval.report import write_category_plot, write_markdown, write_plot
+from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
+from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype
@@ -32,11 +38,25 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def _hf_generate(hf_model, ids: list[int], max_new: int, eos: set[int], pad_id: int) -> list[int]:
+def _hf_generate(hf_model, ids: list[int], max_new: int, eos: set[int], pad_id: int, assistant=None,
+                 temperature: float = 0.0) -> list[int]:
+    """HF ``generate``: plain, or assisted by ``assistant`` (transformers' own speculative decoding)."""
     x = torch.tensor([ids], device=hf_model.device)
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                            eos_token_id=sorted(eos), pad_token_id=pad_id, temperature=None, top_p=None, top_k=None)
+    sample = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False,
+                                                                                       "temperature": None}
+    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=sorted(eos),
+                            pad_token_id=pad_id, top_p=None, top_k=None, assistant_model=assistant, **sample)
     return _truncate_at_eos(out[0, len(ids):].tolist(), eos)
+
+
+def _hf_assistant(drafter, info: dict, draft_len: int):
+    """Our draft LM as a transformers assistant model with a fixed draft length (a like-for-like baseline)."""
+    if info["kind"] != "draft_lm":
+        return None
+    assistant = to_hf_model(drafter)
+    assistant.generation_config.num_assistant_tokens = draft_len
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    return assistant
 
 
 def _timed(fn, device: str):
@@ -62,52 +82,70 @@ def evaluate(recipe) -> dict:
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)
     eos = stop_ids(tgt.path, tgt.tokenizer)
-    hf_model = None
+    hf_model = assistant = None
     if ec.baseline_hf:
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
+        assistant = _hf_assistant(drafter, info, ec.draft_len)
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
     gen = torch.Generator(device=device).manual_seed(recipe.seed)
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages)))
                for p in prompts]
 
+    tree = build_tree(ec)
+
+    def speculative(x):
+        if tree is None:
+            return speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
+                                        temperature=ec.temperature, eos_ids=eos, generator=gen)
+        return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree,
+                                         temperature=ec.temperature, eos_ids=eos, generator=gen)
+
     def run_one(ids):
         x = torch.tensor(ids, device=device)
-        spec, t_spec = _timed(lambda: speculative_generate(
-            tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, temperature=ec.temperature,
-            eos_ids=eos, generator=gen), device)
+        spec, t_spec = _timed(lambda: speculative(x), device)
         ar, t_ar = _timed(lambda: autoregressive_generate(
             tgt.model, x, ec.max_new_tokens, temperature=ec.temperature, eos_ids=eos, generator=gen), device)
-        hf, t_hf = (None, 0.0)
+        hf, t_hf, hfa, t_hfa = None, 0.0, None, 0.0
         if hf_model is not None:
-            hf, t_hf = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id), device)
-        return spec, t_spec, ar, t_ar, hf, t_hf
+            hf, t_hf = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id,
+                                                   temperature=ec.temperature), device)
+            if assistant is not None:
+                hfa, t_hfa = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, assistant,
+                                                         ec.temperature), device)
+        return spec, t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa
 
     with torch.no_grad():
         for _, ids in encoded[:ec.warmup]:  # first calls pay one-off allocation / kernel selection costs
             run_one(ids)
         total, per_cat = DecodeStats(), defaultdict(DecodeStats)
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
+        cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
         for p, ids in tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True):
-            (spec, st), t_spec, ar, t_ar, hf, t_hf = run_one(ids)
+            (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
             total.merge(st)
-            per_cat[p.category or "all"].merge(st)
-            for k, out, t in (("spec", spec, t_spec), ("ar", ar, t_ar), ("ar_hf", hf, t_hf)):
+            cat = p.category or "all"
+            per_cat[cat].merge(st)
+            for k, out, t in (("spec", spec, t_spec), ("ar", ar, t_ar), ("ar_hf", hf, t_hf),
+                              ("hf_assisted", hfa, t_hfa)):
                 if out is not None:
                     times[k] += t
                     toks[k] += len(out)
+                    cat_times[cat][k + "_s"] += t
+                    cat_times[cat][k + "_tokens"] += len(out)
             if ec.temperature == 0:
                 ref = hf if hf is not None else ar
                 matches += spec == ref
                 n_cmp += 1
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded),
-                          device)
+                          device, cat_times)
     out_dir = run / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     write_plot(report, out_dir / "acceptance.png")
+    write_category_plot(report, out_dir / "by_category.png")
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
     print(f"eval: tau {report['tau']:.2f}, acceptance {report['acceptance_rate']:.3f}, "
@@ -116,11 +154,46 @@ def evaluate(recipe) -> dict:
     return report
 
 
-def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, n, device) -> dict:
+def build_tree(ec) -> TreeSpec | DynamicTree | None:
+    """The eval recipe's draft tree; None for chain decoding."""
+    if ec.strategy == "dynamic_tree":
+        return DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens)
+    if ec.strategy == "tree":
+        depths = range(1, ec.draft_len + 1)  # default: the top-1 chain plus the runner-up sibling at every depth
+        default = [[0] * d for d in depths] + [[0] * (d - 1) + [1] for d in depths]
+        return tree_from_choices(ec.tree.choices or default)
+    return None
+
+
+def _strategy(ec) -> tuple[dict, int]:
+    """The report's strategy entry and the number of sequential draft passes per step (the MBSU's gamma)."""
+    tree = build_tree(ec)
+    if tree is None:
+        return {"kind": "chain", "draft_len": ec.draft_len}, ec.draft_len
+    if isinstance(tree, DynamicTree):
+        return {"kind": "dynamic_tree", "top_k": tree.top_k, "depth": tree.depth,
+                "total_tokens": tree.total_tokens}, tree.depth
+    depth = max(tree.depths)
+    return {"kind": "tree", "nodes": len(tree), "depth": depth, "choices": ec.tree.choices}, depth
+
+
+def _by_category(per_cat: dict, cat_times: dict) -> dict:
+    """{category: {tau, speedup}}, speedup = speculative vs own AR tokens/s over that category's prompts."""
+    out = {}
+    for c, s in sorted(per_cat.items()):
+        t = cat_times[c]
+        rate = {k: t[k + "_tokens"] / t[k + "_s"] for k in ("spec", "ar") if t[k + "_s"] > 0}
+        out[c] = {"tau": s.tau, "speedup": rate["spec"] / rate["ar"] if len(rate) == 2 else None}
+    return out
+
+
+def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, n, device,
+                 cat_times=None) -> dict:
     ec = recipe.eval
     n_draft, n_target = drafter.num_params(), tgt.model.num_params()
     r = n_draft / n_target
-    speedup = {f"vs_{k}": tps["spec"] / tps[k] for k in ("ar_hf", "ar") if k in tps and "spec" in tps}
+    strategy, gamma = _strategy(ec)
+    speedup = {f"vs_{k}": tps["spec"] / tps[k] for k in ("ar_hf", "ar", "hf_assisted") if k in tps and "spec" in tps}
     return {
         "target": recipe.target.model,
         "drafter": {"kind": info["kind"], "checkpoint": str(ckpt), "params": n_draft, "step": info.get("step")},
@@ -128,18 +201,21 @@ def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches,
         "prompts": {"source": ec.prompts.source, "n": n},
         "temperature": ec.temperature,
         "max_new_tokens": ec.max_new_tokens,
-        "strategy": {"kind": ec.strategy, "draft_len": ec.draft_len},
+        "strategy": strategy,
         "tau": total.tau,
         "acceptance_rate": total.acceptance_rate,
         "per_position_acceptance": total.per_position_acceptance(),
         "accept_counts": total.accept_counts,
-        # Memory-bound speed-up: tau / (draft_len * N_draft/N_target + 1) (algorithms.md A1.6).
-        "mbsu": total.tau / (ec.draft_len * r + 1),
+        # Memory-bound speed-up: tau / (gamma * N_draft/N_target + 1), gamma = sequential draft passes (A1.6).
+        "mbsu": total.tau / (gamma * r + 1),
         "tokens_per_s": tps,
         "speedup": speedup,
         "lossless_match": (matches / n_cmp) if n_cmp else None,
         "lossless_reference": "ar_hf" if ec.baseline_hf else "ar",
         "per_category": {c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_cat.items())},
+        "by_category": _by_category(per_cat, cat_times or {c: defaultdict(float) for c in per_cat}),
+        # The share of the ideal tau-fold speedup that survives drafting and verify overheads (C6: EAGLE-3 ~0.72).
+        "efficiency": speedup["vs_ar"] / total.tau if "vs_ar" in speedup and total.tau else None,
         "time_split": {"draft_s": total.draft_time_s, "verify_s": total.verify_time_s},
         "new_tokens": total.new_tokens,
         "device": _device_name(device),

@@ -1,5 +1,5 @@
-"""Human-readable eval output: report.md (a summary table) and acceptance.png (per-position acceptance and the
-accepted-length histogram)."""
+"""Human-readable eval output: report.md (a summary table), acceptance.png (per-position acceptance and the
+accepted-length histogram) and by_category.png (tau and speedup per prompt category)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,6 +26,27 @@ def write_plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def write_category_plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cats = list(report["by_category"])
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a1.bar(cats, [report["by_category"][c]["tau"] for c in cats], color="#4c72b0")
+    a1.axhline(1.0, color="grey", lw=0.8)
+    a1.set(ylabel="tau", title="tau by category")
+    a2.bar(cats, [report["by_category"][c]["speedup"] or 0.0 for c in cats], color="#c44e52")
+    a2.axhline(1.0, color="grey", lw=0.8)
+    a2.set(ylabel="speedup vs own AR", title="speedup by category")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", labelrotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
@@ -38,7 +59,8 @@ def write_markdown(report: dict, path: Path) -> None:
         f"Drafter `{r['drafter']['kind']}` ({r['drafter']['params'] / 1e6:.1f}M params) from "
         f"`{r['drafter']['checkpoint']}`; {r['prompts']['n']} {r['prompts']['source']} prompts, "
         f"temperature {r['temperature']}, {r['max_new_tokens']} new tokens max, {r['strategy']['kind']} "
-        f"draft length {r['strategy']['draft_len']}, on {r['device']} ({r['dtype']}).",
+        f"({', '.join(f'{k} {v}' for k, v in r['strategy'].items() if k not in ('kind', 'choices'))}), "
+        f"on {r['device']} ({r['dtype']}).",
         "",
         "| metric | value |",
         "|---|---|",
@@ -49,10 +71,12 @@ def write_markdown(report: dict, path: Path) -> None:
     lines += [f"| tokens/s {k} | {v:.1f} |" for k, v in r["tokens_per_s"].items()]
     lines += [f"| speedup {k} | {v:.2f}x |" for k, v in r["speedup"].items()]
     lines += [f"| lossless match vs {r['lossless_reference']} | {_fmt(r['lossless_match'])} |", ""]
+    lines.insert(-1, f"| efficiency (speedup vs AR / tau) | {_fmt(r['efficiency'])} |")
     if len(r["per_category"]) > 1:
-        lines += ["| category | tau | acceptance |", "|---|---|---|"]
-        lines += [f"| {c} | {v['tau']:.2f} | {v['acceptance_rate']:.3f} |" for c, v in r["per_category"].items()]
-        lines.append("")
+        lines += ["| category | tau | acceptance | speedup vs AR |", "|---|---|---|---|"]
+        lines += [f"| {c} | {v['tau']:.2f} | {v['acceptance_rate']:.3f} | {_fmt(r['by_category'][c]['speedup'])} |"
+                  for c, v in r["per_category"].items()]
+        lines += ["", "![by category](by_category.png)", ""]
     lines += ["Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"]), "",
               "![acceptance](acceptance.png)", ""]
     Path(path).write_text("\n".join(lines))

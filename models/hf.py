@@ -140,6 +140,21 @@ def load_llama_dir(path: Path, dtype: torch.dtype = torch.float32, device: str =
     return model.to(dtype).eval()
 
 
+def to_hf_model(model: Llama):
+    """The same weights as a transformers model (LlamaForCausalLM, or Qwen3ForCausalLM for q/k-norm configs), in
+    memory: the HF assisted-generation baseline runs our draft LM through it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = config_to_hf(model.cfg)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d))
+    sd = {own_to_hf_key(k): v for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
+        raise DraftsmithError(f"cannot map the drafter onto transformers (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]})")
+    return hf.to(model.embed_tokens.weight.dtype).eval()
+
+
 def _find_package_file(package: str, filename: str) -> Path:
     spec = importlib.util.find_spec(package)  # locate without importing (some packages import heavy deps)
     if spec is None or not spec.submodule_search_locations:

@@ -171,15 +171,39 @@ class TrainConfig(Strict):
     tensorboard: bool = False
 
 
+class TreeConfig(Strict):
+    """Draft tree for eval.strategy tree (static, Medusa-style) or dynamic_tree (EAGLE-2-style)."""
+
+    choices: list[list[int]] | None = None
+    """tree: paths of child ranks from the root, e.g. [[0], [1], [0, 0]]; every prefix must be listed. None = the
+    top-1 chain of depth draft_len plus the second-best sibling at every depth."""
+    top_k: int = Field(4, gt=0)
+    """dynamic_tree: children per expanded node and nodes expanded per level."""
+    depth: int = Field(4, gt=0, le=32)
+    """dynamic_tree: levels drafted per step."""
+    total_tokens: int = Field(16, gt=0)
+    """dynamic_tree: nodes kept (best cumulative draft log-prob) and verified per step."""
+
+    @model_validator(mode="after")
+    def _valid_choices(self):
+        if self.choices is not None:
+            from draftsmith.eval.tree import tree_from_choices
+
+            tree_from_choices(self.choices)  # raises ValueError naming the bad path
+        return self
+
+
 class EvalConfig(Strict):
     enabled: bool = True
     prompts: PromptsConfig = PromptsConfig(source="mt_bench", n=20)
     max_new_tokens: int = Field(128, gt=0)
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy (output must equal the target's); > 0 = lossless rejection sampling."""
-    strategy: Literal["chain"] = "chain"
+    strategy: Literal["chain", "tree", "dynamic_tree"] = "chain"
+    """chain: draft_len tokens per step; tree: a static tree (eval.tree.choices); dynamic_tree: EAGLE-2-style."""
     draft_len: int = Field(4, ge=1, le=32)
-    """Draft tokens proposed per target forward."""
+    """Draft tokens proposed per target forward (chain), and the depth of the default static tree."""
+    tree: TreeConfig = TreeConfig()
     baseline_hf: bool = True
     """Also time plain HF generate() and check the speculative output matches it token for token."""
     checkpoint: str | None = None

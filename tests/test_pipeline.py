@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from conftest import shard_tensors
 
@@ -26,7 +27,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
     assert report["prompts"] == {"source": "file", "n": 3} and report["strategy"] == {"kind": "chain", "draft_len": 3}
     assert 1.0 <= report["tau"] <= 4.0 and 0.0 <= report["acceptance_rate"] <= 1.0
     assert len(report["per_position_acceptance"]) == 3
-    assert {"ar_hf", "ar", "spec"} <= set(report["tokens_per_s"]) and "vs_ar_hf" in report["speedup"]
+    assert {"ar_hf", "ar", "spec", "hf_assisted"} <= set(report["tokens_per_s"])
+    assert {"vs_ar_hf", "vs_ar", "vs_hf_assisted"} <= set(report["speedup"])
+    assert report["efficiency"] == pytest.approx(report["speedup"]["vs_ar"] / report["tau"])
+    assert set(report["by_category"]) == set(report["per_category"])
+    assert all(v["speedup"] > 0 and v["tau"] >= 1 for v in report["by_category"].values())
+    assert (run / "eval" / "by_category.png").stat().st_size > 1000
     assert (run / "eval" / "report.md").read_text().startswith("# Speculative decoding eval")
     assert (run / "eval" / "acceptance.png").stat().st_size > 1000
     stages = {json.loads(line)["stage"] for line in (run / "metrics.jsonl").read_text().splitlines()}
@@ -60,3 +66,17 @@ def test_generate_resumes_after_crash(tmp_path, tiny_overrides):
             assert torch.equal(before[name][k], after[name][k]), (name, k)
     # A different data recipe must not silently mix into the same folder.
     assert main([*args, "data.max_new_tokens=5"]) == 2
+
+
+@pytest.mark.parametrize("strategy", ["tree", "dynamic_tree"])
+def test_eval_with_tree_strategies_is_lossless(tmp_path, tiny_overrides, strategy):
+    assert main(["run", "tiny", *tiny_overrides, "target.dtype=float64", f"eval.strategy={strategy}",
+                 "eval.baseline_hf=false", "-q"]) == 0
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["kind"] == strategy
+    assert report["tau"] >= 1.0 and report["mbsu"] > 0
+
+
+def test_bad_tree_choices_are_a_recipe_error(tiny_overrides, capsys):
+    assert main(["show", "tiny", *tiny_overrides, "eval.strategy=tree", "eval.tree.choices=[[0,0]]"]) == 2
+    assert "eval.tree" in capsys.readouterr().err
