@@ -39,13 +39,15 @@ def _truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def _hf_generate(hf_model, ids: list[int], max_new: int, eos: set[int], pad_id: int, assistant=None,
-                 temperature: float = 0.0) -> list[int]:
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> list[int]:
     """HF ``generate``: plain, or assisted by ``assistant`` (transformers' own speculative decoding)."""
     x = torch.tensor([ids], device=hf_model.device)
-    sample = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False,
-                                                                                       "temperature": None}
+    if temperature > 0:
+        sample = {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
+    else:
+        sample = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
     out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=sorted(eos),
-                            pad_token_id=pad_id, top_p=None, top_k=None, assistant_model=assistant, **sample)
+                            pad_token_id=pad_id, assistant_model=assistant, **sample)
     return _truncate_at_eos(out[0, len(ids):].tolist(), eos)
 
 
@@ -94,26 +96,27 @@ def evaluate(recipe) -> dict:
                for p in prompts]
 
     tree = build_tree(ec)
+    sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
 
     def speculative(x):
         if tree is None:
             return speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
-                                        temperature=ec.temperature, eos_ids=eos, generator=gen)
-        return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree,
-                                         temperature=ec.temperature, eos_ids=eos, generator=gen)
+                                        eos_ids=eos, generator=gen, **sampling)
+        return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos,
+                                         generator=gen, **sampling)
 
     def run_one(ids):
         x = torch.tensor(ids, device=device)
         spec, t_spec = _timed(lambda: speculative(x), device)
         ar, t_ar = _timed(lambda: autoregressive_generate(
-            tgt.model, x, ec.max_new_tokens, temperature=ec.temperature, eos_ids=eos, generator=gen), device)
+            tgt.model, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling), device)
         hf, t_hf, hfa, t_hfa = None, 0.0, None, 0.0
         if hf_model is not None:
-            hf, t_hf = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id,
-                                                   temperature=ec.temperature), device)
+            hf, t_hf = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, None,
+                                                   **sampling), device)
             if assistant is not None:
                 hfa, t_hfa = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, assistant,
-                                                         ec.temperature), device)
+                                                         **sampling), device)
         return spec, t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa
 
     with torch.no_grad():
@@ -200,6 +203,8 @@ def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches,
         "target_params": n_target,
         "prompts": {"source": ec.prompts.source, "n": n},
         "temperature": ec.temperature,
+        "top_k": ec.top_k,
+        "top_p": ec.top_p,
         "max_new_tokens": ec.max_new_tokens,
         "strategy": strategy,
         "tau": total.tau,

@@ -199,6 +199,10 @@ class EvalConfig(Strict):
     max_new_tokens: int = Field(128, gt=0)
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy (output must equal the target's); > 0 = lossless rejection sampling."""
+    top_k: int = Field(0, ge=0)
+    """Sampling: keep the k most likely tokens (0 = all), applied identically to draft and target."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Sampling: nucleus mass, applied identically to draft and target."""
     strategy: Literal["chain", "tree", "dynamic_tree"] = "chain"
     """chain: draft_len tokens per step; tree: a static tree (eval.tree.choices); dynamic_tree: EAGLE-2-style."""
     draft_len: int = Field(4, ge=1, le=32)

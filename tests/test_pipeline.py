@@ -80,3 +80,12 @@ def test_eval_with_tree_strategies_is_lossless(tmp_path, tiny_overrides, strateg
 def test_bad_tree_choices_are_a_recipe_error(tiny_overrides, capsys):
     assert main(["show", "tiny", *tiny_overrides, "eval.strategy=tree", "eval.tree.choices=[[0,0]]"]) == 2
     assert "eval.tree" in capsys.readouterr().err
+
+
+def test_eval_sampling_with_filters_runs_every_decoder(tmp_path, tiny_overrides):
+    assert main(["run", "tiny", *tiny_overrides, "eval.temperature=0.8", "eval.top_k=20", "eval.top_p=0.9",
+                 "eval.strategy=tree", "-q"]) == 0
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert (report["temperature"], report["top_k"], report["top_p"]) == (0.8, 20, 0.9)
+    assert report["lossless_match"] is None  # sampled outputs are checked in distribution by the decoder tests
+    assert {"spec", "ar", "ar_hf", "hf_assisted"} <= set(report["tokens_per_s"])
