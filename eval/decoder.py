@@ -126,19 +126,27 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
         logits = target(tok.view(1, 1), cache=cache)[0, -1]  # (V,)
 
 
-def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator):
-    """Propose γ tokens. feed (k,): tokens the drafter has not seen yet, ending with the current token.
+def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator, stop=None):
+    """Propose up to γ tokens. feed (k,): tokens the drafter has not seen yet, ending with the current token.
 
-    Returns drafts (γ,) long and q (γ, V) (the exact distributions sampled from) or None when greedy. The last
-    draft is never fed to the drafter (the verify decides whether it survives).
+    Returns drafts (γ',) long and q (γ', V) (the exact distributions sampled from) or None when greedy. The last
+    draft is never fed to the drafter (the verify decides whether it survives). ``stop(i, logits, hidden)``, if
+    given, is asked after draft i (1-based) whether to stop drafting early (adaptive draft length, SpecDec++);
+    hidden is the drafter's final hidden state (D,) at that position when the drafter can return it, else None.
     """
     drafts, q_rows = [], []
-    for _ in range(gamma):
-        logits = drafter(feed.view(1, -1), cache=dcache)[0, -1]  # (V,)
+    with_hidden = stop is not None and hasattr(drafter, "cfg")
+    for i in range(1, gamma + 1):
+        out = drafter(feed.view(1, -1), cache=dcache,
+                      **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
+        logits, hidden = (out[0][0, -1], drafter.norm(out[1][drafter.cfg.n_layers][0, -1])) if with_hidden \
+            else (out[0, -1], None)  # (V,), (D,)
         tok, q = _pick(logits, temperature, top_k, top_p, generator)
         drafts.append(tok)
         q_rows.append(q)
         feed = tok
+        if stop is not None and i < gamma and stop(i, logits, hidden):
+            break
     drafts_t = torch.cat(drafts) if drafts else feed.new_empty(0)  # (γ,)
     q_t = torch.stack(q_rows) if drafts and q_rows[0] is not None else None  # (γ, V)
     return drafts_t, q_t
@@ -158,9 +166,12 @@ def _verify(target, tcache, cur: torch.Tensor, drafts: torch.Tensor, q, temperat
 @torch.no_grad()
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         eos_ids: set[int] | None = None,
-                         generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+                         eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
+                         stop_drafting=None) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
+
+    ``stop_drafting(i, logits, hidden) -> bool``: optional hook asked after each draft token whether to stop
+    drafting this step (adaptive draft length); draft_len stays the cap. Any hook keeps the output lossless.
 
     prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens; stats).
     Cache invariant: both caches hold every committed token except the current one ``cur``; the draft cache may
@@ -189,7 +200,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         t0 = time.perf_counter()
         d0 = dcache.length
         drafts, q = _draft(drafter, dcache, torch.cat([pending, cur]), gamma, temperature, top_k, top_p,
-                           generator)
+                           generator, stop_drafting)
+        gamma = drafts.numel()  # the hook may have stopped early
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length

@@ -312,3 +312,34 @@ def test_rejects_bad_arguments(target):
         speculative_generate(target, _model(1, CFG8), torch.tensor([1, 2]), 4)
     with pytest.raises(ValueError, match="draft_len"):
         speculative_generate(target, target, torch.tensor([1, 2]), 4, draft_len=-1)
+
+
+def test_stop_drafting_hook_adapts_length_and_stays_lossless(target, ar_outputs):
+    """An adaptive-length hook (here: stop when the drafter is unsure, or at random) changes how many tokens are
+    drafted per step, never the output; the hook sees the drafter's logits and final hidden state."""
+    drafter = _noisy_copy(target)
+    seen = []
+
+    def unsure(i, logits, hidden):
+        seen.append((i, logits.shape, None if hidden is None else hidden.shape))
+        return bool(torch.softmax(logits, -1).max() < 0.5)
+
+    gen = torch.Generator().manual_seed(0)
+
+    def coin(i, logits, hidden):
+        return bool(torch.rand((), generator=gen) < 0.5)
+
+    for prompt in PROMPTS:
+        ref = ar_outputs[tuple(prompt)]
+        fixed = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=5)[1]
+        for hook in (unsure, coin):
+            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=5,
+                                           stop_drafting=hook)
+            assert out == ref
+            assert st.drafted < fixed.drafted  # it really stopped early somewhere
+    assert seen and seen[0][1] == (CFG.vocab_size,) and seen[0][2] == (CFG.dim,)
+    # stop after the first draft == draft_len 1
+    one = speculative_generate(target, drafter, torch.tensor(PROMPTS[1]), NEW, draft_len=5,
+                               stop_drafting=lambda i, lg, h: True)[1]
+    ref1 = speculative_generate(target, drafter, torch.tensor(PROMPTS[1]), NEW, draft_len=1)[1]
+    assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
