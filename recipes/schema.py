@@ -169,6 +169,12 @@ class TrainConfig(Strict):
     """Save a resumable checkpoint every N steps (0 = only the final one)."""
     wandb: bool = False
     tensorboard: bool = False
+    eval_every: int = Field(0, ge=0)
+    """Every N steps, decode a few eval prompts with the drafter and log measured tau next to the teacher-forced
+    estimate from alpha = sum min(p, q) (0 = off)."""
+    eval_prompts: int = Field(4, gt=0)
+    """Prompts (the first of eval.prompts) used by eval_every; each decodes eval_max_new_tokens tokens."""
+    eval_max_new_tokens: int = Field(48, gt=0)
 
 
 class TreeConfig(Strict):

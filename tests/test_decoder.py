@@ -343,3 +343,19 @@ def test_stop_drafting_hook_adapts_length_and_stays_lossless(target, ar_outputs)
                                stop_drafting=lambda i, lg, h: True)[1]
     ref1 = speculative_generate(target, drafter, torch.tensor(PROMPTS[1]), NEW, draft_len=1)[1]
     assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
+
+
+def test_quick_eval_measured_and_estimated_tau(target):
+    from draftsmith.eval.quick import quick_eval, tau_from_alpha
+
+    assert tau_from_alpha(1.0, 3) == 4 and tau_from_alpha(0.0, 3) == 1 and tau_from_alpha(0.5, 2) == 1.75
+    prompts = [p for p in PROMPTS]
+    oracle = quick_eval(target, target, prompts, NEW, draft_len=3)
+    assert oracle["alpha"] == 1.0 and oracle["tau_estimate"] == 4.0 and oracle["tau_measured"] > 3.5
+    anti = quick_eval(target, AntiDrafter(target), prompts, NEW, draft_len=3)
+    assert anti["alpha"] == 0.0 and anti["tau_estimate"] == 1.0 and anti["tau_measured"] == 1.0
+    noisy = quick_eval(target, _noisy_copy(target), prompts, NEW, draft_len=3)
+    assert 0 < noisy["alpha"] < 1 and 1 < noisy["tau_measured"] < 4
+    assert noisy["tau_gap"] == pytest.approx(noisy["tau_measured"] - noisy["tau_estimate"])
+    sampled = quick_eval(target, _noisy_copy(target), prompts, 16, draft_len=2, temperature=1.0)
+    assert 0 < sampled["alpha"] < 1

@@ -89,3 +89,13 @@ def test_eval_sampling_with_filters_runs_every_decoder(tmp_path, tiny_overrides)
     assert (report["temperature"], report["top_k"], report["top_p"]) == (0.8, 20, 0.9)
     assert report["lossless_match"] is None  # sampled outputs are checked in distribution by the decoder tests
     assert {"spec", "ar", "ar_hf", "hf_assisted"} <= set(report["tokens_per_s"])
+
+
+def test_eval_during_training_logs_measured_and_estimated_tau(tmp_path, tiny_overrides):
+    assert main(["run", "tiny", *tiny_overrides, "train.eval_every=2", "train.eval_prompts=2",
+                 "train.eval_max_new_tokens=8", "eval.enabled=false", "-q"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["stage"] == "train" and "tau_measured" in r]
+    assert [r["step"] for r in evals] == [2, 4]
+    for r in evals:
+        assert 1.0 <= r["tau_measured"] <= 4.0 and 1.0 <= r["tau_estimate"] <= 4.0 and 0 <= r["alpha"] <= 1

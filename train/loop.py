@@ -45,6 +45,32 @@ def forever(loader):
         epoch += 1
 
 
+def _quick_eval_setup(recipe, tgt, acc):
+    """A closure that decodes the first train.eval_prompts eval prompts with the drafter as chains of
+    eval.draft_len at eval.temperature (see eval/quick.py)."""
+    from draftsmith.data.prompts import load_prompts
+    from draftsmith.eval.quick import quick_eval
+    from draftsmith.models.hf import encode_chat, first_turn, stop_ids
+
+    tc, ec = recipe.train, recipe.eval
+    pc = ec.prompts
+    prompts = load_prompts(pc.source, pc.path, tc.eval_prompts, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
+                           max_turns=pc.max_turns)
+    encoded = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in prompts]
+    target, eos = tgt.model.to(acc.device), stop_ids(tgt.path, tgt.tokenizer)
+
+    def run(drafter):
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            return quick_eval(target, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos,
+                              recipe.seed)
+        finally:
+            drafter.train(was_training)
+
+    return run
+
+
 def train(recipe) -> Path:
     """Train the recipe's drafter on its records; returns the final checkpoint folder."""
     from accelerate import Accelerator
@@ -57,7 +83,7 @@ def train(recipe) -> Path:
     set_seed(recipe.seed)
     data_dir = run / "data"
     manifest = read_manifest(data_dir)
-    # The target is needed only to initialise the drafter (embeddings, layers) and to check the tokenizer.
+    # The target initialises the drafter (embeddings, layers), checks the tokenizer and, with eval_every, verifies.
     tgt = load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code,
                      recipe.target.revision)
     if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
@@ -65,6 +91,7 @@ def train(recipe) -> Path:
                               f"{recipe.target.model!r}")
     kind = recipe.drafter.kind
     drafter = build_drafter(kind, recipe.drafter.model_dump(exclude={"kind"}), tgt.model).float().train()
+    quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
     del tgt
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=SIGNALS_NEEDED[kind])
     if len(ds) == 0:
@@ -104,6 +131,10 @@ def train(recipe) -> Path:
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
             window = []
+        if quick is not None and step % tc.eval_every == 0:
+            m = quick(acc.unwrap_model(drafter))
+            runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
+            bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m['tau_estimate']:.2f}")
         if tc.save_every and step % tc.save_every == 0 and acc.is_main_process:
             save_drafter(run / "checkpoints" / f"step-{step:06d}", acc.unwrap_model(drafter), kind,
                          {**meta, "step": step})
