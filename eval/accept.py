@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.kernels.verify import verify_greedy
+
 
 def _accepted_prefix(ok: torch.Tensor) -> int:
     """Length of the leading run of True in a 1-D bool tensor (one host sync)."""
@@ -17,11 +19,10 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
 
     Row i of the target logits predicts the token after draft i-1, so draft i is accepted while it equals the
     target argmax there; next token is the target argmax at row n (a correction, or the bonus if n == γ).
+    One fused launch on CUDA (kernels/verify.py), the same rule in PyTorch elsewhere.
     """
-    gamma = draft_tokens.numel()
-    best = target_logits.argmax(-1)  # (γ+1,)
-    n = _accepted_prefix(draft_tokens == best[:gamma])
-    return n, int(best[n])
+    n, nxt = verify_greedy(draft_tokens.view(1, -1), target_logits.unsqueeze(0))
+    return int(n[0]), int(nxt[0])
 
 
 def rejection_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.kernels.kv import compact_kv
+from draftsmith.kernels.tree import tree_mask
+
 
 @dataclass(frozen=True)
 class TreeSpec:
@@ -80,22 +83,14 @@ def chain_tree(depth: int) -> TreeSpec:
 
 
 def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """parents (N,) long -> (N+1, N+1) bool: row j attends to itself and its ancestors, the root included.
-
-    Reference implementation (one row per node, parents first): mask[i] = mask[parent(i)] | {i}.
-    """
-    n = parents.numel()
-    mask = torch.eye(n + 1, dtype=torch.bool, device=parents.device)
-    mask[1:, 0] = True
-    for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            mask[i + 1] |= mask[p + 1]
-    return mask
+    """parents (N,) long -> (N+1, N+1) bool: row j attends to itself and its ancestors, the root included
+    (kernels/tree.py: Triton on CUDA, the PyTorch reference elsewhere)."""
+    return tree_mask(parents)[0]
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """(N,) 1-based depths: the number of ancestors a node attends to, root excluded."""
-    return ancestor_mask(parents)[1:].sum(-1) - 1
+    return tree_mask(parents)[1][1:].long()
 
 
 def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -148,14 +143,11 @@ def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch
 
 def compact_cache(cache, start: int, keep: list[int]) -> None:
     """Keep slots ``start + keep[j]`` as slots ``start + j`` (keep ascending), in every layer and the validity mask,
-    then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive."""
-    if keep == list(range(len(keep))):  # already in place (a chain, or the top path): nothing to move
-        cache.length = start + len(keep)
-        return
-    src = torch.tensor([start + k for k in keep], device=cache.valid.device)
-    n = len(keep)
-    for k, v in zip(cache.k, cache.v):
-        k[:, :, start:start + n] = k[:, :, src]  # advanced indexing copies first, so overlaps are safe
-        v[:, :, start:start + n] = v[:, :, src]
-    cache.valid[:, start:start + n] = cache.valid[:, src]
-    cache.length = start + n
+    then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive
+    (kernels/kv.py: Triton on CUDA, the PyTorch reference elsewhere)."""
+    if keep != list(range(len(keep))):  # already in place (a chain, or the top path) needs no copy
+        idx = torch.tensor(keep, device=cache.valid.device)
+        for buf in (*cache.k, *cache.v):
+            compact_kv(buf, start, idx)
+        cache.valid[:, start:start + len(keep)] = cache.valid[:, start + idx]
+    cache.length = start + len(keep)

@@ -1,0 +1,157 @@
+"""Fused chain verification: one kernel launch per step decides how many drafts survive and draws the next token,
+on device, with no host synchronisation inside (algorithms.md A1, C1-C2, C5).
+
+- ``verify_greedy``: accept drafts while they equal the target's argmax; next = argmax after the accepted prefix.
+- ``verify_sampling``: accept draft i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw
+  the correction from max(0, p - q), after a full acceptance the bonus from p. Sampling uses the exponential race
+  argmax_v(w_v / E_v), E_v ~ Exp(1), which draws v with probability w_v / sum(w) and needs no normalisation
+  (vLLM's recovered-token kernel does the same). Uniforms come from Philox (``tl.rand``) keyed by (seed, row).
+
+Each public function takes ``impl``: "auto" (Triton on CUDA, the PyTorch reference elsewhere), "triton" (also on
+CPU under TRITON_INTERPRET=1, for tests) or "reference".
+"""
+from __future__ import annotations
+
+import torch
+
+from draftsmith.kernels.launch import HAS_TRITON, pick_impl, tl, triton
+
+# ---- references ----------------------------------------------------------------------------------------------
+
+def verify_greedy_reference(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (B, γ) long, logits (B, γ+1, V) -> (accepted (B,) int32, next token (B,) int64)."""
+    best = logits.argmax(-1)  # (B, γ+1)
+    n = (draft == best[:, :-1]).int().cumprod(-1).sum(-1)  # leading run of matches
+    return n.int(), best.gather(1, n.long()[:, None])[:, 0]
+
+
+def verify_sampling_reference(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """draft (B, γ), q (B, γ, V) draft probs, p (B, γ+1, V) target probs (both already processed) ->
+    (accepted (B,), next token (B,)). Same rule as the kernel, with torch's RNG."""
+    B, G = draft.shape
+    px = p[:, :G].gather(-1, draft[..., None])[..., 0].float()
+    qx = q.gather(-1, draft[..., None])[..., 0].float()
+    u = torch.rand(B, G, generator=generator, device=p.device)
+    ok = (qx > 0) & (u * qx < px)  # u < p/q without dividing; q = 0 never accepts
+    n = ok.int().cumprod(-1).sum(-1)
+    rows = torch.arange(B, device=p.device)
+    pn = p[rows, n.long()].float()  # (B, V) target at the stop position
+    qn = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, n.long()].float()  # q = 0 after a full accept
+    w = (pn - qn).clamp_min(0)
+    w = torch.where(w.sum(-1, keepdim=True) > 0, w, pn)  # p == q up to rounding: fall back to p
+    e = torch.empty_like(w).exponential_(generator=generator)
+    return n.int(), (w / e).argmax(-1)
+
+
+# ---- kernels ---------------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+    @triton.jit
+    def _argmax_row(ptr, V, BLOCK_V: tl.constexpr):
+        """Argmax (first on ties) of a row of V floats at ptr, scanned in blocks."""
+        best_v = float("-inf")
+        best_i = 0
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            x = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            i = tl.min(tl.where(x == m, offs, V), 0)  # first index reaching the block max
+            take = m > best_v
+            best_i = tl.where(take, i, best_i)
+            best_v = tl.where(take, m, best_v)
+        return best_i
+
+    @triton.jit
+    def _verify_greedy_kernel(draft_ptr, logits_ptr, n_ptr, next_ptr, G, V, BLOCK_V: tl.constexpr):
+        b = tl.program_id(0)
+        n = 0
+        running = 1  # 1 while every draft so far matched
+        for i in range(0, G):
+            best = _argmax_row(logits_ptr + (b * (G + 1) + i) * V, V, BLOCK_V)
+            d = tl.load(draft_ptr + b * G + i)
+            running = running * (d == best).to(tl.int32)
+            n += running
+        nxt = _argmax_row(logits_ptr + (b * (G + 1) + n) * V, V, BLOCK_V)
+        tl.store(n_ptr + b, n)
+        tl.store(next_ptr + b, nxt.to(tl.int64))
+
+    @triton.jit
+    def _verify_sampling_kernel(draft_ptr, q_ptr, p_ptr, n_ptr, next_ptr, seed, G, V, BLOCK_V: tl.constexpr):
+        b = tl.program_id(0)
+        n = 0
+        running = 1
+        for i in range(0, G):
+            d = tl.load(draft_ptr + b * G + i)
+            px = tl.load(p_ptr + (b * (G + 1) + i) * V + d).to(tl.float32)
+            qx = tl.load(q_ptr + (b * G + i) * V + d).to(tl.float32)
+            u = tl.rand(seed, b * (G + 1) + i)  # one uniform per (row, position)
+            ok = (qx > 0) & (u * qx < px)
+            running = running * ok.to(tl.int32)
+            n += running
+        # Exponential race over the residual max(0, p_n - q_n) (q = 0 past the last draft), then over p_n if the
+        # residual is empty. Offsets past B*(G+1) keep these uniforms apart from the acceptance ones.
+        p_row = p_ptr + (b * (G + 1) + n) * V
+        q_row = q_ptr + (b * G + tl.maximum(tl.minimum(n, G - 1), 0)) * V  # always a valid row ...
+        has_q = (n < G).to(tl.float32)  # ... zeroed when every draft was accepted (the bonus samples p)
+        base = (tl.num_programs(0) * (G + 1) + b) * V
+        best_r, arg_r, best_p, arg_p = -1.0, 0, -1.0, 0
+        for start in range(0, V, BLOCK_V):
+            offs = start + tl.arange(0, BLOCK_V)
+            m = offs < V
+            pv = tl.load(p_row + offs, mask=m, other=0.0).to(tl.float32)
+            qv = tl.load(q_row + offs, mask=m, other=0.0).to(tl.float32) * has_q
+            e = -tl.log(tl.maximum(tl.rand(seed, base + offs), 1e-20))  # Exp(1)
+            r = tl.where(m, tl.maximum(pv - qv, 0.0) / e, -1.0)
+            s = tl.where(m, pv / e, -1.0)
+            rm, sm = tl.max(r, 0), tl.max(s, 0)
+            ri = tl.min(tl.where(r == rm, offs, V), 0)
+            si = tl.min(tl.where(s == sm, offs, V), 0)
+            arg_r = tl.where(rm > best_r, ri, arg_r)
+            best_r = tl.maximum(rm, best_r)
+            arg_p = tl.where(sm > best_p, si, arg_p)
+            best_p = tl.maximum(sm, best_p)
+        nxt = tl.where(best_r > 0, arg_r, arg_p)
+        tl.store(n_ptr + b, n)
+        tl.store(next_ptr + b, nxt.to(tl.int64))
+
+
+def _check(draft: torch.Tensor, logits: torch.Tensor, name: str) -> None:
+    B, G = draft.shape
+    if logits.dim() != 3 or logits.shape[:2] != (B, G + 1):
+        raise ValueError(f"{name}: expected (B, γ+1, V) = ({B}, {G + 1}, V) target rows, got {tuple(logits.shape)}")
+    if draft.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name}: draft ids must be int32/int64, got {draft.dtype}")
+
+
+def verify_greedy(draft: torch.Tensor, logits: torch.Tensor, impl: str = "auto"):
+    """Greedy chain verification. draft (B, γ), logits (B, γ+1, V) -> (accepted (B,) int32, next (B,) int64)."""
+    _check(draft, logits, "verify_greedy")
+    if pick_impl(impl, logits) == "reference":
+        return verify_greedy_reference(draft, logits)
+    B, G = draft.shape
+    V = logits.shape[-1]
+    n = torch.empty(B, dtype=torch.int32, device=logits.device)
+    nxt = torch.empty(B, dtype=torch.int64, device=logits.device)
+    _verify_greedy_kernel[(B,)](draft.contiguous(), logits.contiguous(), n, nxt, G, V,
+                                BLOCK_V=min(1024, triton.next_power_of_2(V)))
+    return n, nxt
+
+
+def verify_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, seed: int, impl: str = "auto",
+                    generator: torch.Generator | None = None):
+    """Lossless chain rejection sampling. draft (B, γ), q (B, γ, V), p (B, γ+1, V) processed probabilities;
+    ``seed`` keys the kernel's Philox stream (the reference uses ``generator``)."""
+    _check(draft, p, "verify_sampling")
+    if q.shape != (*draft.shape, p.shape[-1]):
+        raise ValueError(f"verify_sampling: q must be (B, γ, V) = {(*draft.shape, p.shape[-1])}, got {tuple(q.shape)}")
+    if pick_impl(impl, p) == "reference":
+        return verify_sampling_reference(draft, q, p, generator)
+    B, G = draft.shape
+    V = p.shape[-1]
+    n = torch.empty(B, dtype=torch.int32, device=p.device)
+    nxt = torch.empty(B, dtype=torch.int64, device=p.device)
+    q = q.contiguous() if G else p.new_zeros(B, 1, V)  # a valid pointer even when nothing was drafted
+    _verify_sampling_kernel[(B,)](draft.contiguous(), q, p.contiguous(), n, nxt, seed, G, V,
+                                  BLOCK_V=min(1024, triton.next_power_of_2(V)))
+    return n, nxt

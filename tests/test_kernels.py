@@ -1,0 +1,124 @@
+"""Triton kernels against their PyTorch references: bit-for-bit for greedy verification, tree masks and KV
+compaction on odd and block-boundary shapes; in distribution for sampling verification. On CPU they run in
+Triton's interpreter (TRITON_INTERPRET=1, set in conftest); the `gpu` tests run them natively on CUDA."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from draftsmith.kernels.kv import compact_kv, compact_kv_reference  # noqa: E402
+from draftsmith.kernels.tree import tree_mask, tree_mask_reference  # noqa: E402
+from draftsmith.kernels.verify import verify_greedy, verify_greedy_reference, verify_sampling  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _greedy_case(B, G, V, seed, device=DEV):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(B, G + 1, V, generator=g)
+    best = logits.argmax(-1)
+    draft = best[:, :G].clone()
+    for b in range(B):  # row b matches its first b % (G+1) drafts, then differs
+        m = b % (G + 1)
+        if m < G:
+            draft[b, m] = (best[b, m] + 1) % V
+    return draft.to(device), logits.to(device)
+
+
+@pytest.mark.parametrize("B,G,V", [(1, 0, 7), (3, 1, 64), (4, 5, 1000), (5, 4, 1025), (2, 7, 2048), (6, 3, 3)])
+def test_verify_greedy_matches_reference(B, G, V):
+    draft, logits = _greedy_case(B, G, V, seed=B * 100 + G)
+    n, nxt = verify_greedy(draft, logits, impl="triton")
+    rn, rnxt = verify_greedy_reference(draft, logits)
+    assert torch.equal(n.cpu(), rn.cpu()) and torch.equal(nxt.cpu(), rnxt.cpu())
+    assert n.tolist() == [min(b % (G + 1), G) for b in range(B)]
+
+
+def test_verify_greedy_ties_take_the_first_index():
+    logits = torch.zeros(1, 2, 1030)
+    logits[0, 0, [3, 1029]] = 5.0  # tie across a block boundary: argmax is the first (3)
+    logits[0, 1, [700, 1027]] = 2.0
+    n, nxt = verify_greedy(torch.tensor([[3]]), logits, impl="triton")
+    assert n.item() == 1 and nxt.item() == 700
+
+
+def _probs(*shape, seed, sharp=2.0):
+    return torch.softmax(torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * sharp, -1)
+
+
+def test_verify_sampling_special_cases():
+    B, G, V = 32, 3, 10
+    p = _probs(B, G + 1, V, seed=0)
+    draft = torch.multinomial(p[:, :G].reshape(-1, V), 1, generator=torch.Generator().manual_seed(1)).view(B, G)
+    n, _ = verify_sampling(draft, p[:, :G].clone(), p, seed=3, impl="triton")
+    assert (n == G).all()  # q == p: every draft is accepted
+    q = torch.zeros(B, G, V)
+    q[..., 0] = 1.0
+    p0 = p.clone()
+    p0[..., 0] = 0.0
+    p0 /= p0.sum(-1, keepdim=True)
+    n, nxt = verify_sampling(torch.zeros(B, G, dtype=torch.long), q, p0, seed=4, impl="triton")
+    assert (n == 0).all() and (nxt != 0).all()  # drafts outside p's support never survive or come back
+
+
+def test_verify_sampling_keeps_the_target_distribution():
+    """The first emitted token (the draft if accepted, else the correction) is distributed as p_0, and after a
+    full acceptance the bonus follows p_γ: the kernel's RNG and residual race are exact."""
+    B, G, V = 1500, 1, 6  # the CPU interpreter runs one Python program per row: keep B modest
+    p = _probs(1, G + 1, V, seed=10).expand(B, -1, -1).contiguous()
+    q = (0.5 * p[:, :G] + 0.5 * _probs(1, G, V, seed=11)).contiguous()  # overlaps p: both branches are common
+    draft = torch.multinomial(q[0, 0], B, replacement=True, generator=torch.Generator().manual_seed(12))[:, None]
+    n, nxt = verify_sampling(draft, q, p, seed=13, impl="triton")
+    first = torch.where(n >= 1, draft[:, 0], nxt)
+    emp = torch.bincount(first, minlength=V).double() / B
+    assert 0.5 * (emp - p[0, 0].double()).abs().sum() < 0.045
+    assert 0.2 < (n == 1).double().mean() < 0.95  # both branches exercised
+    bonus = nxt[n == 1]
+    emp_b = torch.bincount(bonus, minlength=V).double() / len(bonus)
+    assert 0.5 * (emp_b - p[0, 1].double()).abs().sum() < 0.07
+
+
+def _parents(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.tensor([-1 if i == 0 else int(torch.randint(-1, i, (1,), generator=g)) for i in range(n)])
+
+
+@pytest.mark.parametrize("n", [1, 5, 17, 60])
+def test_tree_mask_matches_reference(n):
+    parents = _parents(n, seed=n)
+    mask, depth = tree_mask(parents.to(DEV), impl="triton")
+    rmask, rdepth = tree_mask_reference(parents)
+    assert torch.equal(mask.cpu(), rmask) and torch.equal(depth.cpu(), rdepth)
+
+
+@pytest.mark.parametrize("B,H,S,D,start,keep", [(1, 3, 20, 64, 4, [0, 3, 5]), (2, 2, 33, 17, 10, [0, 1, 2]),
+                                                (1, 4, 70, 96, 0, [0, 7, 8, 30, 69]), (3, 1, 9, 8, 2, [])])
+def test_compact_kv_matches_reference(B, H, S, D, start, keep):
+    x = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(S)).to(DEV)
+    ref = x.clone().cpu()
+    k = torch.tensor(keep, dtype=torch.long)
+    compact_kv(x, start, k.to(DEV), impl="triton")
+    compact_kv_reference(ref, start, k)
+    assert torch.equal(x.cpu(), ref)
+
+
+def test_launchers_check_shapes_and_fall_back():
+    draft, logits = _greedy_case(2, 3, 11, seed=0, device="cpu")
+    with pytest.raises(ValueError, match="expected"):
+        verify_greedy(draft, logits[:, :3])
+    with pytest.raises(ValueError, match="ascending"):
+        compact_kv(torch.zeros(1, 1, 8, 4), 0, torch.tensor([3, 1]))
+    n, nxt = verify_greedy(draft, logits)  # auto on CPU = the reference
+    assert torch.equal(n, verify_greedy_reference(draft, logits)[0])
+
+
+@pytest.mark.gpu
+def test_kernels_natively_on_cuda():
+    draft, logits = _greedy_case(8, 5, 32000, seed=1, device="cuda")
+    n, nxt = verify_greedy(draft, logits)  # auto on CUDA = the Triton kernel
+    rn, rnxt = verify_greedy_reference(draft, logits)
+    assert torch.equal(n, rn) and torch.equal(nxt, rnxt)
+    mask, depth = tree_mask(_parents(60, 0).cuda())
+    assert torch.equal(mask.cpu(), tree_mask_reference(_parents(60, 0))[0])
