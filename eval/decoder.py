@@ -70,6 +70,22 @@ class DecodeStats:
         return self
 
 
+def _run_drafter(drafter, ids: torch.Tensor, **kw):
+    """The drafter's forward with its logits in the target's vocabulary. A drafter with a reduced vocabulary
+    carries ``d2t`` (V_draft,) offsets, EAGLE-3 style: draft id i is target id i + d2t[i]
+    (algorithms.md A10). Its logits are scattered into a -inf row of the target's size, so drafting, q and every
+    acceptance rule work on target ids unchanged (the drafter still reads target ids)."""
+    out = drafter(ids, **kw)
+    d2t = getattr(drafter, "d2t", None)
+    if d2t is None:
+        return out
+    logits, extra = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    ids_t = torch.arange(len(d2t), device=d2t.device) + d2t
+    full = logits.new_full((*logits.shape[:-1], drafter.target_vocab_size), float("-inf"))
+    full[..., ids_t] = logits
+    return (full, *extra) if extra else full
+
+
 def _sync(device: torch.device) -> None:
     # CUDA calls are asynchronous: wait for the queued work so perf_counter measures it, not its launch.
     if device.type == "cuda":
@@ -137,7 +153,7 @@ def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, 
     drafts, q_rows = [], []
     with_hidden = stop is not None and hasattr(drafter, "cfg")
     for i in range(1, gamma + 1):
-        out = drafter(feed.view(1, -1), cache=dcache,
+        out = _run_drafter(drafter, feed.view(1, -1), cache=dcache,
                       **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
         logits, hidden = (out[0][0, -1], drafter.norm(out[1][drafter.cfg.n_layers][0, -1])) if with_hidden \
             else (out[0, -1], None)  # (V,), (D,)
@@ -188,7 +204,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     logits = _prefill(target, prompt, tcache)  # (V,): the first new token comes from the prefill's last row
     cur, _ = _pick(logits, temperature, top_k, top_p, generator)  # (1,)
-    v_draft = drafter(prompt, cache=dcache).shape[-1]  # drafters only promise the plain Llama call signature
+    v_draft = _run_drafter(drafter, prompt, cache=dcache).shape[-1]  # drafters promise the plain Llama call only
     if v_draft != logits.shape[-1]:  # draft ids are fed to the target as they are: the vocabularies must agree
         raise ValueError(f"drafter vocabulary {v_draft} != target vocabulary {logits.shape[-1]}")
     pending = prompt.new_empty(0)  # (0|1,)
@@ -237,7 +253,7 @@ def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.
     distribution. The deepest level is never fed (nothing below it is drafted).
     """
     device = feed.device
-    logits = {-1: drafter(feed.view(1, -1), cache=dcache)[0, -1]}  # parent node -> its logits (V,)
+    logits = {-1: _run_drafter(drafter, feed.view(1, -1), cache=dcache)[0, -1]}  # parent node -> its logits (V,)
     base = dcache.length  # unpadded batch 1: slot index == RoPE position; the root is at base - 1
     depths = tree.depths
     tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
@@ -252,7 +268,7 @@ def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.
         mask[0, :, base:] = anc[lo + 1:hi + 1, 1:hi + 1]
         pos = torch.full((1, hi - lo), base - 1 + d, device=device)
         dcache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
-        out = drafter(tokens[lo:hi].view(1, -1), pos=pos, cache=dcache, attn_mask=mask)[0]  # (n, V)
+        out = _run_drafter(drafter, tokens[lo:hi].view(1, -1), pos=pos, cache=dcache, attn_mask=mask)[0]  # (n, V)
         logits.update({i: out[i - lo] for i in level})
     return tokens
 
@@ -265,7 +281,7 @@ def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tu
     frontier. Finally keep the ``total_tokens`` best of all recorded nodes (``rerank``).
     """
     k, device = spec.top_k, feed.device
-    logq = torch.log_softmax(drafter(feed.view(1, -1), cache=dcache)[0, -1].float(), -1)  # (V,)
+    logq = torch.log_softmax(_run_drafter(drafter, feed.view(1, -1), cache=dcache)[0, -1].float(), -1)  # (V,)
     base = dcache.length  # the root (current token) sits at slot base - 1; slot index == position
     v, i = logq.topk(k)
     tok, par, score, depth = i.tolist(), [-1] * k, v.tolist(), [1] * k
@@ -280,7 +296,8 @@ def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tu
                 n = par[n]
         dcache.length = base + len(fed)
         pos = torch.full((1, len(frontier)), base - 1 + d, device=device)
-        out = drafter(torch.tensor([tok[n] for n in frontier], device=device).view(1, -1), pos=pos, cache=dcache,
+        out = _run_drafter(drafter, torch.tensor([tok[n] for n in frontier], device=device).view(1, -1), pos=pos,
+                           cache=dcache,
                       attn_mask=mask)[0]  # (k, V)
         fed += frontier
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder import CFG8, NEW, PROMPTS, _exact_joint, _model, _noisy_copy, _tv
+from test_decoder import CFG, CFG8, NEW, PROMPTS, _exact_joint, _model, _noisy_copy, _tv
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
@@ -200,3 +200,56 @@ def test_dynamic_tree_follows_a_confident_drafter_to_full_depth():
     out, stats = tree_speculative_generate(target, target, prompt, NEW, DynamicTree(top_k=3, depth=4,
                                                                                      total_tokens=10))
     assert out == ref and stats.accept_counts[4] >= stats.target_forwards - 1
+
+
+class ReducedVocabDrafter(nn.Module):
+    """A drafter whose LM head covers only the target ids ``used`` (sorted), with EAGLE-3 d2t offsets."""
+
+    def __init__(self, model, used: list[int]):
+        super().__init__()
+        self.model, self.target_vocab_size = model, model.cfg.vocab_size
+        self.register_buffer("used", torch.tensor(sorted(used)))
+        self.register_buffer("d2t", self.used - torch.arange(len(used)))
+
+    def new_cache(self, batch, max_len):
+        return self.model.new_cache(batch, max_len)
+
+    def forward(self, ids, **kw):
+        return self.model(ids, **kw)[..., self.used]  # (..., V_draft)
+
+
+@pytest.mark.parametrize("tree", ["chain", "binary3", "dynamic"])
+def test_reduced_draft_vocabulary_is_lossless_and_maps_ids(target, ar_outputs, tree):
+    prompt = PROMPTS[1]
+    ref = ar_outputs[tuple(prompt)]
+    covering = sorted(set(ref) | set(range(0, CFG.vocab_size, 3)))  # every target argmax is draftable
+    partial = list(range(0, CFG.vocab_size, 2))  # many target tokens are not
+    for used, oracle in ((covering, True), (partial, False)):
+        drafter = ReducedVocabDrafter(target, used)
+        if tree == "chain":
+            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=3)
+            full = st.accept_counts[3]
+        else:
+            spec = TREES[tree] if tree != "chain" else None
+            out, st = tree_speculative_generate(target, drafter, torch.tensor(prompt), NEW, spec)
+            full = st.accepted
+        assert out == ref
+        if oracle:  # the restricted oracle drafts exactly the target's argmax: (nearly) everything is accepted
+            assert full >= st.target_forwards - 1
+        else:
+            assert st.accepted < st.drafted
+
+
+def test_reduced_draft_vocabulary_sampling_keeps_the_target_distribution():
+    target, base = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    drafter = ReducedVocabDrafter(base, [0, 2, 3, 5, 7])
+    prompt, depth, N = [1, 2, 3, 4], 2, 2500
+    joint = _exact_joint(target, prompt, depth)
+    counts = torch.zeros_like(joint)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(N):
+        out, _ = speculative_generate(target, drafter, torch.tensor(prompt), 3, draft_len=2, temperature=1.0,
+                                      generator=gen)
+        counts[tuple(out[:depth])] += 1
+    emp = counts / N
+    assert _tv(emp.sum(1), joint.sum(1)) < 0.03 and _tv(emp.sum(0), joint.sum(0)) < 0.035
