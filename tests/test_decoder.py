@@ -49,8 +49,8 @@ class AntiDrafter(nn.Module):
     def new_cache(self, batch: int, max_len: int):
         return self.target.new_cache(batch, max_len)
 
-    def forward(self, ids, cache=None):
-        return -self.target(ids, cache=cache)
+    def forward(self, ids, **kw):  # any call the target takes (cache, pos, tree attn_mask)
+        return -self.target(ids, **kw)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_decoder import CFG, CFG8, NEW, PROMPTS, _exact_joint, _model, _noisy_copy, _tv
+from test_decoder import (  # noqa: F401  (fixtures shared with the chain decoder tests)
+    CFG,
+    CFG8,
+    NEW,
+    PROMPTS,
+    AntiDrafter,
+    _exact_joint,
+    _model,
+    _noisy_copy,
+    _one_thread,
+    _tv,
+    ar_outputs,
+    target,
+)
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
@@ -29,38 +42,6 @@ MEDUSA_LIKE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1],
 TREES = {"chain1": chain_tree(1), "chain3": chain_tree(3), "chain5": chain_tree(5),
          "binary3": tree_from_choices(BINARY3), "medusa": tree_from_choices(MEDUSA_LIKE),
          "dynamic": DynamicTree(top_k=3, depth=4, total_tokens=10), "dynamic_wide": DynamicTree(5, 5, 60)}
-
-
-class AntiDrafter(nn.Module):
-    """Argmax = the target's argmin at every node: every draft in every tree is rejected."""
-
-    def __init__(self, target):
-        super().__init__()
-        self.target = target
-
-    def new_cache(self, batch, max_len):
-        return self.target.new_cache(batch, max_len)
-
-    def forward(self, ids, **kw):
-        return -self.target(ids, **kw)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def target():
-    return _model(0)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(target):
-    return {tuple(p): autoregressive_generate(target, torch.tensor(p), NEW) for p in PROMPTS}
 
 
 def test_tree_from_choices_and_masks():
