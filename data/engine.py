@@ -39,6 +39,10 @@ class Capture:
     hidden_last: bool = False
     aux_layers: tuple[int, ...] = ()  # 0-indexed target layers whose *output* is stored (EAGLE-3: [1, L/2-1, L-4])
 
+    @property
+    def hidden(self) -> bool:
+        return self.hidden_last or bool(self.aux_layers)
+
     def layer_ids(self, n_layers: int) -> tuple[int, ...]:
         """Llama.capture_layers indices: i is the output of block i-1; n_layers the final (pre-norm) state."""
         ids = {layer + 1 for layer in self.aux_layers}

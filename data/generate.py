@@ -188,7 +188,7 @@ class Producer:
 
     def shard_records(self, units: list[Unit], stats: Stats, on_batch) -> list[Record]:
         dc = self.dc
-        wants_signals = bool(self.capture.topk or self.capture.layer_ids(1) or self.labeller is not None)
+        wants_signals = bool(self.capture.topk or self.capture.hidden or self.labeller is not None)
         for u in units:
             u.gen = row_generator(self.device, self.seed, u.prompt_index, u.sample_index)
         for source in ("target", "drafter", "dataset"):

@@ -13,12 +13,12 @@ from draftsmith.eval.accept import greedy_accept, rejection_accept
 from draftsmith.eval.tree import (
     DynamicTree,
     TreeSpec,
-    ancestor_mask,
     compact_cache,
     greedy_tree_accept,
     rerank,
     sample_tree_accept,
 )
+from draftsmith.kernels.tree import tree_mask
 from draftsmith.models.sampling import process_logits
 
 
@@ -340,8 +340,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     device = prompt.device
     if not dynamic:
         parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
-        anc = ancestor_mask(parents)  # (N+1, N+1)
-        depths = anc.sum(-1) - 1  # (N+1,) root first
+        anc, depths = tree_mask(parents)  # (N+1, N+1) ancestors, (N+1,) depths, root first
     max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
     cur, _ = _pick(_prefill(target, prompt, tcache), temperature, top_k, top_p, generator)  # (1,)
@@ -354,8 +353,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         if dynamic:
             tokens, par = _draft_dynamic(drafter, dcache, torch.cat([pending, cur]), tree)
             parents = torch.tensor(par, dtype=torch.long, device=device)
-            anc = ancestor_mask(parents)
-            depths = anc.sum(-1) - 1
+            anc, depths = tree_mask(parents)
         else:
             tokens = _draft_tree(drafter, dcache, torch.cat([pending, cur]), tree, anc)
         _sync(device)
