@@ -262,20 +262,25 @@ def _exact_joint(model: Llama, prompt: list[int], depth: int) -> torch.Tensor:
     return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).view(*[V] * depth)
 
 
-def test_speculative_sampling_matches_target_end_to_end():
-    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
-    prompt, depth, N = [1, 2, 3, 4], 3, 3000
-    joint = _exact_joint(target, prompt, depth)  # (V, V, V)
+def sampled_joint(decode, target, prompt, depth: int, N: int):
+    """Run ``decode(prompt_tensor) -> (tokens, stats)`` N times. Returns the empirical joint of the first ``depth``
+    new tokens, the exact joint under the target, and the merged stats."""
+    joint = _exact_joint(target, prompt, depth)  # (V,) * depth
     counts = torch.zeros_like(joint)
-    gen = torch.Generator().manual_seed(0)
     st = DecodeStats()
     for _ in range(N):
-        # 4 new tokens: the prefill one, then a first verify step with the full γ = 2
-        out, s = speculative_generate(target, drafter, torch.tensor(prompt), 4, draft_len=2, temperature=1.0,
-                                      generator=gen)
+        out, s = decode(torch.tensor(prompt))
         counts[tuple(out[:depth])] += 1
         st.merge(s)
-    emp = counts / N
+    return counts / N, joint, st
+
+
+def test_speculative_sampling_matches_target_end_to_end():
+    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    gen = torch.Generator().manual_seed(0)
+    # 4 new tokens: the prefill one, then a first verify step with the full γ = 2
+    emp, joint, st = sampled_joint(lambda x: speculative_generate(target, drafter, x, 4, draft_len=2, temperature=1.0,
+                                                                  generator=gen), target, [1, 2, 3, 4], 3, 3000)
     assert 0.05 < st.acceptance_rate < 0.95  # both accept and reject paths were exercised
     for dims in [(1, 2), (0, 2), (0, 1)]:  # marginals of t1, t2, t3
         assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims

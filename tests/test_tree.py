@@ -12,12 +12,12 @@ from test_decoder import (  # noqa: F401  (fixtures shared with the chain decode
     NEW,
     PROMPTS,
     AntiDrafter,
-    _exact_joint,
     _model,
     _noisy_copy,
     _one_thread,
     _tv,
     ar_outputs,
+    sampled_joint,
     target,
 )
 from torch import nn
@@ -123,19 +123,11 @@ def test_tree_beats_chain_acceptance_with_a_noisy_drafter(target):
 def test_tree_sampling_matches_target_end_to_end():
     """Sampling through a branching tree keeps the target's distribution: joint of the first 3 new tokens."""
     target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
-    prompt, depth, N = [1, 2, 3, 4], 3, 3000
-    joint = _exact_joint(target, prompt, depth)  # (V, V, V)
-    counts = torch.zeros_like(joint)
-    gen = torch.Generator().manual_seed(0)
+    gen, N = torch.Generator().manual_seed(0), 3000
     spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]])
-    accepted = 0
-    for _ in range(N):
-        out, s = tree_speculative_generate(target, drafter, torch.tensor(prompt), 4, spec, temperature=1.0,
-                                           generator=gen)
-        counts[tuple(out[:depth])] += 1
-        accepted += s.accepted
-    emp = counts / N
-    assert 0.1 * N < accepted < 2 * N  # some steps accept, some reject
+    emp, joint, st = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, spec, temperature=1.0,
+                                                                       generator=gen), target, [1, 2, 3, 4], 3, N)
+    assert 0.1 * N < st.accepted < 2 * N  # some steps accept, some reject
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
     assert _tv(emp.sum(2), joint.sum(2)) < 0.05
@@ -159,15 +151,10 @@ def test_rerank_is_ancestor_closed_and_parent_first():
 
 def test_dynamic_tree_sampling_matches_target_end_to_end():
     target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
-    prompt, depth, N = [1, 2, 3, 4], 3, 2000
-    joint = _exact_joint(target, prompt, depth)
-    counts = torch.zeros_like(joint)
     gen = torch.Generator().manual_seed(1)
-    for _ in range(N):
-        out, _ = tree_speculative_generate(target, drafter, torch.tensor(prompt), 4, DynamicTree(2, 3, 5),
-                                           temperature=1.0, generator=gen)
-        counts[tuple(out[:depth])] += 1
-    emp = counts / N
+    emp, joint, _ = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, DynamicTree(2, 3, 5),
+                                                                      temperature=1.0, generator=gen),
+                                  target, [1, 2, 3, 4], 3, 2000)
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert _tv(emp.sum(dims), joint.sum(dims)) < 0.035, dims
 
@@ -224,13 +211,7 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_ids(target, ar_outputs, t
 def test_reduced_draft_vocabulary_sampling_keeps_the_target_distribution():
     target, base = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
     drafter = ReducedVocabDrafter(base, [0, 2, 3, 5, 7])
-    prompt, depth, N = [1, 2, 3, 4], 2, 2500
-    joint = _exact_joint(target, prompt, depth)
-    counts = torch.zeros_like(joint)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(N):
-        out, _ = speculative_generate(target, drafter, torch.tensor(prompt), 3, draft_len=2, temperature=1.0,
-                                      generator=gen)
-        counts[tuple(out[:depth])] += 1
-    emp = counts / N
+    emp, joint, _ = sampled_joint(lambda x: speculative_generate(target, drafter, x, 3, draft_len=2, temperature=1.0,
+                                                                 generator=gen), target, [1, 2, 3, 4], 2, 2500)
     assert _tv(emp.sum(1), joint.sum(1)) < 0.03 and _tv(emp.sum(0), joint.sum(0)) < 0.035
