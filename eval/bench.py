@@ -53,8 +53,8 @@ def _hf_generate(hf_model, ids: list[int], max_new: int, eos: set[int], pad_id: 
 
 def _hf_assistant(drafter, info: dict, draft_len: int):
     """Our draft LM as a transformers assistant model with a fixed draft length (a like-for-like baseline)."""
-    if info["kind"] != "draft_lm":
-        return None
+    if info["kind"] != "draft_lm" or getattr(drafter, "d2t", None) is not None:
+        return None  # transformers has no reduced-vocabulary assistant: no like-for-like baseline
     assistant = to_hf_model(drafter)
     assistant.generation_config.num_assistant_tokens = draft_len
     assistant.generation_config.num_assistant_tokens_schedule = "constant"
@@ -90,6 +90,10 @@ def evaluate(recipe) -> dict:
 
         hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
+    if ec.optimize:  # after the HF copies above: optimized modules no longer carry HF-named weights
+        for m in (tgt.model, drafter):
+            if hasattr(m, "optimize_for_inference"):
+                m.optimize_for_inference()
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
     gen = torch.Generator(device=device).manual_seed(recipe.seed)
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages)))

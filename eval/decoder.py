@@ -77,9 +77,9 @@ def _run_drafter(drafter, ids: torch.Tensor, **kw):
     acceptance rule work on target ids unchanged (the drafter still reads target ids)."""
     out = drafter(ids, **kw)
     d2t = getattr(drafter, "d2t", None)
-    if d2t is None:
-        return out
     logits, extra = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
+    if d2t is None or logits.shape[-1] == drafter.target_vocab_size:  # already in target ids (ReducedHead)
+        return out
     ids_t = torch.arange(len(d2t), device=d2t.device) + d2t
     full = logits.new_full((*logits.shape[:-1], drafter.target_vocab_size), float("-inf"))
     full[..., ids_t] = logits

@@ -31,6 +31,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v
     qk_norm: bool = False  # Qwen3 RMS-normalises each head of q and k before RoPE
+    head_vocab_size: int | None = None  # a drafter's reduced output vocabulary (A10); inputs stay target ids
 
     @property
     def hd(self) -> int:
@@ -55,6 +56,7 @@ class KVCache:
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0
         self.max_len = max_len
+        self.padded = False  # set once any row wrote an invalid (padding) slot; never cleared
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -86,6 +88,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if x.dtype == torch.float32:  # one fused op instead of six (decode at batch 1 is op-overhead bound)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like HF, then cast back: keeps bf16 targets bit-close to the reference.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -108,12 +112,15 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
         B, T, _ = x.shape
         hd, H, Hkv = self.cfg.hd, self.cfg.n_heads, self.cfg.n_kv_heads
-        q = self.q_proj(x).view(B, T, H, hd)
-        k = self.k_proj(x).view(B, T, Hkv, hd)
+        if hasattr(self, "qkv_proj"):  # fused by optimize_for_inference()
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)
         if self.cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd)
-        v = self.v_proj(x).view(B, T, Hkv, hd).transpose(1, 2)
+        v = v.view(B, T, Hkv, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             s0 = cache.length
@@ -121,14 +128,62 @@ class Attention(nn.Module):
             cache.v[layer][:, :, s0:s0 + T] = v
             k = cache.k[layer][:, :, :s0 + T]
             v = cache.v[layer][:, :, :s0 + T]
-        if Hkv != H:  # grouped-query attention: share each K/V head across H // Hkv query heads
-            k = k.repeat_interleave(H // Hkv, dim=1)
-            v = v.repeat_interleave(H // Hkv, dim=1)
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped-query attention: SDPA broadcasts each K/V head over H // Hkv query heads (no cache copy).
+        gqa = Hkv != H
+        if mask is None:  # no cache: plain causal; with a cache, None means one query that sees every slot
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=cache is None, enable_gqa=gqa)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
+
+
+class FusedLinear(nn.Module):
+    """Inference-only stack of linear layers that read the same input: one matmul, outputs split back.
+
+    Batch-1 decoding is a chain of small GEMVs; fewer, larger ones cut per-call overhead. On CPU the weight is
+    pre-packed once for oneDNN, whose GEMV streams weights about twice as fast as the default BLAS on the
+    machines we measured (benchmarks/step_costs.py); elsewhere, or if the packing op is missing, plain F.linear.
+    """
+
+    def __init__(self, *linears: nn.Linear):
+        super().__init__()
+        self.sizes = [lin.out_features for lin in linears]
+        w = torch.cat([lin.weight.detach() for lin in linears])
+        bias = [lin.bias for lin in linears]
+        self.bias = None if bias[0] is None else torch.cat([b.detach() for b in bias])
+        self.packed = None
+        cpu_packable = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
+        if cpu_packable and torch.backends.mkldnn.is_available():
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+            except (AttributeError, RuntimeError):  # private op: absent or unsupported in this torch build
+                self.packed = None
+        self.weight = None if self.packed is not None else w
+
+    def forward(self, x):
+        if self.packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        else:
+            y = F.linear(x, self.weight, self.bias)
+        return y.split(self.sizes, dim=-1) if len(self.sizes) > 1 else y
+
+
+class ReducedHead(nn.Linear):
+    """LM head over a reduced draft vocabulary (algorithms.md A10) whose output is in the *target's* vocabulary:
+    the kept rows' logits scattered into a -inf row, so every consumer (decoder, on-policy writer, SpecDec++
+    labeller) sees target ids. Training reads ``weight`` directly (draft index space, train/losses.py)."""
+
+    def __init__(self, dim: int, n_kept: int, vocab_size: int):
+        super().__init__(dim, n_kept, bias=False)
+        self.vocab_size = vocab_size
+        self.register_buffer("target_ids", torch.arange(n_kept), persistent=False)
+        self.fused: FusedLinear | None = None
+
+    def forward(self, h):
+        small = self.fused(h) if self.fused is not None else F.linear(h, self.weight)
+        full = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.target_ids] = small
+        return full
 
 
 class MLP(nn.Module):
@@ -139,7 +194,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = self.gate_up_proj(x) if hasattr(self, "gate_up_proj") else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(g) * u)
 
 
 class Block(nn.Module):
@@ -164,10 +220,43 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))  # separate instances, not [b]*L
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.head_vocab_size:
+            self.lm_head = ReducedHead(cfg.dim, cfg.head_vocab_size, cfg.vocab_size)
+        else:
+            self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.head_vocab_size:
+            if cfg.tie_embeddings:
+                raise ValueError("a reduced head vocabulary cannot be tied to the input embeddings")
+            # Draft id i is target id i + d2t[i] (EAGLE-3's offsets); t2d maps target ids to draft ids or -1.
+            self.register_buffer("d2t", torch.zeros(cfg.head_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.full((cfg.vocab_size,), -1, dtype=torch.long))
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def set_head_vocab(self, target_ids: torch.Tensor) -> None:
+        """Fill d2t / t2d from the sorted target ids kept in the head (reduced-vocabulary drafters)."""
+        ids = target_ids.to(self.d2t.device)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.fill_(-1)
+        self.t2d[ids] = torch.arange(len(ids), device=ids.device)
+        self.lm_head.target_ids = ids.clone()
+
+    def _apply(self, fn, recurse=True):  # keep the head's (non-persistent) id list in step after loading
+        out = super()._apply(fn, recurse)
+        if self.cfg.head_vocab_size:
+            self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        res = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if self.cfg.head_vocab_size:
+            self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+        return res
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
@@ -193,6 +282,8 @@ class Llama(nn.Module):
         attn_mask: torch.Tensor | None = None,
         capture_layers: tuple[int, ...] = (),
         logits_at: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        head_fn=None,
     ):
         """ids (B, T) int64 -> logits (B, T, V), or (logits, {layer: hidden (B, T, D)}) if capture_layers.
 
@@ -204,6 +295,10 @@ class Llama(nn.Module):
             n_layers the final (pre-norm) hidden state.
         logits_at: optional bool mask (B, T): compute the LM head only there (returns (N, V)), which saves the
             dominant vocab matmul when training on a subset of positions.
+        return_hidden: return the final normed hidden states (at ``logits_at`` if given) instead of logits, for
+            losses that apply the LM head chunk by chunk (train/losses.py head_loss).
+        head_fn: return ``head_fn(hidden at logits_at, lm_head.weight)`` instead: chunked losses run inside
+            forward, where sharding wrappers (FSDP2, DeepSpeed ZeRO-3) have the LM head gathered.
         """
         B, T = ids.shape
         if pos is None:
@@ -220,7 +315,10 @@ class Llama(nn.Module):
                 raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
             s0 = cache.length
             cache.valid[:, s0:s0 + T] = True if valid is None else valid
-            mask = self._mask(cache, T, attn_mask)
+            cache.padded |= valid is not None
+            # A single new token with no padding anywhere sees every slot: no mask, the fastest SDPA path.
+            if T > 1 or attn_mask is not None or cache.padded:
+                mask = self._mask(cache, T, attn_mask)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
@@ -231,10 +329,37 @@ class Llama(nn.Module):
         if cache is not None:
             cache.length += T
         h = self.norm(x)
-        logits = self.lm_head(h[logits_at] if logits_at is not None else h)
+        h = h[logits_at] if logits_at is not None else h
+        if head_fn is not None:
+            return head_fn(h, self.lm_head.weight)
+        logits = h if return_hidden else self.lm_head(h)
         return (logits, captured) if capture_layers else logits
 
+    @torch.no_grad()
+    def optimize_for_inference(self) -> Llama:
+        """Fuse q/k/v and gate/up projections and pre-pack every matmul weight (see FusedLinear).
+
+        For the decoder only: the result has no gradients and no HF-named state dict, so build HF copies
+        (``to_hf_model``) before calling this. Logits match the unfused model to float rounding.
+        """
+        self._counts = (self.num_params(), self.num_params(exclude_embeddings=True))  # packed weights hide them
+        for block in self.layers:
+            a, m = block.self_attn, block.mlp
+            a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
+            a.o_proj = FusedLinear(a.o_proj)
+            m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
+            m.down_proj = FusedLinear(m.down_proj)
+            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+        if isinstance(self.lm_head, ReducedHead):
+            self.lm_head.fused = FusedLinear(self.lm_head)
+        else:
+            self.lm_head = FusedLinear(self.lm_head)
+        self.requires_grad_(False)
+        return self
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
+        if hasattr(self, "_counts"):
+            return self._counts[exclude_embeddings]
         n = sum(p.numel() for p in self.parameters())
         if exclude_embeddings:
             n -= self.embed_tokens.weight.numel()

@@ -10,7 +10,12 @@ import torch
 from torch import nn
 
 from draftsmith.eval.accept import greedy_accept, rejection_accept
-from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.decoder import (
+    DecodeStats,
+    autoregressive_generate,
+    speculative_generate,
+    tree_speculative_generate,
+)
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.sampling import process_logits
 
@@ -127,6 +132,21 @@ def test_greedy_lossless(target, ar_outputs, kind, draft_len):
     if kind == "noisy":  # partial acceptance: the rollback of both caches mid-chain is exercised
         assert 0.1 < total.acceptance_rate < 0.9
         assert sum(total.accept_counts[1:draft_len]) > 0 or draft_len == 1
+
+
+@pytest.mark.parametrize("draft_len", [1, 3])
+def test_optimized_fp32_models_stay_lossless(draft_len):
+    """The eval default (fused, pre-packed fp32 target and drafter) keeps speculative output = its own AR output."""
+    from draftsmith.eval.tree import DynamicTree
+
+    tgt = _model(0).float().optimize_for_inference()
+    drafter = _noisy_copy(_model(0)).float().optimize_for_inference()
+    tree = DynamicTree(top_k=3, depth=draft_len, total_tokens=6)
+    for prompt in PROMPTS:
+        x = torch.tensor(prompt)
+        ar = autoregressive_generate(tgt, x, NEW)
+        assert speculative_generate(tgt, drafter, x, NEW, draft_len=draft_len)[0] == ar
+        assert tree_speculative_generate(tgt, drafter, x, NEW, tree)[0] == ar
 
 
 def test_short_budgets(target, ar_outputs):

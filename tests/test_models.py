@@ -2,7 +2,9 @@
 drafter construction and checkpoints."""
 from __future__ import annotations
 
+import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -72,6 +74,27 @@ def test_qwen3_qk_norm_matches_transformers_and_round_trips():
         c = own.new_cache(2, 32)  # and incrementally, through the KV cache
         torch.testing.assert_close(torch.cat([own(ids[:, :10], cache=c), own(ids[:, 10:], cache=c)], 1), own(ids))
     assert config_to_hf(cfg)["model_type"] == "qwen3"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_optimize_for_inference_keeps_logits(family):
+    """Fused + pre-packed matmuls (the decoder's fast path) give the plain model's logits, with and without cache."""
+    cfg = {"llama": TINY, "qwen2": replace(TINY, attention_bias=True),
+           "qwen3": replace(TINY, qk_norm=True, head_dim=32)}[family]
+    torch.manual_seed(0)
+    plain = Llama(cfg).eval()
+    ids = torch.randint(0, 101, (2, 20))
+    with torch.no_grad():
+        ref = plain(ids)
+        fast = copy.deepcopy(plain).optimize_for_inference()
+        assert fast.num_params() == plain.num_params() and fast.num_params(True) == plain.num_params(True)
+        assert not any(p.requires_grad for p in fast.parameters())
+        if torch.backends.mkldnn.is_available():  # the path we ship on CPU, not only the F.linear fallback
+            assert fast.lm_head.packed is not None
+        torch.testing.assert_close(fast(ids), ref, rtol=1e-5, atol=1e-5)
+        c = fast.new_cache(2, 32)
+        steps = [fast(ids[:, :12], cache=c)] + [fast(ids[:, t:t + 1], cache=c) for t in range(12, 20)]
+        torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_incremental_equals_full_and_rollback():
