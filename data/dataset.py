@@ -41,6 +41,18 @@ class RecordDataset(Dataset):
         return truncate(self._shard(si).record(j), self.max_seq_len)
 
 
+def token_counts(data_dir: Path, vocab_size: int) -> torch.Tensor:
+    """How often each token id occurs among the response (loss) tokens of a data folder (V,) int64: the
+    frequency statistic a reduced draft vocabulary is chosen from (algorithms.md A10)."""
+    data_dir = Path(data_dir)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in read_manifest(data_dir)["shards"]:
+        sh = load_shard(data_dir / e["file"], signals=set())
+        ids = sh.tensor("input_ids").long()[sh.loss_mask.bool()]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 def truncate(r: Record, T: int) -> Record:
     """Cut a record to T tokens; keep the teacher rows of the tokens that remain."""
     if len(r.input_ids) <= T:

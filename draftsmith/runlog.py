@@ -48,6 +48,17 @@ class RunLog:
             for k, v in numeric.items():
                 self.tb.add_scalar(f"{self.stage}/{k}", v, step or 0)
 
+    def drop_after(self, step: int) -> None:
+        """Resume: forget this stage's rows logged after ``step`` (work the killed run did past its last
+        checkpoint, which the resumed run redoes), so every step appears once."""
+        if not self.enabled or not self.path.is_file():
+            return
+        keep = [line for line in self.path.read_text().splitlines(keepends=True)
+                if not ((r := json.loads(line)).get("stage") == self.stage and r.get("step", 0) > step)]
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(keep))
+        tmp.replace(self.path)
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()

@@ -7,6 +7,7 @@ acceptance before any training).
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -31,7 +32,76 @@ def draft_lm_config(params: dict, target_cfg: LlamaConfig) -> LlamaConfig:
     )
 
 
-def build_draft_lm(params: dict, target: Llama) -> Llama:
+def select_vocab(counts: torch.Tensor, n: int, always: set[int]) -> torch.Tensor:
+    """Sorted target ids of the n most frequent tokens (ties by id), with ``always`` (EOS) forced in."""
+    if n >= len(counts):
+        return torch.arange(len(counts))
+    order = torch.sort(counts, descending=True, stable=True).indices  # stable: ties keep id order
+    forced = sorted(i for i in always if 0 <= i < len(counts))
+    rest = order[~torch.isin(order, torch.tensor(forced, dtype=order.dtype))][:n - len(forced)]
+    return torch.cat([torch.tensor(forced, dtype=order.dtype), rest]).sort().values
+
+
+def _init_from(path: str, target: Llama, tokenizer) -> Llama:
+    """The draft's starting point: a draftsmith draft_lm checkpoint (e.g. FastDraft's pretraining stage), or an
+    existing small model with the target's tokenizer (HF folder or alias)."""
+    from draftsmith.models.hf import load_model, tokenizer_hash
+    from draftsmith.models.registry import load_drafter
+
+    if (Path(path) / "drafter.json").is_file():
+        model, info = load_drafter(Path(path))
+        if info.get("kind") != "draft_lm":
+            raise DraftsmithError(f"drafter.init_from {path!r} is a {info.get('kind')} checkpoint, not a draft_lm")
+        if tokenizer is not None and info.get("tokenizer_hash") not in (None, tokenizer_hash(tokenizer)):
+            raise DraftsmithError(f"drafter.init_from {path!r} was trained with a different tokenizer")
+    else:
+        src = load_model(path)
+        if tokenizer is not None and tokenizer_hash(src.tokenizer) != tokenizer_hash(tokenizer):
+            raise DraftsmithError(f"drafter.init_from {path!r} has a different tokenizer than the target")
+        model = src.model
+    if model.cfg.vocab_size != target.cfg.vocab_size:
+        raise DraftsmithError(f"drafter.init_from {path!r}: vocabulary {model.cfg.vocab_size} != target "
+                              f"{target.cfg.vocab_size}")
+    return model
+
+
+def build_draft_lm(params: dict, target: Llama, counts: torch.Tensor | None = None, tokenizer=None,
+                   eos_ids: set[int] = frozenset()) -> Llama:
+    """counts: token frequencies of the training responses (needed for draft_vocab)."""
+    if params.get("init_from"):
+        draft = _init_from(params["init_from"], target, tokenizer)
+        if params.get("freeze_embeddings", True):
+            draft.embed_tokens.weight.requires_grad_(False)
+            draft.lm_head.weight.requires_grad_(False)
+    else:
+        draft = _build_from_target(params, target)
+    n_vocab = params.get("draft_vocab")
+    if n_vocab and draft.cfg.head_vocab_size not in (None, n_vocab):
+        raise DraftsmithError(f"drafter.draft_vocab={n_vocab} but drafter.init_from already has a "
+                              f"{draft.cfg.head_vocab_size}-token head")
+    if n_vocab and draft.cfg.head_vocab_size is None:
+        if counts is None:
+            raise DraftsmithError("drafter.draft_vocab needs training records to count token frequencies")
+        draft = _reduce_head(draft, select_vocab(counts, n_vocab, eos_ids))
+        if params.get("freeze_embeddings", True) and (params.get("init_from_target", True) or params.get("init_from")):
+            draft.lm_head.weight.requires_grad_(False)
+    return draft
+
+
+def _reduce_head(draft: Llama, keep: torch.Tensor) -> Llama:
+    """The same drafter with only the ``keep`` rows of its LM head (untied), plus the d2t / t2d maps."""
+    small = Llama(replace(draft.cfg, head_vocab_size=len(keep), tie_embeddings=False))
+    small = small.to(draft.embed_tokens.weight.dtype)
+    sd = draft.state_dict()
+    head = sd["lm_head.weight"] if "lm_head.weight" in sd else sd["embed_tokens.weight"]
+    sd["lm_head.weight"] = head[keep].clone()
+    small.load_state_dict(sd, strict=False)
+    small.set_head_vocab(keep)
+    small.embed_tokens.weight.requires_grad_(draft.embed_tokens.weight.requires_grad)
+    return small
+
+
+def _build_from_target(params: dict, target: Llama) -> Llama:
     cfg = draft_lm_config(params, target.cfg)
     if cfg.n_heads % cfg.n_kv_heads:
         raise DraftsmithError(f"drafter: n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.n_kv_heads}")

@@ -26,10 +26,12 @@ _FROM_CONFIG = {
 }
 
 
-def build_drafter(kind: str, params: dict, target: Llama) -> torch.nn.Module:
+def build_drafter(kind: str, params: dict, target: Llama, **data) -> torch.nn.Module:
+    """data: optional keyword facts about the training data some builders use (counts = token frequencies of
+    the responses, tokenizer, eos_ids)."""
     if kind not in DRAFTERS:
         raise DraftsmithError(f"drafter.kind {kind!r} unknown (known: {', '.join(DRAFTERS)})")
-    return DRAFTERS[kind](params, target)
+    return DRAFTERS[kind](params, target, **data)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -39,8 +41,9 @@ def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
-def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict) -> Path:
-    """Write atomically: a half-written checkpoint never sits under the final name."""
+def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extra=None) -> Path:
+    """Write atomically: a half-written checkpoint never sits under the final name. ``extra(folder)`` may add
+    files (the training state) before the folder is renamed into place."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -48,10 +51,21 @@ def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict) -> P
     save_file(_weights(model), str(tmp / "model.safetensors"))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
+    if extra is not None:
+        extra(tmp)
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
+
+
+def load_weights_into(path: Path, model: torch.nn.Module) -> None:
+    """Resume: a checkpoint's weights into an already built drafter of the same shape."""
+    sd = load_file(str(Path(path) / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+        raise DraftsmithError(f"{path}: checkpoint does not fit this recipe's drafter (missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}); change the recipe back or set train.resume=false")
 
 
 def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.nn.Module, dict]:

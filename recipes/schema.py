@@ -139,14 +139,33 @@ class DraftLMConfig(Strict):
     """Target layer indices copied into the draft's layers (len == n_layers). None = random init."""
     freeze_embeddings: bool = True
     """Keep the copied embeddings / LM head frozen (they dominate the parameter count of small drafters)."""
+    init_from: str | None = None
+    """Start from an existing small model with the target's tokenizer (HF folder of safetensors, or alias);
+    its architecture replaces n_layers / dim / n_heads / hidden_dim."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Keep only the N most frequent tokens of the training responses in the draft's LM head (VocabTrim /
+    FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
 
 
 DrafterConfig = Annotated[DraftLMConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):
-    kind: Literal["fkl", "ce"] = "fkl"
-    """fkl = forward KL to the stored teacher top-k distribution (+ tail); ce = cross-entropy on target tokens."""
+    kind: Literal["ce", "fkl", "rkl", "jsd", "tvd", "tvdpp", "tvdpp_full", "neg_log_alpha", "lk"] = "fkl"
+    """ce = cross-entropy on the target's tokens; fkl / rkl = forward / reverse KL; jsd = JSD(beta); tvd = total
+    variation (1 - alpha); tvdpp = TVD++ policy gradient on x ~ q with standardised reward (the default TVD++:
+    the estimator the paper derives); tvdpp_full = the full-support variant; neg_log_alpha = -log alpha; lk = the
+    LK hybrid. Divergences use the stored top-k + tail (teacher: records) or the full target (teacher: target)."""
+    beta: float = Field(0.5, gt=0, lt=1)
+    """JSD mixing weight: M = beta p + (1 - beta) q."""
+    kl_scale: float = Field(1.0, ge=0)
+    """lk: lambda = kl_scale * exp(-kl_decay * alpha)."""
+    kl_decay: float = Field(1.0, ge=0)
+    teacher: Literal["records", "target"] = "records"
+    """records = stored top-k log-probs (+ tail); target = run the frozen target inside the loop for the full
+    distribution (more compute and memory, exact divergences)."""
+    chunk: int = Field(1024, gt=0)
+    """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab."""
 
 
 class TrainConfig(Strict):
@@ -163,10 +182,18 @@ class TrainConfig(Strict):
     """Training sequences are cut to this many tokens."""
     precision: Literal["no", "bf16", "fp16"] = "no"
     """accelerate mixed precision."""
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    """After linear warmup: cosine or linear decay to min_lr_ratio x lr, or constant."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
     loss: LossConfig = LossConfig()
     log_every: int = Field(10, gt=0)
     save_every: int = Field(0, ge=0)
-    """Save a resumable checkpoint every N steps (0 = only the final one)."""
+    """Save a resumable checkpoint (drafter + optimizer, scheduler, RNG and data position) every N steps
+    (0 = only the final one). A rerun of the same recipe resumes from the newest one."""
+    keep_last: int = Field(2, gt=0)
+    """Resumable checkpoints kept (older ones are deleted); the final checkpoint is always kept."""
+    resume: bool = True
+    """Continue from the newest checkpoint in the run folder if there is one; false starts over."""
     wandb: bool = False
     tensorboard: bool = False
     eval_every: int = Field(0, ge=0)
@@ -216,6 +243,9 @@ class EvalConfig(Strict):
     tree: TreeConfig = TreeConfig()
     baseline_hf: bool = True
     """Also time plain HF generate() and check the speculative output matches it token for token."""
+    optimize: bool = True
+    """Fuse q/k/v and gate/up matmuls and pre-pack weights for the decoder (target and drafter); false runs the
+    plain modules, for A/B timing."""
     checkpoint: str | None = None
     """Drafter checkpoint folder; None = <out_dir>/checkpoints/final."""
     warmup: int = Field(1, ge=0)

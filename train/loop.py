@@ -5,6 +5,7 @@ the per-kind objective comes from train/objectives.py; nothing else here knows a
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -12,37 +13,65 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.dataset import RecordDataset, collate
+from draftsmith.data.dataset import RecordDataset, collate, token_counts
 from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.hf import load_model, tokenizer_hash
-from draftsmith.models.registry import build_drafter, save_drafter
+from draftsmith.eval.quick import tau_from_alpha
+from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
+from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
-from draftsmith.train.objectives import OBJECTIVES, SIGNALS_NEEDED
+from draftsmith.train.objectives import OBJECTIVES, SIGNALS_NEEDED, Context
+from draftsmith.train.state import latest_resumable, prune, read_state, write_state
 
 
 def build_optimizer(model: torch.nn.Module, tc):
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
 
-    def lr_at(step: int) -> float:  # linear warmup, then cosine to 10% of the peak
+    def lr_at(step: int) -> float:  # linear warmup, then cosine / linear decay to min_lr_ratio, or constant
         if step < tc.warmup_steps:
             return (step + 1) / (tc.warmup_steps + 1)
-        progress = (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.steps - tc.warmup_steps))
+        lo = tc.min_lr_ratio
+        if tc.lr_schedule == "cosine":
+            return lo + (1 - lo) * 0.5 * (1 + math.cos(math.pi * progress))
+        if tc.lr_schedule == "linear":
+            return lo + (1 - lo) * (1 - progress)
+        return 1.0
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
 
 
-def forever(loader):
-    """Re-iterate the loader each epoch (itertools.cycle would cache every batch in memory)."""
-    epoch = 0
-    while True:
-        if hasattr(loader, "set_epoch"):
-            loader.set_epoch(epoch)
-        yield from loader
-        epoch += 1
+class GlobalBatches(torch.utils.data.Sampler):
+    """Each epoch a seeded permutation, cut into global batches of ``per_rank * world`` records; rank r takes
+    slice r of each. One process with batch 4 and two with batch 2 see the same global batches, and resuming
+    at micro-batch n is arithmetic (no data is read to skip)."""
+
+    def __init__(self, n: int, per_rank: int, rank: int, world: int, seed: int, start: int = 0):
+        self.n, self.per_rank, self.rank, self.world, self.seed = n, per_rank, rank, world, seed
+        self.per_epoch = n // (per_rank * world)
+        if self.per_epoch == 0:
+            raise DraftsmithError(f"{n} training sequences cannot fill one global batch of "
+                                  f"{per_rank} x {world} processes: lower train.micro_batch_size")
+        self.start = start
+
+    def __iter__(self):
+        b = self.start
+        while True:
+            epoch, i = divmod(b, self.per_epoch)
+            perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
+            g = perm[i * self.per_rank * self.world:(i + 1) * self.per_rank * self.world]
+            yield g[self.rank * self.per_rank:(self.rank + 1) * self.per_rank].tolist()
+            b += 1
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def _quick_eval_setup(recipe, tgt, acc):
@@ -50,7 +79,7 @@ def _quick_eval_setup(recipe, tgt, acc):
     eval.draft_len at eval.temperature (see eval/quick.py)."""
     from draftsmith.data.prompts import load_prompts
     from draftsmith.eval.quick import quick_eval
-    from draftsmith.models.hf import encode_chat, first_turn, stop_ids
+    from draftsmith.models.hf import encode_chat, first_turn
 
     tc, ec = recipe.train, recipe.eval
     pc = ec.prompts
@@ -72,62 +101,76 @@ def _quick_eval_setup(recipe, tgt, acc):
 
 
 def train(recipe) -> Path:
-    """Train the recipe's drafter on its records; returns the final checkpoint folder."""
+    """Train the recipe's drafter on its records; returns the final checkpoint folder. Reruns resume from the
+    newest resumable checkpoint (train.save_every) unless train.resume is false."""
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     tc, run = recipe.train, recipe.run_dir
     device = resolve_device(recipe.target.device)
-    acc = Accelerator(gradient_accumulation_steps=tc.grad_accum, mixed_precision=tc.precision,
-                      cpu=device == "cpu")
+    acc = Accelerator(mixed_precision=tc.precision, cpu=device == "cpu")
     set_seed(recipe.seed)
-    data_dir = run / "data"
+    data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
-    # The target initialises the drafter (embeddings, layers), checks the tokenizer and, with eval_every, verifies.
+    # The target initialises the drafter (embeddings, layers), checks the tokenizer, may teach in the loop and,
+    # with eval_every, verifies.
     tgt = load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code,
                      recipe.target.revision)
     if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
         raise DraftsmithError(f"{data_dir}: records were made with a different tokenizer than target "
                               f"{recipe.target.model!r}")
-    kind = recipe.drafter.kind
-    drafter = build_drafter(kind, recipe.drafter.model_dump(exclude={"kind"}), tgt.model).float().train()
+    kind, params = recipe.drafter.kind, recipe.drafter.model_dump(exclude={"kind"})
+    facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
+    if params.get("draft_vocab"):
+        facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
+    drafter = build_drafter(kind, params, tgt.model, **facts).float().train()
     quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
+    teacher = tgt.model.to(acc.device).requires_grad_(False) if tc.loss.teacher == "target" else None
     del tgt
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=SIGNALS_NEEDED[kind])
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
-    loader = torch.utils.data.DataLoader(ds, batch_size=tc.micro_batch_size, shuffle=True, collate_fn=collate,
-                                         generator=torch.Generator().manual_seed(recipe.seed))
     opt, sched = build_optimizer(drafter, tc)
-    drafter, opt, loader, sched = acc.prepare(drafter, opt, loader, sched)
+    loss_gen = torch.Generator(device=acc.device).manual_seed(recipe.seed * 1000 + acc.process_index)
+    counters = {"step": 0, "batches": 0, "tokens": 0, "seconds": 0.0}
+    resume_from = latest_resumable(ckpt_dir) if tc.resume else None
+    if resume_from is not None:
+        load_weights_into(resume_from, drafter)
+    # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper would step it once per
+    # process, which changes the schedule with the process count.
+    drafter, opt = acc.prepare(drafter, opt)
+    if resume_from is not None:
+        counters = read_state(resume_from, opt, sched, {"loss": loss_gen})
+    sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed,
+                            start=counters["batches"])
+    batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
     objective = OBJECTIVES[kind]
+    ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen)
     runlog = RunLog(run, "train", wandb=tc.wandb, tensorboard=tc.tensorboard,
                     config=recipe.model_dump(mode="json"), enabled=acc.is_main_process)
+    step = counters["step"]
+    if resume_from is not None:
+        runlog.drop_after(step)
     n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     if acc.is_main_process:
-        print(f"train: {kind} drafter, {acc.unwrap_model(drafter).num_params() / 1e6:.1f}M params "
-              f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps")
+        print(f"train: {kind} drafter, {ctx.unwrapped.num_params() / 1e6:.1f}M params "
+              f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
+              f"{acc.num_processes} process(es)" + (f", resuming at step {step} from {resume_from}"
+                                                    if resume_from is not None else ""))
     meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
-    step, tokens, t0, window = 0, 0, time.perf_counter(), []
-    bar = tqdm(total=tc.steps, desc="train", unit="step", disable=not acc.is_main_process, dynamic_ncols=True)
-    for batch in forever(loader):
-        with acc.accumulate(drafter):
-            out = objective(drafter, batch, tc.loss)
-            acc.backward(out.loss)
-            if acc.sync_gradients:
-                acc.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-        tokens += out.metrics.get("tokens", 0)
-        window.append({"loss": out.loss.item(), **out.metrics})
-        if not acc.sync_gradients:
-            continue
+    t0, window = time.perf_counter() - counters["seconds"], []
+    bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process,
+               dynamic_ncols=True)
+    while step < tc.steps:
+        out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
+        counters["batches"] += tc.grad_accum
+        counters["tokens"] += out["tokens"]
+        window.append(out)
         step += 1
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
-            m = {k: sum(w[k] for w in window) / len(window) for k in window[0] if k != "tokens"}
-            m.update(lr=sched.get_last_lr()[0], tokens_per_s=tokens / (time.perf_counter() - t0))
+            m = _window_metrics(window, counters, t0, recipe.eval.draft_len)
+            m.update(lr=sched.get_last_lr()[0], peak_mem_mb=peak_memory_mb(str(acc.device)))
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
             window = []
@@ -135,16 +178,66 @@ def train(recipe) -> Path:
             m = quick(acc.unwrap_model(drafter))
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
             bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m['tau_estimate']:.2f}")
-        if tc.save_every and step % tc.save_every == 0 and acc.is_main_process:
-            save_drafter(run / "checkpoints" / f"step-{step:06d}", acc.unwrap_model(drafter), kind,
-                         {**meta, "step": step})
-        if step >= tc.steps:
-            break
+        if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
+            counters.update(step=step, seconds=time.perf_counter() - t0)
+            _save_resumable(acc, ckpt_dir / f"step-{step:06d}", drafter, opt, sched, kind, meta, dict(counters),
+                            loss_gen, tc.keep_last)
     bar.close()
-    final = run / "checkpoints" / "final"
+    final = ckpt_dir / "final"
     acc.wait_for_everyone()
     if acc.is_main_process:
         save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step})
-        print(f"train: {step} steps, {tokens} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
+        print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
     runlog.close()
     return final
+
+
+def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> dict:
+    """One optimizer step over grad_accum micro-batches per process. The loss is normalised by the number of
+    trained tokens in the whole step across all processes, so the update equals one big batch's exactly."""
+    micro = [{k: v.to(acc.device) for k, v in next(batches).items()} for _ in range(tc.grad_accum)]
+    n_local = sum(int(b["predict_mask"].sum()) for b in micro)
+    n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device, dtype=torch.float64), "sum"))
+    scale = acc.num_processes / max(1.0, n_global)  # DDP averages gradients over processes
+    loss_sum, metrics = torch.zeros((), device=acc.device), {}
+    for i, b in enumerate(micro):
+        sync = i == len(micro) - 1
+        with contextlib.nullcontext() if sync else acc.no_sync(drafter):
+            out = objective(drafter, b, tc.loss, ctx)
+            acc.backward(out.loss_sum * scale)
+        loss_sum += out.loss_sum.detach()
+        for k, v in out.metrics.items():  # token-weighted means over the micro-batches
+            if k != "tokens":
+                metrics[k] = metrics.get(k, 0.0) + v * out.n
+    grad_norm = acc.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    # One all-reduce for the loss and every metric: logged numbers describe the global batch, not rank 0's part.
+    keys = sorted(metrics)
+    sums = acc.reduce(torch.tensor([float(loss_sum), *(metrics[k] for k in keys)], device=acc.device,
+                                   dtype=torch.float64), "sum").tolist()
+    return {"loss": sums[0] / max(1.0, n_global), "n": int(n_global), "tokens": int(n_global),
+            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+            **{k: v / max(1.0, n_global) for k, v in zip(keys, sums[1:])}}
+
+
+def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:
+    n = sum(w["n"] for w in window)
+    m = {k: sum(w[k] * w["n"] for w in window) / max(1, n) for k in window[0] if k not in ("n", "tokens")}
+    m["loss"] = sum(w["loss"] for w in window) / len(window)
+    m["grad_norm"] = sum(w["grad_norm"] for w in window) / len(window)
+    if "alpha" in m:  # teacher-forced tau of a chain of eval.draft_len drafts under i.i.d. acceptance (A1.3)
+        m["tau_estimate"] = tau_from_alpha(m["alpha"], draft_len)
+    m["tokens_per_s"] = counters["tokens"] / max(1e-9, time.perf_counter() - t0)
+    return m
+
+
+def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last) -> None:
+    """Drafter + training state, atomically; then prune old step folders."""
+    acc.wait_for_everyone()
+    if acc.is_main_process:
+        save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
+                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}))
+        prune(path.parent, keep_last)
+    acc.wait_for_everyone()

@@ -1,0 +1,174 @@
+"""The one training loop on the tiny recipe: every loss, exact resume after a kill, gradient accumulation and two
+gloo processes equal one big batch, reduced draft vocabularies, in-loop teacher, init from an existing model."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.cli import main
+from draftsmith.models.registry import load_drafter
+from draftsmith.recipes.schema import LossConfig
+
+KINDS = LossConfig.model_fields["kind"].annotation.__args__
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_model_dir, prompts_file):
+    """Records generated once (8 prompts, top-8 signals); each test copies them into its own run folder."""
+    out = tmp_path_factory.mktemp("train-data")
+    args = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={out}",
+            "data.n_samples=2", "data.temperature=1.0", "-q"]
+    assert main(["generate", "tiny", *args]) == 0
+    return out / "data"
+
+
+@pytest.fixture
+def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
+    """train_run(name, *overrides) -> run folder, after `draftsmith train` returned 0 on a copy of the records."""
+    def run(name: str, *overrides: str, expect: int = 0):
+        out = tmp_path / name
+        if not (out / "data").exists():
+            shutil.copytree(data_dir, out / "data")
+        args = ["train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+                f"out_dir={out}", "-q", *overrides]
+        assert main(args) == expect
+        return out
+    return run
+
+
+def _rows(run, stage="train"):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["stage"] == stage]
+
+
+def _weights(path):
+    return load_file(str(path / "model.safetensors"))
+
+
+def _close(a, b, tol=1e-5):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_loss_trains_and_logs(train_run, kind):
+    run = train_run(kind, f"train.loss.kind={kind}", "train.steps=4", "train.lr=3e-3")
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert all(k in r for k in ("loss", "top1", "alpha", "tau_estimate", "tokens_per_s", "peak_mem_mb", "lr",
+                                    "grad_norm"))
+        assert r["loss"] == r["loss"] and abs(r["loss"]) < 1e3  # finite
+        assert 0 <= r["alpha"] <= 1 and r["tau_estimate"] >= 1
+
+
+def test_training_lowers_the_loss_and_raises_alpha(train_run):
+    rows = _rows(train_run("long", "train.steps=24", "train.lr=1e-2", "train.warmup_steps=0",
+                           "drafter.freeze_embeddings=false"))
+    first, last = rows[:4], rows[-4:]
+    assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)
+    assert sum(r["alpha"] for r in last) > sum(r["alpha"] for r in first)
+
+
+def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
+    common = ["train.steps=6", "train.save_every=2", "train.keep_last=2", "train.loss.kind=tvdpp",
+              "train.lr=3e-3"]
+    full = train_run("full", *common)
+    from draftsmith.train import loop
+
+    real = loop._optimizer_step
+    calls = {"n": 0}
+
+    def dies_in_step_5(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt  # a kill after step 4's checkpoint, mid-way to the next one
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loop, "_optimizer_step", dies_in_step_5)
+    train_run("resumed", *common, expect=130)  # the CLI reports the interrupt and exits 130
+    ckpts = sorted(p.name for p in (full.parent / "resumed" / "checkpoints").iterdir())
+    assert ckpts == ["step-000002", "step-000004"]
+    monkeypatch.setattr(loop, "_optimizer_step", real)
+    resumed = train_run("resumed", *common)
+    _close(_weights(full / "checkpoints" / "final"), _weights(resumed / "checkpoints" / "final"), tol=1e-6)
+    a, b = _rows(full), _rows(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # nothing logged twice, nothing lost
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)
+    # keep_last=2: the last two resumable checkpoints stay; the final one always does
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["final", "step-000002", "step-000004"]
+
+
+def test_grad_accumulation_equals_one_big_batch(train_run):
+    big = train_run("big", "train.micro_batch_size=4", "train.grad_accum=1", "train.steps=3")
+    acc = train_run("acc", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=3")
+    _close(_weights(big / "checkpoints" / "final"), _weights(acc / "checkpoints" / "final"))
+    for ra, rb in zip(_rows(big), _rows(acc)):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
+    one = train_run("one", "train.micro_batch_size=4", "train.steps=3")
+    two = one.parent / "two"
+    shutil.copytree(one / "data", two / "data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+           f"out_dir={two}", "train.micro_batch_size=2", "train.steps=3", "-q"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
+    for ra, rb in zip(_rows(one), _rows(two), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+
+
+def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_model_dir, prompts_file):
+    run = train_run("vocab", "drafter.draft_vocab=40", "train.steps=3")
+    drafter, info = load_drafter(run / "checkpoints" / "final")
+    assert drafter.lm_head.weight.shape[0] == 40 and drafter.cfg.head_vocab_size == 40
+    kept = torch.arange(40) + drafter.d2t
+    assert torch.equal(drafter.t2d[kept], torch.arange(40)) and int((drafter.t2d >= 0).sum()) == 40
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(tiny_model_dir)).eos_token_id
+    assert eos in kept.tolist()  # EOS is always kept
+    args = ["eval", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+            f"out_dir={run}", "target.dtype=float64", "-q"]
+    assert main(args) == 0
+    assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+    # DistillSpec on-policy data written by this drafter: every response token is one of its 40 target ids
+    gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
+           f"out_dir={run.parent / 'on-policy'}", f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}",
+           "data.on_policy.fraction=1.0", "-q"]
+    assert main(gen) == 0
+    from draftsmith.data.dataset import RecordDataset
+
+    written = torch.cat([r.input_ids[r.loss_mask] for r in RecordDataset(run.parent / "on-policy" / "data", 512)])
+    assert len(written) > 0 and torch.isin(written, kept).all()
+
+
+def test_teacher_from_the_target_in_the_loop(train_run):
+    run = train_run("in-loop", "train.loss.teacher=target", "train.loss.kind=jsd", "train.steps=3",
+                    "train.loss.chunk=7")
+    assert len(_rows(run)) == 3 and all(0 <= r["alpha"] <= 1 for r in _rows(run))
+
+
+def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_model_dir):
+    run = train_run("init", f"drafter.init_from={tiny_model_dir}", "train.steps=2")
+    drafter, _ = load_drafter(run / "checkpoints" / "final")
+    assert drafter.cfg.n_layers == 2  # the source model's architecture, not drafter.n_layers
