@@ -8,21 +8,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        import os
+def _status_mb(key: str) -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+def _reset_peak() -> float:
+    """Linux: writing 5 to clear_refs resets the peak RSS (VmHWM); returns the RSS to measure from."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mb("VmRSS")
 
 
 def one(variant: str, a) -> dict:
-    import resource
-
     import torch
     import torch.nn.functional as F
 
@@ -32,16 +36,16 @@ def one(variant: str, a) -> dict:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(a.tokens, a.dim, generator=g).to(dev).requires_grad_(True)
     w = (torch.randn(a.vocab, a.dim, generator=g) * 0.05).to(dev).requires_grad_(True)
-    t_logits = torch.randn(a.tokens, a.vocab, generator=g) * 2
-    lp, ids = F.log_softmax(t_logits, -1).topk(a.k, -1)
-    del t_logits
+    # Teacher top-k built 64 rows at a time (no (T, V) teacher tensor in either variant).
+    lp, ids = map(torch.cat, zip(*(F.log_softmax(torch.randn(min(64, a.tokens - i), a.vocab, generator=g) * 2,
+                                                  -1).topk(a.k, -1) for i in range(0, a.tokens, 64))))
     teacher = losses.Teacher(labels=ids[:, 0].to(dev), topk_ids=ids.to(dev), topk_logprobs=lp.half().to(dev))
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
     else:
-        base = _rss_mb()
+        base = _reset_peak()
     t0 = time.perf_counter()
     if variant == "naive":
         logits = h @ w.t()
@@ -56,7 +60,7 @@ def one(variant: str, a) -> dict:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        peak = _status_mb("VmHWM")
     return {"variant": variant, "peak_mb": peak - base, "seconds": time.perf_counter() - t0, "loss": float(loss),
             "grad_h_norm": float(h.grad.norm()), "grad_w_norm": float(w.grad.norm())}
 
@@ -67,7 +71,8 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152, help="vocabulary V (SmolLM2: 49152)")
     ap.add_argument("--dim", type=int, default=576, help="hidden size D (SmolLM2-135M: 576)")
     ap.add_argument("--k", type=int, default=32, help="stored teacher top-k")
-    ap.add_argument("--kind", default="fkl", help="loss kind (train.loss.kind)")
+    ap.add_argument("--kind", default="fkl", choices=["ce", "fkl", "rkl", "jsd", "tvd", "neg_log_alpha", "lk",
+                                                      "tvdpp_full"], help="loss kind (train.loss.kind)")
     ap.add_argument("--chunk", type=int, default=256, help="positions per chunk for head_loss")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -79,7 +84,10 @@ def main() -> None:
     for v in ("naive", "chunked"):
         cmd = [sys.executable, __file__, "--variant", v] + [f"--{k}={getattr(a, k)}" for k in
                                                             ("tokens", "vocab", "dim", "k", "kind", "chunk", "device")]
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+        # glibc keeps freed heap memory resident, which would hide later allocations from RSS; a fixed, low
+        # mmap threshold makes every large tensor its own mapping, returned on free, so RSS tracks live tensors.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
         res[v] = json.loads(out)
         print(f"{v:8s} peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
               f"|grad h| {res[v]['grad_h_norm']:.6f}  |grad W| {res[v]['grad_w_norm']:.6f}")

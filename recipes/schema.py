@@ -164,7 +164,7 @@ class LossConfig(Strict):
     teacher: Literal["records", "target"] = "records"
     """records = stored top-k log-probs (+ tail); target = run the frozen target inside the loop for the full
     distribution (more compute and memory, exact divergences)."""
-    chunk: int = Field(1024, gt=0)
+    chunk: int = Field(256, gt=0)
     """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab."""
 
 

@@ -155,7 +155,7 @@ class LossSpec:
     beta: float = 0.5
     kl_scale: float = 1.0
     kl_decay: float = 1.0
-    chunk: int = 1024
+    chunk: int = 256
 
 
 def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torch.Tensor:
@@ -170,7 +170,8 @@ def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torc
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum over positions of loss(h @ W^T), chunk by chunk; the gradients w.r.t. h and W are taken per chunk in
-    the forward pass and replayed (scaled) in backward, so no (N, V) tensor is ever alive."""
+    the forward pass and replayed (scaled) in backward, so no (N, V) tensor is ever alive. Backward can run
+    once (the saved gradients are scaled in place)."""
 
     @staticmethod
     def forward(ctx, h, weight, spec, teacher, samples):
@@ -178,20 +179,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros_like(weight) if need_w else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w = weight.detach()
         for s in range(0, h.shape[0], spec.chunk):
             e = min(s + spec.chunk, h.shape[0])
+            hc = h[s:e].detach().to(w.dtype)
             with torch.enable_grad():
-                hc = h[s:e].detach().requires_grad_(need_h)
-                w = weight.detach().requires_grad_(need_w)
+                logits = (hc @ w.t()).requires_grad_(need_h or need_w)
                 sample = None if samples is None else (samples[0][s:e], samples[1][s:e])
-                loss = _per_position(spec, hc.to(w.dtype) @ w.t(), teacher.rows(s, e), sample).sum()
-                wrt = [t for t in (hc, w) if t.requires_grad]
-                grads = list(torch.autograd.grad(loss, wrt)) if wrt else []
-            if need_h:
-                grad_h[s:e] = grads.pop(0)
-            if need_w:
-                grad_w += grads.pop(0)
+                loss = _per_position(spec, logits, teacher.rows(s, e), sample).sum()
+            if need_h or need_w:
+                # Back through the loss to the logits only; the two head matmuls are done by hand, in place
+                # (a fresh (V, D) gradient per chunk would double the head's memory).
+                (g,) = torch.autograd.grad(loss, logits)
+                if need_h:
+                    grad_h[s:e] = (g @ w).to(h.dtype)
+                if need_w:
+                    grad_w.addmm_(g.t().to(w.dtype), hc)
+                del g
             total += loss.detach()
+            del logits, loss
         ctx.save_for_backward(*(g for g in (grad_h, grad_w) if g is not None))
         ctx.flags = (need_h, need_w)
         return total
@@ -200,8 +206,9 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     def backward(ctx, grad_out):
         saved = list(ctx.saved_tensors)
         need_h, need_w = ctx.flags
-        gh = saved.pop(0) * grad_out if need_h else None
-        gw = saved.pop(0) * grad_out if need_w else None
+        # The saved gradients are used once: scale them in place instead of allocating copies.
+        gh = saved.pop(0).mul_(grad_out) if need_h else None
+        gw = saved.pop(0).mul_(grad_out) if need_w else None
         return gh, gw, None, None, None
 
 
