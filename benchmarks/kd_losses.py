@@ -37,11 +37,13 @@ def main() -> None:
     ap.add_argument("--eval-n", type=int, default=16, help="MT-bench prompts in each eval")
     ap.add_argument("--root", default="runs/kd", help="where the per-loss runs go")
     ap.add_argument("--skip-pretrain", action="store_true", help="reuse runs/fastdraft-pretrain as it is")
+    ap.add_argument("--pretrain-steps", type=int, help="override fastdraft-pretrain's train.steps")
     a = ap.parse_args()
     root = Path(a.root)
     times = {}
     if not a.skip_pretrain:
-        times["pretrain"] = sh("run", "fastdraft-pretrain", "-q")
+        steps = [f"train.steps={a.pretrain_steps}"] if a.pretrain_steps else []
+        times["pretrain"] = sh("run", "fastdraft-pretrain", *steps, "-q")
     times["generate"] = sh("generate", "fastdraft-finetune", "-q")
     data = Path("runs/fastdraft-finetune/data")
     rows = []

@@ -120,6 +120,10 @@ def _prefill(model, prompt: torch.Tensor, cache) -> torch.Tensor:
 
 
 def _prepare(model, prompt_ids: torch.Tensor) -> torch.Tensor:
+    if prompt_ids.dim() != 1:
+        # Batched speculative decoding needs per-row acceptance lengths and ragged caches to stay
+        # output-equivalent; until then, say so rather than flatten rows into one sequence.
+        raise ValueError(f"the decoder takes one prompt (T,) at a time; got shape {tuple(prompt_ids.shape)}")
     device = next(model.parameters()).device
     return prompt_ids.to(device=device, dtype=torch.long).view(1, -1)  # (1, T)
 

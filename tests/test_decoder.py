@@ -337,6 +337,10 @@ def test_rejects_bad_arguments(target):
         speculative_generate(target, _model(1, CFG8), torch.tensor([1, 2]), 4)
     with pytest.raises(ValueError, match="draft_len"):
         speculative_generate(target, target, torch.tensor([1, 2]), 4, draft_len=-1)
+    for decode in (lambda x: speculative_generate(target, target, x, 4),
+                   lambda x: autoregressive_generate(target, x, 4)):
+        with pytest.raises(ValueError, match="one prompt"):  # batch > 1 is refused, not flattened
+            decode(torch.tensor([[1, 2], [3, 4]]))
 
 
 def test_stop_drafting_hook_adapts_length_and_stays_lossless(target, ar_outputs):
