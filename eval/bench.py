@@ -76,7 +76,8 @@ def evaluate(recipe) -> dict:
     device = resolve_device(recipe.target.device)
     dtype = resolve_dtype(recipe.target.dtype, device)
     ckpt = Path(ec.checkpoint) if ec.checkpoint else run / "checkpoints" / "final"
-    tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision)
+    tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision,
+                     fallback=True)
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
         raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")

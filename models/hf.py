@@ -44,7 +44,8 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
-            f"target architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"target architecture {arch!r} is not supported here (own model: {', '.join(SUPPORTED_ARCHS)}; "
+            f"eval and train also run other architectures through transformers)"
         )
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})
@@ -218,9 +219,21 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, revision: str | None = None) -> LoadedModel:
+               trust_remote_code: bool = False, revision: str | None = None,
+               fallback: bool = False) -> LoadedModel:
+    """The own Llama-family model; with ``fallback``, other architectures load as the transformers model behind
+    the decoder's API (models/hf_fallback.py: slower, AR and chain decoding only)."""
     path = resolve_model_path(name, revision)
-    model = load_llama_dir(path, dtype=dtype, device=device)
+    cfg_file = path / "config.json"
+    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    if fallback and cfg.get("model_type") not in SUPPORTED_ARCHS and cfg.get("model_type"):
+        from draftsmith.models.hf_fallback import load_fallback
+
+        log.warning("%s is a %r model: decoding through transformers (slower; AR and chain only)", name,
+                    cfg["model_type"])
+        model = load_fallback(path, cfg, dtype, device, trust_remote_code)
+    else:
+        model = load_llama_dir(path, dtype=dtype, device=device)
     return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name)
 
 
