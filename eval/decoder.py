@@ -175,6 +175,11 @@ def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, 
 def _verify(target, tcache, cur: torch.Tensor, drafts: torch.Tensor, q, temperature, top_k, top_p, generator):
     """One target forward over [cur, d1..dγ] and the acceptance rule -> (n accepted, next token)."""
     logits = target(torch.cat([cur, drafts]).view(1, -1), cache=tcache)[0]  # (γ+1, V)
+    return _accept(drafts, q, logits, temperature, top_k, top_p, generator)
+
+
+def _accept(drafts, q, logits, temperature, top_k, top_p, generator):
+    """The chain acceptance rule on the verify logits (γ+1, V) -> (n accepted, next token)."""
     if temperature <= 0:
         return greedy_accept(drafts, logits)
     p = process_logits(logits, temperature, top_k, top_p)  # (γ+1, V), same processing as the drafts (C7.2)
@@ -199,6 +204,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     """
     if draft_len < 0:
         raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+    if getattr(drafter, "reads_target_hidden", False):
+        return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
+                                 eos_ids, generator)
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -236,6 +244,60 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         else:  # nothing was fed to the drafter this step: cur joins the tokens it still has to see
             pending = torch.cat([pending, cur])
         cur = drafts.new_tensor([nxt])
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        stats.target_forwards += 1
+        stats.drafted += gamma
+        stats.accepted += n
+        stats.accept_counts[n] += 1
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+    stats.new_tokens = len(out)
+    return out, stats
+
+
+def _with_hidden(target, ids: torch.Tensor, cache, logits_at=None):
+    """A cached target forward that also returns its final hidden states after the norm (1, T, D)."""
+    L = target.cfg.n_layers
+    logits, cap = target(ids, cache=cache, capture_layers=(L,), logits_at=logits_at)
+    return logits, target.norm(cap[L])
+
+
+def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p, eos_ids,
+                      generator) -> tuple[list[int], DecodeStats]:
+    """Chain decoding with a drafter that reads the target's features (Medusa-style heads): each step drafts
+    from the target's final hidden state at the position that produced ``cur``, and the verify forward returns
+    the hidden state for the next step, so the drafter never runs a model of its own over the sequence."""
+    gamma_max = min(draft_len, drafter.max_draft_len)
+    stats = DecodeStats(accept_counts=[0] * (gamma_max + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = _prepare(target, prompt_ids)
+    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + gamma_max + 2)
+    last = torch.zeros_like(prompt, dtype=torch.bool)
+    last[:, -1] = True
+    logits, h = _with_hidden(target, prompt, tcache, logits_at=last)
+    h_cur = h[0, -1]  # (D,): the state whose LM-head output is cur
+
+    def pick(row):
+        return _pick(row, temperature, top_k, top_p, generator)
+
+    cur, _ = pick(logits[-1])
+    out: list[int] = []
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        gamma = min(gamma_max, max_new_tokens - len(out) - 1)
+        t0 = time.perf_counter()
+        drafts, q = drafter.propose(h_cur, cur, gamma, pick)
+        gamma = drafts.numel()
+        _sync(prompt.device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        logits, h = _with_hidden(target, torch.cat([cur, drafts]).view(1, -1), tcache)
+        n, nxt = _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
+        t2 = time.perf_counter()
+        h_cur = h[0, n]  # the position of d_n (or of cur when n = 0): its LM-head output is nxt
+        tcache.length = t_len + 1 + n
+        cur = drafts.new_tensor([nxt]) if gamma else cur.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
         stats.target_forwards += 1
         stats.drafted += gamma
@@ -334,6 +396,9 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     point-mass rule of ``sample_tree_accept``; output follows the target's processed distribution. The drafter
     re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
     """
+    if getattr(drafter, "reads_target_hidden", False):
+        raise ValueError("tree strategies with feature-reading heads (medusa) are not implemented yet: use "
+                         "eval.strategy=chain")
     dynamic = isinstance(tree, DynamicTree)
     max_depth = tree.depth if dynamic else max(tree.depths)
     n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)  # most nodes a step holds

@@ -16,13 +16,16 @@ from safetensors.torch import load_file, save_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.llama import Llama, LlamaConfig
+from draftsmith.models.medusa import MedusaConfig, MedusaHeads, build_medusa
 
 DRAFTERS = {
     "draft_lm": build_draft_lm,
+    "medusa": build_medusa,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
     "draft_lm": lambda cfg: Llama(LlamaConfig(**cfg)),
+    "medusa": lambda cfg: MedusaHeads(MedusaConfig(**cfg)),
 }
 
 

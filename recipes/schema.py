@@ -147,7 +147,21 @@ class DraftLMConfig(Strict):
     FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
 
 
-DrafterConfig = Annotated[DraftLMConfig, Field(discriminator="kind")]
+class MedusaDrafterConfig(Strict):
+    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2)."""
+
+    kind: Literal["medusa"] = "medusa"
+    n_heads: int = Field(4, gt=0)
+    """K heads; head k predicts the token k+2 positions ahead (the draft length is at most K)."""
+    n_layers: int = Field(1, ge=0)
+    """Residual blocks per head (separate weights per block)."""
+    freeze_lm_heads: bool = False
+    """Keep each head's LM head (a copy of the target's) frozen and train only the blocks."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of head k is head_decay**k (Medusa-1)."""
+
+
+DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):
@@ -275,6 +289,8 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self):
         d = self.drafter
-        if d.init_layers is not None and len(d.init_layers) != d.n_layers:
+        if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
+        if d.kind == "medusa" and self.eval.strategy != "chain":
+            raise ValueError(f"eval.strategy={self.eval.strategy} is not implemented for medusa heads yet: use chain")
         return self

@@ -431,3 +431,61 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
             assert st.acceptance_rate == (1.0 if full else 0.0)
     with pytest.raises(DraftsmithError, match="tree attention"):
         tree_speculative_generate(tgt, _model(1), prompt, 8, DynamicTree(top_k=2, depth=2, total_tokens=4))
+
+
+# ---- drafters that read the target's features (Medusa-style heads) -------------------------------------------------
+
+class _AlignedOracleHeads:
+    """A feature drafter that checks the decoder hands it the right hidden state (the target's LM head on it gives
+    back ``cur``) and proposes the known greedy continuation ``ar``: full acceptance iff everything lines up."""
+    reads_target_hidden = True
+    max_draft_len = 4
+
+    def __init__(self, target, ar):
+        self.target, self.ar, self.k, self.checked = target, ar, 0, 0
+
+    def propose(self, h, cur, gamma, pick):
+        assert int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
+        drafts = self.ar[self.k + 1:self.k + 1 + gamma]
+        self.k += len(drafts) + 1  # all accepted, then one bonus token
+        self.checked += 1
+        return torch.tensor(drafts, dtype=torch.long), None
+
+
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_medusa_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len):
+    from draftsmith.models.medusa import build_medusa
+
+    heads = build_medusa({"n_heads": 4, "n_layers": 1}, target)
+    with torch.no_grad():  # non-trivial heads: random blocks instead of the identity start
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    for prompt in PROMPTS:
+        out, st = speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=draft_len)
+        assert out == ar_outputs[tuple(prompt)]
+        assert st.drafted <= min(draft_len, 4) * st.target_forwards
+        _check_tau_consistency(st)
+        oracle = _AlignedOracleHeads(target, ar_outputs[tuple(prompt)])
+        out, st = speculative_generate(target, oracle, torch.tensor(prompt), NEW, draft_len=draft_len)
+        assert out == ar_outputs[tuple(prompt)] and st.acceptance_rate == 1.0 and oracle.checked > 1
+    with pytest.raises(ValueError, match="chain"):
+        from draftsmith.eval.tree import DynamicTree
+
+        tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 2, 4))
+
+
+def test_medusa_sampling_keeps_the_target_distribution():
+    from draftsmith.models.medusa import build_medusa
+
+    tgt = _model(0, CFG8, logit_scale=3.0)
+    heads = build_medusa({"n_heads": 2}, tgt)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    gen = torch.Generator().manual_seed(0)
+    emp, joint, st = sampled_joint(lambda x: speculative_generate(tgt, heads, x, 4, draft_len=2, temperature=1.0,
+                                                                  generator=gen), tgt, [1, 2, 3, 4], 3, 3000)
+    assert 0.05 < st.acceptance_rate < 0.95
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert _tv(emp.sum(2), joint.sum(2)) < 0.05

@@ -21,7 +21,7 @@ from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
-from draftsmith.train.objectives import OBJECTIVES, SIGNALS_NEEDED, Context
+from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context
 from draftsmith.train.state import latest_resumable, prune, read_state, write_state
 
 
@@ -125,7 +125,10 @@ def train(recipe) -> Path:
         facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
     drafter = build_drafter(kind, params, tgt.model, **facts).float().train()
     quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
-    teacher = tgt.model.to(acc.device).requires_grad_(False) if tc.loss.teacher == "target" else None
+    # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
+    # states when the records do not store them.
+    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and "hidden_last" not in manifest["signals"])
+    teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
     del tgt
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=SIGNALS_NEEDED[kind])
     if len(ds) == 0:
@@ -145,7 +148,7 @@ def train(recipe) -> Path:
                             start=counters["batches"])
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
     objective = OBJECTIVES[kind]
-    ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen)
+    ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
     runlog = RunLog(run, "train", wandb=tc.wandb, tensorboard=tc.tensorboard,
                     config=recipe.model_dump(mode="json"), enabled=acc.is_main_process)
     step = counters["step"]
@@ -177,7 +180,7 @@ def train(recipe) -> Path:
         if quick is not None and step % tc.eval_every == 0:
             m = quick(acc.unwrap_model(drafter))
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
-            bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m['tau_estimate']:.2f}")
+            bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
         if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
             counters.update(step=step, seconds=time.perf_counter() - t0)
             _save_resumable(acc, ckpt_dir / f"step-{step:06d}", drafter, opt, sched, kind, meta, dict(counters),
@@ -227,7 +230,7 @@ def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: in
     m = {k: sum(w[k] * w["n"] for w in window) / max(1, n) for k in window[0] if k not in ("n", "tokens")}
     m["loss"] = sum(w["loss"] for w in window) / len(window)
     m["grad_norm"] = sum(w["grad_norm"] for w in window) / len(window)
-    if "alpha" in m:  # teacher-forced tau of a chain of eval.draft_len drafts under i.i.d. acceptance (A1.3)
+    if "alpha" in m and "tau_estimate" not in m:  # chain of eval.draft_len drafts, i.i.d. acceptance (A1.3)
         m["tau_estimate"] = tau_from_alpha(m["alpha"], draft_len)
     m["tokens_per_s"] = counters["tokens"] / max(1e-9, time.perf_counter() - t0)
     return m

@@ -6,6 +6,7 @@ trained positions plus the count, so the loop can normalise by the global token 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,6 +28,7 @@ class Context:
     unwrapped: torch.nn.Module  # the drafter without DDP/FSDP wrappers (its config and vocabulary maps)
     target: torch.nn.Module | None = None  # frozen target, for loss.teacher = target
     generator: torch.Generator | None = None  # sampling inside losses (TVD++), checkpointed with the run
+    params: dict = field(default_factory=dict)  # the recipe's drafter section
 
 
 def _spec(cfg) -> losses.LossSpec:
@@ -81,10 +83,76 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(loss, n, m)
 
 
+def target_features(batch: dict, ctx: Context) -> torch.Tensor:
+    """The target's final hidden states after its norm (B, T, D): stored (data.signals.hidden_last) or computed
+    by the frozen target in the loop (both give the same loss; tested)."""
+    if "hidden_last" in batch:
+        return batch["hidden_last"].float()
+    if ctx.target is None:
+        raise DraftsmithError("this drafter reads target hidden states: store them (data.signals.hidden_last) "
+                              "or let the loop run the target")
+    with torch.no_grad():
+        return ctx.target(batch["input_ids"], return_hidden=True).float()
+
+
+def medusa_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """Medusa-1: head k at position t predicts token t+k+2, i.e. the token the target predicts at position
+    t+k+1; trained where both t and t+k+1 predict response tokens. Loss = sum_k decay^k * loss_k, any loss kind
+    (CE on the target's tokens, or a divergence to the target's distribution at t+k+1)."""
+    h = target_features(batch, ctx)  # (B, T, D)
+    pm = batch["predict_mask"]
+    B, T = pm.shape
+    row = pm.flatten().long().cumsum(0).view(B, T) - 1  # loss-axis row of each predicting position
+    heads = ctx.unwrapped
+    selects, teachers = [], []
+    for k in range(heads.cfg.n_heads):
+        s = k + 1
+        sel = torch.zeros_like(pm)
+        if s < T:
+            sel[:, :T - s] = pm[:, :T - s] & pm[:, s:]
+        rows = row[:, s:][sel[:, :T - s]] if s < T else row.new_empty(0)
+        t = losses.Teacher(labels=batch["labels"][rows])
+        if cfg.kind != "ce":
+            if cfg.teacher == "target":
+                t.hidden, t.head = h[:, s:][sel[:, :T - s]], ctx.target.lm_head.weight
+            elif "topk_ids" in batch:
+                t.topk_ids, t.topk_logprobs = batch["topk_ids"][rows], batch["topk_logprobs"][rows]
+            else:
+                raise DraftsmithError(f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
+                                      f"(data.signals.topk) or train.loss.teacher=target")
+        selects.append(sel.flatten())
+        teachers.append(t)
+    decay = ctx.params.get("head_decay", 0.8)
+
+    def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward)
+        n = x.shape[0]
+        loss = losses.head_loss(x, w, teachers[k], _spec(cfg), ctx.generator) * n if n else x.sum() * 0
+        return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk)
+
+    outs = model(h.reshape(B * T, -1), select=selects, head_fn=head_fn)
+    m = {}
+    alphas = []
+    for k, (_, _, mk) in enumerate(outs):
+        m[f"top1_head{k}"] = mk["top1"]
+        if "alpha" in mk:
+            m[f"alpha_head{k}"] = mk["alpha"]
+            alphas.append(mk["alpha"])
+    m["top1"] = outs[0][2]["top1"]
+    if alphas:
+        m["alpha"] = alphas[0]
+        # chain of K independent heads: tau = 1 + a0 + a0 a1 + ... (acceptance stops at the first miss)
+        m["tau_estimate"] = 1 + sum(math.prod(alphas[:j + 1]) for j in range(len(alphas)))
+    return StepOutput(sum(o[0] for o in outs), outs[0][1], m)
+
+
 OBJECTIVES = {
     "draft_lm": draft_lm_objective,
+    "medusa": medusa_objective,
 }
-# Signal groups each kind reads from the records (the rest, e.g. hidden states, is never read from disk).
+# Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
+# train on the target's final hidden states: from the records if stored, else from the target in the loop.
 SIGNALS_NEEDED = {
     "draft_lm": {"topk"},
+    "medusa": {"topk", "hidden_last"},
 }
+READS_FEATURES = {"medusa"}

@@ -1,0 +1,94 @@
+"""Medusa-1 heads (algorithms.md A5.1-A5.2): K heads on the frozen target's final hidden state h_t (after its
+final norm). Head k (0-based) predicts token t+k+2 (the target's own LM head predicts t+1).
+
+Head k = ResBlock^L then its own LM head. ResBlock(x) = x + SiLU(W x + b) with W zero-initialised, so every
+head starts as the target's LM head (each head's LM head is a copy of it). Unlike the reference code, the L
+blocks of a head are separate modules, not one instance repeated (A5.1's quirk).
+
+Decoder protocol for drafters that read target features (eval/decoder.py): ``reads_target_hidden = True`` and
+``propose(h, cur, gamma, pick) -> (drafts (g,), q rows or None)``; Medusa's drafts do not depend on each other,
+which rejection sampling allows (each draft is drawn from the q it reports).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    dim: int
+    vocab_size: int
+    n_heads: int = 4
+    n_layers: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        nn.init.zeros_(self.linear.weight)  # identity at init: the head starts as the target's LM head
+
+    def forward(self, x):
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    reads_target_hidden = True
+
+    def __init__(self, cfg: MedusaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))
+                                    for _ in range(cfg.n_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.cfg.n_heads
+
+    def forward(self, h: torch.Tensor, select: list[torch.Tensor] | None = None, head_fn=None):
+        """h (N, D) target hidden states -> (K, N, V) logits; or, with ``head_fn``, the list
+        ``[head_fn(k, block_k(h[select[k]]), lm_head_k.weight)]`` (chunked losses run inside forward, where
+        sharding wrappers have the weights gathered)."""
+        if head_fn is not None:
+            return [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
+                    for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
+        return torch.stack([lm(blk(h)) for blk, lm in zip(self.blocks, self.lm_heads)])
+
+    @torch.no_grad()
+    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
+        """Drafts for the tokens after ``cur`` from the target's hidden state h (D,) at the position before cur.
+        pick(logits (V,)) -> (token (1,), q (V,) or None)."""
+        drafts, qs = [], []
+        for k in range(min(gamma, self.cfg.n_heads)):
+            tok, q = pick(self.lm_heads[k](self.blocks[k](h)))
+            drafts.append(tok)
+            qs.append(q)
+        if not drafts:
+            return cur.new_empty(0), None
+        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_medusa(params: dict, target, **_) -> MedusaHeads:
+    tcfg = target.cfg
+    if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 0:
+        raise DraftsmithError("drafter.n_heads must be >= 1 and drafter.n_layers >= 0")
+    heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
+                                     n_layers=params.get("n_layers", 1)))
+    with torch.no_grad():
+        for lm in heads.lm_heads:
+            lm.weight.copy_(target.lm_head.weight)
+            lm.weight.requires_grad_(not params.get("freeze_lm_heads", False))
+    return heads.to(target.embed_tokens.weight.dtype)
