@@ -55,10 +55,12 @@ class MedusaHeads(nn.Module):
     def max_draft_len(self) -> int:
         return self.cfg.n_heads
 
-    def forward(self, h: torch.Tensor, select: list[torch.Tensor] | None = None, head_fn=None):
-        """h (N, D) target hidden states -> (K, N, V) logits; or, with ``head_fn``, the list
+    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select: list[torch.Tensor] | None = None,
+                head_fn=None):
+        """h (..., D) target hidden states -> (K, N, V) logits over the flattened positions; or, with ``head_fn``,
         ``[head_fn(k, block_k(h[select[k]]), lm_head_k.weight)]`` (chunked losses run inside forward, where
-        sharding wrappers have the weights gathered)."""
+        sharding wrappers have the weights gathered). ids is unused: Medusa heads read only h."""
+        h = h.reshape(-1, h.shape[-1])
         if head_fn is not None:
             return [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
                     for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]

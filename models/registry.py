@@ -17,15 +17,18 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, build_medusa
+from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, build_mlp_speculator
 
 DRAFTERS = {
     "draft_lm": build_draft_lm,
     "medusa": build_medusa,
+    "mlp_speculator": build_mlp_speculator,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
     "draft_lm": lambda cfg: Llama(LlamaConfig(**cfg)),
     "medusa": lambda cfg: MedusaHeads(MedusaConfig(**cfg)),
+    "mlp_speculator": lambda cfg: MLPSpeculator(MLPSpeculatorConfig(**cfg)),
 }
 
 

@@ -161,7 +161,21 @@ class MedusaDrafterConfig(Strict):
     """Loss weight of head k is head_decay**k (Medusa-1)."""
 
 
-DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig, Field(discriminator="kind")]
+class MLPSpeculatorDrafterConfig(Strict):
+    """IBM-style MLP speculator: recurrent MLP stages over the target's final hidden state and the previous
+    token's embedding."""
+
+    kind: Literal["mlp_speculator"] = "mlp_speculator"
+    n_predict: int = Field(3, gt=0)
+    """Stages; stage k predicts the token k+2 positions ahead (the draft length is at most n_predict)."""
+    inner_dim: int | None = Field(None, gt=0)
+    """Stage width; None = the target's (then the heads and embeddings start as the target's)."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of stage k is head_decay**k."""
+
+
+DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig,
+                          Field(discriminator="kind")]
 
 
 class LossConfig(Strict):
@@ -291,6 +305,6 @@ class Recipe(Strict):
         d = self.drafter
         if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
-        if d.kind == "medusa" and self.eval.strategy != "chain":
-            raise ValueError(f"eval.strategy={self.eval.strategy} is not implemented for medusa heads yet: use chain")
+        if d.kind in ("medusa", "mlp_speculator") and self.eval.strategy != "chain":
+            raise ValueError(f"eval.strategy={self.eval.strategy} is not implemented for {d.kind} yet: use chain")
         return self

@@ -452,14 +452,20 @@ class _AlignedOracleHeads:
         return torch.tensor(drafts, dtype=torch.long), None
 
 
-@pytest.mark.parametrize("draft_len", [1, 3, 5])
-def test_medusa_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len):
-    from draftsmith.models.medusa import build_medusa
+def _heads(kind, target, k, noise):
+    from draftsmith.models.registry import build_drafter
 
-    heads = build_medusa({"n_heads": 4, "n_layers": 1}, target)
-    with torch.no_grad():  # non-trivial heads: random blocks instead of the identity start
+    heads = build_drafter(kind, {"n_heads": k} if kind == "medusa" else {"n_predict": k}, target)
+    with torch.no_grad():  # non-trivial heads, not the identity start
         for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+            p.add_(torch.randn_like(p) * noise)
+    return heads
+
+
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len, kind):
+    heads = _heads(kind, target, 4, 0.05)
     for prompt in PROMPTS:
         out, st = speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=draft_len)
         assert out == ar_outputs[tuple(prompt)]
@@ -474,14 +480,10 @@ def test_medusa_heads_are_lossless_and_features_aligned(target, ar_outputs, draf
         tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 2, 4))
 
 
-def test_medusa_sampling_keeps_the_target_distribution():
-    from draftsmith.models.medusa import build_medusa
-
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
+def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = _model(0, CFG8, logit_scale=3.0)
-    heads = build_medusa({"n_heads": 2}, tgt)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(torch.randn_like(p) * 0.3)
+    heads = _heads(kind, tgt, 2, 0.3)
     gen = torch.Generator().manual_seed(0)
     emp, joint, st = sampled_joint(lambda x: speculative_generate(tgt, heads, x, 4, draft_len=2, temperature=1.0,
                                                                   generator=gen), tgt, [1, 2, 3, 4], 3, 3000)

@@ -174,10 +174,15 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
     assert drafter.cfg.n_layers == 2  # the source model's architecture, not drafter.n_layers
 
 
-def test_medusa_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(train_run, tiny_model_dir,
-                                                                                  prompts_file, tmp_path):
-    """Medusa-1 is a plug-in of the same loop: features from the frozen target in the loop or from stored
-    hidden_last records give the same loss on the same batch; the trained heads decode losslessly."""
+HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}}
+
+
+@pytest.mark.parametrize("kind", list(HEADS))
+def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(kind, train_run, tiny_model_dir,
+                                                                                   prompts_file, tmp_path):
+    """Medusa-1 and the MLP speculator are plug-ins of the same loop: features from the frozen target in the
+    loop or from stored hidden_last records give the same loss on the same batch; the trained heads decode
+    losslessly."""
     import yaml
 
     from draftsmith.data.dataset import RecordDataset, collate
@@ -187,14 +192,14 @@ def test_medusa_heads_train_from_stored_or_in_loop_features_and_decode_losslessl
     from draftsmith.train import objectives
 
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
-    spec["drafter"] = {"kind": "medusa", "n_heads": 3}
-    recipe = tmp_path / "tiny-medusa.yaml"
+    spec["drafter"] = {"kind": kind, **HEADS[kind]}
+    recipe = tmp_path / f"tiny-{kind}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
-    run = train_run("medusa", "train.steps=3", "train.loss.kind=fkl", recipe=str(recipe))
+    run = train_run(kind, "train.steps=3", "train.loss.kind=fkl", recipe=str(recipe))
     rows = _rows(run)
     assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", "alpha_head2", "tau_estimate"))
     drafter, info = load_drafter(run / "checkpoints" / "final")
-    assert info["kind"] == "medusa" and len(drafter.lm_heads) == 3
+    assert info["kind"] == kind and drafter.max_draft_len == 3
     args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
             f"out_dir={run}", "target.dtype=float64", "-q"]
     assert main(args) == 0
@@ -205,11 +210,11 @@ def test_medusa_heads_train_from_stored_or_in_loop_features_and_decode_losslessl
            f"out_dir={stored}", "data.signals.hidden_last=true", "-q"]
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
-    heads = build_drafter("medusa", {"n_heads": 3, "n_layers": 1}, tgt)
+    heads = build_drafter(kind, HEADS[kind], tgt)
     batch = collate([RecordDataset(stored / "data", 128, signals={"topk", "hidden_last"})[i] for i in range(4)])
     cfg = __import__("draftsmith.recipes.schema", fromlist=["LossConfig"]).LossConfig(kind="fkl")
-    with_stored = objectives.medusa_objective(heads, batch, cfg, objectives.Context(unwrapped=heads))
+    with_stored = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads))
     del batch["hidden_last"]
-    in_loop = objectives.medusa_objective(heads, batch, cfg, objectives.Context(unwrapped=heads, target=tgt))
+    in_loop = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads, target=tgt))
     assert with_stored.n == in_loop.n > 0
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=1e-2, atol=1e-3)  # bf16 storage

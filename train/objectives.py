@@ -95,17 +95,18 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
         return ctx.target(batch["input_ids"], return_hidden=True).float()
 
 
-def medusa_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
-    """Medusa-1: head k at position t predicts token t+k+2, i.e. the token the target predicts at position
-    t+k+1; trained where both t and t+k+1 predict response tokens. Loss = sum_k decay^k * loss_k, any loss kind
-    (CE on the target's tokens, or a divergence to the target's distribution at t+k+1)."""
+def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """Feature heads (Medusa-1, MLP speculator): head k at position t predicts token t+k+2, i.e. the token the
+    target predicts at position t+k+1; trained where both t and t+k+1 predict response tokens. Loss = sum_k
+    decay^k * loss_k, any loss kind (CE on the target's tokens, or a divergence to the target's distribution at
+    t+k+1). Sequential heads also read the true tokens t+1..t+k+1 (teacher forcing)."""
     h = target_features(batch, ctx)  # (B, T, D)
     pm = batch["predict_mask"]
     B, T = pm.shape
     row = pm.flatten().long().cumsum(0).view(B, T) - 1  # loss-axis row of each predicting position
     heads = ctx.unwrapped
     selects, teachers = [], []
-    for k in range(heads.cfg.n_heads):
+    for k in range(heads.max_draft_len):
         s = k + 1
         sel = torch.zeros_like(pm)
         if s < T:
@@ -129,7 +130,7 @@ def medusa_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, teachers[k], _spec(cfg), ctx.generator) * n if n else x.sum() * 0
         return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk)
 
-    outs = model(h.reshape(B * T, -1), select=selects, head_fn=head_fn)
+    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn)
     m = {}
     alphas = []
     for k, (_, _, mk) in enumerate(outs):
@@ -147,12 +148,14 @@ def medusa_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
 OBJECTIVES = {
     "draft_lm": draft_lm_objective,
-    "medusa": medusa_objective,
+    "medusa": heads_objective,
+    "mlp_speculator": heads_objective,
 }
 # Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
 # train on the target's final hidden states: from the records if stored, else from the target in the loop.
 SIGNALS_NEEDED = {
     "draft_lm": {"topk"},
     "medusa": {"topk", "hidden_last"},
+    "mlp_speculator": {"topk", "hidden_last"},
 }
-READS_FEATURES = {"medusa"}
+READS_FEATURES = {"medusa", "mlp_speculator"}

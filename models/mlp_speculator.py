@@ -1,0 +1,108 @@
+"""MLP speculator (IBM fms-extras style): a recurrent chain of small MLP stages over the target's final hidden
+state. Stage k mixes its running state with the embedding of the previous token (the target's next token for
+k = 0, then its own drafts) and predicts the token k+2 positions ahead, the same alignment as Medusa head k.
+
+    state_0 = h_t;  state_{k+1} = GELU(LN_k(P_k state_k + c * E_k[x_{t+k+1}]));  logits_k = H_k state_{k+1}
+
+The state and embedding weights follow the reference's scaling (state weight 0.5^(0.5/K), embedding weight
+sqrt((1 - w^2) * inner / 2)) so the running state keeps a stable norm across stages. Training is teacher
+forced (true tokens feed the stages); decoding feeds the drafts, one stage per draft.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class MLPSpeculatorConfig:
+    dim: int
+    vocab_size: int
+    n_predict: int = 3
+    inner_dim: int | None = None
+
+    @property
+    def inner(self) -> int:
+        return self.inner_dim or self.dim
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class MLPSpeculator(nn.Module):
+    reads_target_hidden = True
+
+    def __init__(self, cfg: MLPSpeculatorConfig):
+        super().__init__()
+        self.cfg = cfg
+        K, d, inner = cfg.n_predict, cfg.dim, cfg.inner
+        self.emb = nn.ModuleList(nn.Embedding(cfg.vocab_size, inner) for _ in range(K))
+        self.proj = nn.ModuleList(nn.Linear(d if k == 0 else inner, inner, bias=False) for k in range(K))
+        self.ln = nn.ModuleList(nn.LayerNorm(inner) for _ in range(K))
+        self.head = nn.ModuleList(nn.Linear(inner, cfg.vocab_size, bias=False) for _ in range(K))
+        self.state_weight = 0.5 ** (0.5 / K)
+        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.cfg.n_predict
+
+    def _stage(self, k: int, state, tokens):
+        mixed = self.proj[k](state) + self.emb[k](tokens) * (self.emb_weight / self.state_weight)
+        return F.gelu(self.ln[k](mixed))
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
+        """Teacher-forced training pass. h (B, T, D) target hidden states and ids (B, T) the sequence; stage k at
+        position t reads token t+k+1. Returns ``[head_fn(k, state_k[select[k]], head_k.weight)]``, or the
+        (K, B, T, V) logits without head_fn."""
+        B, T, _ = h.shape
+        state, outs = h, []
+        for k in range(self.cfg.n_predict):
+            nxt = torch.zeros_like(ids)
+            if k + 1 < T:
+                nxt[:, :T - k - 1] = ids[:, k + 1:]  # past the end: token 0, never selected for a loss
+            state = self._stage(k, state, nxt)
+            flat = state.reshape(B * T, -1)
+            if head_fn is not None:
+                outs.append(head_fn(k, flat if select is None else flat[select[k]], self.head[k].weight))
+            else:
+                outs.append(self.head[k](state))
+        return outs if head_fn is not None else torch.stack(outs)
+
+    @torch.no_grad()
+    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
+        """Drafts after ``cur`` from h (D,), the target's state at the position that produced cur."""
+        state, tok, drafts, qs = h, cur, [], []
+        for k in range(min(gamma, self.cfg.n_predict)):
+            state = self._stage(k, state, tok).reshape(-1)  # (inner,)
+            tok, q = pick(self.head[k](state))
+            drafts.append(tok)
+            qs.append(q)
+        if not drafts:
+            return cur.new_empty(0), None
+        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - sum(e.weight.numel() for e in self.emb) if exclude_embeddings else n
+
+
+def build_mlp_speculator(params: dict, target, **_) -> MLPSpeculator:
+    tcfg = target.cfg
+    if params.get("n_predict", 3) < 1:
+        raise DraftsmithError("drafter.n_predict must be >= 1")
+    model = MLPSpeculator(MLPSpeculatorConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size,
+                                              n_predict=params.get("n_predict", 3),
+                                              inner_dim=params.get("inner_dim")))
+    if model.cfg.inner == tcfg.dim:  # start the heads and embeddings from the target's own
+        with torch.no_grad():
+            for k in range(model.cfg.n_predict):
+                model.head[k].weight.copy_(target.lm_head.weight)
+                model.emb[k].weight.copy_(target.embed_tokens.weight)
+    return model.to(target.embed_tokens.weight.dtype)
