@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, build_medusa
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, build_mlp_speculator
@@ -23,12 +24,14 @@ DRAFTERS = {
     "draft_lm": build_draft_lm,
     "medusa": build_medusa,
     "mlp_speculator": build_mlp_speculator,
+    "hydra": build_hydra,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
     "draft_lm": lambda cfg: Llama(LlamaConfig(**cfg)),
     "medusa": lambda cfg: MedusaHeads(MedusaConfig(**cfg)),
     "mlp_speculator": lambda cfg: MLPSpeculator(MLPSpeculatorConfig(**cfg)),
+    "hydra": lambda cfg: HydraHeads(HydraConfig(**cfg)),
 }
 
 

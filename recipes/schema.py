@@ -174,7 +174,20 @@ class MLPSpeculatorDrafterConfig(Strict):
     """Loss weight of stage k is head_decay**k."""
 
 
-DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig,
+class HydraDrafterConfig(Strict):
+    """Hydra heads: Medusa-style heads that also read the embeddings of the tokens drafted before them."""
+
+    kind: Literal["hydra"] = "hydra"
+    n_heads: int = Field(4, gt=0)
+    """K heads; head k predicts the token k+2 positions ahead."""
+    n_layers: int = Field(1, gt=0)
+    """Residual blocks per head (the first one narrows (k+2)·d to d)."""
+    freeze_lm_heads: bool = False
+    head_decay: float = Field(1.0, gt=0, le=1)
+    """Loss weight of head k is head_decay**k (Hydra weighs heads equally: 1.0)."""
+
+
+DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig,
                           Field(discriminator="kind")]
 
 
@@ -305,6 +318,6 @@ class Recipe(Strict):
         d = self.drafter
         if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
-        if d.kind in ("medusa", "mlp_speculator") and self.eval.strategy != "chain":
+        if d.kind in ("medusa", "mlp_speculator", "hydra") and self.eval.strategy != "chain":
             raise ValueError(f"eval.strategy={self.eval.strategy} is not implemented for {d.kind} yet: use chain")
         return self

@@ -455,14 +455,14 @@ class _AlignedOracleHeads:
 def _heads(kind, target, k, noise):
     from draftsmith.models.registry import build_drafter
 
-    heads = build_drafter(kind, {"n_heads": k} if kind == "medusa" else {"n_predict": k}, target)
+    heads = build_drafter(kind, {"n_predict": k} if kind == "mlp_speculator" else {"n_heads": k}, target)
     with torch.no_grad():  # non-trivial heads, not the identity start
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * noise)
     return heads
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra"])
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len, kind):
     heads = _heads(kind, target, 4, 0.05)
@@ -480,7 +480,7 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 2, 4))
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator"])
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra"])
 def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = _model(0, CFG8, logit_scale=3.0)
     heads = _heads(kind, tgt, 2, 0.3)

@@ -174,7 +174,7 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
     assert drafter.cfg.n_layers == 2  # the source model's architecture, not drafter.n_layers
 
 
-HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}}
+HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3}}
 
 
 @pytest.mark.parametrize("kind", list(HEADS))

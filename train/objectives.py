@@ -96,7 +96,7 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
 
 
 def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
-    """Feature heads (Medusa-1, MLP speculator): head k at position t predicts token t+k+2, i.e. the token the
+    """Feature heads (Medusa-1, Hydra, MLP speculator): head k at position t predicts token t+k+2, i.e. the token the
     target predicts at position t+k+1; trained where both t and t+k+1 predict response tokens. Loss = sum_k
     decay^k * loss_k, any loss kind (CE on the target's tokens, or a divergence to the target's distribution at
     t+k+1). Sequential heads also read the true tokens t+1..t+k+1 (teacher forcing)."""
@@ -150,6 +150,7 @@ OBJECTIVES = {
     "draft_lm": draft_lm_objective,
     "medusa": heads_objective,
     "mlp_speculator": heads_objective,
+    "hydra": heads_objective,
 }
 # Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
 # train on the target's final hidden states: from the records if stored, else from the target in the loop.
@@ -157,5 +158,6 @@ SIGNALS_NEEDED = {
     "draft_lm": {"topk"},
     "medusa": {"topk", "hidden_last"},
     "mlp_speculator": {"topk", "hidden_last"},
+    "hydra": {"topk", "hidden_last"},
 }
-READS_FEATURES = {"medusa", "mlp_speculator"}
+READS_FEATURES = {"medusa", "mlp_speculator", "hydra"}

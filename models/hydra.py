@@ -1,0 +1,110 @@
+"""Hydra heads (algorithms.md A5.5): sequentially dependent Medusa-style heads. Head k reads the target's final
+hidden state h_t *and* the embeddings of the tokens before the one it predicts:
+
+    input_k = concat[h_t, e(x_{t+1}), ..., e(x_{t+k+1})]        ((k+2) d wide)
+    head_k  = ResBlock((k+2)d -> d, linear residual projection), (L-1) ResBlock(d), LM head (copy of the target's)
+
+e() is the target's input embedding, kept frozen (a copy travels with the checkpoint). In training the tokens
+are the true ones (teacher forcing); in decoding, the target's token for x_{t+1} and the drafts after it.
+Head k predicts token t+k+2, as Medusa head k does. Hydra++'s prefix-attention layer is not implemented yet.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+
+
+@dataclass(frozen=True)
+class HydraConfig:
+    dim: int
+    vocab_size: int
+    n_heads: int = 4
+    n_layers: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class WideResBlock(nn.Module):
+    """x (n_in) -> proj(x) + SiLU(W x + b) (d): a residual block whose input is wider than its output."""
+
+    def __init__(self, n_in: int, dim: int):
+        super().__init__()
+        self.linear = nn.Linear(n_in, dim)
+        self.proj = nn.Linear(n_in, dim, bias=False) if n_in != dim else nn.Identity()
+
+    def forward(self, x):
+        return self.proj(x) + F.silu(self.linear(x))
+
+
+class HydraHeads(nn.Module):
+    reads_target_hidden = True
+
+    def __init__(self, cfg: HydraConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.dim
+        self.embed = nn.Embedding(cfg.vocab_size, d)  # the target's input embedding, frozen
+        self.embed.weight.requires_grad_(False)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(WideResBlock((k + 2) * d, d), *(WideResBlock(d, d) for _ in range(cfg.n_layers - 1)))
+            for k in range(cfg.n_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+
+    @property
+    def max_draft_len(self) -> int:
+        return self.cfg.n_heads
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
+        """Teacher-forced pass: h (B, T, D), ids (B, T); head k at t reads tokens t+1..t+k+1. Returns
+        ``[head_fn(k, x_k[select[k]], lm_head_k.weight)]`` or the (K, B, T, V) logits."""
+        B, T, D = h.shape
+        parts, outs = [h], []
+        for k in range(self.cfg.n_heads):
+            nxt = torch.zeros_like(ids)
+            if k + 1 < T:
+                nxt[:, :T - k - 1] = ids[:, k + 1:]  # past the end: token 0, never selected for a loss
+            parts.append(self.embed(nxt).to(h.dtype))
+            x = self.blocks[k](torch.cat(parts, -1))
+            flat = x.reshape(B * T, D)
+            if head_fn is not None:
+                outs.append(head_fn(k, flat if select is None else flat[select[k]], self.lm_heads[k].weight))
+            else:
+                outs.append(self.lm_heads[k](x))
+        return outs if head_fn is not None else torch.stack(outs)
+
+    @torch.no_grad()
+    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
+        """Drafts after ``cur`` from h (D,), the target's state at the position that produced cur."""
+        parts, tok, drafts, qs = [h], cur, [], []
+        for k in range(min(gamma, self.cfg.n_heads)):
+            parts.append(self.embed(tok)[0].to(h.dtype))
+            tok, q = pick(self.lm_heads[k](self.blocks[k](torch.cat(parts))))
+            drafts.append(tok)
+            qs.append(q)
+        if not drafts:
+            return cur.new_empty(0), None
+        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed.weight.numel() if exclude_embeddings else n
+
+
+def build_hydra(params: dict, target, **_) -> HydraHeads:
+    tcfg = target.cfg
+    if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 1:
+        raise DraftsmithError("drafter.n_heads and drafter.n_layers must be >= 1 for hydra")
+    heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
+                                   n_layers=params.get("n_layers", 1)))
+    with torch.no_grad():
+        heads.embed.weight.copy_(target.embed_tokens.weight)
+        for lm in heads.lm_heads:
+            lm.weight.copy_(target.lm_head.weight)
+            lm.weight.requires_grad_(not params.get("freeze_lm_heads", False))
+    return heads.to(target.embed_tokens.weight.dtype)
