@@ -81,9 +81,9 @@ def evaluate(recipe) -> dict:
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
         raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")
-    if getattr(drafter, "reads_target_hidden", False) and ec.strategy != "chain":
-        raise DraftsmithError(f"eval.strategy={ec.strategy} is not implemented for {info['kind']} heads yet: use "
-                              f"eval.strategy=chain")
+    if getattr(drafter, "reads_target_hidden", False) and ec.strategy == "dynamic_tree":
+        raise DraftsmithError(f"eval.strategy=dynamic_tree is not implemented for {info['kind']} heads yet: use "
+                              f"chain or tree")
     pc = ec.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)

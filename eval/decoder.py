@@ -397,8 +397,11 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
     """
     if getattr(drafter, "reads_target_hidden", False):
-        raise ValueError("tree strategies with feature-reading heads (medusa) are not implemented yet: use "
-                         "eval.strategy=chain")
+        if isinstance(tree, DynamicTree):
+            raise ValueError("dynamic trees with feature-reading heads are not implemented yet: use "
+                             "eval.strategy=tree (static, Medusa-style) or chain")
+        return _head_tree(target, drafter, prompt_ids, max_new_tokens, tree, temperature, top_k, top_p, eos_ids,
+                          generator)
     dynamic = isinstance(tree, DynamicTree)
     max_depth = tree.depth if dynamic else max(tree.depths)
     n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)  # most nodes a step holds
@@ -443,6 +446,72 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         pending = tokens[path]
         cur = tokens.new_tensor([nxt])
         done = _emit(out, pending.tolist() + [nxt], eos_ids, max_new_tokens)
+        stats.target_forwards += 1
+        stats.drafted += len(tokens)
+        stats.accepted += len(path)
+        stats.accept_counts[len(path)] += 1
+        stats.draft_time_s += t1 - t0
+        stats.verify_time_s += t2 - t1
+    stats.new_tokens = len(out)
+    return out, stats
+
+
+def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temperature, top_k, top_p, eos_ids,
+               generator) -> tuple[list[int], DecodeStats]:
+    """Static-tree decoding with feature heads (Medusa-style trees): node (r1..rd) is the r_d-th best token of
+    head d-1 after its ancestors' tokens; one target forward under the tree mask verifies all nodes and returns
+    the hidden state of the last accepted node for the next step. No drafter cache at all."""
+    max_depth = max(tree.depths)
+    if max_depth > drafter.max_draft_len:
+        raise ValueError(f"tree depth {max_depth} exceeds the drafter's {drafter.max_draft_len} heads")
+    stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = _prepare(target, prompt_ids)
+    device = prompt.device
+    parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
+    anc, depths = tree_mask(parents)
+    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + len(tree) + max_depth + 2)
+    last = torch.zeros_like(prompt, dtype=torch.bool)
+    last[:, -1] = True
+    logits, h = _with_hidden(target, prompt, tcache, logits_at=last)
+    h_cur = h[0, -1]
+    cur, _ = _pick(logits[-1], temperature, top_k, top_p, generator)
+    out: list[int] = []
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        t0 = time.perf_counter()
+        tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
+        child_logits = {}  # parent node (-1 = root) -> logits of its children
+        with torch.no_grad():
+            for i, (par, rank) in enumerate(zip(tree.parents, tree.ranks)):
+                if par not in child_logits:
+                    path, n = [], par
+                    while n >= 0:
+                        path.append(tokens[n:n + 1])
+                        n = tree.parents[n]
+                    child_logits[par] = drafter.logits_after(h_cur, [cur, *reversed(path)])
+                tokens[i] = torch.topk(child_logits[par], rank + 1).indices[-1]
+        _sync(device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        mask = torch.ones(1, len(tokens) + 1, t_len + len(tokens) + 1, dtype=torch.bool, device=device)
+        mask[0, :, t_len:] = anc
+        L = target.cfg.n_layers
+        logits, cap = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
+                             attn_mask=mask, capture_layers=(L,))
+        logits = logits[0]
+        if temperature <= 0:
+            path, nxt = greedy_tree_accept(tokens, parents, logits)
+        else:
+            path, nxt = sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p),
+                                           generator)
+        t2 = time.perf_counter()
+        h_cur = target.norm(cap[L][0, path[-1] + 1 if path else 0])  # the node whose LM-head output is nxt
+        compact_cache(tcache, t_len, [0] + [i + 1 for i in path])
+        accepted = tokens[path]
+        cur = tokens.new_tensor([nxt])
+        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)
         stats.target_forwards += 1
         stats.drafted += len(tokens)
         stats.accepted += len(path)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.feature_heads import FeatureHeads
 
 
 @dataclass(frozen=True)
@@ -42,9 +43,7 @@ class WideResBlock(nn.Module):
         return self.proj(x) + F.silu(self.linear(x))
 
 
-class HydraHeads(nn.Module):
-    reads_target_hidden = True
-
+class HydraHeads(FeatureHeads):
     def __init__(self, cfg: HydraConfig):
         super().__init__()
         self.cfg = cfg
@@ -78,18 +77,10 @@ class HydraHeads(nn.Module):
                 outs.append(self.lm_heads[k](x))
         return outs if head_fn is not None else torch.stack(outs)
 
-    @torch.no_grad()
-    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
-        """Drafts after ``cur`` from h (D,), the target's state at the position that produced cur."""
-        parts, tok, drafts, qs = [h], cur, [], []
-        for k in range(min(gamma, self.cfg.n_heads)):
-            parts.append(self.embed(tok)[0].to(h.dtype))
-            tok, q = pick(self.lm_heads[k](self.blocks[k](torch.cat(parts))))
-            drafts.append(tok)
-            qs.append(q)
-        if not drafts:
-            return cur.new_empty(0), None
-        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+        k = len(path) - 1
+        x = torch.cat([h, *(self.embed(t).reshape(-1).to(h.dtype) for t in path)])
+        return self.lm_heads[k](self.blocks[k](x))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

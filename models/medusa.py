@@ -5,9 +5,8 @@ Head k = ResBlock^L then its own LM head. ResBlock(x) = x + SiLU(W x + b) with W
 head starts as the target's LM head (each head's LM head is a copy of it). Unlike the reference code, the L
 blocks of a head are separate modules, not one instance repeated (A5.1's quirk).
 
-Decoder protocol for drafters that read target features (eval/decoder.py): ``reads_target_hidden = True`` and
-``propose(h, cur, gamma, pick) -> (drafts (g,), q rows or None)``; Medusa's drafts do not depend on each other,
-which rejection sampling allows (each draft is drawn from the q it reports).
+Decoder protocol: models/feature_heads.py. Medusa's drafts do not depend on each other, which rejection sampling
+allows (each draft is drawn from the q it reports).
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.feature_heads import FeatureHeads
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,7 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
-    reads_target_hidden = True
-
+class MedusaHeads(FeatureHeads):
     def __init__(self, cfg: MedusaConfig):
         super().__init__()
         self.cfg = cfg
@@ -66,18 +64,9 @@ class MedusaHeads(nn.Module):
                     for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
         return torch.stack([lm(blk(h)) for blk, lm in zip(self.blocks, self.lm_heads)])
 
-    @torch.no_grad()
-    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
-        """Drafts for the tokens after ``cur`` from the target's hidden state h (D,) at the position before cur.
-        pick(logits (V,)) -> (token (1,), q (V,) or None)."""
-        drafts, qs = [], []
-        for k in range(min(gamma, self.cfg.n_heads)):
-            tok, q = pick(self.lm_heads[k](self.blocks[k](h)))
-            drafts.append(tok)
-            qs.append(q)
-        if not drafts:
-            return cur.new_empty(0), None
-        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+        k = len(path) - 1  # Medusa heads ignore the drafted tokens: head k reads only h
+        return self.lm_heads[k](self.blocks[k](h))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.feature_heads import FeatureHeads
 
 
 @dataclass(frozen=True)
@@ -35,9 +36,7 @@ class MLPSpeculatorConfig:
         return asdict(self)
 
 
-class MLPSpeculator(nn.Module):
-    reads_target_hidden = True
-
+class MLPSpeculator(FeatureHeads):
     def __init__(self, cfg: MLPSpeculatorConfig):
         super().__init__()
         self.cfg = cfg
@@ -75,18 +74,11 @@ class MLPSpeculator(nn.Module):
                 outs.append(self.head[k](state))
         return outs if head_fn is not None else torch.stack(outs)
 
-    @torch.no_grad()
-    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
-        """Drafts after ``cur`` from h (D,), the target's state at the position that produced cur."""
-        state, tok, drafts, qs = h, cur, [], []
-        for k in range(min(gamma, self.cfg.n_predict)):
-            state = self._stage(k, state, tok).reshape(-1)  # (inner,)
-            tok, q = pick(self.head[k](state))
-            drafts.append(tok)
-            qs.append(q)
-        if not drafts:
-            return cur.new_empty(0), None
-        return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+        state = h
+        for k, tok in enumerate(path):  # stage k reads the token after the k-th state
+            state = self._stage(k, state, tok.reshape(-1)).reshape(-1)
+        return self.head[len(path) - 1](state)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -318,6 +318,6 @@ class Recipe(Strict):
         d = self.drafter
         if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
-        if d.kind in ("medusa", "mlp_speculator", "hydra") and self.eval.strategy != "chain":
-            raise ValueError(f"eval.strategy={self.eval.strategy} is not implemented for {d.kind} yet: use chain")
+        if d.kind in ("medusa", "mlp_speculator", "hydra") and self.eval.strategy == "dynamic_tree":
+            raise ValueError(f"eval.strategy=dynamic_tree is not implemented for {d.kind} yet: use chain or tree")
         return self

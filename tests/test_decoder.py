@@ -474,10 +474,15 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         oracle = _AlignedOracleHeads(target, ar_outputs[tuple(prompt)])
         out, st = speculative_generate(target, oracle, torch.tensor(prompt), NEW, draft_len=draft_len)
         assert out == ar_outputs[tuple(prompt)] and st.acceptance_rate == 1.0 and oracle.checked > 1
-    with pytest.raises(ValueError, match="chain"):
-        from draftsmith.eval.tree import DynamicTree
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
 
+    with pytest.raises(ValueError, match="dynamic trees"):
         tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 2, 4))
+    # static Medusa-style trees: top-2 at each of the first two depths, a top-1 spine below
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]][:2 + draft_len])
+    for prompt in PROMPTS:
+        out, st = tree_speculative_generate(target, heads, torch.tensor(prompt), NEW, tree)
+        assert out == ar_outputs[tuple(prompt)] and st.accepted <= st.target_forwards * max(tree.depths)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra"])
@@ -491,3 +496,17 @@ def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
     assert _tv(emp.sum(2), joint.sum(2)) < 0.05
+
+
+def test_feature_heads_tree_sampling_keeps_the_target_distribution():
+    from draftsmith.eval.tree import tree_from_choices
+
+    tgt = _model(0, CFG8, logit_scale=3.0)
+    heads = _heads("hydra", tgt, 2, 0.3)
+    tree = tree_from_choices([[0], [1], [0, 0], [1, 0]])
+    gen = torch.Generator().manual_seed(1)
+    emp, joint, st = sampled_joint(lambda x: tree_speculative_generate(tgt, heads, x, 4, tree, temperature=1.0,
+                                                                       generator=gen), tgt, [1, 2, 3, 4], 3, 3000)
+    assert 0.05 < st.acceptance_rate < 0.95
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims

@@ -1,0 +1,35 @@
+"""What every drafter that reads the target's features shares (Medusa, Hydra, MLP speculator).
+
+Decoder protocol: ``reads_target_hidden = True``; ``max_draft_len``; ``logits_after(h, path)`` = the logits of
+the token after ``path``, where h (D,) is the target's final hidden state at the position that produced
+path[0] (the current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain
+proposal and the tree drafting in eval/decoder.py are built on that one method.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class FeatureHeads(nn.Module):
+    reads_target_hidden = True
+
+    @property
+    def max_draft_len(self) -> int:
+        raise NotImplementedError
+
+    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
+        """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
+        draft is drawn from the q it reports, which is all rejection sampling needs."""
+        path, qs = [cur], []
+        for _ in range(min(gamma, self.max_draft_len)):
+            tok, q = pick(self.logits_after(h, path))
+            path.append(tok)
+            qs.append(q)
+        if len(path) == 1:
+            return cur.new_empty(0), None
+        return torch.cat(path[1:]), (torch.stack(qs) if qs[0] is not None else None)
