@@ -77,6 +77,45 @@ def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
     return TreeSpec(tuple(index[p[:-1]] for p in paths), tuple(p[-1] for p in paths))
 
 
+def choices_from_accuracies(acc: Sequence[Sequence[float]], n_nodes: int) -> list[list[int]]:
+    """Medusa's tree construction from measured head accuracies: ``acc[d][r]`` = P(the rank-r token of head d is
+    the target's next token). A path's value is the product of its ranks' accuracies (the probability that the
+    whole path is accepted, heads assumed independent); the ``n_nodes`` most valuable paths are kept, and since a
+    prefix is never worth less than its extensions, the set is prefix-closed. Expected accepted length = the sum
+    of the kept paths' values."""
+    import heapq
+
+    best: list[tuple[float, tuple[int, ...]]] = []
+    frontier = [(-acc[0][r], (r,)) for r in range(len(acc[0]))]
+    heapq.heapify(frontier)
+    while frontier and len(best) < n_nodes:
+        neg, path = heapq.heappop(frontier)
+        best.append((-neg, path))
+        if len(path) < len(acc):  # children: one more head, any rank
+            for r in range(len(acc[len(path)])):
+                heapq.heappush(frontier, (neg * acc[len(path)][r], (*path, r)))
+    return [list(p) for _, p in best]
+
+
+def choices_from_run(run_dir, n_nodes: int) -> list[list[int]]:
+    """Tree choices from the per-head rank accuracies a heads run logged last (``acc_head{k}_rank{r}`` in
+    metrics.jsonl), e.g. for ``eval.tree.choices``."""
+    import json
+    import re
+    from pathlib import Path
+
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    last = next((r for r in reversed(rows) if r.get("stage") == "train" and "acc_head0_rank0" in r), None)
+    if last is None:
+        raise ValueError(f"{run_dir}: no per-head accuracies logged (train a medusa / hydra / mlp_speculator first)")
+    acc: dict[int, dict[int, float]] = {}
+    for key, v in last.items():
+        if m := re.fullmatch(r"acc_head(\d+)_rank(\d+)", key):
+            acc.setdefault(int(m.group(1)), {})[int(m.group(2))] = v
+    table = [[acc[k][r] for r in sorted(acc[k])] for k in sorted(acc)]
+    return choices_from_accuracies(table, n_nodes)
+
+
 def chain_tree(depth: int) -> TreeSpec:
     """A chain of ``depth`` top-1 drafts as a tree (what chain speculative decoding verifies)."""
     return tree_from_choices([[0] * d for d in range(1, depth + 1)])

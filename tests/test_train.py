@@ -197,7 +197,12 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     recipe.write_text(yaml.safe_dump(spec))
     run = train_run(kind, "train.steps=3", "train.loss.kind=fkl", recipe=str(recipe))
     rows = _rows(run)
-    assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", "alpha_head2", "tau_estimate"))
+    assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", "alpha_head2", "tau_estimate",
+                                                            "acc_head2_rank2"))
+    from draftsmith.eval.tree import choices_from_run, tree_from_choices
+
+    choices = choices_from_run(run, 5)  # a Medusa tree from the measured per-head rank accuracies
+    assert len(choices) == 5 and len(tree_from_choices(choices)) == 5
     drafter, info = load_drafter(run / "checkpoints" / "final")
     assert info["kind"] == kind and drafter.max_draft_len == 3
     args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",

@@ -4,6 +4,8 @@ oracle and always-wrong drafters over chains and branching trees (float64 tiny m
 distribution kept when sampling through a tree."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_decoder import (  # noqa: F401  (fixtures shared with the chain decoder tests)
@@ -215,3 +217,20 @@ def test_reduced_draft_vocabulary_sampling_keeps_the_target_distribution():
     emp, joint, _ = sampled_joint(lambda x: speculative_generate(target, drafter, x, 3, draft_len=2, temperature=1.0,
                                                                  generator=gen), target, [1, 2, 3, 4], 2, 2500)
     assert _tv(emp.sum(1), joint.sum(1)) < 0.03 and _tv(emp.sum(0), joint.sum(0)) < 0.035
+
+
+def test_choices_from_measured_head_accuracies():
+    """Medusa's construction: the most valuable paths (products of per-rank accuracies), prefix-closed, and a
+    usable static tree; Vicuna-7B's published top-1 head accuracies give a chain-first tree."""
+    from draftsmith.eval.tree import choices_from_accuracies
+
+    acc = [[0.56, 0.12, 0.05], [0.32, 0.12, 0.06], [0.20, 0.10, 0.05]]  # algorithms.md A5.2 (top-1), rest made up
+    ch = choices_from_accuracies(acc, 6)
+    assert ch[:2] == [[0], [0, 0]] and len(ch) == 6
+    assert all(c[:-1] in ch or len(c) == 1 for c in ch)  # prefix-closed
+    value = {tuple(c): math.prod(acc[d][r] for d, r in enumerate(c)) for c in ch}
+    left_out = [(0, 0, 0), (1,), (0, 1), (2,), (1, 0)]
+    assert min(value.values()) >= max(math.prod(acc[d][r] for d, r in enumerate(p)) for p in left_out
+                                      if list(p) not in ch)
+    tree = tree_from_choices(ch)
+    assert len(tree) == 6 and max(tree.depths) <= 3

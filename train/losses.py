@@ -237,10 +237,12 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: Los
 
 
 @torch.no_grad()
-def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk: int = 1024) -> dict:
+def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk: int = 1024, ranks: int = 0) -> dict:
     """Chunked metrics at the trained positions: top-1 agreement with the labels, and (with a teacher
-    distribution) alpha = sum min(p, q), a lower bound on the exact acceptance when the teacher is top-k."""
+    distribution) alpha = sum min(p, q), a lower bound on the exact acceptance when the teacher is top-k.
+    ranks > 0 adds ``rank_acc`` [P(label is the r-th best token) for r < ranks] (tree construction)."""
     n, top1, a = h.shape[0], 0.0, 0.0
+    hits = torch.zeros(max(ranks, 1))
     has_dist = teacher.topk_ids is not None or teacher.logits is not None or teacher.hidden is not None
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
@@ -248,12 +250,17 @@ def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk:
         t = teacher.rows(s, e)
         if t.labels is not None:
             top1 += (logits.argmax(-1) == t.labels).float().sum().item()
+            if ranks:
+                top = logits.topk(min(ranks, logits.shape[-1]), -1).indices  # (n, ranks)
+                hits[:top.shape[1]] += (top == t.labels[:, None]).float().sum(0).cpu()
         if has_dist:
             logp, logq = t.log_pair(logits)
             if t.topk_ids is not None:  # top-k buckets only: the tail bucket could overstate acceptance
                 logp, logq = logp[:, :-1], logq[:, :-1]
             a += alpha(logp, logq).sum().item()
     out = {"top1": top1 / max(1, n), "tokens": n}
+    if ranks:
+        out["rank_acc"] = (hits / max(1, n)).tolist()
     if has_dist:
         out["alpha"] = a / max(1, n)
     return out

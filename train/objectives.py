@@ -128,13 +128,15 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward)
         n = x.shape[0]
         loss = losses.head_loss(x, w, teachers[k], _spec(cfg), ctx.generator) * n if n else x.sum() * 0
-        return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk)
+        return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk, ranks=3)
 
     outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn)
     m = {}
     alphas = []
     for k, (_, _, mk) in enumerate(outs):
         m[f"top1_head{k}"] = mk["top1"]
+        for r, v in enumerate(mk["rank_acc"]):  # eval/tree.py choices_from_run builds a tree from these
+            m[f"acc_head{k}_rank{r}"] = v
         if "alpha" in mk:
             m[f"alpha_head{k}"] = mk["alpha"]
             alphas.append(mk["alpha"])
