@@ -55,6 +55,15 @@ class DecodeStats:
             out.append(sum(c[i + 1:]) / reached if reached else 0.0)
         return out
 
+    def step(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """Count one verify step that checked ``drafted`` tokens and accepted ``accepted`` of them."""
+        self.target_forwards += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        self.accept_counts[accepted] += 1
+        self.draft_time_s += draft_s
+        self.verify_time_s += verify_s
+
     def merge(self, other: DecodeStats) -> DecodeStats:
         """Add ``other`` into self (in place; returns self). Histograms of different lengths are zero-padded."""
         self.new_tokens += other.new_tokens
@@ -245,12 +254,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
             pending = torch.cat([pending, cur])
         cur = drafts.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
-        stats.target_forwards += 1
-        stats.drafted += gamma
-        stats.accepted += n
-        stats.accept_counts[n] += 1
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
+        stats.step(gamma, n, t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
 
@@ -299,12 +303,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
         tcache.length = t_len + 1 + n
         cur = drafts.new_tensor([nxt]) if gamma else cur.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
-        stats.target_forwards += 1
-        stats.drafted += gamma
-        stats.accepted += n
-        stats.accept_counts[n] += 1
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
+        stats.step(gamma, n, t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
 
@@ -435,25 +434,23 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         mask[0, :, t_len:] = anc
         logits = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
                         attn_mask=mask)[0]  # (N+1, V)
-        if temperature <= 0:
-            path, nxt = greedy_tree_accept(tokens, parents, logits)
-        else:
-            path, nxt = sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p),
-                                           generator)
+        path, nxt = _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
         compact_cache(tcache, t_len, [0] + [i + 1 for i in path])  # keep cur and the accepted path
         dcache.length = root
         pending = tokens[path]
         cur = tokens.new_tensor([nxt])
         done = _emit(out, pending.tolist() + [nxt], eos_ids, max_new_tokens)
-        stats.target_forwards += 1
-        stats.drafted += len(tokens)
-        stats.accepted += len(path)
-        stats.accept_counts[len(path)] += 1
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
+        stats.step(len(tokens), len(path), t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
+
+
+def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) -> tuple[list[int], int]:
+    """Greedy (deepest argmax path) or point-mass sampling verification of a tree -> (accepted path, next)."""
+    if temperature <= 0:
+        return greedy_tree_accept(tokens, parents, logits)
+    return sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p), generator)
 
 
 def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temperature, top_k, top_p, eos_ids,
@@ -501,22 +498,13 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
         logits, cap = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
                              attn_mask=mask, capture_layers=(L,))
         logits = logits[0]
-        if temperature <= 0:
-            path, nxt = greedy_tree_accept(tokens, parents, logits)
-        else:
-            path, nxt = sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p),
-                                           generator)
+        path, nxt = _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
         h_cur = target.norm(cap[L][0, path[-1] + 1 if path else 0])  # the node whose LM-head output is nxt
         compact_cache(tcache, t_len, [0] + [i + 1 for i in path])
         accepted = tokens[path]
         cur = tokens.new_tensor([nxt])
         done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)
-        stats.target_forwards += 1
-        stats.drafted += len(tokens)
-        stats.accepted += len(path)
-        stats.accept_counts[len(path)] += 1
-        stats.draft_time_s += t1 - t0
-        stats.verify_time_s += t2 - t1
+        stats.step(len(tokens), len(path), t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats

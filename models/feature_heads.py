@@ -7,8 +7,22 @@ proposal and the tree drafting in eval/decoder.py are built on that one method.
 """
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class HeadsConfig:
+    """Shape of Medusa and Hydra heads (the MLP speculator has its own: stages, inner width)."""
+    dim: int
+    vocab_size: int
+    n_heads: int = 4
+    n_layers: int = 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 class FeatureHeads(nn.Module):

@@ -10,25 +10,14 @@ Head k predicts token t+k+2, as Medusa head k does. Hydra++'s prefix-attention l
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig
 
-
-@dataclass(frozen=True)
-class HydraConfig:
-    dim: int
-    vocab_size: int
-    n_heads: int = 4
-    n_layers: int = 1
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+HydraConfig = HeadsConfig  # kept as a name: registry and drafter.json configs refer to it
 
 
 class WideResBlock(nn.Module):

@@ -147,10 +147,7 @@ class DraftLMConfig(Strict):
     FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
 
 
-class MedusaDrafterConfig(Strict):
-    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2)."""
-
-    kind: Literal["medusa"] = "medusa"
+class _HeadsSection(Strict):
     n_heads: int = Field(4, gt=0)
     """K heads; head k predicts the token k+2 positions ahead (the draft length is at most K)."""
     n_layers: int = Field(1, ge=0)
@@ -158,7 +155,13 @@ class MedusaDrafterConfig(Strict):
     freeze_lm_heads: bool = False
     """Keep each head's LM head (a copy of the target's) frozen and train only the blocks."""
     head_decay: float = Field(0.8, gt=0, le=1)
-    """Loss weight of head k is head_decay**k (Medusa-1)."""
+    """Loss weight of head k is head_decay**k."""
+
+
+class MedusaDrafterConfig(_HeadsSection):
+    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8."""
+
+    kind: Literal["medusa"] = "medusa"
 
 
 class MLPSpeculatorDrafterConfig(Strict):
@@ -174,17 +177,13 @@ class MLPSpeculatorDrafterConfig(Strict):
     """Loss weight of stage k is head_decay**k."""
 
 
-class HydraDrafterConfig(Strict):
-    """Hydra heads: Medusa-style heads that also read the embeddings of the tokens drafted before them."""
+class HydraDrafterConfig(_HeadsSection):
+    """Hydra heads: Medusa-style heads that also read the embeddings of the tokens drafted before them (the
+    first block narrows (k+2)*d to d; n_layers >= 1). Hydra weighs heads equally: head_decay 1.0."""
 
     kind: Literal["hydra"] = "hydra"
-    n_heads: int = Field(4, gt=0)
-    """K heads; head k predicts the token k+2 positions ahead."""
     n_layers: int = Field(1, gt=0)
-    """Residual blocks per head (the first one narrows (k+2)·d to d)."""
-    freeze_lm_heads: bool = False
     head_decay: float = Field(1.0, gt=0, le=1)
-    """Loss weight of head k is head_decay**k (Hydra weighs heads equally: 1.0)."""
 
 
 DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig,
