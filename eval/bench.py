@@ -160,7 +160,8 @@ def evaluate(recipe) -> dict:
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
     print(f"eval: tau {report['tau']:.2f}, acceptance {report['acceptance_rate']:.3f}, "
-          f"speedup vs HF {report['speedup'].get('vs_ar_hf', float('nan')):.2f}x, "
+          f"speedup vs own AR {report['speedup'].get('vs_ar', float('nan')):.2f}x"
+          + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "") + ", "
           f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
     return report
 
