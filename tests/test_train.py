@@ -139,6 +139,8 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
 
 def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_model_dir, prompts_file):
     run = train_run("vocab", "drafter.draft_vocab=40", "train.steps=3")
+    ce = train_run("vocab-ce", "drafter.draft_vocab=40", "train.steps=2", "train.loss.kind=ce")
+    assert all(0 <= r["alpha"] <= 1 for r in _rows(ce))  # CE drops out-of-vocabulary labels, alpha is still logged
     drafter, info = load_drafter(run / "checkpoints" / "final")
     assert drafter.lm_head.weight.shape[0] == 40 and drafter.cfg.head_vocab_size == 40
     kept = torch.arange(40) + drafter.d2t

@@ -73,9 +73,11 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
     def head_fn(h, head):  # runs inside the drafter's forward (see Llama.forward head_fn)
         t = teacher
-        if cfg.kind == "ce" and reduced:
+        if cfg.kind == "ce" and reduced:  # labels outside the draft vocabulary cannot be CE targets
             keep = t.labels >= 0
-            h, t = h[keep], losses.Teacher(labels=t.labels[keep])
+            h, t = h[keep], losses.Teacher(labels=t.labels[keep],
+                                           topk_ids=None if t.topk_ids is None else t.topk_ids[keep],
+                                           topk_logprobs=None if t.topk_logprobs is None else t.topk_logprobs[keep])
         loss = losses.head_loss(h, head, t, _spec(cfg), ctx.generator) * h.shape[0]
         return loss, h.shape[0], losses.head_metrics(h.detach(), head.detach(), t, cfg.chunk)
 
