@@ -47,3 +47,11 @@ class FeatureHeads(nn.Module):
         if len(path) == 1:
             return cur.new_empty(0), None
         return torch.cat(path[1:]), (torch.stack(qs) if qs[0] is not None else None)
+
+
+@torch.no_grad()
+def copy_target_head(lm_heads: nn.ModuleList, target, freeze: bool) -> None:
+    """Every head's LM head starts as a copy of the target's, frozen if asked (only the blocks then train)."""
+    for lm in lm_heads:
+        lm.weight.copy_(target.lm_head.weight)
+        lm.weight.requires_grad_(not freeze)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
 
 HydraConfig = HeadsConfig  # kept as a name: registry and drafter.json configs refer to it
 
@@ -84,7 +84,5 @@ def build_hydra(params: dict, target, **_) -> HydraHeads:
                                    n_layers=params.get("n_layers", 1)))
     with torch.no_grad():
         heads.embed.weight.copy_(target.embed_tokens.weight)
-        for lm in heads.lm_heads:
-            lm.weight.copy_(target.lm_head.weight)
-            lm.weight.requires_grad_(not params.get("freeze_lm_heads", False))
+    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))
     return heads.to(target.embed_tokens.weight.dtype)

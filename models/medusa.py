@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
 
 MedusaConfig = HeadsConfig  # kept as a name: registry and drafter.json configs refer to it
 
@@ -67,8 +67,5 @@ def build_medusa(params: dict, target, **_) -> MedusaHeads:
         raise DraftsmithError("drafter.n_heads must be >= 1 and drafter.n_layers >= 0")
     heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
                                      n_layers=params.get("n_layers", 1)))
-    with torch.no_grad():
-        for lm in heads.lm_heads:
-            lm.weight.copy_(target.lm_head.weight)
-            lm.weight.requires_grad_(not params.get("freeze_lm_heads", False))
+    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))
     return heads.to(target.embed_tokens.weight.dtype)
