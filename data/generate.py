@@ -38,6 +38,7 @@ from draftsmith.data.records import (
     write_shard,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.sampling import row_generator
@@ -162,7 +163,7 @@ class Producer:
         self.sampling = Sampling(dc.temperature, dc.top_k, dc.top_p)
         n = self.tgt.model.cfg.n_layers
         layers = dc.signals.hidden_layers
-        aux = (1, n // 2 - 1, n - 4) if layers == "eagle3" else tuple(layers or ())
+        aux = default_aux_layers(n) if layers == "eagle3" else tuple(layers or ())
         for i in aux:
             if not 0 <= i < n:
                 raise DraftsmithError(f"data.signals.hidden_layers: layer {i} is outside the target's {n} layers")

@@ -103,7 +103,7 @@ def evaluate(recipe) -> dict:
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages)))
                for p in prompts]
 
-    tree = build_tree(ec)
+    tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
 
     def speculative(x):
@@ -166,22 +166,25 @@ def evaluate(recipe) -> dict:
     return report
 
 
-def build_tree(ec) -> TreeSpec | DynamicTree | None:
-    """The eval recipe's draft tree; None for chain decoding."""
+def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | None:
+    """The eval recipe's draft tree; None for chain decoding. ``max_depth``: the drafter's limit (heads), which
+    caps the default static tree."""
     if ec.strategy == "dynamic_tree":
         return DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens)
     if ec.strategy == "tree":
-        depths = range(1, ec.draft_len + 1)  # default: the top-1 chain plus the runner-up sibling at every depth
+        # default: the top-1 chain plus the runner-up sibling at every depth
+        depths = range(1, min(ec.draft_len, max_depth or ec.draft_len) + 1)
         default = [[0] * d for d in depths] + [[0] * (d - 1) + [1] for d in depths]
         return tree_from_choices(ec.tree.choices or default)
     return None
 
 
-def _strategy(ec) -> tuple[dict, int]:
+def _strategy(ec, max_depth: int | None = None) -> tuple[dict, int]:
     """The report's strategy entry and the number of sequential draft passes per step (the MBSU's gamma)."""
-    tree = build_tree(ec)
+    tree = build_tree(ec, max_depth)
     if tree is None:
-        return {"kind": "chain", "draft_len": ec.draft_len}, ec.draft_len
+        gamma = min(ec.draft_len, max_depth or ec.draft_len)  # heads draft at most one token per head
+        return {"kind": "chain", "draft_len": gamma}, gamma
     if isinstance(tree, DynamicTree):
         return {"kind": "dynamic_tree", "top_k": tree.top_k, "depth": tree.depth,
                 "total_tokens": tree.total_tokens}, tree.depth
@@ -204,7 +207,7 @@ def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches,
     ec = recipe.eval
     n_draft, n_target = drafter.num_params(), tgt.model.num_params()
     r = n_draft / n_target
-    strategy, gamma = _strategy(ec)
+    strategy, gamma = _strategy(ec, getattr(drafter, "max_draft_len", None))
     speedup = {f"vs_{k}": tps["spec"] / tps[k] for k in ("ar_hf", "ar", "hf_assisted") if k in tps and "spec" in tps}
     return {
         "target": recipe.target.model,

@@ -216,6 +216,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     if getattr(drafter, "reads_target_hidden", False):
         return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
                                  eos_ids, generator)
+    if getattr(drafter, "reads_target_features", False):
+        return _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
+                                    top_p, eos_ids, generator)
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -276,11 +279,12 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
     if max_new_tokens <= 0:
         return [], stats
     prompt = _prepare(target, prompt_ids)
-    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + gamma_max + 2)
+    max_len = prompt.shape[1] + max_new_tokens + gamma_max + 2
+    tcache, context = target.new_cache(1, max_len), drafter.new_context(max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
     last[:, -1] = True
     logits, h = _with_hidden(target, prompt, tcache, logits_at=last)
-    h_cur = h[0, -1]  # (D,): the state whose LM-head output is cur
+    h_cur = drafter.read_context(h[0], context)[-1]  # (D,): at the position whose LM-head output is cur
 
     def pick(row):
         return _pick(row, temperature, top_k, top_p, generator)
@@ -299,7 +303,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
         logits, h = _with_hidden(target, torch.cat([cur, drafts]).view(1, -1), tcache)
         n, nxt = _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
-        h_cur = h[0, n]  # the position of d_n (or of cur when n = 0): its LM-head output is nxt
+        h_cur = drafter.read_context(h[0, :n + 1], context)[-1]  # at d_n (or cur when n = 0): it gave nxt
         tcache.length = t_len + 1 + n
         cur = drafts.new_tensor([nxt]) if gamma else cur.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
@@ -309,17 +313,68 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
 
 
 
-def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
-    """Greedy tree drafting with a Llama-like drafter -> node tokens (N,) in the tree's (depth-sorted) order.
+class _Drafting:
+    """A drafter's side of a decode, for the tree decoders and EAGLE's chain.
 
-    ``feed`` (k,) are tokens the drafter has not seen, ending with the current token (the root). Then one forward
-    per depth level over that level's nodes: node i sits at slot ``base + i`` and attends to the committed prefix
-    and its ancestors (``anc`` = ancestor_mask). Node i's token is the ``ranks[i]``-th best of its parent's
-    distribution. The deepest level is never fed (nothing below it is drafted).
+    Each step starts with ``root(cur)``: the drafter reads what it has not seen yet plus the current token and
+    returns the root's logits (and, for EAGLE, its output state). ``expand`` runs drafted nodes (the caller sets
+    slots, positions and masks); ``commit`` rolls the cache back to the root and queues the accepted tokens, which
+    the next ``root`` reads. Llama-like drafters read tokens. EAGLE reads (feature f_i, token x_{i+1}) pairs:
+    committed positions use the target's features from the verify forward, drafted nodes the drafter's own
+    output state, which is what its training-time test simulates.
     """
-    device = feed.device
-    logits = {-1: _run_drafter(drafter, feed.view(1, -1), cache=dcache)[0, -1]}  # parent node -> its logits (V,)
-    base = dcache.length  # unpadded batch 1: slot index == RoPE position; the root is at base - 1
+
+    def __init__(self, drafter, max_len: int, prompt: torch.Tensor, feats: torch.Tensor | None):
+        self.d, self.cache = drafter, drafter.new_cache(1, max_len)
+        self.eagle = getattr(drafter, "reads_target_features", False)
+        self.ids = prompt[1:] if self.eagle else prompt  # pair i holds token i+1; cur completes the last pair
+        self.feats = feats  # (len(ids) + 1, F) for EAGLE
+        self.root_len = 0
+
+    def _call(self, ids: torch.Tensor, states, last_only: bool = False, **kw):
+        if self.eagle:
+            logits, out = self.d.step(states[None], ids.view(1, -1), cache=self.cache, last_only=last_only, **kw)
+            return logits[0], out[0]
+        return _run_drafter(self.d, ids.view(1, -1), cache=self.cache, **kw)[0], None
+
+    def root(self, cur: torch.Tensor):
+        """-> (logits (V,), state (d,) or None) of the current token's position."""
+        logits, out = self._call(torch.cat([self.ids, cur]), self.d.project(self.feats) if self.eagle else None,
+                                 last_only=True)
+        self.root_len = self.cache.length
+        return logits[-1], None if out is None else out[-1]
+
+    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None):
+        """tokens (n,), states (n, d) or None -> (logits (n, V), states (n, d) or None)."""
+        return self._call(tokens, states, **({} if pos is None else {"pos": pos.view(1, -1)}),
+                          **({} if mask is None else {"attn_mask": mask}))
+
+    def commit(self, accepted: torch.Tensor, feats: torch.Tensor | None) -> None:
+        """accepted (n,) drafted tokens kept; feats (n + 1, F): the target's features at cur and at them."""
+        self.cache.length = self.root_len
+        self.ids, self.feats = accepted, feats
+
+
+def _target_pass(target, drafter, ids: torch.Tensor, cache, **kw):
+    """A cached target forward -> (logits, the drafter's input features (T, F) or None). Only EAGLE drafters
+    read features from every verify; their layers are captured in the same forward."""
+    if not getattr(drafter, "reads_target_features", False):
+        return target(ids, cache=cache, **kw), None
+    logits, cap = target(ids, cache=cache, capture_layers=drafter.capture_layers, **kw)
+    return logits, drafter.features(cap, target)[0]
+
+
+def _draft_tree(run: _Drafting, cur: torch.Tensor, tree: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
+    """Greedy static-tree drafting -> node tokens (N,) in the tree's (depth-sorted) order.
+
+    After the root, one forward per depth level over that level's nodes: node i sits at slot ``base + i`` and
+    attends to the committed prefix and its ancestors (``anc`` = ancestor_mask). Node i's token is the
+    ``ranks[i]``-th best of its parent's distribution. The deepest level is never fed (nothing below it is drafted).
+    """
+    device = cur.device
+    root_logits, root_state = run.root(cur)
+    logits, states = {-1: root_logits}, {-1: root_state}  # parent node -> its logits (V,) and state
+    base = run.cache.length  # unpadded batch 1: slot index == RoPE position; the root is at base - 1
     depths = tree.depths
     tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
     for d in range(1, max(depths) + 1):
@@ -331,25 +386,30 @@ def _draft_tree(drafter, dcache, feed: torch.Tensor, tree: TreeSpec, anc: torch.
         lo, hi = level[0], level[-1] + 1
         mask = torch.ones(1, hi - lo, base + hi, dtype=torch.bool, device=device)
         mask[0, :, base:] = anc[lo + 1:hi + 1, 1:hi + 1]
-        pos = torch.full((1, hi - lo), base - 1 + d, device=device)
-        dcache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
-        out = _run_drafter(drafter, tokens[lo:hi].view(1, -1), pos=pos, cache=dcache, attn_mask=mask)[0]  # (n, V)
+        pos = torch.full((hi - lo,), base - 1 + d, device=device)
+        run.cache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
+        st = torch.stack([states[tree.parents[i]] for i in level]) if run.eagle else None
+        out, out_st = run.expand(tokens[lo:hi], st, pos, mask)  # (n, V)
         logits.update({i: out[i - lo] for i in level})
+        if run.eagle:
+            states.update({i: out_st[i - lo] for i in level})
     return tokens
 
 
-def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tuple[torch.Tensor, list[int]]:
-    """EAGLE-2-style dynamic tree with a Llama-like drafter -> (node tokens (N,), parents) in depth-sorted order.
+def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree) -> tuple[torch.Tensor, list[int]]:
+    """EAGLE-2 dynamic tree -> (node tokens (N,), parents) in depth-sorted order.
 
     Root: the drafter's top-k tokens. Each level: feed the k frontier nodes in one forward (tree mask: committed
     prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
     frontier. Finally keep the ``total_tokens`` best of all recorded nodes (``rerank``).
     """
-    k, device = spec.top_k, feed.device
-    logq = torch.log_softmax(_run_drafter(drafter, feed.view(1, -1), cache=dcache)[0, -1].float(), -1)  # (V,)
-    base = dcache.length  # the root (current token) sits at slot base - 1; slot index == position
+    k, device = spec.top_k, cur.device
+    root_logits, root_state = run.root(cur)
+    logq = torch.log_softmax(root_logits.float(), -1)  # (V,)
+    base = run.cache.length  # the root (current token) sits at slot base - 1; slot index == position
     v, i = logq.topk(k)
     tok, par, score, depth = i.tolist(), [-1] * k, v.tolist(), [1] * k
+    state = [root_state] * k  # EAGLE: the state each node's drafter input reads (its parent's output)
     frontier, fed = list(range(k)), []  # fed: node ids in slot order after base
     for d in range(1, spec.depth):
         slot = {n: base + j for j, n in enumerate(fed + frontier)}
@@ -359,11 +419,10 @@ def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tu
             while n >= 0:  # a frontier node's ancestors were all frontier nodes, so all were fed
                 mask[0, r, slot[n]] = True
                 n = par[n]
-        dcache.length = base + len(fed)
-        pos = torch.full((1, len(frontier)), base - 1 + d, device=device)
-        out = _run_drafter(drafter, torch.tensor([tok[n] for n in frontier], device=device).view(1, -1), pos=pos,
-                           cache=dcache,
-                      attn_mask=mask)[0]  # (k, V)
+        run.cache.length = base + len(fed)
+        pos = torch.full((len(frontier),), base - 1 + d, device=device)
+        st = torch.stack([state[n] for n in frontier]) if run.eagle else None
+        out, out_st = run.expand(torch.tensor([tok[n] for n in frontier], device=device), st, pos, mask)  # (k, V)
         fed += frontier
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
         cum = torch.tensor([score[n] for n in frontier], device=device)[:, None] + cv
@@ -373,11 +432,68 @@ def _draft_dynamic(drafter, dcache, feed: torch.Tensor, spec: DynamicTree) -> tu
             par += [n] * k
             score += cum[r].tolist()
             depth += [d + 1] * k
+            state += [out_st[r] if run.eagle else None] * k
         frontier = [first + j for j in cum.flatten().topk(min(k, cum.numel())).indices.tolist()]
     keep = rerank(score, par, depth, spec.total_tokens)
     index = {n: j for j, n in enumerate(keep)}
     parents = [index[par[n]] if par[n] >= 0 else -1 for n in keep]
     return torch.tensor([tok[n] for n in keep], dtype=torch.long, device=device), parents
+
+
+def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick):
+    """A chain of gamma drafts from the runner -> (drafts (γ,), q (γ, V) or None)."""
+    logits, state = run.root(cur)
+    drafts, qs = [], []
+    for i in range(gamma):
+        tok, q = pick(logits)
+        drafts.append(tok)
+        qs.append(q)
+        if i + 1 < gamma:  # the last draft is never fed: the verify decides whether it survives
+            out, st = run.expand(tok, None if state is None else state[None])
+            logits, state = out[-1], None if st is None else st[-1]
+    if not drafts:
+        return cur.new_empty(0), None
+    return torch.cat(drafts), (torch.stack(qs) if qs[0] is not None else None)
+
+
+def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
+                         eos_ids, generator) -> tuple[list[int], DecodeStats]:
+    """Chain decoding with an EAGLE drafter: every target forward also returns the features the drafter reads
+    next step; the drafter re-reads the accepted positions with those real features (``_Drafting``)."""
+    stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = _prepare(target, prompt_ids)
+    max_len = prompt.shape[1] + max_new_tokens + draft_len + 2
+    tcache = target.new_cache(1, max_len)
+    last = torch.zeros_like(prompt, dtype=torch.bool)
+    last[:, -1] = True
+    logits, feats = _target_pass(target, drafter, prompt, tcache, logits_at=last)
+
+    def pick(row):
+        return _pick(row, temperature, top_k, top_p, generator)
+
+    cur, _ = pick(logits[-1])
+    run = _Drafting(drafter, max_len, prompt[0], feats)
+    out: list[int] = []
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        gamma = min(draft_len, max_new_tokens - len(out) - 1)
+        t0 = time.perf_counter()
+        drafts, q = _draft_chain(run, cur, gamma, pick)
+        _sync(prompt.device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        logits, feats = _target_pass(target, drafter, torch.cat([cur, drafts]).view(1, -1), tcache)
+        n, nxt = _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
+        t2 = time.perf_counter()
+        tcache.length = t_len + 1 + n
+        run.commit(drafts[:n], feats[:n + 1])
+        cur = cur.new_tensor([nxt])
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        stats.step(gamma, n, t1 - t0, t2 - t1)
+    stats.new_tokens = len(out)
+    return out, stats
 
 
 @torch.no_grad()
@@ -413,34 +529,37 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
         anc, depths = tree_mask(parents)  # (N+1, N+1) ancestors, (N+1,) depths, root first
     max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
-    tcache, dcache = target.new_cache(1, max_len), drafter.new_cache(1, max_len)
-    cur, _ = _pick(_prefill(target, prompt, tcache), temperature, top_k, top_p, generator)  # (1,)
-    pending = prompt[0]  # tokens the drafter has not seen yet (the whole prompt at first)
+    tcache = target.new_cache(1, max_len)
+    last = torch.zeros_like(prompt, dtype=torch.bool)
+    last[:, -1] = True
+    logits, feats = _target_pass(target, drafter, prompt, tcache, logits_at=last)
+    cur, _ = _pick(logits[-1], temperature, top_k, top_p, generator)  # (1,)
+    run = _Drafting(drafter, max_len, prompt[0], feats)  # the drafter has seen nothing yet
     out: list[int] = []
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
     while not done:
         t0 = time.perf_counter()
-        root = dcache.length + pending.numel() + 1  # the drafter's cache length once it has read pending + cur
         if dynamic:
-            tokens, par = _draft_dynamic(drafter, dcache, torch.cat([pending, cur]), tree)
+            tokens, par = _draft_dynamic(run, cur, tree)
             parents = torch.tensor(par, dtype=torch.long, device=device)
             anc, depths = tree_mask(parents)
         else:
-            tokens = _draft_tree(drafter, dcache, torch.cat([pending, cur]), tree, anc)
+            tokens = _draft_tree(run, cur, tree, anc)
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length
         mask = torch.ones(1, len(tokens) + 1, t_len + len(tokens) + 1, dtype=torch.bool, device=device)
         mask[0, :, t_len:] = anc
-        logits = target(torch.cat([cur, tokens]).view(1, -1), pos=(t_len + depths).view(1, -1), cache=tcache,
-                        attn_mask=mask)[0]  # (N+1, V)
-        path, nxt = _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator)
+        logits, feats = _target_pass(target, drafter, torch.cat([cur, tokens]).view(1, -1), tcache,
+                                     pos=(t_len + depths).view(1, -1), attn_mask=mask)
+        path, nxt = _tree_accept(tokens, parents, logits[0], temperature, top_k, top_p, generator)  # (N+1, V)
         t2 = time.perf_counter()
-        compact_cache(tcache, t_len, [0] + [i + 1 for i in path])  # keep cur and the accepted path
-        dcache.length = root
-        pending = tokens[path]
+        keep = [0] + [i + 1 for i in path]  # cur and the accepted path
+        compact_cache(tcache, t_len, keep)
+        accepted = tokens[path]
+        run.commit(accepted, None if feats is None else feats[keep])
         cur = tokens.new_tensor([nxt])
-        done = _emit(out, pending.tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)
         stats.step(len(tokens), len(path), t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
@@ -468,11 +587,12 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
     device = prompt.device
     parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
     anc, depths = tree_mask(parents)
-    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + len(tree) + max_depth + 2)
+    max_len = prompt.shape[1] + max_new_tokens + len(tree) + max_depth + 2
+    tcache, context = target.new_cache(1, max_len), drafter.new_context(max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
     last[:, -1] = True
     logits, h = _with_hidden(target, prompt, tcache, logits_at=last)
-    h_cur = h[0, -1]
+    h_cur = drafter.read_context(h[0], context)[-1]
     cur, _ = _pick(logits[-1], temperature, top_k, top_p, generator)
     out: list[int] = []
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
@@ -500,8 +620,9 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
         logits = logits[0]
         path, nxt = _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
-        h_cur = target.norm(cap[L][0, path[-1] + 1 if path else 0])  # the node whose LM-head output is nxt
-        compact_cache(tcache, t_len, [0] + [i + 1 for i in path])
+        keep = [0] + [i + 1 for i in path]  # cur and the accepted path; the last one's LM-head output is nxt
+        h_cur = drafter.read_context(target.norm(cap[L][0, keep]), context)[-1]
+        compact_cache(tcache, t_len, keep)
         accepted = tokens[path]
         cur = tokens.new_tensor([nxt])
         done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)

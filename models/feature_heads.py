@@ -1,9 +1,13 @@
 """What every drafter that reads the target's features shares (Medusa, Hydra, MLP speculator).
 
 Decoder protocol: ``reads_target_hidden = True``; ``max_draft_len``; ``logits_after(h, path)`` = the logits of
-the token after ``path``, where h (D,) is the target's final hidden state at the position that produced
-path[0] (the current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain
-proposal and the tree drafting in eval/decoder.py are built on that one method.
+the token after ``path``, where h (D,) is the drafter's context state at the position that produced path[0] (the
+current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain proposal and the tree
+drafting in eval/decoder.py are built on that one method.
+
+The context state is the target's final hidden state itself, unless the drafter has a context layer (Hydra++'s
+prefix attention): then the decoder feeds every committed position's hidden state through ``read_context`` with
+the cache from ``new_context`` and drafts from the last output.
 """
 from __future__ import annotations
 
@@ -34,6 +38,14 @@ class FeatureHeads(nn.Module):
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def new_context(self, max_len: int):
+        """A cache for ``read_context`` (None: the heads read the target's hidden states as they are)."""
+        return None
+
+    def read_context(self, hs: torch.Tensor, cache=None) -> torch.Tensor:
+        """Target hidden states of new committed positions (n, D) -> the heads' context states (n, D)."""
+        return hs
 
     @torch.no_grad()
     def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):

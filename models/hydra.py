@@ -6,9 +6,16 @@ hidden state h_t *and* the embeddings of the tokens before the one it predicts:
 
 e() is the target's input embedding, kept frozen (a copy travels with the checkpoint). In training the tokens
 are the true ones (teacher forcing); in decoding, the target's token for x_{t+1} and the drafts after it.
-Head k predicts token t+k+2, as Medusa head k does. Hydra++'s prefix-attention layer is not implemented yet.
+Head k predicts token t+k+2, as Medusa head k does.
+
+**Hydra++** (``prefix_attention``): h_t is replaced by the output of one extra Llama decoder layer run causally over
+the target's final hidden states h_0..h_t, so the heads see the context, not one position. Its output
+projections start at zero, so the layer starts as the identity (Hydra++ starts as Hydra). In decoding the layer
+keeps its own KV cache over the committed positions (``new_context`` / ``read_context``).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +23,12 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
+from draftsmith.models.llama import Block, KVCache, LlamaConfig, prepare_cache, rope_cos_sin, rope_inv_freq
 
-HydraConfig = HeadsConfig  # kept as a name: registry and drafter.json configs refer to it
+
+@dataclass(frozen=True)
+class HydraConfig(HeadsConfig):
+    prefix: dict | None = None  # Hydra++: the LlamaConfig (one layer, the target's shapes) of the prefix layer
 
 
 class WideResBlock(nn.Module):
@@ -43,14 +54,42 @@ class HydraHeads(FeatureHeads):
             nn.Sequential(WideResBlock((k + 2) * d, d), *(WideResBlock(d, d) for _ in range(cfg.n_layers - 1)))
             for k in range(cfg.n_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+        if cfg.prefix is not None:
+            self.prefix_cfg = LlamaConfig(**cfg.prefix)
+            self.prefix = Block(self.prefix_cfg)
+            nn.init.zeros_(self.prefix.self_attn.o_proj.weight)  # identity at init
+            nn.init.zeros_(self.prefix.mlp.down_proj.weight)
+            self.register_buffer("inv_freq", rope_inv_freq(self.prefix_cfg), persistent=False)
 
     @property
     def max_draft_len(self) -> int:
         return self.cfg.n_heads
 
+    def new_context(self, max_len: int):
+        if self.cfg.prefix is None:
+            return None
+        p = self.lm_heads[0].weight
+        return KVCache(self.prefix_cfg, 1, max_len, p.dtype, p.device)
+
+    def read_context(self, hs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """(n, D) with a cache (decoding, appended after the committed positions) or (B, T, D) without (training,
+        causal over the whole sequence) -> the prefix layer's outputs, same shape."""
+        if self.cfg.prefix is None:
+            return hs
+        x = hs if hs.dim() == 3 else hs[None]
+        B, T, _ = x.shape
+        start = cache.length if cache is not None else 0
+        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=x.device).expand(B, T), self.inv_freq, x.dtype)
+        mask = prepare_cache(cache, T, None, None) if cache is not None else None
+        y = self.prefix(x, cos, sin, mask, cache, 0)
+        if cache is not None:
+            cache.length += T
+        return y if hs.dim() == 3 else y[0]
+
     def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
         """Teacher-forced pass: h (B, T, D), ids (B, T); head k at t reads tokens t+1..t+k+1. Returns
         ``[head_fn(k, x_k[select[k]], lm_head_k.weight)]`` or the (K, B, T, V) logits."""
+        h = self.read_context(h)
         B, T, D = h.shape
         parts, outs = [h], []
         for k in range(self.cfg.n_heads):
@@ -80,8 +119,11 @@ def build_hydra(params: dict, target, **_) -> HydraHeads:
     tcfg = target.cfg
     if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 1:
         raise DraftsmithError("drafter.n_heads and drafter.n_layers must be >= 1 for hydra")
+    prefix = None
+    if params.get("prefix_attention"):  # Hydra++: one decoder layer shaped like the target's
+        prefix = {**tcfg.to_dict(), "n_layers": 1, "head_vocab_size": None}
     heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                   n_layers=params.get("n_layers", 1)))
+                                   n_layers=params.get("n_layers", 1), prefix=prefix))
     with torch.no_grad():
         heads.embed.weight.copy_(target.embed_tokens.weight)
     copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))

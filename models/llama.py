@@ -81,6 +81,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def cache_mask(cache: KVCache, T: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """(B, 1, T, S) boolean mask for T new tokens: key valid AND causal in slot order (or the caller's tree mask)."""
+    s0, S = cache.length, cache.length + T
+    dev = cache.valid.device
+    q_slot = torch.arange(s0, S, device=dev)[:, None]
+    k_slot = torch.arange(S, device=dev)[None, :]
+    allowed = (k_slot <= q_slot)[None] if attn_mask is None else attn_mask  # (1|B, T, S)
+    # A query always sees itself, so a fully padded row gives finite (ignored) values, never NaN.
+    m = (allowed & cache.valid[:, None, :S]) | (k_slot == q_slot)[None]
+    return m[:, None]
+
+
+def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask: torch.Tensor | None):
+    """Mark T new slots valid and return the attention mask for them (None where SDPA needs none)."""
+    if cache.length + T > cache.max_len:
+        raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
+    s0 = cache.length
+    cache.valid[:, s0:s0 + T] = True if valid is None else valid
+    cache.padded |= valid is not None
+    # A single new token with no padding anywhere sees every slot: no mask, the fastest SDPA path.
+    if T > 1 or attn_mask is not None or cache.padded:
+        return cache_mask(cache, T, attn_mask)
+    return None
+
+
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """pos (B, T) -> cos, sin (B, 1, T, hd). Angles in fp32 whatever the model dtype (as HF does): bf16 angles
+    drift at long positions."""
+    freqs = pos[..., None].float() * inv_freq.float()  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -186,6 +219,38 @@ class ReducedHead(nn.Linear):
         return full
 
 
+class ReducedVocab:
+    """Mixin for drafters whose ``lm_head`` may be a ReducedHead: the d2t / t2d maps as checkpointed buffers, and
+    the head's id list kept in step with them (after loading or moving). Draft id i is target id i + d2t[i]
+    (EAGLE-3's offsets); t2d maps target ids to draft ids or -1."""
+
+    def _init_vocab_maps(self, n_kept: int, vocab_size: int) -> None:
+        self.register_buffer("d2t", torch.zeros(n_kept, dtype=torch.long))
+        self.register_buffer("t2d", torch.full((vocab_size,), -1, dtype=torch.long))
+
+    def set_head_vocab(self, target_ids: torch.Tensor) -> None:
+        """Fill d2t / t2d from the sorted target ids kept in the head."""
+        ids = target_ids.to(self.d2t.device)
+        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
+        self.t2d.fill_(-1)
+        self.t2d[ids] = torch.arange(len(ids), device=ids.device)
+        self.lm_head.target_ids = ids.clone()
+
+    def _sync_head_ids(self) -> None:
+        if isinstance(self.lm_head, ReducedHead):  # non-persistent, so rebuilt from the d2t buffer
+            self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self._sync_head_ids()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        res = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._sync_head_ids()
+        return res
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -211,7 +276,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Llama(nn.Module):
+class Llama(ReducedVocab, nn.Module):
     """Decoder-only LM. Parameter names follow HF (minus the ``model.`` prefix) so checkpoints map 1:1."""
 
     def __init__(self, cfg: LlamaConfig):
@@ -227,9 +292,7 @@ class Llama(nn.Module):
         if cfg.head_vocab_size:
             if cfg.tie_embeddings:
                 raise ValueError("a reduced head vocabulary cannot be tied to the input embeddings")
-            # Draft id i is target id i + d2t[i] (EAGLE-3's offsets); t2d maps target ids to draft ids or -1.
-            self.register_buffer("d2t", torch.zeros(cfg.head_vocab_size, dtype=torch.long))
-            self.register_buffer("t2d", torch.full((cfg.vocab_size,), -1, dtype=torch.long))
+            self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -238,40 +301,9 @@ class Llama(nn.Module):
     def target_vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def set_head_vocab(self, target_ids: torch.Tensor) -> None:
-        """Fill d2t / t2d from the sorted target ids kept in the head (reduced-vocabulary drafters)."""
-        ids = target_ids.to(self.d2t.device)
-        self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
-        self.t2d.fill_(-1)
-        self.t2d[ids] = torch.arange(len(ids), device=ids.device)
-        self.lm_head.target_ids = ids.clone()
-
-    def _apply(self, fn, recurse=True):  # keep the head's (non-persistent) id list in step after loading
-        out = super()._apply(fn, recurse)
-        if self.cfg.head_vocab_size:
-            self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
-        return out
-
-    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        res = super().load_state_dict(state_dict, strict=strict, assign=assign)
-        if self.cfg.head_vocab_size:
-            self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
-        return res
-
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.cfg, batch, max_len, p.dtype, p.device)
-
-    def _mask(self, cache: KVCache, T: int, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """(B, 1, T, S) boolean mask: key valid AND causal in slot order (or the caller's tree mask)."""
-        s0, S = cache.length, cache.length + T
-        dev = cache.valid.device
-        q_slot = torch.arange(s0, S, device=dev)[:, None]
-        k_slot = torch.arange(S, device=dev)[None, :]
-        allowed = (k_slot <= q_slot)[None] if attn_mask is None else attn_mask  # (1|B, T, S)
-        # A query always sees itself, so a fully padded row gives finite (ignored) values, never NaN.
-        m = (allowed & cache.valid[:, None, :S]) | (k_slot == q_slot)[None]
-        return m[:, None]
 
     def forward(
         self,
@@ -304,21 +336,9 @@ class Llama(nn.Module):
         if pos is None:
             start = cache.length if cache is not None else 0
             pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
-        # RoPE angles in fp32 whatever the model dtype (as HF does): bf16 angles drift at long positions.
-        freqs = pos[..., None].float() * self.inv_freq.float()  # (B, T, hd/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
         x = self.embed_tokens(ids)
-        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
-        mask = None
-        if cache is not None:
-            if cache.length + T > cache.max_len:
-                raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
-            s0 = cache.length
-            cache.valid[:, s0:s0 + T] = True if valid is None else valid
-            cache.padded |= valid is not None
-            # A single new token with no padding anywhere sees every slot: no mask, the fastest SDPA path.
-            if T > 1 or attn_mask is not None or cache.padded:
-                mask = self._mask(cache, T, attn_mask)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
+        mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:

@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.eagle import build_eagle, eagle_from_config
 from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.medusa import MedusaConfig, MedusaHeads, build_medusa
@@ -25,6 +26,7 @@ DRAFTERS = {
     "medusa": build_medusa,
     "mlp_speculator": build_mlp_speculator,
     "hydra": build_hydra,
+    "eagle": build_eagle,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
@@ -32,6 +34,7 @@ _FROM_CONFIG = {
     "medusa": lambda cfg: MedusaHeads(MedusaConfig(**cfg)),
     "mlp_speculator": lambda cfg: MLPSpeculator(MLPSpeculatorConfig(**cfg)),
     "hydra": lambda cfg: HydraHeads(HydraConfig(**cfg)),
+    "eagle": eagle_from_config,
 }
 
 

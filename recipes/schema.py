@@ -57,7 +57,8 @@ class SignalsConfig(Strict):
     hidden_last: bool = False
     """The target's last hidden state (post final norm, what the LM head reads) at every position."""
     hidden_layers: list[int] | Literal["eagle3"] | None = None
-    """Outputs of these 0-indexed target layers at every position; eagle3 = [1, L/2-1, L-4] (EAGLE-3 fusion)."""
+    """Outputs of these 0-indexed target layers at every position; eagle3 = [1, L/2-1, L-4] (EAGLE-3 fusion; the
+    first three layers for targets of fewer than 5)."""
     hidden_dtype: Literal["bfloat16", "float16", "float8"] = "bfloat16"
     """float8 = e4m3 with one float32 scale per row (about half of bf16)."""
 
@@ -184,10 +185,55 @@ class HydraDrafterConfig(_HeadsSection):
     kind: Literal["hydra"] = "hydra"
     n_layers: int = Field(1, gt=0)
     head_decay: float = Field(1.0, gt=0, le=1)
+    prefix_attention: bool = False
+    """Hydra++: one extra decoder layer (the target's shapes, its own KV cache in decoding) runs causally over the
+    target's hidden states and the heads read its output, so they see the context, not one position."""
 
 
-DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig,
-                          Field(discriminator="kind")]
+class EagleDrafterConfig(Strict):
+    """EAGLE-1 / EAGLE-3 (algorithms.md A6): one decoder layer that autoregresses on the target's features, trained
+    with training-time test (TTT); decodes as a chain or an EAGLE-2 dynamic tree."""
+
+    kind: Literal["eagle"] = "eagle"
+    version: Literal[1, 3] = 3
+    """1 = EAGLE-1 (final feature, frozen target LM head, feature regression); 3 = EAGLE-3 (fused low/mid/high
+    features, draft-owned LM head, token loss only)."""
+    aux_layers: list[int] | None = None
+    """EAGLE-3: 0-indexed target layers whose outputs are fused; None = [1, L/2-1, L-4]."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """EAGLE-3: the draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full."""
+    ttt_steps: int | None = Field(None, gt=0, le=16)
+    """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of TTT step s is head_decay**s."""
+    hidden_dim: int | None = Field(None, gt=0)
+    """MLP width of the layer; None = the target's."""
+    token_loss_weight: float | None = Field(None, ge=0)
+    """Weight of the token loss (train.loss.kind); None = 0.1 for EAGLE-1 (p_w), 1.0 for EAGLE-3."""
+    feature_loss_weight: float | None = Field(None, ge=0)
+    """EAGLE-1: weight of SmoothL1(predicted feature, target feature); None = 1.0 (v_w)."""
+    feature_noise: float = Field(0.0, ge=0)
+    """Uniform noise in [-a, a] added to the input features while training (EAGLE-1's augmentation)."""
+    freeze_lm_head: bool = False
+    """EAGLE-3: keep the draft LM head at its start (the target's rows) and train only the layer."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        v1 = data.get("version", 3) == 1
+        if v1 and (data.get("aux_layers") is not None or data.get("draft_vocab") is not None):
+            raise ValueError("drafter.aux_layers and drafter.draft_vocab need drafter.version=3")
+        if not v1 and data.get("feature_loss_weight"):
+            raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
+        defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,
+                    "feature_loss_weight": 1.0 if v1 else 0.0}
+        return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
+
+
+DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig
+                          | EagleDrafterConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):

@@ -444,6 +444,12 @@ class _AlignedOracleHeads:
     def __init__(self, target, ar):
         self.target, self.ar, self.k, self.checked = target, ar, 0, 0
 
+    def new_context(self, max_len):
+        return None
+
+    def read_context(self, hs, cache=None):
+        return hs
+
     def propose(self, h, cur, gamma, pick):
         assert int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
         drafts = self.ar[self.k + 1:self.k + 1 + gamma]
@@ -455,14 +461,17 @@ class _AlignedOracleHeads:
 def _heads(kind, target, k, noise):
     from draftsmith.models.registry import build_drafter
 
-    heads = build_drafter(kind, {"n_predict": k} if kind == "mlp_speculator" else {"n_heads": k}, target)
+    params = {"n_predict": k} if kind == "mlp_speculator" else {"n_heads": k}
+    if kind == "hydra++":
+        kind, params = "hydra", {**params, "prefix_attention": True}
+    heads = build_drafter(kind, params, target)
     with torch.no_grad():  # non-trivial heads, not the identity start
         for p in heads.parameters():
             p.add_(torch.randn_like(p) * noise)
     return heads
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra"])
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len, kind):
     heads = _heads(kind, target, 4, 0.05)
@@ -485,7 +494,7 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         assert out == ar_outputs[tuple(prompt)] and st.accepted <= st.target_forwards * max(tree.depths)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra"])
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
 def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = _model(0, CFG8, logit_scale=3.0)
     heads = _heads(kind, tgt, 2, 0.3)
@@ -510,3 +519,140 @@ def test_feature_heads_tree_sampling_keeps_the_target_distribution():
     assert 0.05 < st.acceptance_rate < 0.95
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+
+
+# ---- EAGLE drafters: (feature, next token) pairs, re-read with the target's features after every verify -----------
+
+class _EagleOracle:
+    """An EAGLE-protocol drafter that checks every committed pair (f_i, x_{i+1}) it is handed is aligned (the
+    target's LM head on f_i gives x_{i+1}, for generated positions) and proposes the known greedy continuation:
+    full acceptance iff the decoder's features, tokens and positions all line up."""
+    reads_target_features = True
+
+    def __init__(self, target, prompt, ar):
+        self.target, self.seq, self.P = target, list(prompt) + list(ar), len(prompt)
+        self.capture_layers, self.checked, self._real = (target.cfg.n_layers,), 0, False
+
+    def features(self, cap, target):
+        return target.norm(cap[target.cfg.n_layers])
+
+    def project(self, f):
+        self._real = True  # only the root call reads target features
+        return f
+
+    def new_cache(self, batch, max_len):
+        return type("Cache", (), {"length": 0})()
+
+    def step(self, state, ids, pos=None, cache=None, attn_mask=None):
+        T = ids.shape[1]
+        pos = torch.arange(cache.length, cache.length + T) if pos is None else pos[0]
+        cache.length += T
+        if self._real:  # pair at position i: feature f_i, token x_{i+1}
+            self._real = False
+            for j in range(T):
+                assert int(ids[0, j]) == self.seq[int(pos[j]) + 1]
+                if pos[j] >= self.P - 1:
+                    assert int(self.target.lm_head(state[0, j]).argmax()) == int(ids[0, j])
+                    self.checked += 1
+        V = self.target.cfg.vocab_size
+        logits = torch.full((1, T, V), -10.0, dtype=torch.float64)
+        for j in range(T):
+            nxt = int(pos[j]) + 2
+            logits[0, j, self.seq[nxt] if nxt < len(self.seq) else 0] = 10.0
+        return logits, state
+
+
+def _eagle(version, target, noise, **params):
+    from draftsmith.models.eagle import build_eagle
+
+    e = build_eagle({"version": version, **params}, target).double().eval()
+    with torch.no_grad():  # a non-trivial random drafter
+        for p in e.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return e
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_is_lossless_chain_static_and_dynamic_trees(target, ar_outputs, version):
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
+
+    eagle = _eagle(version, target, 0.05)
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
+    for prompt in PROMPTS:
+        want = ar_outputs[tuple(prompt)]
+        for draft_len in (1, 4):
+            out, st = speculative_generate(target, eagle, torch.tensor(prompt), NEW, draft_len=draft_len)
+            assert out == want
+            _check_tau_consistency(st)
+        out, _ = tree_speculative_generate(target, eagle, torch.tensor(prompt), NEW, tree)
+        assert out == want
+        out, st = tree_speculative_generate(target, eagle, torch.tensor(prompt), NEW, DynamicTree(3, 4, 10))
+        assert out == want and st.drafted <= 10 * st.target_forwards
+
+
+def test_eagle_features_and_positions_are_aligned(target, ar_outputs):
+    """The off-by-one check: an oracle fed the decoder's pairs reaches full acceptance, chain and trees."""
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
+
+    static = tree_from_choices([[0], [1], [0, 0], [0, 0, 0]])
+    for prompt in PROMPTS:
+        want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
+        for decode in (lambda d, x=x: speculative_generate(target, d, x, NEW, draft_len=5),
+                       lambda d, x=x: tree_speculative_generate(target, d, x, NEW, static),
+                       lambda d, x=x: tree_speculative_generate(target, d, x, NEW, DynamicTree(2, 5, 8))):
+            oracle = _EagleOracle(target, prompt, want)
+            out, st = decode(oracle)
+            assert out == want and oracle.checked >= NEW - 7  # pairs of the last step are never re-read
+            assert st.accept_counts[-1] >= st.target_forwards - 1  # full depth each step (the last may clamp)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_eagle_sampling_keeps_the_target_distribution(version):
+    """EAGLE-1 through the chain (rejection sampling), EAGLE-3 through a dynamic tree (point-mass rule)."""
+    from draftsmith.eval.tree import DynamicTree
+
+    tgt = _model(0, CFG8, logit_scale=3.0)
+    eagle = _eagle(version, tgt, 0.3)
+    gen = torch.Generator().manual_seed(0)
+    if version == 1:
+        def decode(x):
+            return speculative_generate(tgt, eagle, x, 4, draft_len=2, temperature=1.0, generator=gen)
+    else:
+        def decode(x):
+            return tree_speculative_generate(tgt, eagle, x, 4, DynamicTree(2, 2, 4), temperature=1.0, generator=gen)
+    emp, joint, st = sampled_joint(decode, tgt, [1, 2, 3, 4], 3, 3000)
+    assert st.accept_counts[0] > 300 and sum(st.accept_counts[1:]) > 300  # both outcomes exercised
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert _tv(emp.sum(2), joint.sum(2)) < 0.05
+
+
+def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outputs):
+    """Hydra++: the prefix layer's decode-time cache (fed each step's committed positions) must hand the heads
+    exactly the state the causal training pass computes at the position that produced the current token."""
+    from draftsmith.eval.tree import tree_from_choices
+
+    heads = _heads("hydra++", target, 3, 0.05)
+    assert heads.new_context(8) is not None
+    prompt = PROMPTS[1]
+    seq = prompt + ar_outputs[tuple(prompt)]
+    with torch.no_grad():
+        ctx_full = heads.read_context(target(torch.tensor([seq]), return_hidden=True))[0]  # (T, D)
+    seen, orig = [], heads.logits_after
+
+    def logits_after(h, path):
+        if len(path) == 1:
+            d = (ctx_full - h).abs().amax(-1)
+            r = int(d.argmin())
+            assert d[r] < 1e-9 and seq[r + 1] == int(path[0])
+            seen.append(r)
+        return orig(h, path)
+
+    heads.logits_after = logits_after
+    for decode in (lambda: speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=3),
+                   lambda: tree_speculative_generate(target, heads, torch.tensor(prompt), NEW,
+                                                     tree_from_choices([[0], [1], [0, 0]]))):
+        seen.clear()
+        out, st = decode()
+        assert out == ar_outputs[tuple(prompt)] and len(seen) >= st.target_forwards - 1  # last step: γ may be 0
+        assert seen == sorted(seen) and seen[0] == len(prompt) - 1

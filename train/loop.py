@@ -21,7 +21,7 @@ from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
-from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context
+from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
 from draftsmith.train.state import latest_resumable, prune, read_state, write_state
 
 
@@ -127,10 +127,12 @@ def train(recipe) -> Path:
     quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
     # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
     # states when the records do not store them.
-    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and "hidden_last" not in manifest["signals"])
+    stored = kind in READS_FEATURES and features_stored(drafter, manifest["signals"])
+    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored)
     teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
     del tgt
-    ds = RecordDataset(data_dir, tc.max_seq_len, signals=SIGNALS_NEEDED[kind])
+    signals = SIGNALS_NEEDED[kind] - (set() if stored else {"hidden_last", "hidden_aux"})
+    ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals)
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
     opt, sched = build_optimizer(drafter, tc)
@@ -202,13 +204,14 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     n_local = sum(int(b["predict_mask"].sum()) for b in micro)
     n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device, dtype=torch.float64), "sum"))
     scale = acc.num_processes / max(1.0, n_global)  # DDP averages gradients over processes
-    loss_sum, metrics = torch.zeros((), device=acc.device), {}
+    loss_sum, metrics, n_metric = torch.zeros((), device=acc.device), {}, 0
     for i, b in enumerate(micro):
         sync = i == len(micro) - 1
         with contextlib.nullcontext() if sync else acc.no_sync(drafter):
             out = objective(drafter, b, tc.loss, ctx)
             acc.backward(out.loss_sum * scale)
         loss_sum += out.loss_sum.detach()
+        n_metric += out.n  # metrics are means over the objective's own positions (heads: fewer than predicted)
         for k, v in out.metrics.items():  # token-weighted means over the micro-batches
             if k != "tokens":
                 metrics[k] = metrics.get(k, 0.0) + v * out.n
@@ -218,11 +221,11 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     opt.zero_grad(set_to_none=True)
     # One all-reduce for the loss and every metric: logged numbers describe the global batch, not rank 0's part.
     keys = sorted(metrics)
-    sums = acc.reduce(torch.tensor([float(loss_sum), *(metrics[k] for k in keys)], device=acc.device,
+    sums = acc.reduce(torch.tensor([float(loss_sum), n_metric, *(metrics[k] for k in keys)], device=acc.device,
                                    dtype=torch.float64), "sum").tolist()
     return {"loss": sums[0] / max(1.0, n_global), "n": int(n_global), "tokens": int(n_global),
             "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            **{k: v / max(1.0, n_global) for k, v in zip(keys, sums[1:])}}
+            **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[2:])}}
 
 
 def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:

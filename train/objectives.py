@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.train import losses
@@ -97,34 +98,68 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
         return ctx.target(batch["input_ids"], return_hidden=True).float()
 
 
-def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
-    """Feature heads (Medusa-1, Hydra, MLP speculator): head k at position t predicts token t+k+2, i.e. the token the
-    target predicts at position t+k+1; trained where both t and t+k+1 predict response tokens. Loss = sum_k
-    decay^k * loss_k, any loss kind (CE on the target's tokens, or a divergence to the target's distribution at
-    t+k+1). Sequential heads also read the true tokens t+1..t+k+1 (teacher forcing)."""
-    h = target_features(batch, ctx)  # (B, T, D)
+def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None):
+    """Targets of "head (or TTT step) k at position t predicts token t+k+2", for k < n: trained where both t and
+    t+k+1 predict response tokens. Returns (selects [(B*T,) bool], teachers [Teacher], future [(N_k,) flat index
+    of t+k+1]). ``hidden`` (B, T, D): the target's final states, for teacher=target. With a reduced draft
+    vocabulary (``t2d``), labels and top-k ids are mapped into it, positions whose label it lacks are dropped
+    (EAGLE-3's mask), and a target teacher is restricted to the kept rows ``head`` of the target's LM head."""
     pm = batch["predict_mask"]
     B, T = pm.shape
     row = pm.flatten().long().cumsum(0).view(B, T) - 1  # loss-axis row of each predicting position
-    heads = ctx.unwrapped
-    selects, teachers = [], []
-    for k in range(heads.max_draft_len):
+    flat = torch.arange(B * T, device=pm.device).view(B, T)
+    labels_all = batch["labels"] if t2d is None else t2d[batch["labels"]]
+    selects, teachers, future = [], [], []
+    for k in range(n):
         s = k + 1
         sel = torch.zeros_like(pm)
         if s < T:
             sel[:, :T - s] = pm[:, :T - s] & pm[:, s:]
+            if t2d is not None:
+                sel[:, :T - s] &= labels_all[row[:, s:].clamp(min=0)] >= 0
         rows = row[:, s:][sel[:, :T - s]] if s < T else row.new_empty(0)
-        t = losses.Teacher(labels=batch["labels"][rows])
+        t = losses.Teacher(labels=labels_all[rows])
         if cfg.kind != "ce":
             if cfg.teacher == "target":
-                t.hidden, t.head = h[:, s:][sel[:, :T - s]], ctx.target.lm_head.weight
+                t.hidden = hidden[:, s:][sel[:, :T - s]]
+                t.head = ctx.target.lm_head.weight if head is None else head
             elif "topk_ids" in batch:
-                t.topk_ids, t.topk_logprobs = batch["topk_ids"][rows], batch["topk_logprobs"][rows]
+                ids = batch["topk_ids"][rows]
+                t.topk_ids, t.topk_logprobs = (ids if t2d is None else t2d[ids]), batch["topk_logprobs"][rows]
             else:
                 raise DraftsmithError(f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
                                       f"(data.signals.topk) or train.loss.teacher=target")
         selects.append(sel.flatten())
         teachers.append(t)
+        future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
+    return selects, teachers, future
+
+
+def _per_step_metrics(outs: list, prefix: str) -> dict:
+    """top-1 / alpha / rank accuracies of each head (or TTT step) and the chain tau they imply."""
+    m, alphas = {}, []
+    for k, (_, _, mk) in enumerate(outs):
+        m[f"top1_{prefix}{k}"] = mk["top1"]
+        for r, v in enumerate(mk.get("rank_acc", [])):  # eval/tree.py choices_from_run builds a tree from these
+            m[f"acc_{prefix}{k}_rank{r}"] = v
+        if "alpha" in mk:
+            m[f"alpha_{prefix}{k}"] = mk["alpha"]
+            alphas.append(mk["alpha"])
+    m["top1"] = outs[0][2]["top1"]
+    if alphas:
+        m["alpha"] = alphas[0]
+        # a chain that stops at the first miss: tau = 1 + a0 + a0 a1 + ...
+        m["tau_estimate"] = 1 + sum(math.prod(alphas[:j + 1]) for j in range(len(alphas)))
+    return m
+
+
+def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """Feature heads (Medusa-1, Hydra, MLP speculator): head k at position t predicts token t+k+2, i.e. the token the
+    target predicts at position t+k+1 (``shifted_teachers``). Loss = sum_k decay^k * loss_k, any loss kind (CE on
+    the target's tokens, or a divergence to the target's distribution at t+k+1). Sequential heads also read the
+    true tokens t+1..t+k+1 (teacher forcing)."""
+    h = target_features(batch, ctx)  # (B, T, D)
+    selects, teachers, _ = shifted_teachers(batch, cfg, ctx, ctx.unwrapped.max_draft_len, h)
     decay = ctx.params.get("head_decay", 0.8)
 
     def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward)
@@ -133,21 +168,60 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk, ranks=3)
 
     outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn)
-    m = {}
-    alphas = []
-    for k, (_, _, mk) in enumerate(outs):
-        m[f"top1_head{k}"] = mk["top1"]
-        for r, v in enumerate(mk["rank_acc"]):  # eval/tree.py choices_from_run builds a tree from these
-            m[f"acc_head{k}_rank{r}"] = v
-        if "alpha" in mk:
-            m[f"alpha_head{k}"] = mk["alpha"]
-            alphas.append(mk["alpha"])
-    m["top1"] = outs[0][2]["top1"]
-    if alphas:
-        m["alpha"] = alphas[0]
-        # chain of K independent heads: tau = 1 + a0 + a0 a1 + ... (acceptance stops at the first miss)
-        m["tau_estimate"] = 1 + sum(math.prod(alphas[:j + 1]) for j in range(len(alphas)))
-    return StepOutput(sum(o[0] for o in outs), outs[0][1], m)
+    return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "head"))
+
+
+def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (f (B, T, F) the drafter's input features, the target's final normed states (B, T, D) or None).
+    Stored records (hidden_last for EAGLE-1, hidden_aux for EAGLE-3) or the frozen target in the loop."""
+    eagle = ctx.unwrapped
+    if eagle.cfg.version == 1 and "hidden_last" in batch:
+        f = batch["hidden_last"].float()
+        return f, f
+    if eagle.cfg.version == 3 and "hidden_aux" in batch and ctx.target is None:
+        a = batch["hidden_aux"].float()  # (B, T, A, D) in aux_layers order
+        return a.reshape(*a.shape[:2], -1), None
+    if ctx.target is None:
+        raise DraftsmithError("this EAGLE drafter reads target hidden states: store them (data.signals."
+                              "hidden_last / hidden_layers) or let the loop run the target")
+    with torch.no_grad():
+        h, cap = ctx.target(batch["input_ids"], capture_layers=eagle.capture_layers, return_hidden=True)
+        return eagle.features(cap, ctx.target).float(), h.float()
+
+
+def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """EAGLE-1 / EAGLE-3 with training-time test: TTT step s at position t predicts token t+s+2 (the same shift
+    as Medusa head s, ``shifted_teachers``), weighted decay^s. Token loss of any kind through the drafter's LM
+    head (weight token_loss_weight); EAGLE-1 adds SmoothL1 between its output and the target's feature at
+    t+s+1 (weight feature_loss_weight)."""
+    eagle, p = ctx.unwrapped, ctx.params
+    feats, last = eagle_features(batch, ctx)
+    steps = p.get("ttt_steps") or eagle.cfg.ttt_steps
+    reduced = eagle.cfg.head_vocab_size is not None
+    kept_head = None
+    if reduced and cfg.teacher == "target":  # EAGLE-3's p~: target logits restricted to the draft vocabulary
+        kept_head = ctx.target.lm_head.weight[eagle.lm_head.target_ids]
+    selects, teachers, future = shifted_teachers(batch, cfg, ctx, steps, last, eagle.t2d if reduced else None,
+                                                 kept_head)
+    decay, w_tok = p.get("head_decay", 0.8), p.get("token_loss_weight", 1.0)
+    w_feat = p.get("feature_loss_weight", 0.0) if eagle.cfg.version == 1 else 0.0
+    target_feats = last.reshape(-1, last.shape[-1]) if w_feat else None
+    noise = p.get("feature_noise", 0.0)
+    if noise and model.training:  # EAGLE-1's augmentation: uniform noise on the input features
+        u = torch.rand(feats.shape, generator=ctx.generator, device=feats.device)
+        feats = feats + noise * (2 * u - 1)
+
+    def head_fn(s, x, w, out):  # inside the drafter's forward (see Eagle.forward)
+        n = x.shape[0]
+        if not n:
+            return x.sum() * 0, 0, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
+        loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
+        if w_feat:
+            loss = loss + w_feat * F.smooth_l1_loss(out, target_feats[future[s]], reduction="sum") / out.shape[-1]
+        return loss * decay ** s, n, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
+
+    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn)
+    return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
 OBJECTIVES = {
@@ -155,6 +229,7 @@ OBJECTIVES = {
     "medusa": heads_objective,
     "mlp_speculator": heads_objective,
     "hydra": heads_objective,
+    "eagle": eagle_objective,
 }
 # Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
 # train on the target's final hidden states: from the records if stored, else from the target in the loop.
@@ -163,5 +238,13 @@ SIGNALS_NEEDED = {
     "medusa": {"topk", "hidden_last"},
     "mlp_speculator": {"topk", "hidden_last"},
     "hydra": {"topk", "hidden_last"},
+    "eagle": {"topk", "hidden_last", "hidden_aux"},
 }
-READS_FEATURES = {"medusa", "mlp_speculator", "hydra"}
+READS_FEATURES = {"medusa", "mlp_speculator", "hydra", "eagle"}
+
+
+def features_stored(drafter, signals: dict) -> bool:
+    """Whether records with these signals (the manifest's) hold the features this drafter reads."""
+    if getattr(drafter, "reads_target_features", False) and drafter.cfg.version == 3:
+        return list(signals.get("hidden_aux", {}).get("layers", [])) == list(drafter.cfg.aux_layers)
+    return "hidden_last" in signals

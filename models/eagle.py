@@ -1,0 +1,289 @@
+"""EAGLE-1 and EAGLE-3 drafters (algorithms.md A6): one decoder layer that autoregresses on the target's features.
+
+Both read, at position i, a *state* (the target's feature f_i, or the drafter's own output once it drafts past the
+verified prefix) and the embedding of the next token x_{i+1}, and predict x_{i+2}:
+
+- **EAGLE-1** (version 1): f = the target's final hidden state after its norm. x = fc(concat[e(x_{i+1}), state])
+  (2d -> d, bias), then one Llama layer *without* an input norm and no final norm; its output f_hat is both the
+  next state and the input of the frozen target LM head. Loss: SmoothL1(f_hat, f_{i+1}) (weight 1.0) plus a soft
+  CE through the head (weight 0.1).
+- **EAGLE-3** (version 3): f = concat of the outputs of target layers ``aux_layers`` (default [1, L/2-1, L-4]),
+  projected by fc (3d -> d, no bias) into the state. The layer's attention reads concat[norm(e), norm(state)] (2d
+  wide q/k/v), its residual stream starts from the state; the output a (pre-norm) is the next state and
+  norm(a) feeds a draft-owned LM head, usually on a reduced vocabulary (d2t / t2d from token frequencies).
+  Trained with training-time test (TTT): the layer is unrolled ``ttt_steps`` times over the whole sequence in
+  parallel; at step s a query at i sees the step-0 keys <= i plus only its own key of steps 1..s, i.e. each
+  row simulates one drafting trajectory (``forward``).
+
+Decoding (eval/decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on new positions with a KV
+cache, for the chain and for EAGLE-2 dynamic trees; ``features(captured, target)`` turns a target forward's
+captured hidden states into f.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import (
+    MLP,
+    Attention,
+    FusedLinear,
+    KVCache,
+    LlamaConfig,
+    ReducedHead,
+    ReducedVocab,
+    RMSNorm,
+    apply_rope,
+    prepare_cache,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    version: int  # 1 or 3
+    dim: int
+    vocab_size: int  # the target's (inputs, and the decoder's view of the logits)
+    n_heads: int
+    n_kv_heads: int
+    hidden_dim: int
+    target_layers: int  # the target's depth (its final hidden state is captured at index target_layers)
+    head_dim: int | None = None
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: 0-indexed target layers whose outputs are fused
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    norm_eps: float = 1e-5
+    attention_bias: bool = False
+    qk_norm: bool = False
+    head_vocab_size: int | None = None  # reduced draft LM head (EAGLE-3)
+    ttt_steps: int = 1  # the unroll length it was trained with (informational; decoding drafts any length)
+
+    def layer_config(self) -> LlamaConfig:
+        return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=1, n_heads=self.n_heads,
+                           n_kv_heads=self.n_kv_heads, hidden_dim=self.hidden_dim, head_dim=self.head_dim,
+                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
+                           attention_bias=self.attention_bias, qk_norm=self.qk_norm)
+
+    @property
+    def feature_dim(self) -> int:
+        return self.dim * (len(self.aux_layers) if self.version == 3 else 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layers"] = list(self.aux_layers)
+        return d
+
+
+class Eagle(ReducedVocab, nn.Module):
+    reads_target_features = True
+
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        if cfg.version not in (1, 3):
+            raise ValueError(f"EAGLE version must be 1 or 3, got {cfg.version}")
+        if cfg.version == 3 and not cfg.aux_layers:
+            raise ValueError("EAGLE-3 needs aux_layers (the target layers whose outputs it fuses)")
+        self.cfg = cfg = EagleConfig(**{**cfg.to_dict(), "aux_layers": tuple(cfg.aux_layers)})
+        d, lc = cfg.dim, cfg.layer_config()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, d)  # a frozen copy of the target's
+        self.embed_tokens.weight.requires_grad_(False)
+        self.self_attn = Attention(lc)
+        if cfg.version == 1:
+            self.fc = nn.Linear(2 * d, d, bias=True)
+        else:
+            self.fc = nn.Linear(cfg.feature_dim, d, bias=False)
+            self.embed_norm = RMSNorm(d, cfg.norm_eps)
+            self.hidden_norm = RMSNorm(d, cfg.norm_eps)
+            self.norm = RMSNorm(d, cfg.norm_eps)
+            hd, a = lc.hd, self.self_attn  # q/k/v read [norm(e), norm(state)]: 2d wide
+            a.q_proj = nn.Linear(2 * d, cfg.n_heads * hd, bias=cfg.attention_bias)
+            a.k_proj = nn.Linear(2 * d, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+            a.v_proj = nn.Linear(2 * d, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
+        self.mlp = MLP(lc)
+        if cfg.head_vocab_size:
+            self.lm_head = ReducedHead(d, cfg.head_vocab_size, cfg.vocab_size)
+            self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
+        else:
+            self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(lc), persistent=False)
+
+    # ---- shared by training and decoding ------------------------------------------------------------------------
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """Hidden-state indices a target forward must capture (Llama.forward's capture_layers)."""
+        if self.cfg.version == 1:
+            return (self.cfg.target_layers,)
+        return tuple(i + 1 for i in self.cfg.aux_layers)  # index i = output of 0-indexed layer i - 1
+
+    def features(self, captured: dict, target) -> torch.Tensor:
+        """A target forward's captured hidden states -> f (B, T, feature_dim)."""
+        if self.cfg.version == 1:
+            return target.norm(captured[self.cfg.target_layers])
+        return torch.cat([captured[i] for i in self.capture_layers], -1)
+
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        """Target features -> the layer's state input (EAGLE-3 fuses the layers with fc; EAGLE-1 reads f as is)."""
+        return feats if self.cfg.version == 1 else self.fc(feats)
+
+    def _inputs(self, e: torch.Tensor, state: torch.Tensor):
+        """-> (attention input, residual stream)."""
+        if self.cfg.version == 1:  # the reference's layer 0 has no input norm
+            x = self.fc(torch.cat([e, state.to(e.dtype)], -1))
+            return x, x
+        return torch.cat([self.embed_norm(e), self.hidden_norm(state)], -1), state
+
+    def _finish(self, h: torch.Tensor) -> torch.Tensor:
+        """Residual stream after attention -> the layer output (the next state)."""
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer output as the LM head reads it (EAGLE-1 regresses onto post-norm features: no norm)."""
+        return out if self.cfg.version == 1 else self.norm(out)
+
+    # ---- decoding -------------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.embed_tokens.weight
+        return KVCache(self.cfg.layer_config(), batch, max_len, p.dtype, p.device)
+
+    def step(self, state: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None = None,
+             cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False):
+        """state (B, T, d), ids (B, T) -> (logits (B, T, V_target), next state (B, T, d)), appending to ``cache``.
+        last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul)."""
+        B, T = ids.shape
+        if pos is None:
+            start = cache.length if cache is not None else 0
+            pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        e = self.embed_tokens(ids)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
+        mask = prepare_cache(cache, T, None, attn_mask) if cache is not None else None
+        x, resid = self._inputs(e, state)
+        out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
+        if cache is not None:
+            cache.length += T
+        return self.lm_head(self.head_input(out[:, -1:] if last_only else out)), out
+
+    @torch.no_grad()
+    def optimize_for_inference(self) -> Eagle:
+        """Fused q/k/v and gate/up matmuls with pre-packed weights (models/llama.py FusedLinear); decoding only."""
+        self._counts = (self.num_params(), self.num_params(exclude_embeddings=True))
+        a, m = self.self_attn, self.mlp
+        a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
+        a.o_proj, m.down_proj = FusedLinear(a.o_proj), FusedLinear(m.down_proj)
+        m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+        if isinstance(self.lm_head, ReducedHead):
+            self.lm_head.fused = FusedLinear(self.lm_head)
+        else:
+            self.lm_head = FusedLinear(self.lm_head)
+        self.requires_grad_(False)
+        return self
+
+    # ---- training: training-time test -----------------------------------------------------------------------------
+
+    def forward(self, feats: torch.Tensor, ids: torch.Tensor, steps: int = 1, select=None, head_fn=None):
+        """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
+        x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
+        x_{i+s+2}. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
+        or, without head_fn, the (steps, B, T, d) outputs."""
+        B, T = ids.shape
+        a, lc = self.self_attn, self.cfg.layer_config()
+        H, Hkv, hd = lc.n_heads, lc.n_kv_heads, lc.hd
+        state = self.project(feats)
+        base = torch.arange(T, device=ids.device).expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        ks, vs, results = [], [], []
+        for s in range(steps):
+            tok = torch.zeros_like(ids)
+            if s + 1 < T:
+                tok[:, :T - s - 1] = ids[:, s + 1:]  # past the end: token 0, never selected for a loss
+            x, resid = self._inputs(self.embed_tokens(tok), state)
+            cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
+            q, k, v = a.q_proj(x).view(B, T, H, hd), a.k_proj(x).view(B, T, Hkv, hd), a.v_proj(x).view(B, T, Hkv, hd)
+            if lc.qk_norm:
+                q, k = a.q_norm(q), a.k_norm(k)
+            q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+            k = apply_rope(k.transpose(1, 2), cos, sin).repeat_interleave(H // Hkv, 1)
+            ks.append(k)
+            vs.append(v.transpose(1, 2).repeat_interleave(H // Hkv, 1))
+            scale = 1.0 / math.sqrt(hd)
+            # step-0 keys, causal; then the diagonal of every later step (the row's own simulated drafts)
+            scores = [(q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+            scores += [(q * kj).sum(-1, keepdim=True) * scale for kj in ks[1:]]
+            p = torch.softmax(torch.cat(scores, -1).to(torch.promote_types(q.dtype, torch.float32)), -1).to(q.dtype)
+            y = p[..., :T] @ vs[0]
+            for j, vj in enumerate(vs[1:]):
+                y = y + p[..., T + j:T + j + 1] * vj
+            out = self._finish(resid + a.o_proj(y.transpose(1, 2).reshape(B, T, H * hd)))
+            if head_fn is None:
+                results.append(out)
+            else:
+                flat = out.reshape(B * T, -1)
+                sel = flat if select is None else flat[select[s]]
+                results.append(head_fn(s, self.head_input(sel), self.lm_head.weight, sel))
+            state = out
+        return torch.stack(results) if head_fn is None else results
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        if hasattr(self, "_counts"):  # packed weights are not parameters any more
+            return self._counts[exclude_embeddings]
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
+
+
+def default_aux_layers(n_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's fusion layers (SpecForge's aux_hidden_state_layer_ids): outputs of layers 1, L/2-1, L-4."""
+    return (1, n_layers // 2 - 1, n_layers - 4) if n_layers >= 5 else tuple(range(min(3, n_layers)))
+
+
+def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(),
+                **_) -> Eagle:
+    """A fresh EAGLE drafter shaped like one target layer; embeddings (and EAGLE-1's LM head) copied frozen from
+    the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains."""
+    from draftsmith.models.draft_lm import select_vocab
+
+    t, version = target.cfg, params.get("version", 3)
+    aux = tuple(params.get("aux_layers") or default_aux_layers(t.n_layers)) if version == 3 else ()
+    for i in aux:
+        if not 0 <= i < t.n_layers:
+            raise DraftsmithError(f"drafter.aux_layers: layer {i} is outside the target's {t.n_layers} layers")
+    n_vocab = params.get("draft_vocab") if version == 3 else None
+    if params.get("draft_vocab") and version == 1:
+        raise DraftsmithError("drafter.draft_vocab needs version 3 (EAGLE-1 reuses the target's LM head)")
+    cfg = EagleConfig(version=version, dim=t.dim, vocab_size=t.vocab_size, n_heads=t.n_heads,
+                      n_kv_heads=t.n_kv_heads, hidden_dim=params.get("hidden_dim") or t.hidden_dim,
+                      target_layers=t.n_layers, head_dim=t.head_dim, aux_layers=aux, rope_theta=t.rope_theta,
+                      rope_scaling=t.rope_scaling, norm_eps=t.norm_eps, attention_bias=t.attention_bias,
+                      qk_norm=t.qk_norm, head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
+                      ttt_steps=params.get("ttt_steps", 7 if version == 3 else 1))
+    model = Eagle(cfg).to(target.embed_tokens.weight.dtype)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        head = target.lm_head.weight
+        if cfg.head_vocab_size:
+            if counts is None:
+                raise DraftsmithError("drafter.draft_vocab needs training records to count token frequencies")
+            keep = select_vocab(counts, cfg.head_vocab_size, eos_ids)
+            model.lm_head.weight.copy_(head[keep])
+            model.set_head_vocab(keep)
+        else:
+            model.lm_head.weight.copy_(head)
+    # EAGLE-1 reads tokens through the target's LM head, frozen; EAGLE-3's head is its own.
+    model.lm_head.weight.requires_grad_(version == 3 and not params.get("freeze_lm_head", False))
+    return model
+
+
+def eagle_from_config(cfg: dict) -> Eagle:
+    return Eagle(EagleConfig(**cfg))
+

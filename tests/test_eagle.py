@@ -1,0 +1,79 @@
+"""EAGLE-1 / EAGLE-3 model: the training-time-test unroll equals what the decoder runs step by step with a KV cache
+(so training simulates inference exactly), feature capture, and the reduced-vocabulary maps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.models.eagle import build_eagle, default_aux_layers
+from draftsmith.models.llama import Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=50, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=64)
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return Llama(CFG).double().eval()
+
+
+def _eagle(target, version, **params):
+    e = build_eagle({"version": version, **params}, target).double()
+    with torch.no_grad():
+        for p in e.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return e
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version):
+    """Row i of TTT step s must be exactly the state the decoder reaches at position i + s after reading the
+    real pairs 0..i and then feeding its own outputs with tokens x_{i+2}..x_{i+s+1}."""
+    torch.manual_seed(1)
+    e = _eagle(target, version)
+    ids = torch.randint(0, CFG.vocab_size, (2, 12))
+    _, cap = target(ids, capture_layers=e.capture_layers)
+    f = e.features(cap, target)
+    assert f.shape == (2, 12, CFG.dim * (3 if version == 3 else 1))
+    outs = e(f, ids, steps=4)  # (steps, B, T, d)
+    for b in range(2):
+        for i in range(7):
+            cache = e.new_cache(1, 32)
+            _, out = e.step(e.project(f[b:b + 1, :i + 1]), ids[b:b + 1, 1:i + 2], cache=cache)
+            torch.testing.assert_close(out[0, -1], outs[0, b, i])
+            for s in range(1, 4):
+                _, out = e.step(out[:, -1:], ids[b:b + 1, i + s + 1:i + s + 2], cache=cache)
+                torch.testing.assert_close(out[0, -1], outs[s, b, i])
+
+
+def test_eagle3_fuses_the_low_mid_high_layers_and_maps_its_vocabulary(target):
+    assert default_aux_layers(32) == (1, 15, 28) and default_aux_layers(6) == (1, 2, 2)
+    counts = torch.arange(CFG.vocab_size, dtype=torch.float64)  # the highest ids are the most frequent
+    e = build_eagle({"version": 3, "draft_vocab": 10, "aux_layers": [0, 2, 4]}, target, counts=counts,
+                    eos_ids={3})
+    assert e.capture_layers == (1, 3, 5) and e.fc.in_features == 3 * CFG.dim and e.fc.bias is None
+    kept = torch.arange(len(e.d2t)) + e.d2t
+    assert kept.tolist() == [3, *range(41, 50)]  # EOS forced in, then the 9 most frequent
+    assert (e.t2d[kept] == torch.arange(10)).all() and int((e.t2d >= 0).sum()) == 10
+    torch.testing.assert_close(e.lm_head.weight, target.lm_head.weight[kept].to(e.lm_head.weight.dtype))
+    logits, _ = e.step(torch.zeros(1, 2, CFG.dim, dtype=torch.float64), torch.tensor([[1, 2]]))
+    assert logits.shape == (1, 2, CFG.vocab_size) and torch.isinf(logits[0, 0, :41]).sum() == 40
+    e1 = build_eagle({"version": 1}, target)
+    assert e1.capture_layers == (CFG.n_layers,) and not e1.lm_head.weight.requires_grad
+    assert not e1.embed_tokens.weight.requires_grad and e.lm_head.weight.requires_grad
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_optimized_eagle_steps_like_the_plain_one(target, version):
+    import copy
+
+    torch.manual_seed(2)
+    params = {"version": version, **({"draft_vocab": 20} if version == 3 else {})}
+    e = build_eagle(params, target, counts=torch.rand(CFG.vocab_size)).double()
+    fast = copy.deepcopy(e).optimize_for_inference()
+    state, ids = torch.randn(1, 5, CFG.dim, dtype=torch.float64), torch.randint(0, CFG.vocab_size, (1, 5))
+    c1, c2 = e.new_cache(1, 8), fast.new_cache(1, 8)
+    for a, b in zip(e.step(state, ids, cache=c1), fast.step(state, ids, cache=c2)):
+        torch.testing.assert_close(a, b)
+    la, _ = e.step(state[:, :2], ids[:, :2], cache=c1, last_only=True)
+    assert la.shape == (1, 1, CFG.vocab_size) and fast.num_params() == e.num_params()
