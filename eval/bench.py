@@ -26,6 +26,7 @@ from draftsmith.eval.decoder import (
 from draftsmith.eval.report import write_category_plot, write_markdown, write_plot
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
+from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype
@@ -81,6 +82,9 @@ def evaluate(recipe) -> dict:
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
         raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")
+    adapted = getattr(drafter, "target_adapter", None) is not None
+    if adapted:  # Medusa-2 serves the jointly trained target: decoding is lossless w.r.t. the adapted target
+        merge_adapter(tgt.model, drafter.target_adapter, info["config"]["lora"])
     if getattr(drafter, "reads_target_hidden", False) and ec.strategy == "dynamic_tree":
         raise DraftsmithError(f"eval.strategy=dynamic_tree is not implemented for {info['kind']} heads yet: use "
                               f"chain or tree")
@@ -89,7 +93,7 @@ def evaluate(recipe) -> dict:
                            max_turns=pc.max_turns)
     eos = stop_ids(tgt.path, tgt.tokenizer)
     hf_model = assistant = None
-    if ec.baseline_hf:
+    if ec.baseline_hf and not adapted:  # HF would run the original target: not a like-for-like baseline
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()

@@ -7,8 +7,18 @@ blocks of a head are separate modules, not one instance repeated (A5.1's quirk).
 
 Decoder protocol: models/feature_heads.py. Medusa's drafts do not depend on each other, which rejection sampling
 allows (each draft is drawn from the q it reports).
+
+**Medusa-2** (``lora`` set): the heads train jointly with LoRA adapters (peft) on a copy of the target, which then
+computes the features inside the forward, with gradients. The objective adds the adapted target's own LM loss
+(self-distillation towards the original target's distribution) and scales the heads' losses by
+``heads_coefficient``. Checkpoints hold the heads plus ``target_adapter.safetensors`` (the LoRA tensors only); the
+decoder serves the target with the adapters merged in (``merge_adapter``), and is lossless with respect to that
+adapted target.
 """
 from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +27,47 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
 
-MedusaConfig = HeadsConfig  # kept as a name: registry and drafter.json configs refer to it
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ADAPTER_FILE = "target_adapter.safetensors"
+
+
+@dataclass(frozen=True)
+class MedusaConfig(HeadsConfig):
+    lora: dict | None = None  # Medusa-2: {"r", "alpha", "modules"} of the target's LoRA adapters
+
+
+def attach_lora(model: nn.Module, lora: dict) -> nn.Module:
+    """Inject LoRA adapters (peft) into ``model``'s named linear layers; only the adapters train."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as e:
+        raise DraftsmithError("Medusa-2 (drafter.lora_r > 0) needs peft: pip install peft") from e
+    model.requires_grad_(False)
+    return inject_adapter_in_model(LoraConfig(r=lora["r"], lora_alpha=lora["alpha"],
+                                              target_modules=list(lora["modules"]), lora_dropout=0.0), model)
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of an adapted model, peft's key format (``layers.0.self_attn.q_proj.lora_A.weight``)."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+
+
+@torch.no_grad()
+def merge_adapter(target: nn.Module, state: dict[str, torch.Tensor], lora: dict) -> None:
+    """W += (alpha / r) B A for every adapted linear of a plain target (serving needs no peft)."""
+    scale = lora["alpha"] / lora["r"]
+    for key, a in state.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        name = key[:-len(".lora_A.weight")]
+        b = state[f"{name}.lora_B.weight"]
+        try:
+            lin = target.get_submodule(name)
+        except AttributeError as e:
+            raise DraftsmithError(f"{ADAPTER_FILE}: the target has no layer {name!r} (a different target?)") from e
+        lin.weight += scale * (b.to(lin.weight) @ a.to(lin.weight))
 
 
 class ResBlock(nn.Module):
@@ -37,20 +87,31 @@ class MedusaHeads(FeatureHeads):
         self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))
                                     for _ in range(cfg.n_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+        self.base = None  # Medusa-2 training: the LoRA-adapted copy of the target (never saved whole)
+        self.target_adapter = None  # a loaded Medusa-2 checkpoint: the LoRA tensors to merge into the target
+
+    checkpoint_exclude = ("base.",)  # the adapted target is saved as its adapters only (ADAPTER_FILE)
 
     @property
     def max_draft_len(self) -> int:
         return self.cfg.n_heads
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select: list[torch.Tensor] | None = None,
-                head_fn=None):
+    def forward(self, h: torch.Tensor | None, ids: torch.Tensor | None = None,
+                select: list[torch.Tensor] | None = None, head_fn=None, base_select: torch.Tensor | None = None):
         """h (..., D) target hidden states -> (K, N, V) logits over the flattened positions; or, with ``head_fn``,
         ``[head_fn(k, block_k(h[select[k]]), lm_head_k.weight)]`` (chunked losses run inside forward, where
-        sharding wrappers have the weights gathered). ids is unused: Medusa heads read only h."""
+        sharding wrappers have the weights gathered). Medusa-2: h is computed here by the adapted target from ids,
+        and ``head_fn(-1, its states at base_select, its LM head)`` comes first in the list."""
+        first = []
+        if self.base is not None:
+            h = self.base(ids, return_hidden=True)
+            if head_fn is not None:
+                hb = h.reshape(-1, h.shape[-1])
+                first = [head_fn(-1, hb if base_select is None else hb[base_select], self.base.lm_head.weight)]
         h = h.reshape(-1, h.shape[-1])
         if head_fn is not None:
-            return [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
-                    for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
+            return first + [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
+                            for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
         return torch.stack([lm(blk(h)) for blk, lm in zip(self.blocks, self.lm_heads)])
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
@@ -65,7 +126,14 @@ def build_medusa(params: dict, target, **_) -> MedusaHeads:
     tcfg = target.cfg
     if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 0:
         raise DraftsmithError("drafter.n_heads must be >= 1 and drafter.n_layers >= 0")
+    lora = None
+    if params.get("lora_r", 0) > 0:
+        lora = {"r": params["lora_r"], "alpha": params.get("lora_alpha", 16.0),
+                "modules": list(params.get("lora_modules") or LORA_MODULES)}
     heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                     n_layers=params.get("n_layers", 1)))
+                                     n_layers=params.get("n_layers", 1), lora=lora))
     copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))
-    return heads.to(target.embed_tokens.weight.dtype)
+    heads = heads.to(target.embed_tokens.weight.dtype)
+    if lora is not None:  # a copy: the loop's frozen teacher (if any) must stay the original target
+        heads.base = attach_lora(copy.deepcopy(target), lora)
+    return heads

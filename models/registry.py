@@ -18,7 +18,7 @@ from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle, eagle_from_config
 from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
 from draftsmith.models.llama import Llama, LlamaConfig
-from draftsmith.models.medusa import MedusaConfig, MedusaHeads, build_medusa
+from draftsmith.models.medusa import ADAPTER_FILE, MedusaConfig, MedusaHeads, adapter_state, build_medusa
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, build_mlp_speculator
 
 DRAFTERS = {
@@ -47,7 +47,8 @@ def build_drafter(kind: str, params: dict, target: Llama, **data) -> torch.nn.Mo
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()
+    skip = getattr(model, "checkpoint_exclude", ())
+    sd = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)} if skip else model.state_dict()
     if getattr(model, "cfg", None) is not None and getattr(model.cfg, "tie_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage, and it is redundant
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
@@ -61,6 +62,8 @@ def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extr
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     save_file(_weights(model), str(tmp / "model.safetensors"))
+    if getattr(model, "base", None) is not None:  # Medusa-2: the target's LoRA adapters
+        save_file(adapter_state(model.base), str(tmp / ADAPTER_FILE))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
     if extra is not None:
@@ -75,7 +78,16 @@ def load_weights_into(path: Path, model: torch.nn.Module) -> None:
     """Resume: a checkpoint's weights into an already built drafter of the same shape."""
     sd = load_file(str(Path(path) / "model.safetensors"))
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+    skip = getattr(model, "checkpoint_exclude", ())
+    missing = [m for m in missing if m != "lm_head.weight" and not (skip and m.startswith(skip))]
+    if getattr(model, "base", None) is not None:
+        from peft import set_peft_model_state_dict
+
+        adapter = Path(path) / ADAPTER_FILE
+        if not adapter.is_file():
+            raise DraftsmithError(f"{path}: no {ADAPTER_FILE} for this Medusa-2 drafter")
+        set_peft_model_state_dict(model.base, load_file(str(adapter)))
+    if missing or unexpected:
         raise DraftsmithError(f"{path}: checkpoint does not fit this recipe's drafter (missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}); change the recipe back or set train.resume=false")
 
@@ -97,4 +109,6 @@ def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.n
                               f"unexpected {unexpected[:3]})")
     if getattr(model.cfg, "tie_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
+    if (path / ADAPTER_FILE).is_file():  # Medusa-2: merged into the target by the caller (eval)
+        model.target_adapter = load_file(str(path / ADAPTER_FILE))
     return model.to(device=device, dtype=dtype).eval(), info

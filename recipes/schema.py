@@ -160,9 +160,19 @@ class _HeadsSection(Strict):
 
 
 class MedusaDrafterConfig(_HeadsSection):
-    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8."""
+    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8. With
+    lora_r > 0, Medusa-2 (A5.3): joint training with LoRA adapters on the target."""
 
     kind: Literal["medusa"] = "medusa"
+    lora_r: int = Field(0, ge=0)
+    """Medusa-2: LoRA rank of the adapters trained on (a copy of) the target together with the heads; 0 =
+    Medusa-1 (frozen target). The eval serves the target with the adapters merged."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: the update is (lora_alpha / lora_r) B A."""
+    lora_modules: list[str] | None = None
+    """Target linear layers that get adapters; None = q/k/v/o and gate/up/down projections."""
+    heads_coefficient: float = Field(0.2, gt=0)
+    """Medusa-2: loss = target loss (self-distillation to the original target) + this x sum_k decay^k head_k."""
 
 
 class MLPSpeculatorDrafterConfig(Strict):

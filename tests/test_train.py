@@ -177,7 +177,8 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
 
 
 HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3},
-         "hydra++": {"n_heads": 3, "prefix_attention": True}}
+         "hydra++": {"n_heads": 3, "prefix_attention": True}, "medusa-2": {"n_heads": 3, "lora_r": 4}}
+KIND = {"hydra++": "hydra", "medusa-2": "medusa"}  # test name -> drafter.kind
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
@@ -195,7 +196,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     from draftsmith.train import objectives
 
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
-    spec["drafter"] = {"kind": kind.rstrip("+"), **HEADS[kind]}
+    spec["drafter"] = {"kind": KIND.get(kind, kind), **HEADS[kind]}
     recipe = tmp_path / f"tiny-{kind}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
     run = train_run(kind, "train.steps=3", "train.loss.kind=fkl", recipe=str(recipe))
@@ -207,8 +208,9 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     choices = choices_from_run(run, 5)  # a Medusa tree from the measured per-head rank accuracies
     assert len(choices) == 5 and len(tree_from_choices(choices)) == 5
     drafter, info = load_drafter(run / "checkpoints" / "final")
-    assert info["kind"] == kind.rstrip("+") and drafter.max_draft_len == 3
-    assert (drafter.new_context(4) is not None) == kind.endswith("++")
+    assert info["kind"] == KIND.get(kind, kind) and drafter.max_draft_len == 3
+    assert (drafter.new_context(4) is not None) == (kind == "hydra++")
+    assert (getattr(drafter, "target_adapter", None) is not None and "top1_target" in rows[-1]) == (kind == "medusa-2")
     args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
             f"out_dir={run}", "target.dtype=float64", "-q"]
     assert main(args) == 0
@@ -219,7 +221,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
            f"out_dir={stored}", "data.signals.hidden_last=true", "-q"]
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
-    heads = build_drafter(kind.rstrip("+"), HEADS[kind], tgt)
+    heads = build_drafter(KIND.get(kind, kind), HEADS[kind], tgt)
     batch = collate([RecordDataset(stored / "data", 128, signals={"topk", "hidden_last"})[i] for i in range(4)])
     cfg = __import__("draftsmith.recipes.schema", fromlist=["LossConfig"]).LossConfig(kind="fkl")
     with_stored = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads))
@@ -279,3 +281,34 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
                                                                               params=params))
     assert with_stored.n == in_loop.n > 0
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=2e-2, atol=1e-3)  # bf16 storage
+
+
+def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_path):
+    """Medusa-2's LoRA: the merged target equals the peft-adapted one; a checkpoint round-trips the adapters
+    (resume) and serves them merged (eval), without saving the target itself."""
+    from draftsmith.models.hf import load_model
+    from draftsmith.models.medusa import ADAPTER_FILE, merge_adapter
+    from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
+
+    tgt = load_model(str(tiny_model_dir), torch.float64).model
+    heads = build_drafter("medusa", {"n_heads": 2, "lora_r": 4, "lora_alpha": 8}, tgt)
+    with torch.no_grad():  # non-zero adapters (B starts at zero)
+        for n, p in heads.base.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.05)
+    assert {n for n, p in heads.named_parameters() if p.requires_grad and n.startswith("base.")} == \
+        {n for n, _ in heads.base.named_parameters(prefix="base") if "lora_" in n}
+    ids = torch.randint(0, tgt.cfg.vocab_size, (1, 9))
+    ckpt = save_drafter(tmp_path / "ckpt", heads, "medusa", {})
+    assert (ckpt / ADAPTER_FILE).is_file() and not any(k.startswith("base.") for k in
+                                                         load_file(str(ckpt / "model.safetensors")))
+    loaded, info = load_drafter(ckpt, dtype=torch.float64)
+    served = load_model(str(tiny_model_dir), torch.float64).model
+    merge_adapter(served, loaded.target_adapter, info["config"]["lora"])
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids), heads.base(ids))
+        assert not torch.allclose(served(ids), tgt(ids))  # the original target is untouched and differs
+    fresh = build_drafter("medusa", {"n_heads": 2, "lora_r": 4, "lora_alpha": 8}, tgt)
+    load_weights_into(ckpt, fresh)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh.base(ids), heads.base(ids))

@@ -91,8 +91,9 @@ def _quick_eval_setup(recipe, tgt, acc):
     def run(drafter):
         was_training = drafter.training
         drafter.eval()
-        try:
-            return quick_eval(target, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos,
+        try:  # Medusa-2 decodes with its adapted target
+            t = target if getattr(drafter, "base", None) is None else drafter.base
+            return quick_eval(t, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos,
                               recipe.seed)
         finally:
             drafter.train(was_training)

@@ -158,17 +158,29 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     target predicts at position t+k+1 (``shifted_teachers``). Loss = sum_k decay^k * loss_k, any loss kind (CE on
     the target's tokens, or a divergence to the target's distribution at t+k+1). Sequential heads also read the
     true tokens t+1..t+k+1 (teacher forcing)."""
-    h = target_features(batch, ctx)  # (B, T, D)
+    joint = getattr(ctx.unwrapped, "base", None) is not None  # Medusa-2: the adapted target runs in forward
+    # The original target's states: the heads' input, or (Medusa-2) only a full-distribution teacher.
+    h = target_features(batch, ctx) if not joint or cfg.teacher == "target" else None  # (B, T, D)
     selects, teachers, _ = shifted_teachers(batch, cfg, ctx, ctx.unwrapped.max_draft_len, h)
     decay = ctx.params.get("head_decay", 0.8)
+    # Medusa-2: L = L_target + heads_coefficient * sum_k decay^k L_k, where L_target keeps the adapted target close
+    # to the original (self-distillation: its own records' teacher at every predicted position).
+    coef = ctx.params.get("heads_coefficient", 0.2) if joint else 1.0
+    base_teacher = draft_lm_teacher(batch, cfg, ctx) if joint else None
 
-    def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward)
+    def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward); k = -1: the adapted target
+        t, weight = (base_teacher, 1.0) if k < 0 else (teachers[k], coef * decay ** k)
         n = x.shape[0]
-        loss = losses.head_loss(x, w, teachers[k], _spec(cfg), ctx.generator) * n if n else x.sum() * 0
-        return loss * decay ** k, n, losses.head_metrics(x.detach(), w.detach(), teachers[k], cfg.chunk, ranks=3)
+        loss = losses.head_loss(x, w, t, _spec(cfg), ctx.generator) * n if n else x.sum() * 0
+        return loss * weight, n, losses.head_metrics(x.detach(), w.detach(), t, cfg.chunk, ranks=3)
 
-    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn)
-    return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "head"))
+    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn,
+                 base_select=batch["predict_mask"].flatten())
+    m = _per_step_metrics(outs[1:] if joint else outs, "head")
+    if joint:  # how far the adapted target drifted from the original (1.0 = the same argmax everywhere)
+        m["top1_target"] = outs[0][2]["top1"]
+        m.update({"alpha_target": outs[0][2]["alpha"]} if "alpha" in outs[0][2] else {})
+    return StepOutput(sum(o[0] for o in outs), outs[1 if joint else 0][1], m)
 
 
 def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -244,7 +256,10 @@ READS_FEATURES = {"medusa", "mlp_speculator", "hydra", "eagle"}
 
 
 def features_stored(drafter, signals: dict) -> bool:
-    """Whether records with these signals (the manifest's) hold the features this drafter reads."""
+    """Whether records with these signals (the manifest's) hold the features this drafter reads (a Medusa-2
+    drafter computes its own with the adapted target)."""
+    if getattr(drafter, "base", None) is not None:
+        return True
     if getattr(drafter, "reads_target_features", False) and drafter.cfg.version == 3:
         return list(signals.get("hidden_aux", {}).get("layers", [])) == list(drafter.cfg.aux_layers)
     return "hidden_last" in signals
