@@ -10,6 +10,7 @@ import json
 import platform
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -72,7 +73,25 @@ def _timed(fn, device: str):
     return out, time.perf_counter() - t
 
 
-def evaluate(recipe) -> dict:
+@dataclass
+class EvalSetup:
+    """What every decode of an eval needs, loaded once (``load_for_eval``)."""
+    tgt: object  # models.hf.Loaded: model, tokenizer, path
+    drafter: torch.nn.Module
+    info: dict
+    ckpt: Path
+    device: str
+    dtype: torch.dtype
+    encoded: list  # [(prompt, token ids)]
+    eos: set[int]
+    adapted: bool  # Medusa-2: the target carries merged adapters
+    stop_drafting: object = None  # adaptive draft-length hook (eval.stop)
+    stop_info: dict | None = None
+
+
+def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
+    """Target, drafter (Medusa-2 adapters merged, an acceptance head resolved to its draft + stop rule) and the
+    encoded eval prompts. ``optimize``: apply eval.optimize now (callers that first build HF copies pass False)."""
     ec, run = recipe.eval, recipe.run_dir
     device = resolve_device(recipe.target.device)
     dtype = resolve_dtype(recipe.target.dtype, device)
@@ -80,6 +99,9 @@ def evaluate(recipe) -> dict:
     tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision,
                      fallback=True)
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
+    stop_drafting, stop_info = None, None
+    if info.get("kind") == "acceptance_head" or ec.stop is not None:
+        drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
     if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
         raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")
     adapted = getattr(drafter, "target_adapter", None) is not None
@@ -91,21 +113,36 @@ def evaluate(recipe) -> dict:
     pc = ec.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)
-    eos = stop_ids(tgt.path, tgt.tokenizer)
+    encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages))) for p in prompts]
+    setup = EvalSetup(tgt, drafter, info, ckpt, device, dtype, encoded, stop_ids(tgt.path, tgt.tokenizer), adapted,
+                      stop_drafting, stop_info)
+    if optimize:
+        optimize_models(setup, ec)
+    return setup
+
+
+def optimize_models(setup: EvalSetup, ec) -> None:
+    if ec.optimize:  # after any HF copies: optimized modules no longer carry HF-named weights
+        for m in (setup.tgt.model, setup.drafter):
+            if hasattr(m, "optimize_for_inference"):
+                m.optimize_for_inference()
+
+
+def evaluate(recipe) -> dict:
+    ec, run = recipe.eval, recipe.run_dir
+    setup = load_for_eval(recipe, optimize=False)
+    tgt, drafter, info, ckpt, device, dtype = (setup.tgt, setup.drafter, setup.info, setup.ckpt, setup.device,
+                                               setup.dtype)
+    encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
     hf_model = assistant = None
-    if ec.baseline_hf and not adapted:  # HF would run the original target: not a like-for-like baseline
+    if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
         from transformers import AutoModelForCausalLM
 
         hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
-    if ec.optimize:  # after the HF copies above: optimized modules no longer carry HF-named weights
-        for m in (tgt.model, drafter):
-            if hasattr(m, "optimize_for_inference"):
-                m.optimize_for_inference()
+    optimize_models(setup, ec)
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
     gen = torch.Generator(device=device).manual_seed(recipe.seed)
-    encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages)))
-               for p in prompts]
 
     tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
@@ -113,7 +150,7 @@ def evaluate(recipe) -> dict:
     def speculative(x):
         if tree is None:
             return speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
-                                        eos_ids=eos, generator=gen, **sampling)
+                                        eos_ids=eos, generator=gen, stop_drafting=stop_drafting, **sampling)
         return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos,
                                          generator=gen, **sampling)
 
@@ -156,6 +193,8 @@ def evaluate(recipe) -> dict:
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded),
                           device, cat_times)
+    if setup.stop_info is not None:
+        report["strategy"]["stop"] = setup.stop_info
     out_dir = run / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -168,6 +207,41 @@ def evaluate(recipe) -> dict:
           + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "") + ", "
           f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
     return report
+
+
+def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
+    """eval.stop -> (the drafter to decode with, its info, the stop hook, the report's description). An
+    acceptance-head checkpoint stands for its draft LM decoded with the SpecDec++ rule."""
+    from draftsmith.models.acceptance import AcceptanceStop, EntropyStop
+    from draftsmith.recipes.schema import StopConfig
+
+    sc = ec.stop or StopConfig()
+    if ec.strategy != "chain":
+        raise DraftsmithError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
+    head = None
+    if sc.rule == "specdecpp":
+        if info.get("kind") == "acceptance_head":
+            head, head_path = drafter, ckpt
+        elif sc.head:
+            head, head_info = load_drafter(Path(sc.head), dtype=dtype, device=device)
+            head_path = sc.head
+            if head_info.get("kind") != "acceptance_head":
+                raise DraftsmithError(f"eval.stop.head {sc.head!r} is a {head_info.get('kind')} checkpoint, not an "
+                                      f"acceptance head")
+        else:
+            raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
+    if info.get("kind") == "acceptance_head":  # decode with the draft LM the head was trained on
+        drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
+    if info.get("kind") != "draft_lm":
+        raise DraftsmithError(f"eval.stop needs a standalone draft LM drafter, not {info.get('kind')}")
+    if head is not None and head.cfg.dim != drafter.cfg.dim:
+        raise DraftsmithError(f"eval.stop.head {head_path} reads {head.cfg.dim}-wide states; the drafter's are "
+                              f"{drafter.cfg.dim}")
+    hook = AcceptanceStop(head, sc.threshold, sc.min_len) if head is not None else \
+        EntropyStop(sc.threshold, sc.min_len)
+    desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len,
+            **({"head": str(head_path)} if head is not None else {})}
+    return drafter, info, hook, desc
 
 
 def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | None:

@@ -158,27 +158,29 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
 def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator, stop=None):
     """Propose up to γ tokens. feed (k,): tokens the drafter has not seen yet, ending with the current token.
 
-    Returns drafts (γ',) long and q (γ', V) (the exact distributions sampled from) or None when greedy. The last
-    draft is never fed to the drafter (the verify decides whether it survives). ``stop(i, logits, hidden)``, if
-    given, is asked after draft i (1-based) whether to stop drafting early (adaptive draft length, SpecDec++);
-    hidden is the drafter's final hidden state (D,) at that position when the drafter can return it, else None.
+    Returns drafts (γ',) long, q (γ', V) (the exact distributions sampled from) or None when greedy, and whether
+    the drafter read the last draft. Without ``stop`` the last draft is never fed (the verify decides whether it
+    survives). ``stop(n, logits, hidden)`` (adaptive draft length: SpecDec++, entropy rules) is asked once the
+    drafter has read draft n < γ: logits (V,) is its distribution for the next token and hidden (D,) its final
+    state at draft n's position (None when the drafter cannot return it); True ends the block with n drafts.
     """
-    drafts, q_rows = [], []
+    drafts, q_rows, fed_last = [], [], False
     with_hidden = stop is not None and hasattr(drafter, "cfg")
     for i in range(1, gamma + 1):
         out = _run_drafter(drafter, feed.view(1, -1), cache=dcache,
-                      **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
+                           **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
         logits, hidden = (out[0][0, -1], drafter.norm(out[1][drafter.cfg.n_layers][0, -1])) if with_hidden \
             else (out[0, -1], None)  # (V,), (D,)
+        if stop is not None and i > 1 and stop(i - 1, logits, hidden):
+            fed_last = True
+            break
         tok, q = _pick(logits, temperature, top_k, top_p, generator)
         drafts.append(tok)
         q_rows.append(q)
         feed = tok
-        if stop is not None and i < gamma and stop(i, logits, hidden):
-            break
     drafts_t = torch.cat(drafts) if drafts else feed.new_empty(0)  # (γ,)
     q_t = torch.stack(q_rows) if drafts and q_rows[0] is not None else None  # (γ, V)
-    return drafts_t, q_t
+    return drafts_t, q_t, fed_last
 
 
 def _verify(target, tcache, cur: torch.Tensor, drafts: torch.Tensor, q, temperature, top_k, top_p, generator):
@@ -204,8 +206,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                          stop_drafting=None) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
 
-    ``stop_drafting(i, logits, hidden) -> bool``: optional hook asked after each draft token whether to stop
-    drafting this step (adaptive draft length); draft_len stays the cap. Any hook keeps the output lossless.
+    ``stop_drafting(n, logits, hidden) -> bool``: optional hook asked, once the drafter has read its n-th draft,
+    whether to end this step's block there (adaptive draft length, see ``_draft``); draft_len stays the cap. Any
+    hook keeps the output lossless.
 
     prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens; stats).
     Cache invariant: both caches hold every committed token except the current one ``cur``; the draft cache may
@@ -239,8 +242,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         gamma = min(draft_len, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
         d0 = dcache.length
-        drafts, q = _draft(drafter, dcache, torch.cat([pending, cur]), gamma, temperature, top_k, top_p,
-                           generator, stop_drafting)
+        drafts, q, fed_last = _draft(drafter, dcache, torch.cat([pending, cur]), gamma, temperature, top_k, top_p,
+                                     generator, stop_drafting)
         gamma = drafts.numel()  # the hook may have stopped early
         _sync(device)
         t1 = time.perf_counter()
@@ -252,7 +255,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         tcache.length = t_len + 1 + n
         if gamma > 0:
             dcache.length = min(dcache.length, d0 + pending.numel() + 1 + n)
-            pending = drafts[gamma - 1:] if n == gamma else drafts[:0]
+            pending = drafts[gamma - 1:] if n == gamma and not fed_last else drafts[:0]
         else:  # nothing was fed to the drafter this step: cur joins the tokens it still has to see
             pending = torch.cat([pending, cur])
         cur = drafts.new_tensor([nxt])

@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, build_acceptance_head
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle, eagle_from_config
 from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
@@ -27,6 +28,7 @@ DRAFTERS = {
     "mlp_speculator": build_mlp_speculator,
     "hydra": build_hydra,
     "eagle": build_eagle,
+    "acceptance_head": build_acceptance_head,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
@@ -35,6 +37,7 @@ _FROM_CONFIG = {
     "mlp_speculator": lambda cfg: MLPSpeculator(MLPSpeculatorConfig(**cfg)),
     "hydra": lambda cfg: HydraHeads(HydraConfig(**cfg)),
     "eagle": eagle_from_config,
+    "acceptance_head": lambda cfg: AcceptanceHead(AcceptanceConfig(**cfg)),
 }
 
 

@@ -242,8 +242,24 @@ class EagleDrafterConfig(Strict):
         return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
 
+class AcceptanceHeadConfig(Strict):
+    """SpecDec++ acceptance predictor (algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
+    whether each drafted token will be accepted; the decoder then stops drafting adaptively (eval.stop)."""
+
+    kind: Literal["acceptance_head"] = "acceptance_head"
+    draft: str = Field(min_length=1)
+    """The draft LM checkpoint folder (kind draft_lm) whose tokens the head judges; it stays frozen. The records
+    must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint)."""
+    n_layers: int = Field(3, ge=0)
+    """Residual blocks before the output logit."""
+    mixing_ratio: float = Field(0.15, ge=0, lt=1)
+    """Share of response positions that keep the target's token instead of the draft's sample in the input."""
+    weight_mismatch: float = Field(6.0, gt=0)
+    """Loss weight of the rejected class (acceptance is the common case)."""
+
+
 DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig
-                          | EagleDrafterConfig, Field(discriminator="kind")]
+                          | EagleDrafterConfig | AcceptanceHeadConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):
@@ -322,6 +338,20 @@ class TreeConfig(Strict):
         return self
 
 
+class StopConfig(Strict):
+    """Adaptive draft length for chain decoding: end a block early when a rule says the next drafts are likely
+    rejected (eval.draft_len stays the cap; the output is unchanged)."""
+
+    rule: Literal["specdecpp", "entropy"] = "specdecpp"
+    """specdecpp: stop once 1 - prod(predicted acceptances of this block) > threshold (a trained acceptance head);
+    entropy: training-free baseline, stop once the draft's next-token entropy (nats) > threshold."""
+    threshold: float = Field(0.3, gt=0)
+    min_len: int = Field(1, ge=1)
+    """Drafts always made before a rule may stop."""
+    head: str | None = None
+    """specdecpp: the acceptance-head checkpoint; None = eval.checkpoint when that is an acceptance head."""
+
+
 class EvalConfig(Strict):
     enabled: bool = True
     prompts: PromptsConfig = PromptsConfig(source="mt_bench", n=20)
@@ -346,6 +376,9 @@ class EvalConfig(Strict):
     """Drafter checkpoint folder; None = <out_dir>/checkpoints/final."""
     warmup: int = Field(1, ge=0)
     """Prompts run once untimed before timing starts."""
+    stop: StopConfig | None = None
+    """Adaptive draft length (chain only); None = always draft_len tokens. An acceptance-head checkpoint turns on
+    the SpecDec++ rule with its defaults."""
 
 
 class Recipe(Strict):
@@ -373,6 +406,10 @@ class Recipe(Strict):
         d = self.drafter
         if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
+        if (d.kind == "acceptance_head" or self.eval.stop is not None) and self.eval.strategy != "chain":
+            raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
+        if d.kind == "acceptance_head" and self.train.eval_every:
+            raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
         if d.kind in ("medusa", "mlp_speculator", "hydra") and self.eval.strategy == "dynamic_tree":
             raise ValueError(f"eval.strategy=dynamic_tree is not implemented for {d.kind} yet: use chain or tree")
         return self

@@ -236,12 +236,43 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
+def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """SpecDec++ acceptance head (algorithms.md A7): the frozen draft reads Z, the response with each token
+    replaced by the draft's own sample y with probability 1 - mixing_ratio; at every replaced position the head
+    predicts the acceptance of y from the draft's state there. Weighted soft-label BCE on s = min(1, p(y)/q(y)):
+    w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class."""
+    head, p = ctx.unwrapped, ctx.params
+    if "spec_accept" not in batch:
+        raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with data.specdec_labels "
+                              "(checkpoint: the same draft LM)")
+    pm, ids = batch["predict_mask"], batch["input_ids"]
+    y, s = batch["spec_token"].long(), batch["spec_accept"].float()
+    label_pos = torch.zeros_like(pm)
+    label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
+    swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= p.get("mixing_ratio", 0.15)
+    z = ids.clone()
+    z[label_pos] = torch.where(swap, y, ids[label_pos])
+    with torch.no_grad():
+        h = head.draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
+    logit = model(h[label_pos][swap].float())
+    s = s[swap]
+    w = p.get("weight_mismatch", 6.0)
+    loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
+    a = torch.sigmoid(logit.detach())
+    n = int(swap.sum())
+    m = {"accept_label": float(s.mean()) if n else 0.0, "accept_pred": float(a.mean()) if n else 0.0,
+         "brier": float(((a - s) ** 2).mean()) if n else 0.0,
+         "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0}  # agreement on accept vs reject
+    return StepOutput(loss, n, m)
+
+
 OBJECTIVES = {
     "draft_lm": draft_lm_objective,
     "medusa": heads_objective,
     "mlp_speculator": heads_objective,
     "hydra": heads_objective,
     "eagle": eagle_objective,
+    "acceptance_head": acceptance_objective,
 }
 # Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
 # train on the target's final hidden states: from the records if stored, else from the target in the loop.
@@ -251,6 +282,7 @@ SIGNALS_NEEDED = {
     "mlp_speculator": {"topk", "hidden_last"},
     "hydra": {"topk", "hidden_last"},
     "eagle": {"topk", "hidden_last", "hidden_aux"},
+    "acceptance_head": {"specdec"},
 }
 READS_FEATURES = {"medusa", "mlp_speculator", "hydra", "eagle"}
 

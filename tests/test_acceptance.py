@@ -1,0 +1,111 @@
+"""SpecDec++ acceptance head (algorithms.md A7): the stop rules' arithmetic, the weighted soft-label BCE objective,
+and the whole path on the tiny pipeline: draft LM -> SpecDec++ labels -> head training -> adaptive-length eval
+(lossless) -> threshold sweep."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, AcceptanceStop, EntropyStop
+
+
+def test_stop_rules():
+    head = AcceptanceHead(AcceptanceConfig(dim=4, n_layers=1))
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(0.0)  # every draft predicted accepted with probability 0.5
+    rule = AcceptanceStop(head, threshold=0.6, min_len=1)
+    h = torch.zeros(4)
+    # after 1 draft: P(some rejected) = 0.5 <= 0.6 -> go on; after 2: 0.75 > 0.6 -> stop
+    assert [rule(1, None, h), rule(2, None, h)] == [False, True]
+    assert rule(1, None, h) is False  # a new block resets the product
+    assert AcceptanceStop(head, 0.4, min_len=3)(1, None, h) is False  # min_len wins
+    flat, peaked = torch.zeros(8), torch.tensor([9.0] + [0.0] * 7)
+    ent = EntropyStop(threshold=1.0)
+    assert ent(1, flat, None) is True and ent(1, peaked, None) is False  # ln 8 = 2.08 nats vs ~0.01
+
+
+@pytest.fixture(scope="module")
+def specdec_run(tmp_path_factory, tiny_model_dir, prompts_file):
+    """A trained tiny draft LM and records with SpecDec++ labels from it."""
+    root = tmp_path_factory.mktemp("specdec")
+    common = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
+              f"eval.prompts.path={prompts_file}", "-q"]
+    assert main(["run", "tiny", f"out_dir={root / 'draft'}", "eval.enabled=false", *common]) == 0
+    draft = root / "draft" / "checkpoints" / "final"
+    assert main(["generate", "tiny", f"out_dir={root / 'head'}", f"data.specdec_labels.checkpoint={draft}",
+                 "data.specdec_labels.temperature=1.0", "data.n_samples=2", "data.temperature=1.0", *common]) == 0
+    return root, draft, common
+
+
+def test_acceptance_objective_is_weighted_soft_bce(specdec_run, tiny_model_dir):
+    from draftsmith.data.dataset import RecordDataset, collate
+    from draftsmith.models.hf import load_model
+    from draftsmith.models.registry import build_drafter
+    from draftsmith.recipes.schema import LossConfig
+    from draftsmith.train.objectives import Context, acceptance_objective
+
+    root, draft, _ = specdec_run
+    tgt = load_model(str(tiny_model_dir)).model
+    head = build_drafter("acceptance_head", {"draft": str(draft), "n_layers": 1}, tgt)
+    assert not any(p.requires_grad for p in head.draft.parameters())
+    batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
+    params = {"mixing_ratio": 0.0, "weight_mismatch": 6.0}
+    out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(unwrapped=head, params=params,
+                                                                           generator=torch.Generator()))
+    assert out.n == len(batch["spec_accept"])  # mixing 0: every response token is replaced by the draft's sample
+    # reference: the draft reads the fully swapped sequence; the loss is the weighted soft BCE at every label
+    z = batch["input_ids"].clone()
+    pos = torch.zeros_like(batch["predict_mask"])
+    pos[:, 1:] = batch["predict_mask"][:, :-1]
+    z[pos] = batch["spec_token"].long()
+    with torch.no_grad():
+        a = torch.sigmoid(head(head.draft(z, return_hidden=True)[pos]))
+    s = batch["spec_accept"].float()
+    ref = -(6 * (1 - s) * torch.log1p(-a) + s * torch.log(a)).sum()
+    torch.testing.assert_close(out.loss_sum.detach(), ref, rtol=1e-4, atol=1e-4)
+    out.loss_sum.backward()
+    assert head.out.weight.grad is not None
+
+
+def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_path):
+    import yaml
+
+    from draftsmith.eval import sweep
+    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+
+    root, draft, common = specdec_run
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "acceptance_head", "draft": str(draft), "n_layers": 1}
+    recipe = tmp_path / "tiny-accept.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    run = root / "head"
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=4", *common]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= r["accept_pred"] <= 1 and 0 <= r["accept_label"] <= 1 for r in rows if r["stage"] == "train")
+    from safetensors.torch import load_file
+
+    keys = load_file(str(run / "checkpoints" / "final" / "model.safetensors"))
+    assert keys and not [k for k in keys if k.startswith("draft.")]  # the head's checkpoint holds no draft weights
+    # eval: the head's checkpoint stands for its draft decoded with the SpecDec++ rule; lossless
+    args = ["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5", *common]
+    assert main(args) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["rule"] == "specdecpp"
+    assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=entropy",
+                 "eval.stop.threshold=0.5", "target.dtype=float64", *common]) == 0
+    assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+    # threshold sweep on the same prompts
+    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64",
+                                              *[c for c in common if c != "-q"]]), [0.2, 0.8], [1, 3])
+    assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "stop-0.2",
+                                                                   "stop-0.8"}
+    assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.8"]["drafted_per_step"]
+    assert (run / "eval" / "sweep.json").is_file()
+    # bad input: a specdecpp rule without a head on a plain draft is a one-line error
+    assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", *common]) == 0
+    assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp",
+                 *common]) == 2
