@@ -34,10 +34,11 @@ SIGNALS = {
     "hidden_last": "token", "hidden_last_scale": "token",
     "hidden_aux": "token", "hidden_aux_scale": "token",
     "spec_token": "loss", "spec_accept": "loss",
+    "judge_label": "loss",
 }
 GROUPS = {"tokens": ("input_ids", "loss_mask"), "topk": ("topk_ids", "topk_logprobs"),
           "hidden_last": ("hidden_last", "hidden_last_scale"), "hidden_aux": ("hidden_aux", "hidden_aux_scale"),
-          "specdec": ("spec_token", "spec_accept")}
+          "specdec": ("spec_token", "spec_accept"), "judge": ("judge_label",)}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

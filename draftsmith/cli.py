@@ -66,9 +66,14 @@ def dispatch(command: str, recipe) -> None:
         return
     _save_resolved(recipe)
     if command in ("generate", "run") and (command == "generate" or recipe.data.enabled):
-        from draftsmith.data.generate import generate
+        if recipe.data.judge_labels is not None:
+            from draftsmith.data.judge import mine
 
-        generate(recipe)
+            mine(recipe)
+        else:
+            from draftsmith.data.generate import generate
+
+            generate(recipe)
     if command in ("train", "run") and (command == "train" or recipe.train.enabled):
         from draftsmith.train.loop import train
 

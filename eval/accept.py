@@ -25,6 +25,16 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return int(n[0]), int(nxt[0])
 
 
+def judge_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
+                 judged_ok: torch.Tensor) -> tuple[int, int, int]:
+    """**Lossy** Judge-Decoding rule (algorithms.md A8): draft i is kept while it equals the target argmax *or*
+    the judge accepts it (judged_ok (γ,) bool); the target's argmax after the kept prefix follows. Returns
+    (n accepted, next token, how many of the n only the judge accepted)."""
+    match = draft_tokens == target_logits[:-1].argmax(-1)
+    n = _accepted_prefix(match | judged_ok)
+    return n, int(target_logits[n].argmax()), int((~match[:n]).sum())
+
+
 def rejection_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
                      generator: torch.Generator | None = None) -> tuple[int, int]:
     """Standard speculative sampling. draft_tokens (γ,), draft_probs q (γ, V), target_probs p (γ+1, V).

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.prompts import load_prompts
+from draftsmith.data.prompts import Prompt, load_prompts
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import (
     DecodeStats,
@@ -25,8 +25,10 @@ from draftsmith.eval.decoder import (
     tree_speculative_generate,
 )
 from draftsmith.eval.report import write_category_plot, write_markdown, write_plot
+from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
+from draftsmith.models.judge import Judge
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
@@ -87,6 +89,8 @@ class EvalSetup:
     adapted: bool  # Medusa-2: the target carries merged adapters
     stop_drafting: object = None  # adaptive draft-length hook (eval.stop)
     stop_info: dict | None = None
+    judge: object = None  # lossy judge verification (eval.judge): models.judge.Judge
+    tasks: list | None = None  # eval/tasks.py Task per encoded prompt, when task accuracy is scored
 
 
 def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
@@ -110,12 +114,23 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     if getattr(drafter, "reads_target_hidden", False) and ec.strategy == "dynamic_tree":
         raise DraftsmithError(f"eval.strategy=dynamic_tree is not implemented for {info['kind']} heads yet: use "
                               f"chain or tree")
-    pc = ec.prompts
-    prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
-                           max_turns=pc.max_turns)
+    pc, jc, tasks = ec.prompts, ec.judge, None
+    if jc is not None and jc.tasks:  # the prompts are the tasks whose accuracy is scored
+        tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n)
+        prompts = [Prompt(f"{t.kind}:{t.id}", t.messages, t.kind) for t in tasks]
+    else:
+        prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
+                               max_turns=pc.max_turns)
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages))) for p in prompts]
+    judge = None
+    if jc is not None:
+        head, head_info = load_drafter(Path(jc.head), dtype=dtype, device=device)
+        if head_info.get("kind") != "judge" or head.cfg.dim != tgt.model.cfg.dim:
+            raise DraftsmithError(f"eval.judge.head {jc.head!r} is not a judge for this target "
+                                  f"({head_info.get('kind')}, {getattr(head.cfg, 'dim', '?')}-wide)")
+        judge = Judge(head, jc.delta)
     setup = EvalSetup(tgt, drafter, info, ckpt, device, dtype, encoded, stop_ids(tgt.path, tgt.tokenizer), adapted,
-                      stop_drafting, stop_info)
+                      stop_drafting, stop_info, judge, tasks)
     if optimize:
         optimize_models(setup, ec)
     return setup
@@ -150,7 +165,8 @@ def evaluate(recipe) -> dict:
     def speculative(x):
         if tree is None:
             return speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
-                                        eos_ids=eos, generator=gen, stop_drafting=stop_drafting, **sampling)
+                                        eos_ids=eos, generator=gen, stop_drafting=stop_drafting, judge=setup.judge,
+                                        **sampling)
         return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos,
                                          generator=gen, **sampling)
 
@@ -174,8 +190,12 @@ def evaluate(recipe) -> dict:
         total, per_cat = DecodeStats(), defaultdict(DecodeStats)
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
         cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
-        for p, ids in tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True):
+        solved = defaultdict(int)
+        for i, (p, ids) in enumerate(tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
             (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
+            if setup.tasks:  # task accuracy of both outputs (the judge may change the speculative one)
+                for k, out in (("spec", spec), ("ar", ar)):
+                    solved[k] += correct(setup.tasks[i], tgt.tokenizer.decode(out, skip_special_tokens=True))
             total.merge(st)
             cat = p.category or "all"
             per_cat[cat].merge(st)
@@ -195,6 +215,11 @@ def evaluate(recipe) -> dict:
                           device, cat_times)
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
+    if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
+        report["lossy"] = {"judge": ec.judge.head, "delta": ec.judge.delta, "judge_accepted": total.judge_accepted}
+    if setup.tasks:
+        report["task_accuracy"] = {k: solved[k] / len(encoded) for k in ("spec", "ar")}
+        report["task_accuracy"]["tasks"] = ec.judge.tasks
     out_dir = run / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))

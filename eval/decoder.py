@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.eval.accept import greedy_accept, rejection_accept
+from draftsmith.eval.accept import greedy_accept, judge_accept, rejection_accept
 from draftsmith.eval.tree import (
     DynamicTree,
     TreeSpec,
@@ -31,6 +31,7 @@ class DecodeStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted (as verified: a step's drafts after an EOS still count)
     accept_counts: list[int] = field(default_factory=list)  # [k] = verify steps that accepted exactly k drafts
+    judge_accepted: int = 0  # accepted drafts the target itself would not have chosen (lossy judge mode only)
     draft_time_s: float = 0.0  # wall time in drafter calls
     verify_time_s: float = 0.0  # wall time in target verify calls and acceptance
 
@@ -70,6 +71,7 @@ class DecodeStats:
         self.target_forwards += other.target_forwards
         self.drafted += other.drafted
         self.accepted += other.accepted
+        self.judge_accepted += other.judge_accepted
         self.draft_time_s += other.draft_time_s
         self.verify_time_s += other.verify_time_s
         n = max(len(self.accept_counts), len(other.accept_counts))
@@ -203,12 +205,15 @@ def _accept(drafts, q, logits, temperature, top_k, top_p, generator):
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
-                         stop_drafting=None) -> tuple[list[int], DecodeStats]:
+                         stop_drafting=None, judge=None) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
 
     ``stop_drafting(n, logits, hidden) -> bool``: optional hook asked, once the drafter has read its n-th draft,
     whether to end this step's block there (adaptive draft length, see ``_draft``); draft_len stays the cap. Any
     hook keeps the output lossless.
+
+    ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy only: a draft the target
+    would not have chosen is still kept when the judge accepts the target's state at it (``judge_accept``).
 
     prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens; stats).
     Cache invariant: both caches hold every committed token except the current one ``cur``; the draft cache may
@@ -216,6 +221,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     """
     if draft_len < 0:
         raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+    if judge is not None and (temperature > 0 or getattr(drafter, "reads_target_hidden", False)
+                              or getattr(drafter, "reads_target_features", False)):
+        raise ValueError("judge verification is implemented for greedy decoding with a standalone draft LM")
     if getattr(drafter, "reads_target_hidden", False):
         return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
                                  eos_ids, generator)
@@ -248,7 +256,12 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length
-        n, nxt = _verify(target, tcache, cur, drafts, q, temperature, top_k, top_p, generator)
+        judged = 0
+        if judge is None:
+            n, nxt = _verify(target, tcache, cur, drafts, q, temperature, top_k, top_p, generator)
+        else:  # the verify forward also returns the target's states at the drafts, which the judge reads
+            logits, states = _with_hidden(target, torch.cat([cur, drafts]).view(1, -1), tcache)
+            n, nxt, judged = judge_accept(drafts, logits[0], judge.accepts(states[0, 1:]))
         t2 = time.perf_counter()  # the acceptance rule synced on its result
         # Commit cur + d1..dn. The draft cache holds pending, cur, d1..d_{γ-1}: with n == γ all of it is kept
         # and dγ becomes pending; otherwise keep pending, cur, d1..dn (and nothing is pending any more).
@@ -261,6 +274,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         cur = drafts.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
         stats.step(gamma, n, t1 - t0, t2 - t1)
+        stats.judge_accepted += judged
     stats.new_tokens = len(out)
     return out, stats
 

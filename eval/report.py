@@ -71,6 +71,12 @@ def write_markdown(report: dict, path: Path) -> None:
     lines += [f"| tokens/s {k} | {v:.1f} |" for k, v in r["tokens_per_s"].items()]
     lines += [f"| speedup {k} | {v:.2f}x |" for k, v in r["speedup"].items()]
     lines += [f"| lossless match vs {r['lossless_reference']} | {_fmt(r['lossless_match'])} |", ""]
+    if r.get("lossy"):  # judge verification: the output may differ from the target's own
+        lines.insert(2, f"**LOSSY run**: judge verification (`{r['lossy']['judge']}`, delta {r['lossy']['delta']}); "
+                        f"{r['lossy']['judge_accepted']} drafts were kept only because the judge accepted them.\n")
+    if r.get("task_accuracy"):
+        a = r["task_accuracy"]
+        lines.insert(-1, f"| task accuracy ({a['tasks']}) speculative / AR | {a['spec']:.3f} / {a['ar']:.3f} |")
     lines.insert(-1, f"| efficiency (speedup vs AR / tau) | {_fmt(r['efficiency'])} |")
     if len(r["per_category"]) > 1:
         lines += ["| category | tau | acceptance | speedup vs AR |", "|---|---|---|---|"]

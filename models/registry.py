@@ -18,6 +18,7 @@ from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, build
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle, eagle_from_config
 from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
+from draftsmith.models.judge import JudgeConfig, JudgeHead, build_judge
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.medusa import ADAPTER_FILE, MedusaConfig, MedusaHeads, adapter_state, build_medusa
 from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, build_mlp_speculator
@@ -29,6 +30,7 @@ DRAFTERS = {
     "hydra": build_hydra,
     "eagle": build_eagle,
     "acceptance_head": build_acceptance_head,
+    "judge": build_judge,
 }
 # How to rebuild each kind from the config stored in drafter.json.
 _FROM_CONFIG = {
@@ -38,6 +40,7 @@ _FROM_CONFIG = {
     "hydra": lambda cfg: HydraHeads(HydraConfig(**cfg)),
     "eagle": eagle_from_config,
     "acceptance_head": lambda cfg: AcceptanceHead(AcceptanceConfig(**cfg)),
+    "judge": lambda cfg: JudgeHead(JudgeConfig(**cfg)),
 }
 
 

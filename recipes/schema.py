@@ -82,6 +82,24 @@ class SpecDecLabelsConfig(Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
 
 
+class JudgeLabelsConfig(Strict):
+    """Judge labels mined automatically (data/judge.py): at draft/target mismatches on checkable tasks, swap in the
+    draft's token, let the target continue, and record whether the task outcome stayed the same."""
+
+    checkpoint: str
+    """The draft LM checkpoint whose tokens are swapped in (the drafter the judge will serve with)."""
+    tasks: Literal["humaneval", "gsm8k"] = "humaneval"
+    """humaneval: unit tests in an isolated subprocess; gsm8k: final answers (needs path)."""
+    path: str | None = None
+    """Task file; None = the packaged HumanEval."""
+    n: int | None = Field(None, gt=0)
+    """Tasks used (the first n); None = all."""
+    max_swaps: int = Field(4, gt=0)
+    """What-if swaps per task (the first mismatches of the target's answer)."""
+    timeout: float = Field(10.0, gt=0)
+    """Seconds a HumanEval test run may take."""
+
+
 class DataConfig(Strict):
     enabled: bool = True
     prompts: PromptsConfig = PromptsConfig(source="sharegpt", n=256)
@@ -89,6 +107,8 @@ class DataConfig(Strict):
     """target = the target regenerates every assistant turn; dataset = keep the dataset's replies, score them."""
     on_policy: OnPolicyConfig | None = None
     specdec_labels: SpecDecLabelsConfig | None = None
+    judge_labels: JudgeLabelsConfig | None = None
+    """Mine Judge-Decoding labels instead of generating training sequences (the prompts section is unused)."""
     backend: Literal["native", "vllm"] = "native"
     """vllm: generate target responses with vLLM (GPU), then score them with draftsmith's model."""
     vllm_gpu_memory: float = Field(0.5, gt=0.0, lt=1.0)
@@ -242,6 +262,17 @@ class EagleDrafterConfig(Strict):
         return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
 
+class JudgeConfig(Strict):
+    """Judge Decoding's judge (algorithms.md A8): a linear probe (or tiny MLP) on the frozen target's final states
+    at drafted tokens, trained on mined what-if labels (data.judge_labels) with class-balanced BCE."""
+
+    kind: Literal["judge"] = "judge"
+    hidden: int = Field(0, ge=0)
+    """0 = linear probe (the paper's); > 0 = one hidden layer of this width."""
+    balance: bool = True
+    """Weigh the classes inversely to their frequency in each batch."""
+
+
 class AcceptanceHeadConfig(Strict):
     """SpecDec++ acceptance predictor (algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
     whether each drafted token will be accepted; the decoder then stops drafting adaptively (eval.stop)."""
@@ -259,7 +290,7 @@ class AcceptanceHeadConfig(Strict):
 
 
 DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig
-                          | EagleDrafterConfig | AcceptanceHeadConfig, Field(discriminator="kind")]
+                          | EagleDrafterConfig | AcceptanceHeadConfig | JudgeConfig, Field(discriminator="kind")]
 
 
 class LossConfig(Strict):
@@ -338,6 +369,19 @@ class TreeConfig(Strict):
         return self
 
 
+class JudgeVerifyConfig(Strict):
+    """**Lossy** Judge-Decoding verification (greedy chain only): keep a draft the target would not have chosen when
+    the judge scores the target's state at it above delta. Reports mark such runs lossy."""
+
+    head: str
+    """A trained judge checkpoint (drafter.kind judge)."""
+    delta: float = Field(0.5, gt=0, lt=1)
+    """Acceptance threshold on the judge's probability."""
+    tasks: Literal["humaneval", "gsm8k"] | None = None
+    """Also score task accuracy of every output on these tasks (the eval prompts are then the tasks)."""
+    tasks_path: str | None = None
+
+
 class StopConfig(Strict):
     """Adaptive draft length for chain decoding: end a block early when a rule says the next drafts are likely
     rejected (eval.draft_len stays the cap; the output is unchanged)."""
@@ -376,6 +420,8 @@ class EvalConfig(Strict):
     """Drafter checkpoint folder; None = <out_dir>/checkpoints/final."""
     warmup: int = Field(1, ge=0)
     """Prompts run once untimed before timing starts."""
+    judge: JudgeVerifyConfig | None = None
+    """Lossy judge verification (off by default); None = lossless verification."""
     stop: StopConfig | None = None
     """Adaptive draft length (chain only); None = always draft_len tokens. An acceptance-head checkpoint turns on
     the SpecDec++ rule with its defaults."""
@@ -406,6 +452,10 @@ class Recipe(Strict):
         d = self.drafter
         if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
+        if self.eval.judge is not None and (self.eval.strategy != "chain" or self.eval.temperature > 0):
+            raise ValueError("eval.judge (lossy judge verification) works with greedy chain decoding only")
+        if d.kind == "judge" and self.train.eval_every:
+            raise ValueError("train.eval_every does not apply to a judge: run `draftsmith eval` with eval.judge")
         if (d.kind == "acceptance_head" or self.eval.stop is not None) and self.eval.strategy != "chain":
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:

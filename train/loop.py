@@ -129,7 +129,8 @@ def train(recipe) -> Path:
     # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
     # states when the records do not store them.
     stored = kind in READS_FEATURES and features_stored(drafter, manifest["signals"])
-    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored)
+    # The judge reads the target's states at every what-if token.
+    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) or kind == "judge"
     teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
     del tgt
     signals = SIGNALS_NEEDED[kind] - (set() if stored else {"hidden_last", "hidden_aux"})

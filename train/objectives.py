@@ -266,6 +266,35 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(loss, n, m)
 
 
+def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """Judge head (algorithms.md A8): the frozen target's final state at each what-if draft token (the record's
+    only loss position) -> P(acceptable); BCE against the mined label, classes weighted inversely to their
+    frequency in the batch when ``balance``."""
+    if "judge_label" not in batch:
+        raise DraftsmithError("the judge trains on mined labels: generate with data.judge_labels")
+    if ctx.target is None:
+        raise DraftsmithError("the judge reads the target's states: the loop must run the target")
+    pm = batch["predict_mask"]
+    at = torch.zeros_like(pm)
+    at[:, 1:] = pm[:, :-1]  # the draft token's own position (row-major order = the labels' order)
+    with torch.no_grad():
+        h = ctx.target(batch["input_ids"], return_hidden=True)[at].float()  # (N, D)
+    y = batch["judge_label"].float()
+    logit = model(h)
+    w = torch.ones_like(y)
+    if ctx.params.get("balance", True):
+        pos, neg = float(y.sum()), float((1 - y).sum())
+        if pos and neg:  # each class carries half the batch's weight
+            w = torch.where(y > 0.5, len(y) / (2 * pos), len(y) / (2 * neg))
+    loss = (w * F.binary_cross_entropy_with_logits(logit, y, reduction="none")).sum()
+    a = torch.sigmoid(logit.detach()) > 0.5
+    good, bad = y > 0.5, y <= 0.5
+    m = {"top1": float((a == good).float().mean()), "label_acceptable": float(y.mean()),
+         "recall_acceptable": float(a[good].float().mean()) if good.any() else 0.0,
+         "recall_reject": float((~a[bad]).float().mean()) if bad.any() else 0.0}
+    return StepOutput(loss, len(y), m)
+
+
 OBJECTIVES = {
     "draft_lm": draft_lm_objective,
     "medusa": heads_objective,
@@ -273,6 +302,7 @@ OBJECTIVES = {
     "hydra": heads_objective,
     "eagle": eagle_objective,
     "acceptance_head": acceptance_objective,
+    "judge": judge_objective,
 }
 # Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
 # train on the target's final hidden states: from the records if stored, else from the target in the loop.
@@ -283,6 +313,7 @@ SIGNALS_NEEDED = {
     "hydra": {"topk", "hidden_last"},
     "eagle": {"topk", "hidden_last", "hidden_aux"},
     "acceptance_head": {"specdec"},
+    "judge": {"judge"},
 }
 READS_FEATURES = {"medusa", "mlp_speculator", "hydra", "eagle"}
 

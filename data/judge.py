@@ -1,0 +1,124 @@
+"""Judge labels without humans (algorithms.md A8, AutoJudge-style): ``draftsmith generate`` with data.judge_labels.
+
+For each task (eval/tasks.py: HumanEval unit tests, GSM8K-style final answers):
+1. the target answers greedily; its outcome O is recorded (pass/fail, or the final answer);
+2. the draft LM reads the target's answer teacher-forced; where its argmax differs from the target's token
+   (a draft/target mismatch a lossless verifier would reject), up to ``max_swaps`` positions per task:
+3. the draft's token is substituted, the target continues greedily from there, and the new outcome O' is
+   checked. Label 1 (acceptable) when O' == O, else 0 (the swap changed the result).
+
+Each what-if becomes one record: the context up to and including the substituted token, with that token as the
+only loss position and a ``judge_label`` signal; the judge trains on the target's state there (read in the loop).
+Shards of ``shard_size`` tasks are written atomically and skipped on a rerun, so a killed run resumes; the
+manifest is written last. No text is logged, only counts.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.data.generate import data_hash
+from draftsmith.data.records import (
+    FORMAT,
+    SOURCES,
+    Record,
+    bytes_per_token,
+    read_shard_meta,
+    shard_entry,
+    shard_name,
+    write_manifest,
+    write_shard,
+)
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import autoregressive_generate
+from draftsmith.eval.tasks import load_tasks, outcome
+from draftsmith.models.hf import encode_chat, load_model, stop_ids, tokenizer_hash
+from draftsmith.models.registry import load_drafter
+from draftsmith.runlog import RunLog
+from draftsmith.runtime import resolve_device, resolve_dtype
+
+
+@torch.no_grad()
+def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos: set[int], max_swaps: int,
+                 timeout: float) -> tuple[list[Record], dict]:
+    """The what-if records of one task and its tallies."""
+    ids = encode_chat(tok, task.messages)
+    resp = autoregressive_generate(target, torch.tensor(ids), max_new, eos_ids=eos)
+    base = outcome(task, tok.decode(resp, skip_special_tokens=True), timeout)
+    seq = torch.tensor([ids + resp])
+    pred = draft(seq)[0, len(ids) - 1:-1].argmax(-1).tolist()  # the draft's choice for each response token
+    swaps = [i for i, (p, r) in enumerate(zip(pred, resp)) if p != r][:max_swaps]
+    records, acceptable = [], 0
+    for i in swaps:
+        prefix = ids + resp[:i] + [pred[i]]
+        cont = [] if pred[i] in eos else autoregressive_generate(target, torch.tensor(prefix), max_new - i - 1,
+                                                                   eos_ids=eos)
+        label = float(outcome(task, tok.decode(resp[:i] + [pred[i]] + cont, skip_special_tokens=True),
+                              timeout) == base)
+        acceptable += int(label)
+        records.append(Record(prefix, [0] * (len(prefix) - 1) + [1], prompt_index, i, SOURCES["drafter"],
+                              {"judge_label": torch.tensor([label])}))
+    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(base == "pass")}
+
+
+def mine(recipe) -> Path:
+    """Run the judge-label data stage; returns the data folder (with manifest.json)."""
+    dc, jc, out = recipe.data, recipe.data.judge_labels, recipe.run_dir / "data"
+    device = resolve_device(recipe.target.device)
+    dtype = resolve_dtype(recipe.target.dtype, device)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.tmp*"):  # left by a killed run; never read
+        stale.unlink()
+    tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision)
+    draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
+    if info.get("kind") != "draft_lm":
+        raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
+                              f"the what-if swaps come from a standalone draft LM")
+    tok_hash = tokenizer_hash(tgt.tokenizer)
+    if info.get("tokenizer_hash") not in (None, tok_hash):
+        raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
+    tasks = load_tasks(jc.tasks, jc.path, jc.n)
+    eos = stop_ids(tgt.path, tgt.tokenizer)
+    dhash = data_hash(recipe)
+    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash}
+    starts = range(0, len(tasks), dc.shard_size)
+    runlog = RunLog(recipe.run_dir, "generate")
+    bar = tqdm(total=len(tasks), unit="task", desc="judge labels", dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for si, start in enumerate(starts):
+        path, shard = out / shard_name(si), tasks[start:start + dc.shard_size]
+        if path.exists():
+            if read_shard_meta(path).get("data_hash") != dhash:
+                raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new "
+                                      f"out_dir or delete {out}")
+            bar.update(len(shard))
+            continue
+        records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}
+        for j, task in enumerate(shard):
+            recs, c = task_records(tgt.model, draft, tgt.tokenizer, task, start + j, dc.max_new_tokens, eos,
+                                   jc.max_swaps, jc.timeout)
+            records += recs
+            counts = {k: counts[k] + c[k] for k in counts}
+            bar.update(1)
+        write_shard(path, records, meta, counts)
+        runlog.log({"shard": si, **counts, "seconds": round(time.perf_counter() - t0, 1)})
+    bar.close()
+    entries = [shard_entry(out / shard_name(i)) for i in range(len(starts))]
+    totals = {k: sum(e["counts"][k] for e in entries) for k in ("tasks", "swaps", "acceptable", "base_pass")}
+    if totals["swaps"] == 0:
+        raise DraftsmithError(f"data.judge_labels: the draft agreed with the target everywhere on {len(tasks)} "
+                              f"tasks; no what-if swaps to label (use more tasks or a weaker draft)")
+    manifest = {"format": FORMAT, **meta, "recipe": recipe.name, "responses": "judge_labels",
+                "n_sequences": sum(e["n_sequences"] for e in entries),
+                "n_tokens": sum(e["n_tokens"] for e in entries),
+                "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),
+                "judge": {**jc.model_dump(), **totals}, "signals": {"judge": {"axis": "loss"}},
+                "bytes_per_token": bytes_per_token(entries), "shards": entries}
+    write_manifest(out, manifest)
+    runlog.log({"done": True, **totals})
+    print(f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
+          f"outcome; the target passed {totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}")
+    return out

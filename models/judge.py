@@ -1,0 +1,62 @@
+"""Judge module (Judge Decoding, algorithms.md A8): a tiny head on the *target's* final hidden states at drafted
+tokens that predicts whether a draft token is an acceptable continuation even where it differs from the target's
+own choice.
+
+``JudgeHead``: Linear(d -> 1) (``hidden`` = 0, the paper's linear probe) or a one-hidden-layer MLP. The verify
+forward already computes the states it reads, so judging costs one dot product per draft.
+
+Decoding with a judge is **lossy** (eval.judge, off by default): a draft is accepted when standard greedy
+verification accepts it *or* its judge score exceeds delta; the block keeps the longest such prefix and the
+target's token follows as usual (eval/decoder.py). Labels come from automatic what-if continuations
+(data/judge.py); the objective is class-balanced BCE (train/objectives.py ``judge_objective``).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class JudgeConfig:
+    dim: int
+    hidden: int = 0  # 0 = linear probe
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class JudgeHead(nn.Module):
+    reads_target_states = True  # trained on the frozen target's states, run in the loop
+
+    def __init__(self, cfg: JudgeConfig):
+        super().__init__()
+        self.cfg = cfg
+        if cfg.hidden:
+            self.net = nn.Sequential(nn.Linear(cfg.dim, cfg.hidden), nn.SiLU(), nn.Linear(cfg.hidden, 1))
+        else:
+            self.net = nn.Linear(cfg.dim, 1)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Target states (..., d) -> acceptability logits (...)."""
+        return self.net(h.to(next(self.net.parameters()).dtype)).squeeze(-1)
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def build_judge(params: dict, target, **_) -> JudgeHead:
+    return JudgeHead(JudgeConfig(dim=target.cfg.dim, hidden=params.get("hidden", 0))).to(
+        target.embed_tokens.weight.dtype)
+
+
+class Judge:
+    """The decoder's view of a trained head: ``scores(states (γ, d)) -> P(acceptable) (γ,)`` and the threshold."""
+
+    def __init__(self, head: JudgeHead, delta: float):
+        self.head, self.delta = head, delta
+
+    @torch.no_grad()
+    def accepts(self, states: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.head(states)) > self.delta

@@ -1,0 +1,119 @@
+"""Judge Decoding (algorithms.md A8): the lossy acceptance rule, task outcomes (sandboxed HumanEval tests,
+final answers), automatic what-if label mining with resume, judge training, and the lossy eval mode."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from draftsmith.cli import main
+from draftsmith.eval.accept import judge_accept
+from draftsmith.eval.tasks import Task, correct, final_answer, load_tasks, run_tests
+
+GSM = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
+       {"question": "Count to five.", "answer": "#### 5"},
+       {"question": "Tell me about foxes.", "answer": "#### 1,000"}]
+
+
+def test_judge_accept_rule():
+    logits = torch.zeros(4, 6)
+    logits[torch.arange(4), torch.tensor([1, 2, 3, 4])] = 5.0  # target argmax per row: 1 2 3 | bonus 4
+    drafts = torch.tensor([1, 5, 3])
+    assert judge_accept(drafts, logits, torch.tensor([False, False, False])) == (1, 2, 0)  # plain greedy
+    assert judge_accept(drafts, logits, torch.tensor([False, True, False])) == (3, 4, 1)  # the judge keeps draft 2
+    assert judge_accept(drafts, logits, torch.tensor([True, True, True])) == (3, 4, 1)
+
+
+def test_task_outcomes_run_isolated_and_time_out():
+    import gzip
+
+    from draftsmith.data.prompts import package_file
+
+    rec = json.loads(gzip.open(package_file("humaneval"), "rt").readline())
+    task = load_tasks("humaneval", n=1)[0]
+    assert task.data["entry_point"] == rec["entry_point"]
+    assert run_tests(task, f"```python\n{rec['prompt']}{rec['canonical_solution']}```")
+    assert correct(task, rec["canonical_solution"])  # a bare body completes the prompt
+    assert not run_tests(task, "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```")
+    assert not run_tests(task, "```python\nwhile True:\n    pass\n```", timeout=1.0)
+    assert final_answer("so 1,234.0 apples\n#### 42") == "42" and final_answer("It is 7.") == "7"
+    gsm = Task("0", "gsm8k", [], {"answer": "#### 1,000"})
+    assert correct(gsm, "The answer is 1000") and not correct(gsm, "no idea")
+
+
+@pytest.fixture(scope="module")
+def judge_data(tmp_path_factory, tiny_model_dir, prompts_file):
+    root = tmp_path_factory.mktemp("judge")
+    common = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
+              f"eval.prompts.path={prompts_file}", "-q"]
+    assert main(["run", "tiny", f"out_dir={root / 'draft'}", "eval.enabled=false", "drafter.init_layers=null",
+                 "train.steps=1", *common]) == 0  # a poor draft: plenty of mismatches
+    tasks = root / "gsm.jsonl"
+    tasks.write_text("".join(json.dumps(r) + "\n" for r in GSM))
+    return root, root / "draft" / "checkpoints" / "final", tasks, common
+
+
+def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_dir, monkeypatch, tmp_path):
+    import yaml
+
+    from draftsmith.data import judge as judge_data_mod
+    from draftsmith.data.dataset import RecordDataset
+    from draftsmith.models.hf import load_model
+    from draftsmith.models.registry import load_drafter
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    root, draft_ckpt, tasks, common = judge_data
+    # A deterministic stand-in outcome that both keeps and flips, so both label values occur.
+    monkeypatch.setattr(judge_data_mod, "outcome", lambda task, text, timeout: str(len(text) % 2))
+    run = root / "judge"
+    mine = ["generate", "tiny", f"out_dir={run}", f"data.judge_labels.checkpoint={draft_ckpt}",
+            "data.judge_labels.tasks=gsm8k", f"data.judge_labels.path={tasks}", "data.judge_labels.max_swaps=3",
+            "data.shard_size=2", "target.dtype=float64", *common]
+    assert main(mine) == 0
+    manifest = json.loads((run / "data" / "manifest.json").read_text())
+    assert manifest["judge"]["tasks"] == 3 and 0 < manifest["judge"]["swaps"] <= 9
+    ds = RecordDataset(run / "data", 4096, signals={"judge"})
+    labels = torch.cat([ds[i].signals["judge_label"] for i in range(len(ds))])
+    assert len(ds) == manifest["judge"]["swaps"] and set(labels.tolist()) <= {0.0, 1.0}
+    # each record ends with the draft's choice where the target would have written something else
+    tgt = load_model(str(tiny_model_dir), torch.float64).model
+    draft, _ = load_drafter(draft_ckpt, dtype=torch.float64)
+    for i in range(len(ds)):
+        ids = torch.as_tensor(ds[i].input_ids)
+        with torch.no_grad():
+            drafted, wanted = draft(ids[None, :-1])[0, -1].argmax(), tgt(ids[None, :-1])[0, -1].argmax()
+        assert int(drafted) == int(ids[-1]) != int(wanted)
+        assert ds[i].loss_mask.tolist() == [0] * (len(ids) - 1) + [1]
+    # resume: a rerun with a shard removed rebuilds it identically and keeps the other
+    first = (run / "data" / "shard-00000.safetensors").read_bytes()
+    (run / "data" / "shard-00001.safetensors").unlink()
+    assert main(mine) == 0 and (run / "data" / "shard-00000.safetensors").read_bytes() == first
+    assert json.loads((run / "data" / "manifest.json").read_text())["judge"]["swaps"] == manifest["judge"]["swaps"]
+    # train the judge (a linear probe on the target's states) in the one loop
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "judge"}
+    recipe = tmp_path / "tiny-judge.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", "train.micro_batch_size=4", *common]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("recall_reject" in r for r in rows)
+    head = run / "checkpoints" / "final"
+    # lossy eval: the report says so, scores task accuracy next to speed; delta ~1 is plain greedy verification
+    ev = ["eval", "tiny", f"out_dir={tmp_path / 'ev'}", f"eval.checkpoint={draft_ckpt}", f"eval.judge.head={head}",
+          "eval.judge.tasks=gsm8k", f"eval.judge.tasks_path={tasks}", "target.dtype=float64", *common]
+    assert main([*ev, "eval.judge.delta=0.999999"]) == 0
+    report = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
+    assert report["lossy"]["judge_accepted"] == 0 and report["lossless_match"] == 1.0
+    assert set(report["task_accuracy"]) == {"spec", "ar", "tasks"} and report["prompts"]["n"] == 3
+    assert "LOSSY" in (tmp_path / "ev" / "eval" / "report.md").read_text()
+    with torch.no_grad():  # an always-accepting judge keeps every draft
+        from draftsmith.models.registry import save_drafter
+
+        j, info = load_drafter(head)
+        j.net.bias.fill_(50.0)
+        save_drafter(tmp_path / "yes-judge", j, "judge", {})
+    assert main([*ev, f"eval.judge.head={tmp_path / 'yes-judge'}", "eval.judge.delta=0.5"]) == 0
+    report = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
+    assert report["acceptance_rate"] == 1.0 and report["lossy"]["judge_accepted"] > 0
+    assert main([*ev, "eval.temperature=1.0"]) == 2  # lossy judging is greedy-only: a one-line error
