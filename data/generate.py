@@ -31,7 +31,7 @@ from draftsmith.data.records import (
     Record,
     bytes_per_token,
     quantize_fp8,
-    read_shard_meta,
+    shard_done,
     shard_entry,
     shard_name,
     write_manifest,
@@ -279,10 +279,7 @@ def generate(recipe) -> Path:
     for si in mine:
         path, start = out / shard_name(si), starts[si]
         shard_prompts = prompts[start:start + dc.shard_size]
-        if path.exists():
-            if read_shard_meta(path).get("data_hash") != dhash:
-                raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new "
-                                      f"out_dir or delete {out}")
+        if shard_done(path, dhash):
             bar.update(len(shard_prompts))
             continue
         stats = Stats()

@@ -26,7 +26,7 @@ from draftsmith.data.records import (
     SOURCES,
     Record,
     bytes_per_token,
-    read_shard_meta,
+    shard_done,
     shard_entry,
     shard_name,
     write_manifest,
@@ -90,10 +90,7 @@ def mine(recipe) -> Path:
     t0 = time.perf_counter()
     for si, start in enumerate(starts):
         path, shard = out / shard_name(si), tasks[start:start + dc.shard_size]
-        if path.exists():
-            if read_shard_meta(path).get("data_hash") != dhash:
-                raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new "
-                                      f"out_dir or delete {out}")
+        if shard_done(path, dhash):
             bar.update(len(shard))
             continue
         records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}

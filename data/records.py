@@ -108,6 +108,18 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
     return entry
 
 
+def shard_done(path: Path, data_hash: str) -> bool:
+    """Whether a shard of this data recipe is already written (resume); a shard of another recipe is an error."""
+    if not path.exists():
+        return False
+    if read_shard_meta(path).get("data_hash") != data_hash:
+        from draftsmith.errors import DraftsmithError
+
+        raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new out_dir or "
+                              f"delete {path.parent}")
+    return True
+
+
 def read_shard_meta(path: Path) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as fh:
         return fh.metadata() or {}

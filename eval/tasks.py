@@ -9,7 +9,6 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,7 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.data.prompts import _open, package_file
+from draftsmith.data.prompts import iter_jsonl, package_file
 from draftsmith.errors import DraftsmithError
 
 KINDS = ("humaneval", "gsm8k")
@@ -40,17 +39,12 @@ def load_tasks(kind: str, path: str | None = None, n: int | None = None) -> list
     file = Path(path) if path else package_file("humaneval")
     tasks = []
     try:
-        with _open(file) as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DraftsmithError(f"{file} line {line_no}: not JSON ({e.msg})") from None
-                tasks.append(_task(kind, rec, f"{file} line {line_no}", len(tasks)))
-                if n is not None and len(tasks) >= n:
-                    break
+        rows = iter_jsonl(file)  # one-line errors name the file and line
+        for _, rec, where in rows:
+            tasks.append(_task(kind, rec, f"{file} {where}", len(tasks)))
+            if n is not None and len(tasks) >= n:
+                rows.close()
+                break
     except FileNotFoundError:
         raise DraftsmithError(f"tasks file {file}: not found") from None
     if not tasks:

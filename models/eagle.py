@@ -38,6 +38,7 @@ from draftsmith.models.llama import (
     ReducedVocab,
     RMSNorm,
     apply_rope,
+    default_pos,
     prepare_cache,
     rope_cos_sin,
     rope_inv_freq,
@@ -161,10 +162,8 @@ class Eagle(ReducedVocab, nn.Module):
              cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False):
         """state (B, T, d), ids (B, T) -> (logits (B, T, V_target), next state (B, T, d)), appending to ``cache``.
         last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul)."""
-        B, T = ids.shape
-        if pos is None:
-            start = cache.length if cache is not None else 0
-            pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        T = ids.shape[1]
+        pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
         mask = prepare_cache(cache, T, None, attn_mask) if cache is not None else None

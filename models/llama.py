@@ -106,6 +106,13 @@ def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask:
     return None
 
 
+def default_pos(ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+    """RoPE positions (B, T) of new tokens: 0..T-1, or continuing after the cache's filled slots."""
+    B, T = ids.shape
+    start = cache.length if cache is not None else 0
+    return torch.arange(start, start + T, device=ids.device).expand(B, T)
+
+
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """pos (B, T) -> cos, sin (B, 1, T, hd). Angles in fp32 whatever the model dtype (as HF does): bf16 angles
     drift at long positions."""
@@ -333,9 +340,7 @@ class Llama(ReducedVocab, nn.Module):
             forward, where sharding wrappers (FSDP2, DeepSpeed ZeRO-3) have the LM head gathered.
         """
         B, T = ids.shape
-        if pos is None:
-            start = cache.length if cache is not None else 0
-            pos = torch.arange(start, start + T, device=ids.device).expand(B, T)
+        pos = default_pos(ids, cache) if pos is None else pos
         x = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
         mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
