@@ -174,8 +174,8 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, t, _spec(cfg), ctx.generator) * n if n else x.sum() * 0
         return loss * weight, n, losses.head_metrics(x.detach(), w.detach(), t, cfg.chunk, ranks=3)
 
-    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn,
-                 base_select=batch["predict_mask"].flatten())
+    extra = {"base_select": batch["predict_mask"].flatten()} if joint else {}
+    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn, **extra)
     m = _per_step_metrics(outs[1:] if joint else outs, "head")
     if joint:  # how far the adapted target drifted from the original (1.0 = the same argmax everywhere)
         m["top1_target"] = outs[0][2]["top1"]
