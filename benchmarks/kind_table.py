@@ -1,0 +1,79 @@
+"""Per-drafter-kind proof table (issue 6): tau, speedup vs AR and efficiency of every kind on the same records.
+
+Each kind trains with its shipped recipe (`recipes/{eagle3,eagle1,hydra,medusa}-smollm2.yaml`, equal data: the
+fastdraft-finetune records, equal steps) and is evaluated with `draftsmith eval` in several decoding settings;
+this script runs what is missing and prints one markdown table from the eval reports.
+
+    python benchmarks/kind_table.py                 # train + eval what is missing, then print the table
+    python benchmarks/kind_table.py --table-only    # print the table from existing reports
+
+Eval settings (names used as folder names under runs/table/): chain-t0 (chain, greedy), dyn-t0 (EAGLE-2 dynamic
+tree, greedy), tree-t0 (static tree, greedy), chain-t1 (chain, temperature 1). Speedups are measured side by side
+with the target's own AR decoding in the same process (benchmarks/RESULTS.md explains the machine).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+KINDS = ["eagle3", "eagle1", "hydra", "medusa"]
+SETTINGS = {"chain-t0": [], "dyn-t0": ["eval.strategy=dynamic_tree"], "tree-t0": ["eval.strategy=tree"],
+            "chain-t1": ["eval.temperature=1.0"]}
+PLAN = [("eagle3", "chain-t0"), ("eagle3", "dyn-t0"), ("eagle1", "chain-t0"), ("hydra", "chain-t0"),
+        ("medusa", "chain-t0"), ("eagle1", "dyn-t0"), ("eagle3", "chain-t1"), ("hydra", "tree-t0"),
+        ("medusa", "tree-t0")]
+RUNS, TABLE = Path("runs"), Path("runs/table")
+LABEL = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "hydra": "Hydra++", "medusa": "Medusa-1"}
+
+
+def _draftsmith(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "draftsmith", *args], check=True)
+
+
+def ensure(kind: str, setting: str) -> None:
+    run, ckpt = RUNS / f"{kind}-smollm2", RUNS / f"{kind}-smollm2" / "checkpoints" / "final"
+    if not ckpt.is_dir():
+        if not (run / "data").is_dir():  # equal data for every kind: the FastDraft stage-2 records
+            shutil.copytree(RUNS / "fastdraft-finetune" / "data", run / "data")
+        _draftsmith("train", f"{kind}-smollm2")
+    out = TABLE / f"{kind}-{setting}"
+    if not (out / "eval" / "report.json").is_file():
+        _draftsmith("eval", f"{kind}-smollm2", f"eval.checkpoint={ckpt}", f"out_dir={out}", *SETTINGS[setting])
+
+
+def table() -> str:
+    rows = ["| kind | setting | tau | acceptance | speedup vs AR | efficiency | lossless | train steps |",
+            "|---|---|---|---|---|---|---|---|"]
+    for kind, setting in PLAN:
+        f = TABLE / f"{kind}-{setting}" / "eval" / "report.json"
+        if not f.is_file():
+            continue
+        r = json.loads(f.read_text())
+        s = r["strategy"]
+        how = s["kind"] + (f" γ={s['draft_len']}" if "draft_len" in s else
+                           f" top-k {s['top_k']} depth {s['depth']} {s['total_tokens']} nodes" if "top_k" in s else
+                           f" {s['nodes']} nodes")
+        lossless = "n/a (T>0)" if r["lossless_match"] is None else f"{r['lossless_match']:.2f}"
+        rows.append(f"| {LABEL[kind]} | {how}, T={r['temperature']:g} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | "
+                    f"{r['speedup']['vs_ar']:.2f}x | {r['efficiency']:.2f} | {lossless} | "
+                    f"{r['drafter']['step']} |")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--table-only", action="store_true", help="print the table from existing reports only")
+    args = p.parse_args()
+    if not args.table_only:
+        for kind, setting in PLAN:
+            ensure(kind, setting)
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
