@@ -543,7 +543,7 @@ class _EagleOracle:
     def new_cache(self, batch, max_len):
         return type("Cache", (), {"length": 0})()
 
-    def step(self, state, ids, pos=None, cache=None, attn_mask=None):
+    def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only=False):
         T = ids.shape[1]
         pos = torch.arange(cache.length, cache.length + T) if pos is None else pos[0]
         cache.length += T
@@ -559,7 +559,7 @@ class _EagleOracle:
         for j in range(T):
             nxt = int(pos[j]) + 2
             logits[0, j, self.seq[nxt] if nxt < len(self.seq) else 0] = 10.0
-        return logits, state
+        return (logits[:, -1:] if last_only else logits), state
 
 
 def _eagle(version, target, noise, **params):
