@@ -31,7 +31,6 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.llama import (
     MLP,
     Attention,
-    FusedLinear,
     KVCache,
     LlamaConfig,
     ReducedHead,
@@ -39,6 +38,7 @@ from draftsmith.models.llama import (
     RMSNorm,
     apply_rope,
     default_pos,
+    fuse_for_inference,
     prepare_cache,
     rope_cos_sin,
     rope_inv_freq,
@@ -176,18 +176,7 @@ class Eagle(ReducedVocab, nn.Module):
     @torch.no_grad()
     def optimize_for_inference(self) -> Eagle:
         """Fused q/k/v and gate/up matmuls with pre-packed weights (models/llama.py FusedLinear); decoding only."""
-        self._counts = (self.num_params(), self.num_params(exclude_embeddings=True))
-        a, m = self.self_attn, self.mlp
-        a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
-        a.o_proj, m.down_proj = FusedLinear(a.o_proj), FusedLinear(m.down_proj)
-        m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
-        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
-        if isinstance(self.lm_head, ReducedHead):
-            self.lm_head.fused = FusedLinear(self.lm_head)
-        else:
-            self.lm_head = FusedLinear(self.lm_head)
-        self.requires_grad_(False)
-        return self
+        return fuse_for_inference(self, [(self.self_attn, self.mlp)])
 
     # ---- training: training-time test -----------------------------------------------------------------------------
 

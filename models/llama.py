@@ -258,6 +258,24 @@ class ReducedVocab:
         return res
 
 
+def fuse_for_inference(model: nn.Module, layers: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
+    """Fuse each (attention, MLP) pair's q/k/v and gate/up matmuls, pre-pack every matmul weight (FusedLinear) and
+    the LM head; the model keeps its parameter counts (packed weights are not parameters) and stops training."""
+    model._counts = (model.num_params(), model.num_params(exclude_embeddings=True))
+    for a, m in layers:
+        a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
+        a.o_proj = FusedLinear(a.o_proj)
+        m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
+        m.down_proj = FusedLinear(m.down_proj)
+        del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+    if isinstance(model.lm_head, ReducedHead):
+        model.lm_head.fused = FusedLinear(model.lm_head)
+    else:
+        model.lm_head = FusedLinear(model.lm_head)
+    model.requires_grad_(False)
+    return model
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -367,20 +385,7 @@ class Llama(ReducedVocab, nn.Module):
         For the decoder only: the result has no gradients and no HF-named state dict, so build HF copies
         (``to_hf_model``) before calling this. Logits match the unfused model to float rounding.
         """
-        self._counts = (self.num_params(), self.num_params(exclude_embeddings=True))  # packed weights hide them
-        for block in self.layers:
-            a, m = block.self_attn, block.mlp
-            a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
-            a.o_proj = FusedLinear(a.o_proj)
-            m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
-            m.down_proj = FusedLinear(m.down_proj)
-            del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
-        if isinstance(self.lm_head, ReducedHead):
-            self.lm_head.fused = FusedLinear(self.lm_head)
-        else:
-            self.lm_head = FusedLinear(self.lm_head)
-        self.requires_grad_(False)
-        return self
+        return fuse_for_inference(self, [(b.self_attn, b.mlp) for b in self.layers])
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         if hasattr(self, "_counts"):
