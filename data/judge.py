@@ -48,7 +48,7 @@ def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos:
     ids = encode_chat(tok, task.messages)
     resp = autoregressive_generate(target, torch.tensor(ids), max_new, eos_ids=eos)
     base = outcome(task, tok.decode(resp, skip_special_tokens=True), timeout)
-    seq = torch.tensor([ids + resp])
+    seq = torch.tensor([ids + resp], device=next(draft.parameters()).device)
     pred = draft(seq)[0, len(ids) - 1:-1].argmax(-1).tolist()  # the draft's choice for each response token
     swaps = [i for i, (p, r) in enumerate(zip(pred, resp)) if p != r][:max_swaps]
     records, acceptable = [], 0

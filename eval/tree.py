@@ -185,8 +185,10 @@ def compact_cache(cache, start: int, keep: list[int]) -> None:
     then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive
     (kernels/kv.py: Triton on CUDA, the PyTorch reference elsewhere)."""
     if keep != list(range(len(keep))):  # already in place (a chain, or the top path) needs no copy
-        idx = torch.tensor(keep, device=cache.valid.device)
-        for buf in (*cache.k, *cache.v):
-            compact_kv(buf, start, idx)
-        cache.valid[:, start:start + len(keep)] = cache.valid[:, start + idx]
+        if any(b <= a for a, b in zip(keep, keep[1:])) or start + keep[-1] >= cache.max_len:
+            raise ValueError(f"compact_cache: keep must be ascending slots inside the cache, got {keep}")
+        idx = torch.tensor(keep, dtype=torch.int32, device=cache.valid.device)
+        kv = cache.kv.view(-1, *cache.kv.shape[3:])  # every layer's K and V as one (2·L·B, H, S, D) buffer
+        compact_kv(kv, start, idx, check=False)  # checked above on the host list: no device sync
+        cache.valid[:, start:start + len(keep)] = cache.valid[:, start + idx.long()]
     cache.length = start + len(keep)

@@ -31,11 +31,12 @@ if HAS_TRITON:
             tl.store(base + (start + j) * D + offs, row, mask=m)
 
 
-def compact_kv(x: torch.Tensor, start: int, keep: torch.Tensor, impl: str = "auto") -> None:
-    """In place on one K or V buffer x (B, H, S, D), contiguous. keep (n,) ascending slot offsets from start."""
+def compact_kv(x: torch.Tensor, start: int, keep: torch.Tensor, impl: str = "auto", check: bool = True) -> None:
+    """In place on one K or V buffer x (B, H, S, D), contiguous. keep (n,) ascending slot offsets from start.
+    ``check=False`` skips validating keep's values, which costs a device sync (for callers that checked them)."""
     if x.dim() != 4 or not x.is_contiguous():
         raise ValueError(f"compact_kv: expected a contiguous (B, H, S, D) buffer, got {tuple(x.shape)}")
-    if keep.numel() and (start + int(keep.max()) >= x.shape[2] or bool((keep.diff() <= 0).any())):
+    if check and keep.numel() and (start + int(keep.max()) >= x.shape[2] or bool((keep.diff() <= 0).any())):
         raise ValueError("compact_kv: keep must be strictly ascending and inside the buffer")
     if pick_impl(impl, x) == "reference":
         return compact_kv_reference(x, start, keep)

@@ -1,5 +1,5 @@
-"""Fused chain verification: one kernel launch per step decides how many drafts survive and draws the next token,
-on device, with no host synchronisation inside (algorithms.md A1, C1-C2, C5).
+"""Fused chain verification: one kernel pass per step (two launches for greedy) decides how many drafts survive
+and draws the next token, on device, with no host synchronisation inside (algorithms.md A1, C1-C2, C5).
 
 - ``verify_greedy``: accept drafts while they equal the target's argmax; next = argmax after the accepted prefix.
 - ``verify_sampling``: accept draft i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw
@@ -48,31 +48,36 @@ def verify_sampling_reference(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
 
 if HAS_TRITON:
     @triton.jit
-    def _argmax_row(ptr, V, BLOCK_V: tl.constexpr):
-        """Argmax (first on ties) of a row of V floats at ptr, scanned in blocks."""
-        best_v = float("-inf")
-        best_i = 0
-        for start in range(0, V, BLOCK_V):
-            offs = start + tl.arange(0, BLOCK_V)
-            x = tl.load(ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-            m = tl.max(x, 0)
-            i = tl.min(tl.where(x == m, offs, V), 0)  # first index reaching the block max
-            take = m > best_v
-            best_i = tl.where(take, i, best_i)
-            best_v = tl.where(take, m, best_v)
-        return best_i
+    def _chunk_argmax_kernel(logits_ptr, pmax_ptr, pidx_ptr, V, NC, CHUNK: tl.constexpr):
+        """Program (row, c): max and first argmax of chunk c of one logits row. Many programs per row keep a
+        128k vocabulary from being scanned by a single SM."""
+        row, c = tl.program_id(0), tl.program_id(1)
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        x = tl.load(logits_ptr + row * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        m = tl.max(x, 0)
+        tl.store(pmax_ptr + row * NC + c, m)
+        tl.store(pidx_ptr + row * NC + c, tl.min(tl.where(x == m, offs, V), 0))
 
     @triton.jit
-    def _verify_greedy_kernel(draft_ptr, logits_ptr, n_ptr, next_ptr, G, V, BLOCK_V: tl.constexpr):
+    def _row_best(pmax_ptr, pidx_ptr, row, V, NC, BLOCK_C: tl.constexpr):
+        offs = tl.arange(0, BLOCK_C)
+        vals = tl.load(pmax_ptr + row * NC + offs, mask=offs < NC, other=float("-inf"))
+        idx = tl.load(pidx_ptr + row * NC + offs, mask=offs < NC, other=V)
+        return tl.min(tl.where(vals == tl.max(vals, 0), idx, V), 0)  # chunks ascend: the first index on ties
+
+    @triton.jit
+    def _greedy_accept_kernel(draft_ptr, pmax_ptr, pidx_ptr, n_ptr, next_ptr, G, V, NC, BLOCK_C: tl.constexpr):
         b = tl.program_id(0)
         n = 0
         running = 1  # 1 while every draft so far matched
-        for i in range(0, G):
-            best = _argmax_row(logits_ptr + (b * (G + 1) + i) * V, V, BLOCK_V)
-            d = tl.load(draft_ptr + b * G + i)
-            running = running * (d == best).to(tl.int32)
-            n += running
-        nxt = _argmax_row(logits_ptr + (b * (G + 1) + n) * V, V, BLOCK_V)
+        nxt = 0
+        for i in range(0, G + 1):
+            best = _row_best(pmax_ptr, pidx_ptr, b * (G + 1) + i, V, NC, BLOCK_C)
+            nxt = tl.where(running == 1, best, nxt)  # the last row reached with all drafts before it matched
+            if i < G:
+                d = tl.load(draft_ptr + b * G + i)
+                running = running * (d == best).to(tl.int32)
+                n += running
         tl.store(n_ptr + b, n)
         tl.store(next_ptr + b, nxt.to(tl.int64))
 
@@ -133,8 +138,13 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor, impl: str = "auto")
     V = logits.shape[-1]
     n = torch.empty(B, dtype=torch.int32, device=logits.device)
     nxt = torch.empty(B, dtype=torch.int64, device=logits.device)
-    _verify_greedy_kernel[(B,)](draft.contiguous(), logits.contiguous(), n, nxt, G, V,
-                                BLOCK_V=min(1024, triton.next_power_of_2(V)))
+    chunk = min(4096, triton.next_power_of_2(V))
+    nc = triton.cdiv(V, chunk)
+    pmax = torch.empty(B * (G + 1), nc, dtype=torch.float32, device=logits.device)
+    pidx = torch.empty(B * (G + 1), nc, dtype=torch.int32, device=logits.device)
+    _chunk_argmax_kernel[(B * (G + 1), nc)](logits.contiguous(), pmax, pidx, V, nc, CHUNK=chunk)
+    _greedy_accept_kernel[(B,)](draft.contiguous(), pmax, pidx, n, nxt, G, V, nc,
+                                BLOCK_C=triton.next_power_of_2(nc))
     return n, nxt
 
 

@@ -50,13 +50,19 @@ class KVCache:
     """
 
     def __init__(self, cfg: LlamaConfig, batch: int, max_len: int, dtype, device):
-        shape = (batch, cfg.n_kv_heads, max_len, cfg.hd)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        # One buffer (K/V, layer, B, n_kv_heads, max_len, head_dim): k[i] / v[i] are views, so KV compaction after
+        # a tree verify is one kernel launch over every layer (eval/tree.py compact_cache).
+        self.kv = torch.zeros(2, cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.hd, dtype=dtype, device=device)
+        # One select() view per layer: views from a multi-output op (unbind) may not be written in place under grad.
+        self.k = [self.kv[0, i] for i in range(cfg.n_layers)]
+        self.v = [self.kv[1, i] for i in range(cfg.n_layers)]
         self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.length = 0
         self.max_len = max_len
         self.padded = False  # set once any row wrote an invalid (padding) slot; never cleared
+        # Static-shape mode (models/graphs.py, CUDA graphs): new K/V go to these slots (a (T,) device tensor),
+        # attention reads the whole buffer under the caller's full-width mask, and ``length`` is the caller's job.
+        self.slots: torch.Tensor | None = None
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -162,7 +168,11 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd)
         v = v.view(B, T, Hkv, hd).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        if cache is not None and cache.slots is not None:  # static shapes: no Python ints in the graph
+            cache.k[layer].index_copy_(2, cache.slots, k)
+            cache.v[layer].index_copy_(2, cache.slots, v)
+            k, v = cache.k[layer], cache.v[layer]
+        elif cache is not None:
             s0 = cache.length
             cache.k[layer][:, :, s0:s0 + T] = k
             cache.v[layer][:, :, s0:s0 + T] = v
@@ -361,7 +371,11 @@ class Llama(ReducedVocab, nn.Module):
         pos = default_pos(ids, cache) if pos is None else pos
         x = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
-        mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
+        static = cache is not None and cache.slots is not None
+        if static:  # models/graphs.py set the slots and passes the (B, T, max_len) mask over the whole buffer
+            mask = attn_mask[:, None]
+        else:
+            mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
@@ -369,7 +383,7 @@ class Llama(ReducedVocab, nn.Module):
             x = layer(x, cos, sin, mask, cache, i)
         if self.cfg.n_layers in capture_layers:
             captured[self.cfg.n_layers] = x
-        if cache is not None:
+        if cache is not None and not static:
             cache.length += T
         h = self.norm(x)
         h = h[logits_at] if logits_at is not None else h

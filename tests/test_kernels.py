@@ -40,7 +40,7 @@ def test_verify_greedy_ties_take_the_first_index():
     logits = torch.zeros(1, 2, 1030)
     logits[0, 0, [3, 1029]] = 5.0  # tie across a block boundary: argmax is the first (3)
     logits[0, 1, [700, 1027]] = 2.0
-    n, nxt = verify_greedy(torch.tensor([[3]]), logits, impl="triton")
+    n, nxt = verify_greedy(torch.tensor([[3]], device=DEV), logits.to(DEV), impl="triton")
     assert n.item() == 1 and nxt.item() == 700
 
 
@@ -50,16 +50,17 @@ def _probs(*shape, seed, sharp=2.0):
 
 def test_verify_sampling_special_cases():
     B, G, V = 32, 3, 10
-    p = _probs(B, G + 1, V, seed=0)
-    draft = torch.multinomial(p[:, :G].reshape(-1, V), 1, generator=torch.Generator().manual_seed(1)).view(B, G)
+    p = _probs(B, G + 1, V, seed=0).to(DEV)
+    draft = torch.multinomial(p[:, :G].reshape(-1, V).cpu(), 1, generator=torch.Generator().manual_seed(1))
+    draft = draft.view(B, G).to(DEV)
     n, _ = verify_sampling(draft, p[:, :G].clone(), p, seed=3, impl="triton")
     assert (n == G).all()  # q == p: every draft is accepted
-    q = torch.zeros(B, G, V)
+    q = torch.zeros(B, G, V, device=DEV)
     q[..., 0] = 1.0
     p0 = p.clone()
     p0[..., 0] = 0.0
     p0 /= p0.sum(-1, keepdim=True)
-    n, nxt = verify_sampling(torch.zeros(B, G, dtype=torch.long), q, p0, seed=4, impl="triton")
+    n, nxt = verify_sampling(torch.zeros(B, G, dtype=torch.long, device=DEV), q, p0, seed=4, impl="triton")
     assert (n == 0).all() and (nxt != 0).all()  # drafts outside p's support never survive or come back
 
 
@@ -70,7 +71,8 @@ def test_verify_sampling_keeps_the_target_distribution():
     p = _probs(1, G + 1, V, seed=10).expand(B, -1, -1).contiguous()
     q = (0.5 * p[:, :G] + 0.5 * _probs(1, G, V, seed=11)).contiguous()  # overlaps p: both branches are common
     draft = torch.multinomial(q[0, 0], B, replacement=True, generator=torch.Generator().manual_seed(12))[:, None]
-    n, nxt = verify_sampling(draft, q, p, seed=13, impl="triton")
+    n, nxt = verify_sampling(draft.to(DEV), q.to(DEV), p.to(DEV), seed=13, impl="triton")
+    n, nxt = n.cpu(), nxt.cpu()
     first = torch.where(n >= 1, draft[:, 0], nxt)
     emp = torch.bincount(first, minlength=V).double() / B
     assert 0.5 * (emp - p[0, 0].double()).abs().sum() < 0.045

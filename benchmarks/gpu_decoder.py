@@ -1,0 +1,287 @@
+"""GPU decoder benchmark (issue 4): a random-weight ~1B Llama-shaped target (Llama-3.2-1B shapes), bf16, batch 1.
+
+Measured side by side in one process (ratios are the result):
+  * step latency of the target: one decode token (our AR step, and transformers' for the same weights), a verify
+    forward over γ+1 tokens, and over a 60-token tree under its tree mask;
+  * the share of a speculative step spent in draftsmith's kernels (fused greedy verification; for trees the tree
+    mask and KV compaction);
+  * end-to-end chain speculative decoding vs our own AR decoder: τ, speedup, and efficiency = speedup / τ;
+each for the plain eager modules and for the eval decoder's CUDA path (fused matmuls + CUDA graphs,
+models/graphs.py). Speedups are against the faster of the two AR decoders.
+
+Random weights accept nothing from a real drafter, so acceptance is scripted and only the *cost* of drafting is
+real: the target's LM head is tied to a permutation π of its input embeddings (random otherwise), which makes its
+greedy next token π(current token) with a wide logit margin, so bf16 verify and decode agree; the drafter runs a
+real one-layer draft model (EAGLE-3 sized: one target-width layer, a 32k reduced-vocabulary head) and then proposes
+π(token) with probability α, else a wrong token, so τ = (1 − α^(γ+1)) / (1 − α) in expectation. Output equality
+with the AR decoder is checked for every run.
+
+    python benchmarks/gpu_decoder.py                # CUDA, ~1B target
+    python benchmarks/gpu_decoder.py --tiny         # a small config: smoke test on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch import nn
+
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.tree import compact_cache
+from draftsmith.kernels.kv import compact_kv_reference
+from draftsmith.kernels.tree import tree_mask
+from draftsmith.kernels.verify import verify_greedy
+from draftsmith.models.graphs import graph_decoding
+from draftsmith.models.llama import Llama, LlamaConfig
+
+LLAMA_1B = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,
+                rope_theta=500000.0, max_seq_len=8192)
+TINY = dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=2048)
+
+
+def build_target(shape: dict, device, dtype, seed: int) -> tuple[Llama, torch.Tensor]:
+    """Random weights (normal, std 0.02; embeddings std 1) and lm_head[π(x)] = 0.02·embed[x]: greedy next = π(x)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Llama(LlamaConfig(**shape, tie_embeddings=False))
+    model.to(dtype).eval().requires_grad_(False)
+    for name, p in model.named_parameters():
+        if "norm" not in name:
+            p.normal_(0.0, 1.0 if name == "embed_tokens.weight" else 0.02)
+    perm = torch.randperm(shape["vocab_size"], device=device)
+    model.lm_head.weight[perm] = 0.02 * model.embed_tokens.weight
+    return model, perm
+
+
+class ScriptedDraft(nn.Module):
+    """A real draft model's cost with scripted acceptance: proposes π(token) with probability α, else π(token)+1."""
+
+    def __init__(self, inner: Llama, perm: torch.Tensor, alpha: float, seed: int):
+        super().__init__()
+        self.inner, self.perm, self.alpha = inner, perm, alpha
+        self.gen = torch.Generator(device=perm.device).manual_seed(seed)
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.inner.cfg.vocab_size
+
+    def new_cache(self, batch: int, max_len: int):
+        return self.inner.new_cache(batch, max_len)
+
+    def forward(self, ids, cache=None, **kw):
+        logits = self.inner(ids, cache=cache, **kw)
+        right = self.perm[ids]
+        hit = torch.rand(ids.shape, device=ids.device, generator=self.gen) < self.alpha
+        choice = torch.where(hit, right, (right + 1) % self.target_vocab_size)
+        return logits.scatter(-1, choice[..., None], 1e4)
+
+
+def build_draft(shape: dict, device, dtype, seed: int) -> Llama:
+    cfg = dict(shape, n_layers=1, head_vocab_size=min(32000, shape["vocab_size"] // 2))
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Llama(LlamaConfig(**cfg, tie_embeddings=False))
+    model.set_head_vocab(torch.arange(cfg["head_vocab_size"], device=device))
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, reps: int, warmup: int = 3) -> float:
+    """Median wall seconds of fn() (synchronised), after warm-up calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+
+
+def forward_latency(model: Llama, ctx: int, t: int, device, reps: int, mask: torch.Tensor | None = None,
+                    depths: torch.Tensor | None = None) -> float:
+    """One cached forward of t tokens after a ctx-token prefix (a tree's mask/positions when given)."""
+    cache = model.new_cache(1, ctx + t + 1)
+    model(torch.randint(0, 1000, (1, ctx), device=device), cache=cache)
+    x = torch.randint(0, 1000, (1, t), device=device)
+    kw = {}
+    if mask is not None:
+        full = torch.ones(1, t, ctx + t, dtype=torch.bool, device=device)
+        full[0, :, ctx:] = mask[1:, 1:] if mask.shape[0] == t + 1 else mask
+        kw = {"attn_mask": full, "pos": (ctx + depths).view(1, -1)}
+
+    def step():
+        cache.length = ctx
+        model(x, cache=cache, **kw)
+    return timed(step, device, reps)
+
+
+def hf_step_latency(model: Llama, ctx: int, device, new: int) -> float | None:
+    """transformers' decode step for the same weights: generate ``new`` tokens after ctx, minus the prefill."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from draftsmith.models.hf import config_to_hf, own_to_hf_key
+    except ImportError:
+        return None
+    d = config_to_hf(model.cfg)
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
+                                              dtype=model.embed_tokens.weight.dtype)
+    hf.load_state_dict({own_to_hf_key(k): v for k, v in model.state_dict().items()}, strict=False)
+    hf.eval()
+    ids = torch.randint(0, 1000, (1, ctx), device=device)
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        full = timed(lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw), device, 3, 1)
+        pre = timed(lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw), device, 3, 1)
+    return (full - pre) / (new - 1)
+
+
+def random_tree(n: int, seed: int) -> torch.Tensor:
+    """Parent pointers of an n-node tree, EAGLE-2-like shape (wide near the root)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.tensor([-1 if i < 4 else int(torch.randint(-1, i, (1,), generator=g)) // 2 for i in range(n)])
+
+
+def latencies(target, draft, a, dev, label: str, parents) -> dict:
+    """Decode step, draft step, verify for each γ+1 and the tree verify, in ms; printed as ratios to the step."""
+    r = {"ar_step_ms": forward_latency(target, a.ctx, 1, dev, a.reps) * 1e3,
+         "draft_step_ms": forward_latency(draft, a.ctx, 1, dev, a.reps) * 1e3, "verify_ms": {}}
+    print(f"[{label}] target decode step {r['ar_step_ms']:.3f} ms; draft step {r['draft_step_ms']:.3f} ms "
+          f"(c = {r['draft_step_ms'] / r['ar_step_ms']:.3f})", flush=True)
+    for g in a.gammas:
+        v = forward_latency(target, a.ctx, g + 1, dev, a.reps) * 1e3
+        r["verify_ms"][g] = v
+        print(f"[{label}] verify γ={g} ({g + 1} tokens): {v:.3f} ms = {v / r['ar_step_ms']:.2f}x a decode step")
+    anc, depths = tree_mask(parents)
+    r["tree_verify_ms"] = forward_latency(target, a.ctx, len(parents) + 1, dev, a.reps, mask=anc,
+                                          depths=depths) * 1e3
+    print(f"[{label}] verify tree of {len(parents)} nodes (+root): {r['tree_verify_ms']:.3f} ms = "
+          f"{r['tree_verify_ms'] / r['ar_step_ms']:.2f}x a decode step", flush=True)
+    return r
+
+
+def end_to_end(target, draft, perm, prompt, a, dev, label: str, t_ar: float, ref: list[int], configs) -> list:
+    rows = []
+    for alpha, gamma in configs:
+        sd = ScriptedDraft(draft, perm, alpha, seed=2)
+        out, stats = speculative_generate(target, sd, prompt, a.new_tokens, draft_len=gamma)
+        t_sp = timed(lambda sd=sd, gamma=gamma: speculative_generate(target, sd, prompt, a.new_tokens, draft_len=gamma),
+                     dev, 3, 0)
+        speedup = t_ar / t_sp
+        row = {"decoder": label, "alpha": alpha, "gamma": gamma, "tau": stats.tau, "speedup": speedup,
+               "efficiency": speedup / stats.tau, "lossless": out == ref,
+               "expected_tau": (1 - alpha ** (gamma + 1)) / (1 - alpha),
+               "tokens_per_s": a.new_tokens / t_sp}
+        rows.append(row)
+        print(f"[{label}] α={alpha} γ={gamma}: τ {stats.tau:.2f} (expected {row['expected_tau']:.2f}), "
+              f"{row['tokens_per_s']:.0f} tokens/s, speedup {speedup:.2f}x vs the best own AR, efficiency "
+              f"{row['efficiency']:.2f}, lossless {row['lossless']}", flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="small config (CPU smoke test)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--ctx", type=int, default=512, help="context length for the latency measurements")
+    ap.add_argument("--reps", type=int, default=50, help="timed repetitions per latency (median reported)")
+    ap.add_argument("--gammas", type=int, nargs="+", default=[1, 3, 5, 7], help="verify widths γ (γ+1 tokens)")
+    ap.add_argument("--tree-nodes", type=int, default=60, help="nodes of the verified tree (plus its root)")
+    ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8, 0.9], help="scripted acceptance rates")
+    ap.add_argument("--e2e-gammas", type=int, nargs="+", default=[3, 5], help="draft lengths end to end")
+    ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per end-to-end run")
+    ap.add_argument("--prompt-len", type=int, default=128, help="random prompt length end to end")
+    ap.add_argument("--no-graphs", action="store_true", help="measure only the eager decoder")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    a = ap.parse_args()
+    dev, shape = a.device, TINY if a.tiny else LLAMA_1B
+    dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
+    res: dict = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+                 "torch": torch.__version__, "dtype": str(dtype), "shape": shape, "ctx": a.ctx}
+    torch.set_grad_enabled(False)
+    target, perm = build_target(shape, dev, dtype, seed=0)
+    draft = build_draft(shape, dev, dtype, seed=1)
+    res["params"] = {"target": target.num_params(), "draft": draft.num_params(exclude_embeddings=True)}
+    print(f"device {res['device']}, {dtype}, target {res['params']['target'] / 1e9:.2f} B params, "
+          f"draft {res['params']['draft'] / 1e6:.0f} M (without embeddings), ctx {a.ctx}", flush=True)
+    parents = random_tree(a.tree_nodes, seed=0).to(dev)
+    prompt = torch.randint(0, shape["vocab_size"], (a.prompt_len,), device=dev)
+    ref = autoregressive_generate(target, prompt, a.new_tokens)
+    res["target_follows_perm"] = sum(ref[i + 1] == int(perm[ref[i]]) for i in range(len(ref) - 1)) / (len(ref) - 1)
+    print(f"target greedy = π(token) for {res['target_follows_perm']:.1%} of steps")
+
+    # --- eager: plain modules, one Python launch per kernel ------------------------------------------------
+    hf = hf_step_latency(target, a.ctx, dev, 64)
+    if hf is not None:
+        res["hf_step_ms"] = hf * 1e3
+        print(f"[transformers] decode step {hf * 1e3:.3f} ms", flush=True)
+    res["eager"] = latencies(target, draft, a, dev, "eager", parents)
+    t_ar_eager = timed(lambda: autoregressive_generate(target, prompt, a.new_tokens), dev, 3, 1)
+    res["eager"]["ar_tokens_per_s"] = a.new_tokens / t_ar_eager
+    print(f"[eager] own AR: {a.new_tokens / t_ar_eager:.1f} tokens/s", flush=True)
+    configs = [(al, g) for al in a.alphas for g in a.e2e_gammas]
+    res["e2e"] = end_to_end(target, draft, perm, prompt, a, dev, "eager", t_ar_eager, ref, configs[-1:])
+
+    # --- the eval decoder on CUDA: fused matmuls + CUDA graphs (models/graphs.py) --------------------------
+    label = "eager" if a.no_graphs else "graphs"
+    if not a.no_graphs:
+        max_len = max(a.ctx + a.tree_nodes + 2, a.prompt_len + a.new_tokens + max(a.e2e_gammas) + 2)
+        target = graph_decoding(target.optimize_for_inference(), max_len)
+        draft = graph_decoding(draft.optimize_for_inference(), max_len)
+        res["graphs"] = latencies(target, draft, a, dev, "graphs", parents)
+    t_ar = timed(lambda: autoregressive_generate(target, prompt, a.new_tokens), dev, 3, 1)
+    res[label]["ar_tokens_per_s"] = a.new_tokens / t_ar
+    print(f"[{label}] own AR: {a.new_tokens / t_ar:.1f} tokens/s ({t_ar / a.new_tokens * 1e3:.3f} ms/token)")
+    t_best = min(t_ar, t_ar_eager)
+
+    # --- kernels: their time against the step they sit in -------------------------------------------------
+    V, g = shape["vocab_size"], 5
+    cache = target.new_cache(1, a.ctx + a.tree_nodes + 2)
+    keep = [0, 3, 9, 30]
+    logits = torch.randn(1, g + 1, V, device=dev, dtype=dtype)
+    drafts = logits[:, :g].argmax(-1)
+    k_verify = timed(lambda: verify_greedy(drafts, logits), dev, a.reps * 4)
+    k_mask = timed(lambda: tree_mask(parents), dev, a.reps * 4)
+    ref_kv = compact_kv_reference  # the PyTorch references, for the same calls
+    res["reference_ms"] = {
+        "verify_greedy_g5": timed(lambda: verify_greedy(drafts, logits, impl="reference"), dev, a.reps * 4) * 1e3,
+        "tree_mask_60": timed(lambda: tree_mask(parents, impl="reference"), dev, a.reps * 4) * 1e3,
+        "compact_kv_all_layers": timed(lambda: ref_kv(cache.kv.view(-1, *cache.kv.shape[3:]), a.ctx,
+                                                      torch.tensor(keep, device=dev)), dev, a.reps * 4) * 1e3}
+
+    def compact():
+        cache.length = a.ctx + a.tree_nodes + 1
+        compact_cache(cache, a.ctx, keep)
+    k_compact = timed(compact, dev, a.reps * 4)
+    lat = res[label]
+    chain_step = (lat["draft_step_ms"] * g + lat["verify_ms"].get(g, lat["verify_ms"][max(lat["verify_ms"])])) / 1e3
+    tree_step = lat["draft_step_ms"] * 6 / 1e3 + lat["tree_verify_ms"] / 1e3
+    res["kernel_ms"] = {"verify_greedy_g5": k_verify * 1e3, "tree_mask_60": k_mask * 1e3,
+                        "compact_kv_all_layers": k_compact * 1e3}
+    res["kernel_share"] = {"chain_g5": k_verify / chain_step, "tree_60": (k_mask + k_compact + k_verify) / tree_step}
+    print(f"kernels: verify_greedy {k_verify * 1e6:.1f} us, tree_mask(60) {k_mask * 1e6:.1f} us, KV compaction "
+          f"(all layers) {k_compact * 1e6:.1f} us; share of a [{label}] step: chain γ=5 "
+          f"{res['kernel_share']['chain_g5']:.2%}, 60-node tree {res['kernel_share']['tree_60']:.2%}", flush=True)
+    print("PyTorch references for the same calls: " + ", ".join(f"{k} {v * 1e3:.1f} us"
+                                                                 for k, v in res["reference_ms"].items()))
+
+    # --- end to end ---------------------------------------------------------------------------------------
+    res["e2e"] += end_to_end(target, draft, perm, prompt, a, dev, label, t_best, ref, configs)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

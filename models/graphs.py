@@ -1,0 +1,143 @@
+"""CUDA-graph replay of batch-1 decoding forwards for our Llama (gpt-fast's "reduce-overhead" idea, without
+torch.compile).
+
+At batch 1 a ~1B model's decode step is bound by launching a few hundred small kernels from Python, not by the
+GPU (benchmarks/RESULTS.md, GPU section). ``GraphedLlama`` keeps one static KV cache and runs every forward of T
+new tokens (a decode step, a γ+1 verify, a tree) through a static-shape variant of the model: new K/V are written
+at slot indices held in a tensor and attention reads the whole cache buffer under a full-width mask, so nothing in
+the forward depends on a Python integer. Each (T, mask kind) is captured once into a CUDA graph and replayed;
+prefills (writes at slot 0), padded batches and calls that ask for hidden states run eagerly on the same cache.
+
+With ``graphs=False`` (any device) the same static-shape forward runs without capture: the tests use it on CPU to
+check that the static path equals the eager one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from draftsmith.models.llama import KVCache, Llama
+
+
+@dataclass
+class _Run:
+    """Static buffers of one captured forward shape."""
+    ids: torch.Tensor  # (1, T)
+    pos: torch.Tensor | None  # (1, T) the caller's RoPE positions (a tree), or None: the slots themselves
+    mask: torch.Tensor | None  # (1, T, max_len): the caller's (tree) mask, or None for causal-in-slot-order
+    out: torch.Tensor | None = None
+    graph: object = None
+
+
+class GraphedLlama(nn.Module):
+    """Wraps a ``Llama`` for batch-1 decoding; same call signature, same outputs (to float rounding)."""
+
+    def __init__(self, model: Llama, max_len: int, graphs: bool = True, max_graph_tokens: int = 128):
+        super().__init__()
+        self.model = model
+        self.max_len = max_len
+        self.max_graph_tokens = max_graph_tokens
+        device = model.embed_tokens.weight.device
+        self.graphs = graphs and device.type == "cuda"
+        self.register_buffer("_arange", torch.arange(max_len, device=device), persistent=False)
+        self.register_buffer("_s0", torch.zeros((), dtype=torch.long, device=device), persistent=False)
+        self._cache: KVCache | None = None
+        self._runs: dict[tuple[int, bool, bool], _Run] = {}  # (T, own mask, own positions)
+        self._pool = None
+
+    def __getattr__(self, name):  # cfg, lm_head, norm, d2t, num_params ... come from the wrapped model
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["model"], name)
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """The one static cache, emptied (its buffers stay where the graphs read them); an ordinary cache for
+        shapes it does not cover. One decode at a time per model: a second live cache would share the buffers."""
+        if batch != 1 or max_len > self.max_len:
+            return self.model.new_cache(batch, max_len)
+        if self._cache is None:
+            self._cache = self.model.new_cache(1, self.max_len)
+        c = self._cache
+        c.length, c.padded, c.slots = 0, False, None
+        c.valid.zero_()
+        return c
+
+    def forward(self, ids, pos=None, cache=None, valid=None, attn_mask=None, capture_layers=(), logits_at=None,
+                return_hidden=False, head_fn=None):
+        T = ids.shape[1]
+        eager = (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None
+                 or cache.padded or capture_layers or logits_at is not None or return_hidden
+                 or head_fn is not None or T > self.max_graph_tokens
+                 or cache.length == 0)  # a prefill: one graph per prompt length would cost more than it saves
+        if eager:
+            return self.model(ids, pos=pos, cache=cache, valid=valid, attn_mask=attn_mask,
+                              capture_layers=capture_layers, logits_at=logits_at, return_hidden=return_hidden,
+                              head_fn=head_fn)
+        s0 = cache.length
+        if s0 + T > cache.max_len:
+            raise ValueError(f"KV cache overflow: {s0}+{T} > {cache.max_len}")
+        key = (T, attn_mask is not None, pos is not None)
+        run = self._runs.get(key) or self._new_run(*key)
+        # Few launches outside the graph: every one costs about as much as a small kernel at batch 1.
+        run.ids.copy_(ids)
+        self._s0.fill_(s0)
+        if run.mask is not None:  # the caller's mask covers the filled slots; later slots are never attended
+            run.mask.zero_()
+            run.mask[:, :, :s0 + T] = attn_mask
+        if run.pos is not None:
+            run.pos.copy_(pos)
+        if not self.graphs:
+            out = self._static_forward(run)
+        else:
+            if run.graph is None:
+                self._capture(run)
+            run.graph.replay()
+            out = run.out
+        cache.length = s0 + T
+        return out.clone()  # the graph's output buffer is overwritten by the next replay
+
+    def _new_run(self, T: int, custom_mask: bool, custom_pos: bool) -> _Run:
+        dev = self._arange.device
+        run = _Run(ids=torch.zeros(1, T, dtype=torch.long, device=dev),
+                   pos=torch.zeros(1, T, dtype=torch.long, device=dev) if custom_pos else None,
+                   mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None)
+        self._runs[(T, custom_mask, custom_pos)] = run
+        return run
+
+    def _static_forward(self, run: _Run) -> torch.Tensor:
+        cache, T = self._cache, run.ids.shape[1]
+        slots = self._s0 + self._arange[:T]  # (T,): everything below reads the slot offset from a tensor
+        cache.valid.index_fill_(1, slots, True)
+        if run.mask is None:  # causal in slot order, as KVCache's own mask
+            mask = self._arange[None, None, :] <= slots[None, :, None]
+        else:
+            mask = run.mask
+        mask = mask & cache.valid[:, None, :]  # (1, T, max_len)
+        cache.slots = slots
+        try:
+            return self.model(run.ids, pos=slots.view(1, T) if run.pos is None else run.pos, cache=cache,
+                              attn_mask=mask)
+        finally:
+            cache.slots = None
+
+    def _capture(self, run: _Run) -> None:
+        # Warm up on a side stream (as torch.cuda.graphs asks), then capture. The inputs are the real ones, so
+        # the warm-up writes the very K/V the replay writes again: capturing changes nothing.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._static_forward(run)
+        torch.cuda.current_stream().wait_stream(side)
+        run.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(run.graph, pool=self._pool):  # one memory pool: replays never overlap
+            run.out = self._static_forward(run)
+        self._pool = run.graph.pool()
+
+
+def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Module:
+    """``model`` wrapped in a GraphedLlama when it is one of our Llamas (targets and draft LMs); else as is."""
+    return GraphedLlama(model, max_len, graphs) if type(model) is Llama else model

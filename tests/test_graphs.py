@@ -1,0 +1,85 @@
+"""GraphedLlama (models/graphs.py): the static-shape forward equals the eager one, and decoding through it stays
+lossless for AR, chain, static and dynamic trees. On CPU the static path runs uncaptured; the `gpu` test
+captures and replays real CUDA graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
+from draftsmith.eval.tree import DynamicTree, tree_from_choices, tree_mask
+from draftsmith.models.graphs import GraphedLlama, graph_decoding
+from draftsmith.models.llama import Llama, LlamaConfig
+
+CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
+
+
+def _model(seed, device="cpu", **over):
+    torch.manual_seed(seed)
+    return Llama(LlamaConfig(**{**CFG.to_dict(), **over})).to(device).eval()
+
+
+def test_static_forward_matches_eager():
+    m = _model(0)
+    g = GraphedLlama(m, 64, graphs=False)
+    prompt = torch.randint(0, 300, (1, 9))
+    c_e, c_s = m.new_cache(1, 64), g.new_cache(1, 64)
+    with torch.no_grad():
+        assert torch.equal(m(prompt, cache=c_e), g(prompt, cache=c_s))  # the prefill runs eagerly
+        for t in (1, 4, 1):  # decode, a verify of 4 tokens, decode again
+            x = torch.randint(0, 300, (1, t))
+            torch.testing.assert_close(g(x, cache=c_s), m(x, cache=c_e), rtol=1e-5, atol=1e-5)
+            assert c_s.length == c_e.length
+        parents = torch.tensor([-1, -1, 0, 0, 2])  # a tree verify: its own mask and RoPE positions
+        anc, depth = tree_mask(parents)
+        n = c_e.length
+        mask = torch.ones(1, 6, n + 6, dtype=torch.bool)
+        mask[0, :, n:] = anc
+        x = torch.randint(0, 300, (1, 6))
+        kw = {"pos": (n + depth).view(1, -1), "attn_mask": mask}
+        torch.testing.assert_close(g(x, cache=c_s, **kw), m(x, cache=c_e, **kw), rtol=1e-5, atol=1e-5)
+    # one static shape per (T, own mask, own positions)
+    assert sorted(g._runs) == [(1, False, False), (4, False, False), (6, True, True)]
+
+
+def test_graphed_decoding_is_lossless():
+    t, d = _model(0), _model(1, n_layers=1)
+    gt, gd = GraphedLlama(t, 256, graphs=False), GraphedLlama(d, 256, graphs=False)
+    oracle = GraphedLlama(_model(0), 256, graphs=False)  # draft = target: everything is accepted
+    p = torch.randint(0, 300, (12,))
+    ref = autoregressive_generate(t, p, 40)
+    assert autoregressive_generate(gt, p, 40) == ref
+    for k in (1, 3, 5):
+        assert speculative_generate(gt, gd, p, 40, draft_len=k)[0] == ref
+        out, stats = speculative_generate(gt, oracle, p, 40, draft_len=k)
+        assert out == ref and stats.tau > k  # full acceptance except where max_new_tokens cuts the last block
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
+    assert tree_speculative_generate(gt, gd, p, 40, tree)[0] == ref
+    assert tree_speculative_generate(gt, gd, p, 40, DynamicTree(depth=3, top_k=3, total_tokens=8))[0] == ref
+    out, stats = tree_speculative_generate(gt, oracle, p, 40, DynamicTree(depth=3, top_k=2, total_tokens=12))
+    assert out == ref and stats.tau > 3
+
+
+def test_graph_decoding_wraps_only_llamas():
+    m = _model(0)
+    assert isinstance(graph_decoding(m, 32, graphs=False), GraphedLlama)
+    head = torch.nn.Linear(4, 4)
+    assert graph_decoding(head, 32) is head
+    g = GraphedLlama(m, 32, graphs=False)
+    assert g.cfg is m.cfg and g.new_cache(2, 16).k[0].shape[0] == 2  # batch > 1: an ordinary cache
+    assert g.new_cache(1, 64).max_len == 64 and g.new_cache(1, 16) is g.new_cache(1, 32)
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_replay_the_eager_decode():
+    t, d = _model(0, "cuda"), _model(1, "cuda", n_layers=1)
+    gt, gd = GraphedLlama(t, 256), GraphedLlama(d, 256)
+    oracle = GraphedLlama(_model(0, "cuda"), 256)
+    p = torch.randint(0, 300, (12,), device="cuda")
+    ref = autoregressive_generate(t, p, 48)
+    assert autoregressive_generate(gt, p, 48) == ref
+    for k in (1, 4):
+        assert speculative_generate(gt, gd, p, 48, draft_len=k)[0] == ref
+        assert speculative_generate(gt, oracle, p, 48, draft_len=k)[0] == ref
+    assert tree_speculative_generate(gt, gd, p, 48, DynamicTree(depth=3, top_k=3, total_tokens=8))[0] == ref
+    assert any(r.graph is not None for r in gt._runs.values())
