@@ -27,6 +27,7 @@ from draftsmith.eval.decoder import (
 from draftsmith.eval.report import write_category_plot, write_markdown, write_plot
 from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
+from draftsmith.models.graphs import graph_decoding
 from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.judge import Judge
 from draftsmith.models.medusa import merge_adapter
@@ -141,6 +142,11 @@ def optimize_models(setup: EvalSetup, ec) -> None:
         for m in (setup.tgt.model, setup.drafter):
             if hasattr(m, "optimize_for_inference"):
                 m.optimize_for_inference()
+    if ec.cuda_graphs and torch.device(setup.device).type == "cuda":
+        # Room for the longest prompt, the answer and the widest draft block or tree (EAGLE-2 trees stay < 512).
+        max_len = max((len(ids) for _, ids in setup.encoded), default=0) + ec.max_new_tokens + 512
+        setup.tgt.model = graph_decoding(setup.tgt.model, max_len)
+        setup.drafter = graph_decoding(setup.drafter, max_len)
 
 
 def evaluate(recipe) -> dict:
@@ -156,6 +162,7 @@ def evaluate(recipe) -> dict:
         hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
     optimize_models(setup, ec)
+    drafter = setup.drafter  # possibly wrapped for CUDA graphs
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
     gen = torch.Generator(device=device).manual_seed(recipe.seed)
 
