@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
@@ -22,8 +23,10 @@ STAGES = {
     "train": "Train the recipe's drafter on <out_dir>/data; checkpoints go to <out_dir>/checkpoints.",
     "eval": "Speculative decoding with the trained drafter vs plain decoding: tau, acceptance, tokens/s, "
             "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",
-    "export": "Write the drafter checkpoint in HF-hub layout (config.json, model.safetensors, tokenizer) "
-              "to <out_dir>/export/hf.",
+    "export": "Write the drafter for hubs and serving engines: --format hf (self-contained folder + model card), "
+              "vllm (speculators format), sglang (EAGLE-3) or medusa (TensorRT-LLM / TGI), to --out (default "
+              "<out_dir>/export/<format>); RECIPE may also be a checkpoint folder. --push-to-hub REPO uploads it "
+              "(token from HF_TOKEN, never printed); --dry-run lists what would be uploaded.",
     "show": "Print the fully resolved recipe (after overrides) and the stages `run` would execute; runs nothing.",
 }
 
@@ -48,6 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted recipe overrides, e.g. train.steps=100 (re-validated)")
         sp.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+        if name == "export":
+            sp.add_argument("--format", choices=("hf", "vllm", "sglang", "medusa"), default=None,
+                            help="export format (default: the recipe's export.formats, else hf)")
+            sp.add_argument("--out", default=None, help="output folder (default <out_dir>/export/<format>)")
+            sp.add_argument("--push-to-hub", metavar="REPO", default=None,
+                            help="upload the export to this hub repo (org/name); token from HF_TOKEN")
+            sp.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list files, upload nothing")
+            sp.add_argument("--include-embeddings", action="store_true",
+                            help="vllm/sglang EAGLE-3: also write the input embeddings (engines use the target's)")
     return p
 
 
@@ -82,10 +94,11 @@ def dispatch(command: str, recipe) -> None:
         from draftsmith.eval.bench import evaluate
 
         evaluate(recipe)
-    if command == "export":
-        from draftsmith.models.export import export_hf
+    if command == "run" and recipe.export.enabled:
+        from draftsmith.models.export import run_export_stage
 
-        print(f"export: {export_hf(recipe)}")
+        for out in run_export_stage(recipe):
+            print(f"export: {out}")
 
 
 def _save_resolved(recipe) -> None:
@@ -96,6 +109,28 @@ def _save_resolved(recipe) -> None:
         return
     recipe.run_dir.mkdir(parents=True, exist_ok=True)
     (recipe.run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+
+
+def _export(args, recipe) -> None:
+    """`draftsmith export`: a recipe's checkpoint (or a checkpoint folder when recipe is None) in each format."""
+    from draftsmith.models.export import checkpoint_of, export, push_to_hub
+
+    ec = recipe.export if recipe is not None else None
+    ckpt = Path(args.recipe) if recipe is None else checkpoint_of(recipe)
+    formats = [args.format] if args.format else (list(ec.formats) if ec else ["hf"])
+    if args.out and len(formats) > 1:
+        raise DraftsmithError(f"--out names one folder but the recipe exports {formats}: add --format")
+    base = Path(ec.out) if ec and ec.out else (recipe.run_dir if recipe else ckpt.parent.parent) / "export"
+    outs = [export(ckpt, f, Path(args.out) if args.out else base / f, recipe,
+                   args.include_embeddings or bool(ec and ec.include_embeddings)) for f in formats]
+    for out in outs:
+        print(f"export: {out}")
+    repo = args.push_to_hub or (ec.push_to_hub if ec else None)
+    if repo:
+        dry = args.dry_run or bool(ec and ec.dry_run)
+        files = push_to_hub(outs[0], repo, dry_run=dry)
+        for name, size in files:
+            print(f"  {'would upload' if dry else 'uploaded'} {name} ({size:,} bytes) -> {repo}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,10 +146,18 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        if args.command == "export" and (Path(args.recipe) / "drafter.json").is_file():
+            if args.overrides:
+                raise DraftsmithError("overrides apply to recipes; a checkpoint folder takes none")
+            _export(args, None)  # a checkpoint folder: no recipe needed
+            return 0
         from draftsmith.recipes.loader import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
-        dispatch(args.command, recipe)
+        if args.command == "export":  # reads the run folder; leaves its recipe.yaml as the run wrote it
+            _export(args, recipe)
+        else:
+            dispatch(args.command, recipe)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
         return 2

@@ -52,7 +52,8 @@ def build_drafter(kind: str, params: dict, target: Llama, **data) -> torch.nn.Mo
     return DRAFTERS[kind](params, target, **data)
 
 
-def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint (or an export) holds: no excluded parts, no tied copy, contiguous, on CPU."""
     skip = getattr(model, "checkpoint_exclude", ())
     sd = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)} if skip else model.state_dict()
     if getattr(model, "cfg", None) is not None and getattr(model.cfg, "tie_embeddings", False):
@@ -67,7 +68,7 @@ def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extr
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(_weights(model), str(tmp / "model.safetensors"))
+    save_file(checkpoint_tensors(model), str(tmp / "model.safetensors"))
     if getattr(model, "base", None) is not None:  # Medusa-2: the target's LoRA adapters
         save_file(adapter_state(model.base), str(tmp / ADAPTER_FILE))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
@@ -104,11 +105,18 @@ def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.n
     if not meta_file.is_file():
         raise DraftsmithError(f"{path}: not a drafter checkpoint (no drafter.json)")
     info = json.loads(meta_file.read_text())
+    model = drafter_from_state(info, load_file(str(path / "model.safetensors")), path)
+    return model.to(device=device, dtype=dtype).eval(), info
+
+
+def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> torch.nn.Module:
+    """Rebuild the drafter drafter.json describes and load ``sd`` (our tensor names) into it, strictly; a Medusa-2
+    folder's LoRA tensors are attached for the caller (eval) to merge into the target."""
     kind = info.get("kind")
     if kind not in _FROM_CONFIG:
-        raise DraftsmithError(f"{meta_file}: unknown drafter kind {kind!r}")
+        raise DraftsmithError(f"{path / 'drafter.json'}: unknown drafter kind {kind!r}")
     model = _FROM_CONFIG[kind](info["config"])
-    missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise DraftsmithError(f"{path}: weights do not match drafter.json (missing {missing[:3]}, "
@@ -117,4 +125,4 @@ def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.n
         model.lm_head.weight = model.embed_tokens.weight
     if (path / ADAPTER_FILE).is_file():  # Medusa-2: merged into the target by the caller (eval)
         model.target_adapter = load_file(str(path / ADAPTER_FILE))
-    return model.to(device=device, dtype=dtype).eval(), info
+    return model

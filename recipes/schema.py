@@ -430,6 +430,22 @@ class EvalConfig(Strict):
     the SpecDec++ rule with its defaults."""
 
 
+class ExportConfig(Strict):
+    enabled: bool = False
+    """Run the export stage at the end of ``draftsmith run`` (``draftsmith export`` always runs it)."""
+    formats: list[Literal["hf", "vllm", "sglang", "medusa"]] = Field(default_factory=lambda: ["hf"], min_length=1)
+    """hf (self-contained hub folder + model card), vllm (speculators format: EAGLE-3, draft LMs), sglang
+    (EAGLE-3), medusa (TensorRT-LLM / TGI Medusa heads). Each goes to <out>/<format>."""
+    out: str | None = None
+    """Folder for the exports; None = <out_dir>/export."""
+    include_embeddings: bool = False
+    """vllm / sglang EAGLE-3: also write the (frozen, target-copied) input embeddings; engines take the target's."""
+    push_to_hub: str | None = None
+    """Hub repo id (org/name) to upload the first format to; the token comes from HF_TOKEN, never printed."""
+    dry_run: bool = False
+    """With push_to_hub: list what would be uploaded, upload nothing."""
+
+
 class Recipe(Strict):
     name: str = Field(min_length=1)
     out_dir: str | None = None
@@ -440,6 +456,7 @@ class Recipe(Strict):
     drafter: DrafterConfig = DraftLMConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    export: ExportConfig = ExportConfig()
 
     @property
     def run_dir(self):
@@ -448,7 +465,8 @@ class Recipe(Strict):
         return Path(self.out_dir or f"runs/{self.name}")
 
     def stages(self) -> list[str]:
-        return [s for s in ("generate", "train", "eval") if getattr(self, "data" if s == "generate" else s).enabled]
+        return [s for s in ("generate", "train", "eval", "export")
+                if getattr(self, "data" if s == "generate" else s).enabled]
 
     @model_validator(mode="after")
     def _cross_checks(self):

@@ -38,7 +38,12 @@ def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
     stages = {json.loads(line)["stage"] for line in (run / "metrics.jsonl").read_text().splitlines()}
     assert stages == {"generate", "train", "eval"}
     assert "name: tiny" in (run / "recipe.yaml").read_text()
+    assert (run / "export" / "hf" / "README.md").is_file()  # `run` ends with the recipe's export section
     assert main(["export", "tiny", *tiny_overrides, "-q"]) == 0
+    assert main(["export", "tiny", *tiny_overrides, "--format", "vllm", "-q"]) == 0
+    card = (run / "export" / "hf" / "README.md").read_text()
+    assert f"| file × 3 | kind=chain draft_len=3 | {report['tau']:.2f} |" in card  # the card's eval table
+    assert json.loads((run / "export" / "vllm" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
     from transformers import AutoModelForCausalLM
 
     from draftsmith.models.registry import load_drafter

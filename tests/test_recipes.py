@@ -10,7 +10,7 @@ from draftsmith.recipes.loader import dump_recipe, load_recipe, shipped_recipes,
 @pytest.mark.parametrize("name", shipped_recipes())
 def test_shipped_recipes_validate(name):
     r = load_recipe(name)
-    assert r.name and "train" in r.stages() and set(r.stages()) <= {"generate", "train", "eval"}
+    assert r.name and "train" in r.stages() and set(r.stages()) <= {"generate", "train", "eval", "export"}
     assert validate(__import__("yaml").safe_load(dump_recipe(r)), name) == r  # dump/load round-trips
 
 

@@ -1,0 +1,252 @@
+"""Export (models/export.py, models/serving_formats.py): every format's key/config contract, the round trip back
+into draftsmith's decoder (same greedy output and τ), atomic writes, the model card, hub push (dry run, offline,
+token never shown) and the CLI."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.cli import main
+from draftsmith.eval.decoder import speculative_generate, tree_speculative_generate
+from draftsmith.eval.tree import DynamicTree
+from draftsmith.models import serving_formats
+from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.eagle import build_eagle
+from draftsmith.models.export import export, load_export, model_card, push_to_hub
+from draftsmith.models.hf import load_model
+from draftsmith.models.hydra import build_hydra
+from draftsmith.models.medusa import build_medusa
+from draftsmith.models.mlp_speculator import build_mlp_speculator
+from draftsmith.models.registry import save_drafter
+
+
+@pytest.fixture(scope="module")
+def target(tiny_model_dir):
+    return load_model(str(tiny_model_dir)).model
+
+
+def _perturbed(model, seed):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+BUILDERS = {
+    "draft_lm": lambda t: build_draft_lm({"n_layers": 1}, t),
+    "eagle3": lambda t: build_eagle({"version": 3, "draft_vocab": 120, "aux_layers": [0, 0, 1]}, t,
+                                    counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
+    "medusa": lambda t: build_medusa({"n_heads": 3, "n_layers": 1}, t),
+    "hydra": lambda t: build_hydra({"n_heads": 3, "prefix_attention": True}, t),
+    "mlp_speculator": lambda t: build_mlp_speculator({"n_predict": 3}, t),
+}
+KIND = {"eagle3": "eagle"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, target, tiny_model_dir):
+    root = tmp_path_factory.mktemp("ckpts")
+    out = {}
+    for i, (name, build) in enumerate(BUILDERS.items()):
+        model = _perturbed(build(target), seed=i)
+        run = root / name
+        out[name] = save_drafter(run / "checkpoints" / "final", model, KIND.get(name, name),
+                                 {"target": str(tiny_model_dir), "recipe": f"test-{name}", "step": 7})
+    return out
+
+
+def _decode(target, drafter, tree=False):
+    prompt = torch.randint(3, 300, (10,), generator=torch.Generator().manual_seed(5))
+    if tree:
+        return tree_speculative_generate(target, drafter, prompt, 24, DynamicTree(depth=3, top_k=2, total_tokens=6))
+    return speculative_generate(target, drafter, prompt, 24, draft_len=3)
+
+
+CASES = [("draft_lm", "hf"), ("draft_lm", "vllm"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "hf"),
+         ("medusa", "medusa"), ("medusa", "hf"), ("hydra", "hf"), ("mlp_speculator", "hf")]
+
+
+@pytest.mark.parametrize("name,fmt", CASES)
+def test_round_trip_gives_the_same_output_and_tau(checkpoints, target, tmp_path, name, fmt):
+    from draftsmith.models.registry import load_drafter
+
+    ckpt = checkpoints[name]
+    out = export(ckpt, fmt, tmp_path / fmt)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fmt]  # no .tmp left behind
+    original, _ = load_drafter(ckpt)
+    back, info = load_export(out, target)
+    assert info["export_format"] == fmt
+    sd_a, sd_b = original.state_dict(), back.state_dict()
+    assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
+    for tree in (False, True) if name in ("draft_lm", "eagle3") else (False,):
+        (o1, s1), (o2, s2) = _decode(target, original, tree), _decode(target, back, tree)
+        assert o1 == o2 and s1.tau == s2.tau and s1.accept_counts == s2.accept_counts
+
+
+def test_eagle3_engine_contracts(checkpoints, tmp_path):
+    ckpt, cfg = checkpoints["eagle3"], json.loads((checkpoints["eagle3"] / "drafter.json").read_text())["config"]
+    v = export(ckpt, "vllm", tmp_path / "vllm", include_embeddings=False)
+    conf = json.loads((v / "config.json").read_text())
+    assert "model_type" not in conf and conf["speculators_model_type"] == "eagle3"  # vLLM routes on this
+    assert conf["architectures"] == ["Eagle3Speculator"] and conf["norm_before_residual"] is False
+    sc = conf["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] >= 1
+    assert sc["verifier"]["name_or_path"]
+    assert conf["draft_vocab_size"] == 120 and conf["transformer_layer_config"]["vocab_size"] == cfg["vocab_size"]
+    assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # non-default layers: vLLM's input indices
+    t = load_file(str(v / "model.safetensors"))
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight",
+            "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
+            "layers.0.post_attention_layernorm.weight", "layers.0.mlp.down_proj.weight"} <= set(t)
+    assert "embed_tokens.weight" not in t
+    assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * cfg["dim"]  # reads [norm(e), norm(state)]
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 120
+    assert torch.equal(torch.nonzero(t["t2d"])[:, 0], torch.arange(120) + t["d2t"])  # the same kept ids
+    s = export(ckpt, "sglang", tmp_path / "sglang", include_embeddings=True)
+    conf = json.loads((s / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["draft_vocab_size"] == 120
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 1]  # SGLang: layer outputs
+    t = load_file(str(s / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in t and "midlayer.hidden_norm.weight" in t
+    assert "embed_tokens.weight" in t and not any(k.startswith("layers.") for k in t)
+
+
+def test_medusa_layout_for_tensorrt_llm_and_tgi(checkpoints, tmp_path):
+    out = export(checkpoints["medusa"], "medusa", tmp_path / "m")
+    conf = json.loads((out / "config.json").read_text())
+    assert "architectures" not in conf  # TGI disables Medusa when it sees one
+    assert (conf["medusa_num_heads"], conf["medusa_num_layers"]) == (3, 1) and conf["base_model_name_or_path"]
+    t = load_file(str(out / "medusa_lm_head.safetensors"))
+    assert set(t) == {f"{h}.{k}" for h in range(3) for k in ("0.linear.weight", "0.linear.bias", "1.weight")}
+    assert t["0.1.weight"].shape == (conf["vocab_size"], conf["hidden_size"])
+
+
+def test_hf_draft_lm_loads_in_transformers_with_its_tokenizer_and_card(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from draftsmith.models.registry import load_drafter
+
+    report = checkpoints["draft_lm"].parent.parent / "eval"
+    report.mkdir()
+    (report / "report.json").write_text(json.dumps({
+        "prompts": {"source": "mt_bench", "n": 8}, "strategy": {"kind": "chain", "draft_len": 3}, "tau": 2.5,
+        "acceptance_rate": 0.6, "speedup": {"vs_ar": 1.7, "vs_ar_hf": 2.0}, "lossless_match": 1.0,
+        "device": "cpu", "dtype": "float32", "temperature": 0.0, "max_new_tokens": 64}))
+    out = export(checkpoints["draft_lm"], "hf", tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    assert AutoTokenizer.from_pretrained(str(out)).chat_template
+    drafter, _ = load_drafter(checkpoints["draft_lm"])
+    ids = torch.randint(0, 300, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, drafter(ids), rtol=1e-4, atol=1e-4)
+    card = (out / "README.md").read_text()
+    assert "| mt_bench × 8 | kind=chain draft_len=3 | 2.50 | 0.60 | 1.70× | 2.00× |" in card
+    assert "library_name: draftsmith" in card and "test-draft_lm" in card
+
+
+def test_model_card_without_an_eval_says_so():
+    card = model_card({"kind": "eagle", "target": "org/model", "recipe": "r"}, "sglang", None)
+    assert "base_model: org/model" in card and "No eval report" in card and "EAGLE3" in card
+
+
+def test_wrong_format_for_a_kind_is_a_one_line_error(checkpoints, tmp_path, capsys):
+    assert main(["export", str(checkpoints["hydra"]), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "EAGLE-3 and draft LMs" in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("disk full")
+    monkeypatch.setattr("draftsmith.models.export.save_file", boom)
+    with pytest.raises(RuntimeError):
+        export(checkpoints["draft_lm"], "hf", tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_cli_checkpoint_export_and_dry_run_push(checkpoints, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET_never_printed")
+    out = tmp_path / "v"
+    assert main(["export", str(checkpoints["eagle3"]), "--format", "vllm", "--out", str(out),
+                 "--push-to-hub", "me/eagle", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert f"export: {out}" in text and "would upload model.safetensors" in text and "-> me/eagle" in text
+    assert "SECRET" not in text
+    assert not any("SECRET" in f.read_text() for f in out.iterdir() if f.suffix in (".json", ".md", ".yaml"))
+
+
+def test_push_uses_the_env_token_and_never_shows_it(checkpoints, tmp_path, monkeypatch):
+    out = export(checkpoints["medusa"], "medusa", tmp_path / "m")
+    calls = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            calls["token"] = token
+
+        def create_repo(self, repo, exist_ok, private):
+            calls["repo"] = repo
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            calls["folder"] = folder_path
+            raise OSError("401 Unauthorized for token hf_SECRET")  # errors must not echo the token either
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FakeApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(Exception) as e:
+        push_to_hub(out, "me/medusa")
+    assert calls == {"token": "hf_SECRET", "repo": "me/medusa", "folder": str(out)}
+    assert "push to hub 'me/medusa' failed" in str(e.value)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(Exception, match="HF_HUB_OFFLINE=1"):
+        push_to_hub(out, "me/medusa")
+
+
+def test_push_error_messages_hide_the_token(checkpoints, tmp_path, monkeypatch):
+    out = export(checkpoints["medusa"], "medusa", tmp_path / "m")
+
+    class FailingApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, *a, **k):
+            raise OSError("bad credentials hf_SECRET")
+
+    monkeypatch.setattr("huggingface_hub.HfApi", FailingApi)
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(Exception) as e:
+        push_to_hub(out, "me/medusa")
+    assert "hf_SECRET" not in str(e.value)
+
+
+def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
+    """Runs where `speculators` is installed (it pins its own torch, so CI skips it); checked with 0.9.0."""
+    speculators = pytest.importorskip("speculators")
+    from conftest import save_tiny_llama
+
+    tdir = save_tiny_llama(tmp_path / "target", tiny_tokenizer, num_hidden_layers=6)  # 3 distinct aux layers
+    t = load_model(str(tdir)).model
+    e = _perturbed(build_eagle({"version": 3, "draft_vocab": 120, "aux_layers": [0, 2, 3]}, t,
+                               counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}), 3)
+    ckpt = save_drafter(tmp_path / "run" / "checkpoints" / "final", e, "eagle", {"target": str(tdir), "step": 1})
+    out = export(ckpt, "vllm", tmp_path / "v")
+    assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert speculators.SpeculatorModelConfig.from_pretrained(str(out)).speculators_model_type == "eagle3"
+    model = speculators.SpeculatorModel.from_pretrained(str(out))  # the verifier is the local tiny target
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = model.state_dict()
+    for k in ("fc.weight", "layers.0.self_attn.q_proj.weight", "lm_head.weight", "d2t", "t2d"):
+        assert torch.equal(theirs[k].to(ours[k].dtype), ours[k]), k
+
+
+def test_serving_format_names_are_documented():
+    assert serving_formats.weights_file("medusa") == "medusa_lm_head.safetensors"
+    for fmt in ("hf", "vllm", "sglang", "medusa"):
+        assert serving_formats.usage(fmt, "eagle", "org/m")
