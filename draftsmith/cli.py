@@ -1,4 +1,4 @@
-"""The one CLI: ``draftsmith {run,generate,train,eval,export,show} RECIPE [a.b=c ...]``.
+"""The one CLI: ``draftsmith {run,generate,train,eval,export,serve,online,show} RECIPE [a.b=c ...]``.
 
 Also ``python -m draftsmith ...`` and, for multi-GPU training, ``accelerate launch -m draftsmith train RECIPE``.
 Every user error is one line on stderr and exit code 2; no tracebacks for bad input.
@@ -27,6 +27,12 @@ STAGES = {
               "vllm (speculators format), sglang (EAGLE-3) or medusa (TensorRT-LLM / TGI), to --out (default "
               "<out_dir>/export/<format>); RECIPE may also be a checkpoint folder. --push-to-hub REPO uploads it "
               "(token from HF_TOKEN, never printed); --dry-run lists what would be uploaded.",
+    "serve": "OpenAI-compatible HTTP server (chat/completions, streaming, /health, /metrics) on the bundled "
+             "speculative decoder with the current drafter; records traffic and, with online.learn, keeps the "
+             "drafter learning from it with versioned hot swaps (<out_dir>/online). Loopback by default.",
+    "online": "The online-distillation learner fed by request logs (online.logs: growing JSONL files): updates "
+              "the drafter with the train loop, publishes a new version only if its measured tau on held-out "
+              "requests is higher, exports it. --rollback [VERSION] points the current version back.",
     "show": "Print the fully resolved recipe (after overrides) and the stages `run` would execute; runs nothing.",
 }
 
@@ -51,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted recipe overrides, e.g. train.steps=100 (re-validated)")
         sp.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+        if name == "online":
+            sp.add_argument("--rollback", nargs="?", const="", default=None, metavar="VERSION",
+                            help="make VERSION (default: the previous one) current and exit; a running server "
+                                 "swaps to it before its next request")
         if name == "export":
             sp.add_argument("--format", choices=("hf", "vllm", "sglang", "medusa"), default=None,
                             help="export format (default: the recipe's export.formats, else hf)")
@@ -156,6 +166,14 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         if args.command == "export":  # reads the run folder; leaves its recipe.yaml as the run wrote it
             _export(args, recipe)
+        elif args.command == "serve":
+            from draftsmith.eval.serve import serve
+
+            serve(recipe)
+        elif args.command == "online":
+            from draftsmith.train.online import online
+
+            online(recipe, rollback=args.rollback)
         else:
             dispatch(args.command, recipe)
     except DraftsmithError as e:

@@ -111,12 +111,15 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, ge
     return torch.multinomial(probs, 1, generator=generator), probs
 
 
-def _emit(out: list[int], new: list[int], eos_ids: set[int] | None, max_new_tokens: int) -> bool:
-    """Append ``new`` to ``out`` up to and including the first EOS and at most max_new_tokens; True when done."""
+def _emit(out: list[int], new: list[int], eos_ids: set[int] | None, max_new_tokens: int, on_token=None) -> bool:
+    """Append ``new`` to ``out`` up to and including the first EOS and at most max_new_tokens; True when done.
+    ``on_token(t)`` sees each token as it is committed (streaming servers); it may raise to abandon the decode."""
     for t in new:
         if len(out) >= max_new_tokens:
             return True
         out.append(t)
+        if on_token is not None:
+            on_token(t)
         if eos_ids and t in eos_ids:
             return True
     return len(out) >= max_new_tokens
@@ -142,7 +145,7 @@ def _prepare(model, prompt_ids: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
                             top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
-                            generator: torch.Generator | None = None) -> list[int]:
+                            generator: torch.Generator | None = None, on_token=None) -> list[int]:
     """Plain decoding with our KV cache: prompt_ids (T,) -> the new tokens (EOS included if hit)."""
     if max_new_tokens <= 0:
         return []
@@ -152,7 +155,7 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
     out: list[int] = []
     while True:
         tok, _ = _pick(logits, temperature, top_k, top_p, generator)
-        if _emit(out, [int(tok)], eos_ids, max_new_tokens):
+        if _emit(out, [int(tok)], eos_ids, max_new_tokens, on_token):
             return out
         logits = target(tok.view(1, 1), cache=cache)[0, -1]  # (V,)
 
@@ -205,7 +208,7 @@ def _accept(drafts, q, logits, temperature, top_k, top_p, generator):
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
-                         stop_drafting=None, judge=None) -> tuple[list[int], DecodeStats]:
+                         stop_drafting=None, judge=None, on_token=None) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
 
     ``stop_drafting(n, logits, hidden) -> bool``: optional hook asked, once the drafter has read its n-th draft,
@@ -226,10 +229,10 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         raise ValueError("judge verification is implemented for greedy decoding with a standalone draft LM")
     if getattr(drafter, "reads_target_hidden", False):
         return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                                 eos_ids, generator)
+                                 eos_ids, generator, on_token)
     if getattr(drafter, "reads_target_features", False):
         return _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
-                                    top_p, eos_ids, generator)
+                                    top_p, eos_ids, generator, on_token)
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -244,7 +247,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         raise ValueError(f"drafter vocabulary {v_draft} != target vocabulary {logits.shape[-1]}")
     pending = prompt.new_empty(0)  # (0|1,)
     out: list[int] = []
-    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         # A step emits at most γ+1 tokens: never overshoot max_new_tokens (this also bounds the caches).
         gamma = min(draft_len, max_new_tokens - len(out) - 1)
@@ -272,7 +275,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         else:  # nothing was fed to the drafter this step: cur joins the tokens it still has to see
             pending = torch.cat([pending, cur])
         cur = drafts.new_tensor([nxt])
-        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(gamma, n, t1 - t0, t2 - t1)
         stats.judge_accepted += judged
     stats.new_tokens = len(out)
@@ -287,7 +290,7 @@ def _with_hidden(target, ids: torch.Tensor, cache, logits_at=None):
 
 
 def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p, eos_ids,
-                      generator) -> tuple[list[int], DecodeStats]:
+                      generator, on_token=None) -> tuple[list[int], DecodeStats]:
     """Chain decoding with a drafter that reads the target's features (Medusa-style heads): each step drafts
     from the target's final hidden state at the position that produced ``cur``, and the verify forward returns
     the hidden state for the next step, so the drafter never runs a model of its own over the sequence."""
@@ -308,7 +311,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
 
     cur, _ = pick(logits[-1])
     out: list[int] = []
-    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         gamma = min(gamma_max, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
@@ -323,7 +326,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
         h_cur = drafter.read_context(h[0, :n + 1], context)[-1]  # at d_n (or cur when n = 0): it gave nxt
         tcache.length = t_len + 1 + n
         cur = drafts.new_tensor([nxt]) if gamma else cur.new_tensor([nxt])
-        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(gamma, n, t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
@@ -474,7 +477,7 @@ def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick):
 
 
 def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                         eos_ids, generator) -> tuple[list[int], DecodeStats]:
+                         eos_ids, generator, on_token=None) -> tuple[list[int], DecodeStats]:
     """Chain decoding with an EAGLE drafter: every target forward also returns the features the drafter reads
     next step; the drafter re-reads the accepted positions with those real features (``_Drafting``)."""
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
@@ -493,7 +496,7 @@ def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len,
     cur, _ = pick(logits[-1])
     run = _Drafting(drafter, max_len, prompt[0], feats)
     out: list[int] = []
-    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         gamma = min(draft_len, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
@@ -507,7 +510,7 @@ def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len,
         tcache.length = t_len + 1 + n
         run.commit(drafts[:n], feats[:n + 1])
         cur = cur.new_tensor([nxt])
-        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(gamma, n, t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
@@ -518,7 +521,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
                               tree: TreeSpec | DynamicTree, *,
                               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                               eos_ids: set[int] | None = None,
-                              generator: torch.Generator | None = None) -> tuple[list[int], DecodeStats]:
+                              generator: torch.Generator | None = None, on_token=None) -> tuple[list[int], DecodeStats]:
     """Tree speculative decoding, batch 1, over a static tree (``tree_from_choices``) or an EAGLE-2-style
     ``DynamicTree`` rebuilt every step from the drafter's confidence.
 
@@ -533,7 +536,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
             raise ValueError("dynamic trees with feature-reading heads are not implemented yet: use "
                              "eval.strategy=tree (static, Medusa-style) or chain")
         return _head_tree(target, drafter, prompt_ids, max_new_tokens, tree, temperature, top_k, top_p, eos_ids,
-                          generator)
+                          generator, on_token)
     dynamic = isinstance(tree, DynamicTree)
     max_depth = tree.depth if dynamic else max(tree.depths)
     n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)  # most nodes a step holds
@@ -553,7 +556,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     cur, _ = _pick(logits[-1], temperature, top_k, top_p, generator)  # (1,)
     run = _Drafting(drafter, max_len, prompt[0], feats)  # the drafter has seen nothing yet
     out: list[int] = []
-    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         t0 = time.perf_counter()
         if dynamic:
@@ -576,7 +579,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
         accepted = tokens[path]
         run.commit(accepted, None if feats is None else feats[keep])
         cur = tokens.new_tensor([nxt])
-        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(len(tokens), len(path), t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats
@@ -590,7 +593,7 @@ def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) 
 
 
 def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temperature, top_k, top_p, eos_ids,
-               generator) -> tuple[list[int], DecodeStats]:
+               generator, on_token=None) -> tuple[list[int], DecodeStats]:
     """Static-tree decoding with feature heads (Medusa-style trees): node (r1..rd) is the r_d-th best token of
     head d-1 after its ancestors' tokens; one target forward under the tree mask verifies all nodes and returns
     the hidden state of the last accepted node for the next step. No drafter cache at all."""
@@ -612,7 +615,7 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
     h_cur = drafter.read_context(h[0], context)[-1]
     cur, _ = _pick(logits[-1], temperature, top_k, top_p, generator)
     out: list[int] = []
-    done = _emit(out, [int(cur)], eos_ids, max_new_tokens)
+    done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         t0 = time.perf_counter()
         tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
@@ -642,7 +645,7 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
         compact_cache(tcache, t_len, keep)
         accepted = tokens[path]
         cur = tokens.new_tensor([nxt])
-        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens)
+        done = _emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(len(tokens), len(path), t1 - t0, t2 - t1)
     stats.new_tokens = len(out)
     return out, stats

@@ -337,6 +337,9 @@ class TrainConfig(Strict):
     """Resumable checkpoints kept (older ones are deleted); the final checkpoint is always kept."""
     resume: bool = True
     """Continue from the newest checkpoint in the run folder if there is one; false starts over."""
+    init_checkpoint: str | None = None
+    """Start from this drafter checkpoint's weights (fine-tuning, online distillation rounds) instead of the
+    builder's initialisation; it must match the recipe's drafter."""
     wandb: bool = False
     tensorboard: bool = False
     eval_every: int = Field(0, ge=0)
@@ -446,6 +449,50 @@ class ExportConfig(Strict):
     """With push_to_hub: list what would be uploaded, upload nothing."""
 
 
+class OnlineConfig(Strict):
+    """`draftsmith serve` (OpenAI-compatible server on the bundled decoder) and `draftsmith online` (the learner
+    fed by request logs): online distillation from live traffic (algorithms.md A9)."""
+    dir: str | None = None
+    """Folder for traffic, versions and rounds; None = <out_dir>/online."""
+    host: str = "127.0.0.1"
+    """serve: bind address (loopback by default; expose deliberately)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """serve: TCP port (0 = any free port, printed at start)."""
+    max_tokens: int = Field(256, gt=0)
+    """serve: cap on a request's max_tokens."""
+    max_queue: int = Field(16, gt=0)
+    """serve: requests waiting beyond this get HTTP 503."""
+    request_timeout_s: float = Field(120.0, gt=0)
+    """serve: a request still decoding after this stops with finish_reason "length"."""
+    max_body_bytes: int = Field(1_000_000, gt=0)
+    """serve: larger request bodies get HTTP 413."""
+    learn: bool = True
+    """serve: run the learner in the background (false = serve and record only)."""
+    buffer_max_records: int = Field(2000, gt=0)
+    """Recorded requests kept (oldest segments are dropped first)."""
+    update_every_requests: int = Field(32, gt=0)
+    """Run an update once this many new requests were recorded ..."""
+    update_every_s: float = Field(600.0, gt=0)
+    """... or this long after the last update, if any new request came in."""
+    min_records: int = Field(16, gt=0)
+    """No update before the buffer holds this many requests."""
+    holdout: int = Field(4, gt=0)
+    """Newest requests held out of training; candidate and current version are both decoded on them."""
+    steps_per_update: int = Field(40, gt=0)
+    """Train-loop steps per update (the recipe's train section sets everything else)."""
+    topk: int = Field(32, ge=0)
+    """Teacher top-k stored for each update's records (0 when train.loss.teacher is target)."""
+    eval_tokens: int = Field(64, gt=0)
+    """Tokens decoded per held-out request when comparing versions."""
+    logs: list[str] = Field(default_factory=list)
+    """online: request-log JSONL files or globs to follow ({"prompt": ids, "response": ids} or
+    {"messages": [...], "response": "text"} per line)."""
+    poll_s: float = Field(5.0, gt=0)
+    """online: seconds between polls of the logs when no update is due."""
+    max_rounds: int = Field(0, ge=0)
+    """online: stop after this many updates (0 = run until killed)."""
+
+
 class Recipe(Strict):
     name: str = Field(min_length=1)
     out_dir: str | None = None
@@ -457,6 +504,7 @@ class Recipe(Strict):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     export: ExportConfig = ExportConfig()
+    online: OnlineConfig = OnlineConfig()
 
     @property
     def run_dir(self):

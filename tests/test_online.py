@@ -1,0 +1,261 @@
+"""Online distillation (data/traffic.py, train/online.py, eval/serve.py): the crash-safe bounded traffic buffer,
+versions and rollback, a learner round that publishes only a better drafter, the log follower, and the
+OpenAI-compatible server (completions, streaming, limits, metrics, hot swap without dropping requests, and a
+kill -9 mid-update that loses no recorded traffic and restarts on the last good drafter)."""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from draftsmith.data.traffic import TrafficBuffer
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import autoregressive_generate
+from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.hf import encode_chat, load_model, stop_ids
+from draftsmith.models.registry import save_drafter
+from draftsmith.recipes.loader import load_recipe
+from draftsmith.train.online import Learner, LogFollower, Versions
+
+
+def test_buffer_is_durable_bounded_and_skips_a_cut_line(tmp_path):
+    buf = TrafficBuffer(tmp_path, max_records=10, segment_records=4)
+    seqs = [buf.append({"prompt": [1, 2], "response": [i]}) for i in range(25)]
+    assert seqs == list(range(25))
+    kept = buf.read()
+    assert 10 <= len(kept) < 14 and kept[-1]["seq"] == 24 and [r["seq"] for r in kept] == list(range(25 - len(kept),
+                                                                                                      25))
+    last = sorted(tmp_path.glob("segment-*.jsonl"))[-1]
+    with open(last, "ab") as f:  # a kill in the middle of a write
+        f.write(b'{"seq": 25, "prompt": [1')
+    again = TrafficBuffer(tmp_path, max_records=10, segment_records=4)
+    assert [r["seq"] for r in again.read()] == [r["seq"] for r in kept]
+    assert again.append({"prompt": [3], "response": [4]}) == 25  # numbering continues after a restart
+    assert [r["seq"] for r in again.read(since=23)] == [24, 25]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_model_dir):
+    """A tiny target, an untrained 1-layer drafter checkpoint, and target-written traffic on a few prompts."""
+    root = tmp_path_factory.mktemp("online")
+    tgt = load_model(str(tiny_model_dir))
+    torch.manual_seed(0)
+    drafter = build_draft_lm({"n_layers": 1}, tgt.model)
+    with torch.no_grad():  # scramble the layer (embeddings and head stay the target's): something to learn
+        for name, p in drafter.named_parameters():
+            if name.startswith("layers."):
+                p.copy_(torch.randn_like(p) * 0.3)
+    ckpt = save_drafter(root / "run" / "checkpoints" / "final", drafter, "draft_lm",
+                        {"target": str(tiny_model_dir), "recipe": "tiny", "step": 0})
+    eos = stop_ids(tgt.path, tgt.tokenizer)
+    texts = ["Tell me about foxes.", "Write a poem about the sea.", "What is 2+2?", "Count to five."]
+    traffic = []
+    for i in range(24):
+        ids = encode_chat(tgt.tokenizer, [{"role": "user", "content": texts[i % 4]}])
+        traffic.append({"prompt": ids, "response": autoregressive_generate(tgt.model, torch.tensor(ids), 16,
+                                                                           eos_ids=eos)})
+    return {"root": root, "ckpt": ckpt, "tgt": tgt, "traffic": traffic, "model_dir": tiny_model_dir}
+
+
+def _recipe(tiny, tmp_path, *extra):
+    return load_recipe("tiny", [f"target.model={tiny['model_dir']}", f"out_dir={tmp_path / 'run'}",
+                                f"eval.checkpoint={tiny['ckpt']}", f"online.dir={tmp_path / 'online'}",
+                                "online.holdout=3", "online.min_records=8", "online.update_every_requests=8",
+                                "online.steps_per_update=60", "online.eval_tokens=16", "train.lr=3e-3",
+                                "train.micro_batch_size=4", *extra])
+
+
+def test_versions_publish_and_roll_back(tiny, tmp_path):
+    v = Versions(tmp_path, tiny["ckpt"])
+    assert v.current()[0] == "v0000" and (tmp_path / "versions" / "v0000" / "drafter.json").is_file()
+    with pytest.raises(DraftsmithError, match="nothing to roll back"):
+        v.rollback()
+    assert v.publish(tiny["ckpt"]) == "v0001" and v.publish(tiny["ckpt"]) == "v0002"
+    assert v.rollback() == "v0001" and v.current()[0] == "v0001"
+    assert v.rollback("v0002") == "v0002"
+    with pytest.raises(DraftsmithError, match="no version"):
+        v.rollback("v0042")
+    assert Versions(tmp_path, tiny["ckpt"]).current()[0] == "v0002"  # state survives a restart
+
+
+def test_a_learner_round_publishes_only_a_better_drafter(tiny, tmp_path):
+    r = _recipe(tiny, tmp_path)
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    versions = Versions(tmp_path / "online", tiny["ckpt"])
+    learner = Learner(r, buf, versions, tgt=tiny["tgt"])
+    assert not learner.due()
+    for t in tiny["traffic"]:
+        buf.append(t)
+    assert learner.due()
+    out = learner.round()
+    assert out["records"] == 21 and out["held_out"] == 3
+    assert out["swapped"] == (out["tau_candidate"] > out["tau_current"])
+    assert out["swapped"] and versions.current()[0] == "v0001"  # repeated prompts: the drafter learns them
+    assert out["tau_candidate"] > out["tau_current"] >= 1.0
+    metrics = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[-1]["stage"] == "online" and metrics[-1]["swapped"] is True
+    assert not learner.due()  # nothing new since the round
+    assert not (tmp_path / "online" / "rounds" / "r0001" / "checkpoints").exists()  # published as a copy
+
+
+def test_a_failed_round_keeps_the_current_version(tiny, tmp_path, monkeypatch):
+    r = _recipe(tiny, tmp_path)
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    versions = Versions(tmp_path / "online", tiny["ckpt"])
+    for t in tiny["traffic"]:
+        buf.append(t)
+
+    def killed(recipe):
+        (recipe.run_dir / "checkpoints" / "final.tmp").mkdir(parents=True)
+        raise KeyboardInterrupt
+    monkeypatch.setattr("draftsmith.train.loop.train", killed)
+    with pytest.raises(KeyboardInterrupt):
+        Learner(r, buf, versions, tgt=tiny["tgt"]).round()
+    assert versions.current()[0] == "v0000" and len(buf.read()) == 24
+    assert sorted(p.name for p in (tmp_path / "online" / "versions").iterdir()) == ["v0000"]
+
+
+def test_log_follower_reads_complete_lines_once(tiny, tmp_path):
+    tok = tiny["tgt"].tokenizer
+    log_file = tmp_path / "requests.jsonl"
+    buf = TrafficBuffer(tmp_path / "traffic")
+    lines = [json.dumps({"prompt": [5, 6, 7], "response": [8, 9]}),
+             json.dumps({"messages": [{"role": "user", "content": "hi"}], "response": "hello there"}),
+             "not json"]
+    log_file.write_text("\n".join(lines) + "\n" + '{"prompt": [1')  # the last line is still being written
+    f = LogFollower([str(tmp_path / "*.jsonl")], buf, tmp_path / "offsets.json", tok, {2})
+    assert f.poll() == 2 and f.poll() == 0
+    recs = buf.read()
+    assert recs[0]["prompt"] == [5, 6, 7] and recs[1]["response"][-1] == 2  # text responses end with EOS
+    with open(log_file, "a") as fh:
+        fh.write(', 2], "response": [3]}\n')
+    again = LogFollower([str(tmp_path / "*.jsonl")], buf, tmp_path / "offsets.json", tok, {2})  # a restart
+    assert again.poll() == 1 and [r["prompt"] for r in buf.read()][-1] == [1, 2]
+
+
+def _post(url, body, timeout=60):
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+@pytest.fixture
+def server(tiny, tmp_path):
+    from draftsmith.eval.serve import make_server
+
+    httpd, engine = make_server(_recipe(tiny, tmp_path, "online.port=0", "online.learn=false",
+                                        "online.max_tokens=16", "online.max_body_bytes=4000"))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}", engine
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_server_answers_like_the_target_streams_and_reports(server, tiny):
+    url, engine = server
+    tok, eos = tiny["tgt"].tokenizer, stop_ids(tiny["tgt"].path, tiny["tgt"].tokenizer)
+    msgs = [{"role": "user", "content": "Tell me about foxes."}]
+    ref = autoregressive_generate(tiny["tgt"].model, torch.tensor(encode_chat(tok, msgs)), 16, eos_ids=eos)
+    want = tok.decode([t for t in ref if t not in eos], skip_special_tokens=True)
+    code, body = _post(url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 16})
+    out = json.loads(body)
+    assert code == 200 and out["choices"][0]["message"]["content"] == want
+    assert out["usage"]["completion_tokens"] == len(ref) and out["choices"][0]["finish_reason"] in ("stop", "length")
+    code, body = _post(url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 16, "stream": True})
+    events = [json.loads(x[6:]) for x in body.split("\n\n") if x.startswith("data: {")]
+    assert code == 200 and body.rstrip().endswith("data: [DONE]")
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == want
+    assert events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+    code, body = _post(url + "/v1/completions", {"prompt": "The quick brown fox", "max_tokens": 8})
+    assert code == 200 and json.loads(body)["object"] == "text_completion"
+    assert _post(url + "/v1/chat/completions", {"messages": "hi"})[0] == 400
+    assert _post(url + "/v1/chat/completions", b"{not json")[0] == 400
+    assert _post(url + "/v1/chat/completions", {"messages": msgs, "pad": "x" * 5000})[0] == 413
+    assert _post(url + "/v1/nothing", {"a": 1})[0] == 404
+    with urllib.request.urlopen(url + "/metrics") as r:
+        metrics = r.read().decode()
+    assert "draftsmith_requests_total 3" in metrics and "draftsmith_queue_depth 0" in metrics
+    assert "draftsmith_tau " in metrics and "draftsmith_drafter_version 0" in metrics
+    assert len(engine.buffer.read()) == 3  # every answered request was recorded
+    with urllib.request.urlopen(url + "/health") as r:
+        assert json.loads(r.read())["drafter_version"] == "v0000"
+
+
+def test_server_sheds_load_when_the_queue_is_full(server):
+    url, engine = server
+    engine.queue = queue.Queue(maxsize=1)  # the worker still waits on the old queue: nothing drains this one
+    engine.queue.put(None)
+    code, body = _post(url + "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+    assert code == 503 and "busy" in body
+
+
+def test_hot_swap_between_requests_drops_nothing(server, tiny):
+    url, engine = server
+    msgs = [{"role": "user", "content": "Count to five."}]
+    results = []
+
+    def ask():
+        results.append(_post(url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 16}))
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for i, t in enumerate(threads):
+        t.start()
+        if i == 2:
+            engine.versions.publish(tiny["ckpt"])  # a learner publish while requests are queued
+    for t in threads:
+        t.join()
+    answers = {json.loads(b)["choices"][0]["message"]["content"] for c, b in results if c == 200}
+    assert len(results) == 6 and all(c == 200 for c, _ in results) and len(answers) == 1  # lossless either way
+    assert engine.version == "v0001" and "draftsmith_drafter_swaps_total 1" in engine.metrics_text()
+
+
+def test_kill_mid_update_loses_no_traffic_and_restarts_on_the_last_good_drafter(tiny, tmp_path):
+    args = [f"target.model={tiny['model_dir']}", f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={tiny['ckpt']}",
+            f"online.dir={tmp_path / 'online'}", "online.port=0", "online.min_records=4",
+            "online.update_every_requests=4", "online.holdout=1", "online.steps_per_update=100000",
+            "online.max_tokens=8"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+    def start():
+        p = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", "tiny", *args], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = p.stdout.readline()
+        assert line.startswith("serve: http://"), line
+        return p, line.split()[1].removesuffix("/v1")
+
+    p, url = start()
+    try:
+        for i in range(5):
+            code, _ = _post(url + "/v1/completions", {"prompt": f"request {i}", "max_tokens": 8})
+            assert code == 200
+        rounds = tmp_path / "online" / "rounds"
+        deadline = time.time() + 120
+        while not (rounds.exists() and list(rounds.glob("r*/metrics.jsonl"))) and time.time() < deadline:
+            time.sleep(0.5)  # the learner is training (100000 steps: it will not finish)
+        assert list(rounds.glob("r*/metrics.jsonl")), "the update never started"
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert len(TrafficBuffer(tmp_path / "online" / "traffic").read()) == 5  # every answered request is there
+    p, url = start()
+    try:
+        with urllib.request.urlopen(url + "/health") as r:
+            assert json.loads(r.read())["drafter_version"] == "v0000"
+        assert _post(url + "/v1/completions", {"prompt": "after restart", "max_tokens": 8})[0] == 200
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert len(TrafficBuffer(tmp_path / "online" / "traffic").read()) == 6
