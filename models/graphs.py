@@ -133,7 +133,9 @@ class GraphedLlama(nn.Module):
                 self._static_forward(run)
         torch.cuda.current_stream().wait_stream(side)
         run.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(run.graph, pool=self._pool):  # one memory pool: replays never overlap
+        # One memory pool (replays never overlap). thread_local: other threads' CUDA work (the online learner
+        # trains in the serving process) must not invalidate this thread's capture.
+        with torch.cuda.graph(run.graph, pool=self._pool, capture_error_mode="thread_local"):
             run.out = self._static_forward(run)
         self._pool = run.graph.pool()
 

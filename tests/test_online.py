@@ -229,9 +229,11 @@ def test_kill_mid_update_loses_no_traffic_and_restarts_on_the_last_good_drafter(
             "online.max_tokens=8"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
+    server_log = open(tmp_path / "server.log", "a")
+
     def start():
         p = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", "tiny", *args], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                             stdout=subprocess.PIPE, stderr=server_log, text=True)
         line = p.stdout.readline()
         assert line.startswith("serve: http://"), line
         return p, line.split()[1].removesuffix("/v1")
@@ -254,7 +256,8 @@ def test_kill_mid_update_loses_no_traffic_and_restarts_on_the_last_good_drafter(
     try:
         with urllib.request.urlopen(url + "/health") as r:
             assert json.loads(r.read())["drafter_version"] == "v0000"
-        assert _post(url + "/v1/completions", {"prompt": "after restart", "max_tokens": 8})[0] == 200
+        code, body = _post(url + "/v1/completions", {"prompt": "after restart", "max_tokens": 8})
+        assert code == 200, (body, (tmp_path / "server.log").read_text()[-3000:])
     finally:
         p.send_signal(signal.SIGKILL)
         p.wait()
