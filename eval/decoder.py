@@ -34,6 +34,7 @@ class DecodeStats:
     judge_accepted: int = 0  # accepted drafts the target itself would not have chosen (lossy judge mode only)
     draft_time_s: float = 0.0  # wall time in drafter calls
     verify_time_s: float = 0.0  # wall time in target verify calls and acceptance
+    accepted_per_step: list[int] = field(default_factory=list)  # in order: where the target overruled the draft
 
     @property
     def tau(self) -> float:
@@ -62,6 +63,7 @@ class DecodeStats:
         self.drafted += drafted
         self.accepted += accepted
         self.accept_counts[accepted] += 1
+        self.accepted_per_step.append(accepted)
         self.draft_time_s += draft_s
         self.verify_time_s += verify_s
 
@@ -78,7 +80,17 @@ class DecodeStats:
         a = self.accept_counts + [0] * (n - len(self.accept_counts))
         b = other.accept_counts + [0] * (n - len(other.accept_counts))
         self.accept_counts = [x + y for x, y in zip(a, b)]
+        self.accepted_per_step += other.accepted_per_step
         return self
+
+    def target_positions(self) -> list[int]:
+        """Indices of emitted tokens the target chose itself (the first token, then each step's correction or
+        bonus): where the drafter was wrong or out of drafts. Online distillation trains on these (OSD)."""
+        pos, p = [0], 0
+        for n in self.accepted_per_step:
+            p += n + 1
+            pos.append(p)
+        return [q for q in pos if q < self.new_tokens]
 
 
 def _run_drafter(drafter, ids: torch.Tensor, **kw):

@@ -138,7 +138,8 @@ class Engine:
         if tokens:  # the target's own continuation, whatever the drafter proposed: a valid teacher sequence
             self.buffer.append({"prompt": job.prompt, "response": tokens, "version": self.version,
                                 "tau": stats.tau if stats else None,
-                                "accept_counts": stats.accept_counts if stats else None})
+                                "accept_counts": stats.accept_counts if stats else None,
+                                "target_positions": stats.target_positions() if stats else None})
         with self.lock:
             m = self.m
             m["requests"] += 1

@@ -482,6 +482,9 @@ class OnlineConfig(Strict):
     """Train-loop steps per update (the recipe's train section sets everything else)."""
     topk: int = Field(32, ge=0)
     """Teacher top-k stored for each update's records (0 when train.loss.teacher is target)."""
+    positions: Literal["all", "wrong"] = "all"
+    """Response positions trained on: all, or only where the target overruled the serving drafter (OSD's mask,
+    algorithms.md A9)."""
     eval_tokens: int = Field(64, gt=0)
     """Tokens decoded per held-out request when comparing versions."""
     logs: list[str] = Field(default_factory=list)

@@ -262,3 +262,38 @@ def test_kill_mid_update_loses_no_traffic_and_restarts_on_the_last_good_drafter(
         p.send_signal(signal.SIGKILL)
         p.wait()
     assert len(TrafficBuffer(tmp_path / "online" / "traffic").read()) == 6
+
+
+def test_target_positions_mark_where_the_target_overruled_the_drafter(tiny):
+    from draftsmith.eval.decoder import speculative_generate
+    from draftsmith.models.registry import load_drafter
+
+    drafter, _ = load_drafter(tiny["ckpt"])
+    out, st = speculative_generate(tiny["tgt"].model, drafter, torch.tensor(tiny["traffic"][0]["prompt"]), 16,
+                                   draft_len=3)
+    pos = st.target_positions()
+    assert pos[0] == 0 and all(b - a == n + 1 for a, b, n in zip(pos, pos[1:], st.accepted_per_step))
+    assert len(pos) >= len(out) / 4 and max(pos) < len(out)
+    oracle = load_model(str(tiny["model_dir"])).model  # draft = target: every draft accepted
+    out, st = speculative_generate(tiny["tgt"].model, oracle, torch.tensor(tiny["traffic"][0]["prompt"]), 16,
+                                   draft_len=3)
+    assert st.accepted == st.drafted and st.target_positions()[:4] == [0, 4, 8, 12]  # a bonus after 3 drafts
+
+
+def test_osd_mask_trains_only_where_the_drafter_was_wrong(tiny, tmp_path, monkeypatch):
+    r = _recipe(tiny, tmp_path, "online.positions=wrong")
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    for i, t in enumerate(tiny["traffic"]):
+        buf.append({**t, "target_positions": [0, 3] if i % 2 else None})  # log records carry none: all
+    learner = Learner(r, buf, Versions(tmp_path / "online", tiny["ckpt"]), tgt=tiny["tgt"])
+    seen = {}
+
+    def fake_train(recipe):
+        seen["manifest"] = json.loads((recipe.run_dir / "data" / "manifest.json").read_text())
+        raise KeyboardInterrupt
+    monkeypatch.setattr("draftsmith.train.loop.train", fake_train)
+    with pytest.raises(KeyboardInterrupt):
+        learner.round()
+    recs = buf.read()[:-3]
+    want = sum(2 if i % 2 else len(t["response"]) for i, t in enumerate(recs))
+    assert seen["manifest"]["n_loss_tokens"] == want

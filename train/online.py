@@ -155,7 +155,7 @@ class Learner:
         data_dir.mkdir(parents=True)
         cap = Capture(topk=self.oc.topk)
         seqs = [r["prompt"] + r["response"] for r in recs]
-        masks = [[0] * len(r["prompt"]) + [1] * len(r["response"]) for r in recs]
+        masks = [[0] * len(r["prompt"]) + self._response_mask(r) for r in recs]
         records = []
         with torch.no_grad():
             for a in range(0, len(seqs), 8):
@@ -172,6 +172,16 @@ class Learner:
                                          "tail": "1 - sum(exp(topk_logprobs))"}} if cap.topk else {},
                     "shards": [entry]}
         write_manifest(data_dir, manifest)
+
+    def _response_mask(self, r: dict) -> list[int]:
+        """online.positions=all: every response token; wrong: only where the target overruled the serving drafter
+        (OSD's mask), when the record carries them (request logs from elsewhere do not: all)."""
+        if self.oc.positions == "all" or not r.get("target_positions"):
+            return [1] * len(r["response"])
+        m = [0] * len(r["response"])
+        for p in r["target_positions"]:
+            m[p] = 1
+        return m
 
     def held_out_tau(self, ckpt: Path, hold: list[dict]) -> float:
         """Measured τ of the drafter at ``ckpt`` on the held-out requests (greedy, the eval's draft length)."""
