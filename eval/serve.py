@@ -70,7 +70,7 @@ class Engine:
         ckpt = Path(self.ec.checkpoint) if self.ec.checkpoint else recipe.run_dir / "checkpoints" / "final"
         self.versions = Versions(self.root, ckpt)
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
-        self.max_len = 4096
+        self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer; also the CUDA-graph cache
         self.target = self._fast(self.tgt.model)
         self.version, self.drafter = None, None
         self._load_current()

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models import serving_formats as sf
+from draftsmith.models.hf import ALIASES, resolve_model_path
 from draftsmith.models.registry import load_drafter
 
 log = logging.getLogger("draftsmith.export")
@@ -76,24 +77,19 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
 
 
 def _verifier(recipe, target: str) -> str:
-    """The target as a serving engine should name it: the recipe's hub id or path (aliases resolve to the folder)."""
+    """The target as a serving engine should name it: the recipe's hub id or folder. A packaged alias (a GGUF
+    de-quantised into the local cache) becomes that folder, the only name an engine can load."""
     name = recipe.target.model if recipe is not None else target
-    try:
-        from draftsmith.models.hf import ALIASES
-
-        if name in ALIASES:
-            from draftsmith.models.hf import resolve_model_path
-
+    if name in ALIASES:
+        try:
             return str(resolve_model_path(name))
-    except DraftsmithError:
-        pass
+        except DraftsmithError:  # the alias's package is not installed here: keep the name, say so in the card
+            log.warning("export: target alias %r does not resolve here; the verifier is named as is", name)
     return name
 
 
 def _copy_tokenizer(target: str, folder: Path, required: bool) -> None:
     """The drafter shares its target's tokenizer by construction: copy its files when the target resolves."""
-    from draftsmith.models.hf import resolve_model_path
-
     try:
         src = resolve_model_path(target)
     except DraftsmithError as e:
