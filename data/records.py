@@ -211,7 +211,13 @@ def read_manifest(data_dir: Path) -> dict:
     return manifest
 
 
+def write_json_atomic(path: Path, obj) -> None:
+    """A JSON file that is either the old one or the whole new one, never half-written (tmp + rename)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
 def write_manifest(data_dir: Path, manifest: dict) -> None:
-    tmp = Path(data_dir) / f"manifest.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=2))
-    os.replace(tmp, Path(data_dir) / "manifest.json")
+    write_json_atomic(Path(data_dir) / "manifest.json", manifest)

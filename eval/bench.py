@@ -137,16 +137,22 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     return setup
 
 
+def fast_model(model, ec, device: str, max_len: int):
+    """The decoder's fast path for one model: fused, pre-packed matmuls (eval.optimize) and, on CUDA, CUDA-graph
+    replay over a cache of max_len slots (eval.cuda_graphs). Optimised modules lose their HF-named weights, so
+    build HF copies first. Used by eval and by the server."""
+    if ec.optimize and hasattr(model, "optimize_for_inference"):
+        model.optimize_for_inference()
+    if ec.cuda_graphs and torch.device(device).type == "cuda":
+        model = graph_decoding(model, max_len)
+    return model
+
+
 def optimize_models(setup: EvalSetup, ec) -> None:
-    if ec.optimize:  # after any HF copies: optimized modules no longer carry HF-named weights
-        for m in (setup.tgt.model, setup.drafter):
-            if hasattr(m, "optimize_for_inference"):
-                m.optimize_for_inference()
-    if ec.cuda_graphs and torch.device(setup.device).type == "cuda":
-        # Room for the longest prompt, the answer and the widest draft block or tree (EAGLE-2 trees stay < 512).
-        max_len = max((len(ids) for _, ids in setup.encoded), default=0) + ec.max_new_tokens + 512
-        setup.tgt.model = graph_decoding(setup.tgt.model, max_len)
-        setup.drafter = graph_decoding(setup.drafter, max_len)
+    # Room for the longest prompt, the answer and the widest draft block or tree (EAGLE-2 trees stay < 512).
+    max_len = max((len(ids) for _, ids in setup.encoded), default=0) + ec.max_new_tokens + 512
+    setup.tgt.model = fast_model(setup.tgt.model, ec, setup.device, max_len)
+    setup.drafter = fast_model(setup.drafter, ec, setup.device, max_len)
 
 
 def evaluate(recipe) -> dict:

@@ -31,8 +31,8 @@ import torch
 
 from draftsmith.data.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.bench import fast_model
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.graphs import graph_decoding
 from draftsmith.models.hf import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
@@ -84,11 +84,7 @@ class Engine:
             threading.Thread(target=self._learn, daemon=True, name="learner").start()
 
     def _fast(self, model):
-        if self.ec.optimize and hasattr(model, "optimize_for_inference"):
-            model.optimize_for_inference()
-        if self.ec.cuda_graphs and torch.device(self.device).type == "cuda":
-            model = graph_decoding(model, self.max_len)
-        return model
+        return fast_model(model, self.ec, self.device, self.max_len)
 
     def _load_current(self) -> bool:
         version, path = self.versions.current()

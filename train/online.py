@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.engine import Capture, score_batch
-from draftsmith.data.records import FORMAT, Record, shard_name, write_manifest, write_shard
+from draftsmith.data.records import FORMAT, Record, shard_name, write_json_atomic, write_manifest, write_shard
 from draftsmith.data.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import speculative_generate
@@ -39,12 +39,6 @@ def online_dir(recipe) -> Path:
     return Path(recipe.online.dir) if recipe.online.dir else recipe.run_dir / "online"
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2))
-    os.replace(tmp, path)
-
-
 class Versions:
     def __init__(self, root: Path, initial: Path):
         self.root, self.dir = Path(root), Path(root) / "versions"
@@ -55,7 +49,7 @@ class Versions:
                 raise DraftsmithError(f"online: no trained drafter at {initial} (train it first, or set "
                                       f"eval.checkpoint)")
             self._copy(Path(initial), "v0000")
-            _write_json(self.file, {"version": "v0000", "history": ["v0000"]})
+            write_json_atomic(self.file, {"version": "v0000", "history": ["v0000"]})
 
     def _copy(self, src: Path, name: str) -> Path:
         tmp = self.dir / f"{name}.tmp"
@@ -76,7 +70,7 @@ class Versions:
         name = f"v{max(int(n[1:]) for n in done) + 1:04d}"
         self._copy(ckpt, name)
         st = self.state()
-        _write_json(self.file, {"version": name, "history": [*st["history"], name]})
+        write_json_atomic(self.file, {"version": name, "history": [*st["history"], name]})
         return name
 
     def rollback(self, to: str | None = None) -> str:
@@ -91,7 +85,7 @@ class Versions:
             if not (self.dir / to).is_dir():
                 raise DraftsmithError(f"online: no version {to!r} in {self.dir}")
             hist = [*hist, to]
-        _write_json(self.file, {"version": to, "history": hist})
+        write_json_atomic(self.file, {"version": to, "history": hist})
         return to
 
 
@@ -142,7 +136,7 @@ class Learner:
         new_version = self.versions.publish(candidate) if swapped else version
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # published versions are copies
         self.rounds, self.last_seq, self.last_time = n, recs[-1]["seq"], time.time()
-        _write_json(self.state_file, {"rounds": n, "last_seq": self.last_seq})
+        write_json_atomic(self.state_file, {"rounds": n, "last_seq": self.last_seq})
         out = {"round": n, "records": len(train_recs), "held_out": len(hold), "tau_current": round(tau_cur, 4),
                "tau_candidate": round(tau_new, 4), "swapped": swapped, "version": new_version,
                "seconds": round(time.perf_counter() - t0, 1)}
@@ -239,7 +233,7 @@ class LogFollower:
                 added += 1
             if end:
                 self.offsets[path] = start + end
-                _write_json(self.state, self.offsets)
+                write_json_atomic(self.state, self.offsets)
         return added
 
 
