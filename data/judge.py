@@ -10,7 +10,9 @@ For each task (eval/tasks.py: HumanEval unit tests, GSM8K-style final answers):
 Each what-if becomes one record: the context up to and including the substituted token, with that token as the
 only loss position and a ``judge_label`` signal; the judge trains on the target's state there (read in the loop).
 Shards of ``shard_size`` tasks are written atomically and skipped on a rerun, so a killed run resumes; the
-manifest is written last. No text is logged, only counts.
+manifest is written last. No text is logged, only counts. With ``only_correct`` only tasks the target solves get
+swaps, so every 0 label is a swap that broke a right answer (a weak target fails most tasks, and a failing answer
+mostly stays failing whatever is swapped in).
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
-from draftsmith.eval.tasks import load_tasks, outcome
+from draftsmith.eval.tasks import correct, load_tasks, outcome
 from draftsmith.models.hf import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
@@ -43,11 +45,15 @@ from draftsmith.runtime import resolve_device, resolve_dtype
 
 @torch.no_grad()
 def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos: set[int], max_swaps: int,
-                 timeout: float) -> tuple[list[Record], dict]:
-    """The what-if records of one task and its tallies."""
+                 timeout: float, only_correct: bool = False) -> tuple[list[Record], dict]:
+    """The what-if records of one task and its tallies (none when ``only_correct`` and the target got it wrong)."""
     ids = encode_chat(tok, task.messages)
     resp = autoregressive_generate(target, torch.tensor(ids), max_new, eos_ids=eos)
-    base = outcome(task, tok.decode(resp, skip_special_tokens=True), timeout)
+    text = tok.decode(resp, skip_special_tokens=True)
+    base = outcome(task, text, timeout)
+    solved = base == "pass" if task.kind == "humaneval" else correct(task, text, timeout)
+    if only_correct and not solved:
+        return [], {"tasks": 1, "swaps": 0, "acceptable": 0, "base_pass": 0}
     seq = torch.tensor([ids + resp], device=next(draft.parameters()).device)
     pred = draft(seq)[0, len(ids) - 1:-1].argmax(-1).tolist()  # the draft's choice for each response token
     swaps = [i for i, (p, r) in enumerate(zip(pred, resp)) if p != r][:max_swaps]
@@ -61,7 +67,7 @@ def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos:
         acceptable += int(label)
         records.append(Record(prefix, [0] * (len(prefix) - 1) + [1], prompt_index, i, SOURCES["drafter"],
                               {"judge_label": torch.tensor([label])}))
-    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(base == "pass")}
+    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(solved)}
 
 
 def mine(recipe) -> Path:
@@ -73,6 +79,7 @@ def mine(recipe) -> Path:
     for stale in out.glob("*.tmp*"):  # left by a killed run; never read
         stale.unlink()
     tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision)
+    tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
     draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
     if info.get("kind") != "draft_lm":
         raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
@@ -80,7 +87,7 @@ def mine(recipe) -> Path:
     tok_hash = tokenizer_hash(tgt.tokenizer)
     if info.get("tokenizer_hash") not in (None, tok_hash):
         raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
-    tasks = load_tasks(jc.tasks, jc.path, jc.n)
+    tasks = load_tasks(jc.tasks, jc.path, jc.n, jc.start)
     eos = stop_ids(tgt.path, tgt.tokenizer)
     dhash = data_hash(recipe)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash}
@@ -96,7 +103,7 @@ def mine(recipe) -> Path:
         records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}
         for j, task in enumerate(shard):
             recs, c = task_records(tgt.model, draft, tgt.tokenizer, task, start + j, dc.max_new_tokens, eos,
-                                   jc.max_swaps, jc.timeout)
+                                   jc.max_swaps, jc.timeout, jc.only_correct)
             records += recs
             counts = {k: counts[k] + c[k] for k in counts}
             bar.update(1)
@@ -106,8 +113,11 @@ def mine(recipe) -> Path:
     entries = [shard_entry(out / shard_name(i)) for i in range(len(starts))]
     totals = {k: sum(e["counts"][k] for e in entries) for k in ("tasks", "swaps", "acceptable", "base_pass")}
     if totals["swaps"] == 0:
-        raise DraftsmithError(f"data.judge_labels: the draft agreed with the target everywhere on {len(tasks)} "
-                              f"tasks; no what-if swaps to label (use more tasks or a weaker draft)")
+        why = (f"the target solved none of the {len(tasks)} tasks (data.judge_labels.only_correct)"
+               if jc.only_correct and totals["base_pass"] == 0 else
+               f"the draft agreed with the target everywhere on {len(tasks)} tasks")
+        raise DraftsmithError(f"data.judge_labels: {why}; no what-if swaps to label (use more tasks or a weaker "
+                              f"draft)")
     manifest = {"format": FORMAT, **meta, "recipe": recipe.name, "responses": "judge_labels",
                 "n_sequences": sum(e["n_sequences"] for e in entries),
                 "n_tokens": sum(e["n_tokens"] for e in entries),

@@ -117,7 +117,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
                               f"chain or tree")
     pc, jc, tasks = ec.prompts, ec.judge, None
     if jc is not None and jc.tasks:  # the prompts are the tasks whose accuracy is scored
-        tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n)
+        tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n, jc.tasks_start)
         prompts = [Prompt(f"{t.kind}:{t.id}", t.messages, t.kind) for t in tasks]
     else:
         prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,

@@ -1,12 +1,16 @@
-"""Pick the adaptive draft-length threshold on held-out prompts (SpecDec++, algorithms.md A7).
+"""Pick a decoding threshold on held-out prompts: SpecDec++'s stop threshold (algorithms.md A7) or the judge's δ
+(Judge Decoding, A8).
 
-Decodes the recipe's eval prompts (choose a held-out set with eval.prompts.seed / split / source) with plain AR,
-every fixed draft length and every threshold of the stop rule (eval.stop, or the acceptance-head checkpoint's
-SpecDec++ rule), interleaved prompt by prompt in one process so machine noise hits all configurations alike.
-Prints tau, drafted tokens wasted per verify, tokens/s and speedup vs AR, per configuration and per category;
-writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over the best fixed draft length.
+Decodes the recipe's eval prompts (choose a held-out set with eval.prompts.seed / split / source, or
+eval.judge.tasks_start for tasks) with plain AR, every fixed draft length, every threshold of the stop rule
+(eval.stop, or the acceptance-head checkpoint's SpecDec++ rule) and every judge δ (eval.judge's head, **lossy**),
+interleaved prompt by prompt in one process so machine noise hits all configurations alike. Prints tau, drafted
+tokens wasted per verify, tokens/s, speedup vs AR and, when eval.judge.tasks is set, task accuracy, per
+configuration and per category; writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over
+the best fixed draft length.
 
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
+    python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
 """
 from __future__ import annotations
 
@@ -22,15 +26,28 @@ from tqdm.auto import tqdm
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import load_for_eval
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.tasks import correct
+from draftsmith.models.judge import Judge
+
+DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]
 
 
-def sweep(recipe, thresholds: list[float], fixed: list[int]) -> dict:
+def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = ()) -> dict:
+    """thresholds None: the default list when the recipe has a stop rule, else none."""
     ec = recipe.eval
     setup = load_for_eval(recipe)
     hook = setup.stop_drafting
-    if hook is None:
-        raise DraftsmithError("the sweep needs a stop rule: set eval.stop or point eval.checkpoint at an "
+    if thresholds is None:
+        thresholds = DEFAULT_THRESHOLDS if hook is not None and not deltas else []
+    if thresholds and hook is None:
+        raise DraftsmithError("--thresholds needs a stop rule: set eval.stop or point eval.checkpoint at an "
                               "acceptance head")
+    if deltas and setup.judge is None:
+        raise DraftsmithError("--deltas needs a judge: set eval.judge.head (a drafter.kind judge checkpoint)")
+    if not (thresholds or deltas):
+        raise DraftsmithError("nothing to sweep: give --thresholds (a stop rule) or --deltas (a judge)")
+    if not fixed:
+        raise DraftsmithError("--fixed needs at least one draft length to compare against")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
     gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
@@ -49,6 +66,12 @@ def sweep(recipe, thresholds: list[float], fixed: list[int]) -> dict:
                                                         **sampling), None)}
     configs.update({f"fixed-{k}": spec(k) for k in fixed})
     configs.update({f"stop-{h:g}": with_threshold(h) for h in thresholds})
+    for d in deltas:  # lossy: the judge may keep drafts the target would not have chosen
+        judge = Judge(setup.judge.head, d)
+        configs[f"judge-{d:g}"] = (lambda j: lambda x: speculative_generate(
+            tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos, generator=gen, judge=j,
+            **sampling))(judge)
+    solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     cat_secs, cat_toks = defaultdict(float), defaultdict(int)
     mismatches = 0
@@ -72,38 +95,49 @@ def sweep(recipe, thresholds: list[float], fixed: list[int]) -> dict:
                 cat_toks[cat, name] += len(out)
                 if st is not None:
                     stats[name].merge(st)
+                if setup.tasks:
+                    solved[name] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
             if ec.temperature == 0 and outs:
-                mismatches += sum(o != outs["ar"] for o in outs.values())
+                mismatches += sum(o != outs["ar"] for n, o in outs.items() if not n.startswith("judge-"))
     if not secs:
         raise DraftsmithError("no prompts left after eval.warmup: raise eval.prompts.n")
+    n_scored = len(setup.encoded) - ec.warmup
     rate = {n: toks[n] / secs[n] for n in configs}
     results = {}
     for n in configs:
         st = stats.get(n)
         results[n] = {"tokens_per_s": rate[n], "speedup_vs_ar": rate[n] / rate["ar"],
                       **({"tau": st.tau, "drafted_per_step": st.drafted / st.target_forwards,
-                          "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards} if st else {})}
+                          "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards} if st else {}),
+                      **({"task_accuracy": solved[n] / n_scored} if setup.tasks else {}),
+                      **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {})}
     best_fixed = max((f"fixed-{k}" for k in fixed), key=rate.get)
-    best_stop = max((f"stop-{h:g}" for h in thresholds), key=rate.get)
+    best = max((n for n in configs if n.startswith(("stop-", "judge-"))), key=rate.get)
     cats = sorted({c for c, _ in cat_secs})
     report = {
-        "prompts": {"source": ec.prompts.source, "n": len(setup.encoded) - ec.warmup, "seed": ec.prompts.seed},
+        "prompts": {"source": ec.prompts.source, "n": n_scored, "seed": ec.prompts.seed,
+                    **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {})},
         "drafter": str(setup.ckpt), "stop": setup.stop_info, "cap": ec.draft_len, "temperature": ec.temperature,
-        "configs": results, "best_fixed": best_fixed, "best_stop": best_stop,
-        "best_threshold": float(best_stop.removeprefix("stop-")),
-        "gain_vs_best_fixed": rate[best_stop] / rate[best_fixed] - 1,
+        "configs": results, "best_fixed": best_fixed, "best_stop": best,
+        "best_threshold": float(best.split("-", 1)[1]),
+        "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1,
         "per_category": {c: {n: cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"])
-                             for n in (best_fixed, best_stop)} for c in cats},
+                             for n in (best_fixed, best)} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
+        **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
     }
     out_dir = recipe.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(report, indent=2))
-    print(f"{'config':<12} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}")
+    acc = setup.tasks is not None
+    print(f"{'config':<12} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
+          (f" {'accuracy':>8}" if acc else ""))
     for n, r in results.items():
         print(f"{n:<12} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
-              f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}")
-    print(f"sweep: best fixed {best_fixed}, best {best_stop} ({report['gain_vs_best_fixed']:+.1%} tokens/s); "
+              f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}" +
+              (f" {r['task_accuracy']:8.3f}" if acc else ""))
+    lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
+    print(f"sweep: best fixed {best_fixed}, best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}; "
           f"-> {out_dir / 'sweep.json'}")
     return report
 
@@ -113,15 +147,26 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="recipe name or YAML path (its eval section and checkpoint are used)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. eval.prompts.seed=7")
-    p.add_argument("--thresholds", default="0.1,0.2,0.3,0.5,0.7",
-                   help="comma-separated stop thresholds (SpecDec++: probability in (0, 1); entropy: nats)")
+    p.add_argument("--thresholds", default=None,
+                   help="comma-separated stop thresholds (SpecDec++: probability in (0, 1); entropy: nats); default "
+                        f"{','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule and no --deltas")
+    p.add_argument("--deltas", default="",
+                   help="comma-separated judge thresholds δ in (0, 1) for lossy Judge-Decoding verification at "
+                        "eval.draft_len (needs eval.judge.head; task accuracy is scored with eval.judge.tasks)")
     p.add_argument("--fixed", default="1,2,3,4,6", help="comma-separated fixed draft lengths to compare against")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 
+    def floats(text):
+        return [float(t) for t in text.split(",") if t.strip()]
+
     try:
+        deltas = floats(args.deltas)
+        if any(not 0 < d < 1 for d in deltas):
+            raise DraftsmithError(f"--deltas {args.deltas!r}: each δ must lie in (0, 1)")
         recipe = load_recipe(args.recipe, args.overrides)
-        sweep(recipe, [float(t) for t in args.thresholds.split(",")], [int(k) for k in args.fixed.split(",")])
+        sweep(recipe, None if args.thresholds is None else floats(args.thresholds),
+              [int(k) for k in args.fixed.split(",") if k.strip()], deltas)
     except (DraftsmithError, ValueError) as e:
         print(f"draftsmith sweep: error: {e}", file=sys.stderr)
         return 2

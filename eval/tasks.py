@@ -31,7 +31,9 @@ class Task:
     data: dict = field(default_factory=dict)
 
 
-def load_tasks(kind: str, path: str | None = None, n: int | None = None) -> list[Task]:
+def load_tasks(kind: str, path: str | None = None, n: int | None = None, start: int = 0) -> list[Task]:
+    """Tasks ``start .. start + n`` of the file (all from ``start`` when n is None): mine judge labels on one range
+    and evaluate on another."""
     if kind not in KINDS:
         raise DraftsmithError(f"unknown task kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "gsm8k" and not path:
@@ -40,15 +42,17 @@ def load_tasks(kind: str, path: str | None = None, n: int | None = None) -> list
     tasks = []
     try:
         rows = iter_jsonl(file)  # one-line errors name the file and line
-        for _, rec, where in rows:
-            tasks.append(_task(kind, rec, f"{file} {where}", len(tasks)))
+        for index, (_, rec, where) in enumerate(rows):
+            if index < start:
+                continue
+            tasks.append(_task(kind, rec, f"{file} {where}", index))
             if n is not None and len(tasks) >= n:
                 rows.close()
                 break
     except FileNotFoundError:
         raise DraftsmithError(f"tasks file {file}: not found") from None
     if not tasks:
-        raise DraftsmithError(f"tasks file {file}: no tasks")
+        raise DraftsmithError(f"tasks file {file}: no tasks" + (f" from index {start}" if start else ""))
     return tasks
 
 
@@ -81,12 +85,14 @@ def final_answer(text: str) -> str:
 
 def extract_code(task: Task, text: str) -> str:
     """The program a response stands for: its first fenced code block (or the whole text), prefixed by the
-    problem's prompt when it does not define the entry point itself."""
+    problem's prompt when it does not define the entry point itself, else by the prompt's imports (a model that
+    restates ``def f(xs: List[int])`` rarely restates ``from typing import List``)."""
     m = re.search(r"```(?:python|py)?\n(.*?)(?:```|$)", text, re.S)
     code = m.group(1) if m else text
     if f"def {task.data['entry_point']}" not in code:
-        code = task.data["prompt"] + code
-    return code
+        return task.data["prompt"] + code
+    imports = [ln for ln in task.data["prompt"].splitlines() if re.match(r"(import|from)\s+\w", ln)]
+    return "\n".join(imports) + "\n" + code if imports else code
 
 
 def _limits(cpu_s: int, mem_bytes: int):

@@ -93,9 +93,15 @@ class JudgeLabelsConfig(Strict):
     path: str | None = None
     """Task file; None = the packaged HumanEval."""
     n: int | None = Field(None, gt=0)
-    """Tasks used (the first n); None = all."""
+    """Tasks used (n from ``start``); None = all."""
+    start: int = Field(0, ge=0)
+    """Index of the first task (keep the eval's tasks, eval.judge.tasks_start onwards, out of the labels)."""
     max_swaps: int = Field(4, gt=0)
     """What-if swaps per task (the first mismatches of the target's answer)."""
+    only_correct: bool = False
+    """Swap only where the target's own answer is correct (tests pass / final answer right), so a 0 label means the
+    swap broke a right answer; otherwise a weak target's failing answers, which most swaps leave failing, flood the
+    labels with uninformative 1s."""
     timeout: float = Field(10.0, gt=0)
     """Seconds a HumanEval test run may take."""
 
@@ -381,8 +387,11 @@ class JudgeVerifyConfig(Strict):
     delta: float = Field(0.5, gt=0, lt=1)
     """Acceptance threshold on the judge's probability."""
     tasks: Literal["humaneval", "gsm8k"] | None = None
-    """Also score task accuracy of every output on these tasks (the eval prompts are then the tasks)."""
+    """Also score task accuracy of every output on these tasks (the eval prompts are then the tasks: eval.prompts.n
+    of them from tasks_start)."""
     tasks_path: str | None = None
+    tasks_start: int = Field(0, ge=0)
+    """Index of the first task evaluated (held out from data.judge_labels' range)."""
 
 
 class StopConfig(Strict):

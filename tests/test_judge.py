@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import judge_accept
 from draftsmith.eval.tasks import Task, correct, final_answer, load_tasks, run_tests
 
@@ -37,6 +38,9 @@ def test_task_outcomes_run_isolated_and_time_out():
     assert correct(task, rec["canonical_solution"])  # a bare body completes the prompt
     assert not run_tests(task, "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```")
     assert not run_tests(task, "```python\nwhile True:\n    pass\n```", timeout=1.0)
+    # A restated signature without the prompt's `from typing import List` still runs: the imports are prepended.
+    restated = f"def has_close_elements(numbers: List[float], threshold: float) -> bool:\n{rec['canonical_solution']}"
+    assert run_tests(task, f"```python\n{restated}```")
     assert final_answer("so 1,234.0 apples\n#### 42") == "42" and final_answer("It is 7.") == "7"
     gsm = Task("0", "gsm8k", [], {"answer": "#### 1,000"})
     assert correct(gsm, "The answer is 1000") and not correct(gsm, "no idea")
@@ -116,4 +120,17 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     assert main([*ev, f"eval.judge.head={tmp_path / 'yes-judge'}", "eval.judge.delta=0.5"]) == 0
     report = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
     assert report["acceptance_rate"] == 1.0 and report["lossy"]["judge_accepted"] > 0
+    # the sweep compares δs with AR and a lossless chain in one process, task accuracy per configuration
+    from draftsmith.eval import sweep
+    from draftsmith.recipes.loader import load_recipe
+
+    overrides = [o for o in ev[2:] if o != "-q"] + [f"eval.judge.head={tmp_path / 'yes-judge'}", "eval.warmup=0"]
+    r = sweep.sweep(load_recipe("tiny", overrides), None, [1], [0.3, 0.5])
+    assert set(r["configs"]) == {"ar", "fixed-1", "judge-0.3", "judge-0.5"}
+    assert all(r["configs"][f"judge-{d}"]["judge_accepted"] > 0 for d in (0.3, 0.5))  # the always-yes head
+    assert r["configs"]["judge-0.5"]["tau"] > r["configs"]["fixed-1"]["tau"]
+    assert all(0 <= c["task_accuracy"] <= 1 for c in r["configs"].values()) and r["lossless_mismatches"] == 0
+    assert r["lossy"]["deltas"] == [0.3, 0.5] and r["prompts"]["tasks"] == "gsm8k"
+    with pytest.raises(DraftsmithError, match="--deltas needs a judge"):
+        sweep.sweep(load_recipe("tiny", [o for o in overrides if not o.startswith("eval.judge")]), None, [1], [0.5])
     assert main([*ev, "eval.temperature=1.0"]) == 2  # lossy judging is greedy-only: a one-line error
