@@ -142,6 +142,35 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
 
 
+@ONE_GPU_SKIP
+def test_shipped_fsdp2_config_launches_and_matches_one_process(train_run, tiny_model_dir, prompts_file, tmp_path):
+    """`accelerate launch --config_file recipes/accelerate/fsdp2.yaml`: with 2+ GPUs it shards for real; on CPU
+    accelerate runs DDP over gloo instead, and the loop says so. Either way the numbers equal one process's."""
+    import yaml
+
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    common = ("drafter.init_layers=null", "train.steps=3")  # a random draft: a loss clearly above zero
+    one = train_run("one", "train.micro_batch_size=4", *common)
+    two = one.parent / "fsdp"
+    shutil.copytree(one / "data", two / "data")
+    cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / "fsdp2.yaml").read_text())
+    cfg.update(num_processes=2, mixed_precision="no", main_process_port=_free_port())
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml"),
+           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+           f"out_dir={two}", "train.micro_batch_size=2", *common, "-q"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "2 process(es)" in res.stdout
+    if not torch.cuda.is_available():
+        assert "asks for FSDP but this run is MULTI_CPU" in res.stderr
+    _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
+    for ra, rb in zip(_rows(one), _rows(two), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5) and ra["loss"] > 1e-3
+
+
 def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_model_dir, prompts_file):
     run = train_run("vocab", "drafter.draft_vocab=40", "train.steps=3")
     ce = train_run("vocab-ce", "drafter.draft_vocab=40", "train.steps=2", "train.loss.kind=ce")

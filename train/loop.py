@@ -6,7 +6,9 @@ the per-kind objective comes from train/objectives.py; nothing else here knows a
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import os
 import time
 from pathlib import Path
 
@@ -23,6 +25,8 @@ from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
 from draftsmith.train.state import latest_resumable, prune, read_state, write_state
+
+log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, tc):
@@ -110,6 +114,7 @@ def train(recipe) -> Path:
     tc, run = recipe.train, recipe.run_dir
     device = resolve_device(recipe.target.device)
     acc = Accelerator(mixed_precision=tc.precision, cpu=device == "cpu")
+    _check_sharding(acc)
     set_seed(recipe.seed)
     data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
@@ -164,8 +169,8 @@ def train(recipe) -> Path:
     if acc.is_main_process:
         print(f"train: {kind} drafter, {ctx.unwrapped.num_params() / 1e6:.1f}M params "
               f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
-              f"{acc.num_processes} process(es)" + (f", resuming at step {step} from {resume_from}"
-                                                    if resume_from is not None else ""))
+              f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
+              + (f", resuming at step {step} from {resume_from}" if resume_from is not None else ""))
     meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
     t0, window = time.perf_counter() - counters["seconds"], []
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process,
@@ -199,6 +204,16 @@ def train(recipe) -> Path:
         print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
     runlog.close()
     return final
+
+
+def _check_sharding(acc) -> None:
+    """Say so when a launcher config asked for FSDP / DeepSpeed and accelerate fell back (on CPU it runs DDP over
+    gloo, which is correct but replicates everything), instead of letting the config be ignored silently."""
+    asked = [name for name, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+             if os.environ.get(env, "").lower() in ("1", "true")]
+    if asked and acc.distributed_type.value not in asked:
+        log.warning("the accelerate config asks for %s but this run is %s on %s: nothing is sharded (accelerate "
+                    "shards on GPUs only)", asked[0], acc.distributed_type.value, acc.device)
 
 
 def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> dict:
