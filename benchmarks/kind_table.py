@@ -1,6 +1,6 @@
 """Per-drafter-kind proof table (issue 6): tau, speedup vs AR and efficiency of every kind on the same records.
 
-Each kind trains with its shipped recipe (`recipes/{eagle3,eagle1,hydra,medusa}-smollm2.yaml`, equal data: the
+Each kind trains with its shipped recipe (`recipes/<kind>-smollm2.yaml` for every kind in KINDS; equal data: the
 fastdraft-finetune records, equal steps) and is evaluated with `draftsmith eval` in several decoding settings;
 this script runs what is missing and prints one markdown table from the eval reports.
 
@@ -20,14 +20,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-KINDS = ["eagle3", "eagle1", "hydra", "medusa"]
+KINDS = ["eagle3", "eagle1", "hydra", "medusa", "medusa2", "mlp-speculator"]
 SETTINGS = {"chain-t0": [], "dyn-t0": ["eval.strategy=dynamic_tree"], "tree-t0": ["eval.strategy=tree"],
             "chain-t1": ["eval.temperature=1.0"]}
 PLAN = [("eagle3", "chain-t0"), ("eagle3", "dyn-t0"), ("eagle1", "chain-t0"), ("hydra", "chain-t0"),
         ("medusa", "chain-t0"), ("eagle1", "dyn-t0"), ("eagle3", "chain-t1"), ("hydra", "tree-t0"),
-        ("medusa", "tree-t0")]
+        ("medusa", "tree-t0"), ("eagle1", "chain-t1"), ("hydra", "chain-t1"), ("medusa", "chain-t1"),
+        ("mlp-speculator", "chain-t0"), ("medusa2", "chain-t0")]
 RUNS, TABLE = Path("runs"), Path("runs/table")
-LABEL = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "hydra": "Hydra++", "medusa": "Medusa-1"}
+LABEL = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "hydra": "Hydra++", "medusa": "Medusa-1",
+         "medusa2": "Medusa-2 (LoRA r=8)", "mlp-speculator": "MLP speculator"}
 
 
 def _draftsmith(*args: str) -> None:
