@@ -13,9 +13,9 @@ from draftsmith.eval.accept import greedy_accept, judge_accept, rejection_accept
 from draftsmith.eval.tree import (
     DynamicTree,
     TreeSpec,
+    best_nodes,
     compact_cache,
     greedy_tree_accept,
-    rerank,
     sample_tree_accept,
 )
 from draftsmith.kernels.tree import tree_mask
@@ -428,48 +428,55 @@ def _draft_tree(run: _Drafting, cur: torch.Tensor, tree: TreeSpec, anc: torch.Te
     return tokens
 
 
-def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree) -> tuple[torch.Tensor, list[int]]:
-    """EAGLE-2 dynamic tree -> (node tokens (N,), parents) in depth-sorted order.
+def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
+    """EAGLE-2 dynamic tree -> (node tokens (N,), parents (N,), tree mask (N+1, N+1), depths (N+1,)) in depth-sorted
+    order, mask and depths as kernels/tree.py ``tree_mask`` gives them.
 
     Root: the drafter's top-k tokens. Each level: feed the k frontier nodes in one forward (tree mask: committed
     prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
-    frontier. Finally keep the ``total_tokens`` best of all recorded nodes (``rerank``).
+    frontier. Finally keep the ``total_tokens`` best of all recorded nodes. Every shape is fixed by (k, depth), so
+    the whole step stays on the device with no host sync: node ids are assigned level by level (children after
+    their parents), an ancestor matrix grows with them, and a stable sort by score ranks them.
     """
     k, device = spec.top_k, cur.device
+    n_max = k + (spec.depth - 1) * k * k
     root_logits, root_state = run.root(cur)
-    logq = torch.log_softmax(root_logits.float(), -1)  # (V,)
     base = run.cache.length  # the root (current token) sits at slot base - 1; slot index == position
-    v, i = logq.topk(k)
-    tok, par, score, depth = i.tolist(), [-1] * k, v.tolist(), [1] * k
-    state = [root_state] * k  # EAGLE: the state each node's drafter input reads (its parent's output)
-    frontier, fed = list(range(k)), []  # fed: node ids in slot order after base
+    top = torch.log_softmax(root_logits.float(), -1).topk(k)
+    tok = torch.zeros(n_max, dtype=torch.long, device=device)
+    score = torch.full((n_max,), float("-inf"), device=device)
+    par = torch.full((n_max,), -1, dtype=torch.long, device=device)
+    depth = torch.ones(n_max, dtype=torch.long, device=device)
+    anc = torch.eye(n_max, dtype=torch.bool, device=device)  # row n: n and its ancestors (root excluded)
+    tok[:k], score[:k] = top.indices, top.values
+    state = root_state.expand(n_max, -1).clone() if run.eagle else None  # each node's input: its parent's output
+    frontier = torch.arange(k, device=device)
+    fed = frontier[:0]  # node ids in slot order after base
     for d in range(1, spec.depth):
-        slot = {n: base + j for j, n in enumerate(fed + frontier)}
-        mask = torch.zeros(1, len(frontier), base + len(fed) + len(frontier), dtype=torch.bool, device=device)
-        mask[0, :, :base] = True
-        for r, n in enumerate(frontier):
-            while n >= 0:  # a frontier node's ancestors were all frontier nodes, so all were fed
-                mask[0, r, slot[n]] = True
-                n = par[n]
-        run.cache.length = base + len(fed)
-        pos = torch.full((len(frontier),), base - 1 + d, device=device)
-        st = torch.stack([state[n] for n in frontier]) if run.eagle else None
-        out, out_st = run.expand(torch.tensor([tok[n] for n in frontier], device=device), st, pos, mask)  # (k, V)
-        fed += frontier
+        order = torch.cat([fed, frontier])
+        mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=device), anc[frontier][:, order]], 1)
+        run.cache.length = base + fed.numel()
+        pos = torch.full((k,), base - 1 + d, device=device)
+        out, out_st = run.expand(tok[frontier], state[frontier] if run.eagle else None, pos, mask[None])  # (k, V)
+        fed = order
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
-        cum = torch.tensor([score[n] for n in frontier], device=device)[:, None] + cv
-        first = len(tok)
-        for r, n in enumerate(frontier):
-            tok += ci[r].tolist()
-            par += [n] * k
-            score += cum[r].tolist()
-            depth += [d + 1] * k
-            state += [out_st[r] if run.eagle else None] * k
-        frontier = [first + j for j in cum.flatten().topk(min(k, cum.numel())).indices.tolist()]
-    keep = rerank(score, par, depth, spec.total_tokens)
-    index = {n: j for j, n in enumerate(keep)}
-    parents = [index[par[n]] if par[n] >= 0 else -1 for n in keep]
-    return torch.tensor([tok[n] for n in keep], dtype=torch.long, device=device), parents
+        new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
+        tok[new], score[new] = ci.flatten(), (score[frontier, None] + cv).flatten()
+        par[new], depth[new] = frontier.repeat_interleave(k), d + 1
+        anc[new] |= anc[par[new]]
+        if run.eagle:
+            state[new] = out_st.repeat_interleave(k, 0)
+        frontier = new[score[new].topk(k).indices]
+    keep = best_nodes(score, depth, min(spec.total_tokens, n_max))  # ancestor-closed, parents first
+    index = torch.full((n_max,), -1, dtype=torch.long, device=device)
+    index[keep] = torch.arange(keep.numel(), device=device)
+    parents = torch.where(par[keep] >= 0, index[par[keep].clamp_min(0)], -1)
+    n = keep.numel()
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
+    mask[:, 0] = True
+    mask[1:, 1:] = anc[keep][:, keep]
+    depths = torch.cat([depth.new_zeros(1), depth[keep]]).int()
+    return tok[keep], parents, mask, depths
 
 
 def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick):
@@ -572,9 +579,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     while not done:
         t0 = time.perf_counter()
         if dynamic:
-            tokens, par = _draft_dynamic(run, cur, tree)
-            parents = torch.tensor(par, dtype=torch.long, device=device)
-            anc, depths = tree_mask(parents)
+            tokens, parents, anc, depths = _draft_dynamic(run, cur, tree)
         else:
             tokens = _draft_tree(run, cur, tree, anc)
         _sync(device)

@@ -28,11 +28,11 @@ from draftsmith.eval.decoder import autoregressive_generate, speculative_generat
 from draftsmith.eval.tree import (
     DynamicTree,
     ancestor_mask,
+    best_nodes,
     chain_tree,
     compact_cache,
     greedy_tree_accept,
     node_depths,
-    rerank,
     sample_tree_accept,
     tree_from_choices,
 )
@@ -143,12 +143,31 @@ def test_sample_tree_accept_descends_only_into_matching_children():
     assert sample_tree_accept(tokens, parents, probs) == ([1], 4)
 
 
-def test_rerank_is_ancestor_closed_and_parent_first():
-    scores = [-0.1, -2.0, -0.3, -0.2, -5.0]  # node 3 (child of 1) outscores its parent: closure must add 1
-    parents = [-1, -1, 0, 1, 2]
-    depths = [1, 1, 2, 2, 3]
-    assert rerank(scores, parents, depths, 3) == [0, 1, 2, 3]
-    assert rerank(scores, parents, depths, 1) == [0]
+def _closure_reference(scores: list[float], parents: list[int], depths: list[int], budget: int) -> list[int]:
+    """The best ``budget`` nodes by (-score, id), closed under ancestors by walking up, sorted by (depth, id)."""
+    keep = set()
+    for n in sorted(range(len(scores)), key=lambda n: (-scores[n], n))[:budget]:
+        while n >= 0 and n not in keep:
+            keep.add(n)
+            n = parents[n]
+    return sorted(keep, key=lambda n: (depths[n], n))
+
+
+def test_best_nodes_are_ancestor_closed_parent_first_and_fixed_size():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = int(torch.randint(2, 40, (1,), generator=g))
+        parents, depths, scores = [-1], [1], [-float(torch.rand(1, generator=g))]
+        for i in range(1, n):  # parents recorded first; a child's cumulative log-prob <= its parent's
+            p = int(torch.randint(-1, i, (1,), generator=g))
+            tie = trial % 3 == 0 and bool(torch.rand(1, generator=g) < 0.5)  # exact ties (log q == 0)
+            base = 0.0 if p < 0 else scores[p]
+            scores.append(base - (0.0 if tie else float(torch.rand(1, generator=g))))
+            parents.append(p)
+            depths.append(1 if p < 0 else depths[p] + 1)
+        budget = int(torch.randint(1, n + 1, (1,), generator=g))
+        got = best_nodes(torch.tensor(scores), torch.tensor(depths), budget).tolist()
+        assert got == _closure_reference(scores, parents, depths, budget) and len(got) == budget
 
 
 def test_dynamic_tree_sampling_matches_target_end_to_end():
