@@ -34,6 +34,7 @@ def test_task_outcomes_run_isolated_and_time_out():
     rec = json.loads(gzip.open(package_file("humaneval"), "rt").readline())
     task = load_tasks("humaneval", n=1)[0]
     assert task.data["entry_point"] == rec["entry_point"]
+    assert [t.id for t in load_tasks("humaneval", n=2, start=3)] == ["HumanEval/3", "HumanEval/4"]
     assert run_tests(task, f"```python\n{rec['prompt']}{rec['canonical_solution']}```")
     assert correct(task, rec["canonical_solution"])  # a bare body completes the prompt
     assert not run_tests(task, "```python\ndef has_close_elements(numbers, threshold):\n    return True\n```")
@@ -94,6 +95,9 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     (run / "data" / "shard-00001.safetensors").unlink()
     assert main(mine) == 0 and (run / "data" / "shard-00000.safetensors").read_bytes() == first
     assert json.loads((run / "data" / "manifest.json").read_text())["judge"]["swaps"] == manifest["judge"]["swaps"]
+    # only_correct: the random tiny target answers no task right, so there is nothing to swap: a one-line error
+    assert main([*mine, f"out_dir={root / 'none-right'}", "data.judge_labels.only_correct=true"]) == 2
+    assert not (root / "none-right" / "data" / "manifest.json").exists()
     # train the judge (a linear probe on the target's states) in the one loop
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
     spec["drafter"] = {"kind": "judge"}
