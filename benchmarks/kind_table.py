@@ -8,8 +8,9 @@ this script runs what is missing and prints one markdown table from the eval rep
     python benchmarks/kind_table.py --table-only    # print the table from existing reports
 
 Eval settings (names used as folder names under runs/table/): chain-t0 (chain, greedy), dyn-t0 (EAGLE-2 dynamic
-tree, greedy), tree-t0 (static tree, greedy), chain-t1 (chain, temperature 1). Speedups are measured side by side
-with the target's own AR decoding in the same process (benchmarks/RESULTS.md explains the machine).
+tree, greedy), tree-t0 (static tree, greedy; for heads the 10 best nodes by measured head accuracy), chain-t1
+(chain, temperature 1). Speedups are measured side by side with the target's own AR decoding in the same process
+(benchmarks/RESULTS.md explains the machine).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ PLAN = [("eagle3", "chain-t0"), ("eagle3", "dyn-t0"), ("eagle1", "chain-t0"), ("
         ("medusa", "tree-t0"), ("eagle1", "chain-t1"), ("hydra", "chain-t1"), ("medusa", "chain-t1"),
         ("mlp-speculator", "chain-t0"), ("medusa2", "chain-t0")]
 RUNS, TABLE = Path("runs"), Path("runs/table")
+TREE_NODES = 10  # static trees for heads: eval/tree.py choices_from_run over the logged per-head rank accuracies
 LABEL = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "hydra": "Hydra++", "medusa": "Medusa-1",
          "medusa2": "Medusa-2 (LoRA r=8)", "mlp-speculator": "MLP speculator"}
 
@@ -43,8 +45,14 @@ def ensure(kind: str, setting: str) -> None:
             shutil.copytree(RUNS / "fastdraft-finetune" / "data", run / "data")
         _draftsmith("train", f"{kind}-smollm2")
     out = TABLE / f"{kind}-{setting}"
+    extra = []
+    if setting == "tree-t0" and kind in ("medusa", "hydra"):  # the best 10-node tree from the run's head accuracies
+        from draftsmith.eval.tree import choices_from_run
+
+        extra = [f"eval.tree.choices={json.dumps(choices_from_run(run, TREE_NODES))}"]
     if not (out / "eval" / "report.json").is_file():
-        _draftsmith("eval", f"{kind}-smollm2", f"eval.checkpoint={ckpt}", f"out_dir={out}", *SETTINGS[setting])
+        _draftsmith("eval", f"{kind}-smollm2", f"eval.checkpoint={ckpt}", f"out_dir={out}", *SETTINGS[setting],
+                    *extra)
 
 
 def table() -> str:
