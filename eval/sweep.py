@@ -62,15 +62,16 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
             return spec(ec.draft_len, hook)(x)
         return run
 
+    def with_judge(delta):  # lossy: the judge may keep drafts the target would not have chosen
+        judge = Judge(setup.judge.head, delta)
+        return lambda x: speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
+                                              eos_ids=eos, generator=gen, judge=judge, **sampling)
+
     configs = {"ar": lambda x: (autoregressive_generate(tgt, x, ec.max_new_tokens, eos_ids=eos, generator=gen,
                                                         **sampling), None)}
     configs.update({f"fixed-{k}": spec(k) for k in fixed})
     configs.update({f"stop-{h:g}": with_threshold(h) for h in thresholds})
-    for d in deltas:  # lossy: the judge may keep drafts the target would not have chosen
-        judge = Judge(setup.judge.head, d)
-        configs[f"judge-{d:g}"] = (lambda j: lambda x: speculative_generate(
-            tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos, generator=gen, judge=j,
-            **sampling))(judge)
+    configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
     solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     cat_secs, cat_toks = defaultdict(float), defaultdict(int)
