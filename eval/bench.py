@@ -7,6 +7,7 @@ Writes ``<run>/eval/report.json``, ``report.md`` and ``acceptance.png``. Keys of
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from collections import defaultdict
@@ -18,13 +19,14 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.prompts import Prompt, load_prompts
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import (
     DecodeStats,
     autoregressive_generate,
     speculative_generate,
     tree_speculative_generate,
 )
-from draftsmith.eval.report import write_category_plot, write_markdown, write_plot
+from draftsmith.eval.report import shared_warning, write_category_plot, write_markdown, write_plot
 from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.models.graphs import graph_decoding
@@ -204,6 +206,7 @@ def evaluate(recipe) -> dict:
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
         cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
         solved = defaultdict(int)
+        meter = CpuShare().start()  # tokens/s need the machine to ourselves: say if not
         for i, (p, ids) in enumerate(tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
             (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
             if setup.tasks:  # task accuracy of both outputs (the judge may change the speculative one)
@@ -223,9 +226,12 @@ def evaluate(recipe) -> dict:
                 ref = hf if hf is not None else ar
                 matches += spec == ref
                 n_cmp += 1
+        meter.stop()
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded),
                           device, cat_times)
+    report["machine"] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                         "other_cpu_share": meter.other}
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
     if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
@@ -244,6 +250,8 @@ def evaluate(recipe) -> dict:
           f"speedup vs own AR {report['speedup'].get('vs_ar', float('nan')):.2f}x"
           + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "") + ", "
           f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
+    if shared_warning(report):
+        print("eval: warning: " + shared_warning(report))
     return report
 
 

@@ -51,6 +51,18 @@ def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+SHARED = 0.1  # above this share of the CPUs taken by other processes, tokens/s are not this machine's own
+
+
+def shared_warning(report: dict) -> str | None:
+    """A one-line warning when other processes used a noticeable share of the machine while we timed."""
+    share = (report.get("machine") or {}).get("other_cpu_share")
+    if share is None or share <= SHARED:
+        return None
+    return (f"other processes used {share:.0%} of the machine's CPU time while this eval was timed: tokens/s are "
+            f"lower than this machine's own; the speedups are same-process ratios and less affected")
+
+
 def write_markdown(report: dict, path: Path) -> None:
     r = report
     lines = [
@@ -74,6 +86,8 @@ def write_markdown(report: dict, path: Path) -> None:
     if r.get("lossy"):  # judge verification: the output may differ from the target's own
         lines.insert(2, f"**LOSSY run**: judge verification (`{r['lossy']['judge']}`, delta {r['lossy']['delta']}); "
                         f"{r['lossy']['judge_accepted']} drafts were kept only because the judge accepted them.\n")
+    if shared_warning(r):
+        lines.insert(2, f"**Shared machine**: {shared_warning(r)}.\n")
     if r.get("task_accuracy"):
         a = r["task_accuracy"]
         lines.insert(-1, f"| task accuracy ({a['tasks']}) speculative / AR | {a['spec']:.3f} / {a['ar']:.3f} |")

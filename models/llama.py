@@ -119,6 +119,12 @@ def default_pos(ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
     return torch.arange(start, start + T, device=ids.device).expand(B, T)
 
 
+def rope_cis(pos: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """pos (B, T) -> unit complex rotations (B, T, 1, hd/2) for interleaved RoPE (``Attention.interleave_rope``)."""
+    freqs = pos[..., None].float() * inv_freq.float()
+    return torch.polar(torch.ones_like(freqs), freqs)[:, :, None]
+
+
 def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """pos (B, T) -> cos, sin (B, 1, T, hd). Angles in fp32 whatever the model dtype (as HF does): bf16 angles
     drift at long positions."""
@@ -155,19 +161,48 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.norm_eps)
             self.k_norm = RMSNorm(hd, cfg.norm_eps)
 
+    @torch.no_grad()
+    def interleave_rope(self) -> None:
+        """Reorder each q/k head's rows from HF's rotate-half layout (dim i pairs with i + hd/2) to interleaved pairs
+        (2i, 2i + 1), so RoPE over the fused q/k block is one complex multiply instead of a dozen small ops per
+        layer (batch-1 CPU decoding is op-overhead bound). Scores are unchanged: q and k share the per-head order,
+        V is untouched, and a Qwen3 q/k-norm's RMS ignores order (its weights move with the rows). Call before
+        fusing; the K cache then holds keys in this order too."""
+        hd = self.cfg.hd
+        order = torch.stack([torch.arange(hd // 2), torch.arange(hd // 2, hd)], 1).flatten()  # 0, hd/2, 1, ...
+        for proj, n in ((self.q_proj, self.cfg.n_heads), (self.k_proj, self.cfg.n_kv_heads)):
+            rows = (torch.arange(n)[:, None] * hd + order).flatten().to(proj.weight.device)
+            proj.weight.copy_(proj.weight[rows])
+            if proj.bias is not None:
+                proj.bias.copy_(proj.bias[rows])
+        if self.cfg.qk_norm:
+            for norm in (self.q_norm, self.k_norm):
+                norm.weight.copy_(norm.weight[order.to(norm.weight.device)])
+        self.rope_interleaved = True
+
     def forward(self, x, cos, sin, mask, cache: KVCache | None, layer: int):
+        """cos, sin: (B, 1, T, hd) rotate-half RoPE; after ``interleave_rope``, cos is ``rope_cis`` and sin None."""
         B, T, _ = x.shape
         hd, H, Hkv = self.cfg.hd, self.cfg.n_heads, self.cfg.n_kv_heads
-        if hasattr(self, "qkv_proj"):  # fused by optimize_for_inference()
-            q, k, v = self.qkv_proj(x)
+        if sin is None:  # interleaved RoPE on the fused q/k block (optimize_for_inference, float32)
+            qk, v = self.qkv_proj(x)
+            qk = qk.view(B, T, H + Hkv, hd)
+            if self.cfg.qk_norm:
+                qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], 2)
+            qk = torch.view_as_real(torch.view_as_complex(qk.unflatten(-1, (hd // 2, 2))) * cos).flatten(3)
+            q, k = qk.transpose(1, 2).split([H, Hkv], dim=1)  # (B, H, T, hd), (B, Hkv, T, hd)
+            v = v.view(B, T, Hkv, hd).transpose(1, 2)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)
-        if self.cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd)
-        v = v.view(B, T, Hkv, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if hasattr(self, "qkv_proj"):  # fused by optimize_for_inference()
+                q, k, v = self.qkv_proj(x)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k = q.view(B, T, H, hd), k.view(B, T, Hkv, hd)
+            if self.cfg.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd)
+            v = v.view(B, T, Hkv, hd).transpose(1, 2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None and cache.slots is not None:  # static shapes: no Python ints in the graph
             cache.k[layer].index_copy_(2, cache.slots, k)
             cache.v[layer].index_copy_(2, cache.slots, v)
@@ -370,7 +405,10 @@ class Llama(ReducedVocab, nn.Module):
         B, T = ids.shape
         pos = default_pos(ids, cache) if pos is None else pos
         x = self.embed_tokens(ids)
-        cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
+        if getattr(self, "_rope_interleaved", False):
+            cos, sin = rope_cis(pos, self.inv_freq), None
+        else:
+            cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
         static = cache is not None and cache.slots is not None
         if static:  # models/graphs.py set the slots and passes the (B, T, max_len) mask over the whole buffer
             mask = attn_mask[:, None]
@@ -399,7 +437,17 @@ class Llama(ReducedVocab, nn.Module):
         For the decoder only: the result has no gradients and no HF-named state dict, so build HF copies
         (``to_hf_model``) before calling this. Logits match the unfused model to float rounding.
         """
-        return fuse_for_inference(self, [(b.self_attn, b.mlp) for b in self.layers])
+        interleave = self.embed_tokens.weight.dtype == torch.float32  # complex RoPE: no bf16 complex dtype
+        if interleave:
+            for b in self.layers:
+                b.self_attn.interleave_rope()
+        fuse_for_inference(self, [(b.self_attn, b.mlp) for b in self.layers])
+        if interleave:  # the q/k block comes out of the fused matmul as one piece
+            for b in self.layers:
+                a = b.self_attn
+                a.qkv_proj.sizes = [(a.cfg.n_heads + a.cfg.n_kv_heads) * a.cfg.hd, a.cfg.n_kv_heads * a.cfg.hd]
+            self._rope_interleaved = True
+        return self
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         if hasattr(self, "_counts"):

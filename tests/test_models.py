@@ -91,6 +91,7 @@ def test_optimize_for_inference_keeps_logits(family):
         assert not any(p.requires_grad for p in fast.parameters())
         if torch.backends.mkldnn.is_available():  # the path we ship on CPU, not only the F.linear fallback
             assert fast.lm_head.packed is not None
+        assert fast._rope_interleaved  # float32: q/k rows reordered, RoPE as one complex multiply
         torch.testing.assert_close(fast(ids), ref, rtol=1e-5, atol=1e-5)
         c = fast.new_cache(2, 32)
         steps = [fast(ids[:, :12], cache=c)] + [fast(ids[:, t:t + 1], cache=c) for t in range(12, 20)]

@@ -30,6 +30,9 @@ def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
     assert {"ar_hf", "ar", "spec", "hf_assisted"} <= set(report["tokens_per_s"])
     assert {"vs_ar_hf", "vs_ar", "vs_hf_assisted"} <= set(report["speedup"])
     assert report["efficiency"] == pytest.approx(report["speedup"]["vs_ar"] / report["tau"])
+    m = report["machine"]  # how much of the CPU other processes took while we timed (None off Linux)
+    assert m["cpu_count"] >= 1 and m["torch_threads"] >= 1
+    assert m["other_cpu_share"] is None or 0.0 <= m["other_cpu_share"] <= 1.0
     assert set(report["by_category"]) == set(report["per_category"])
     assert all(v["speedup"] > 0 and v["tau"] >= 1 for v in report["by_category"].values())
     assert (run / "eval" / "by_category.png").stat().st_size > 1000
