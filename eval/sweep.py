@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -25,7 +26,9 @@ from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import load_for_eval
+from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.report import shared_warning
 from draftsmith.eval.tasks import correct
 from draftsmith.models.judge import Judge
 
@@ -76,6 +79,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     cat_secs, cat_toks = defaultdict(float), defaultdict(int)
     mismatches = 0
+    meter = CpuShare().start()
     with torch.no_grad():
         for i, (prompt, ids) in enumerate(tqdm(setup.encoded, desc="sweep", unit="prompt", dynamic_ncols=True)):
             x = torch.tensor(ids, device=setup.device)
@@ -100,6 +104,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                     solved[name] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
             if ec.temperature == 0 and outs:
                 mismatches += sum(o != outs["ar"] for n, o in outs.items() if not n.startswith("judge-"))
+    meter.stop()
     if not secs:
         raise DraftsmithError("no prompts left after eval.warmup: raise eval.prompts.n")
     n_scored = len(setup.encoded) - ec.warmup
@@ -126,11 +131,15 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                              for n in (best_fixed, best)} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
         **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
+        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "other_cpu_share": meter.other},
     }
     out_dir = recipe.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(report, indent=2))
     acc = setup.tasks is not None
+    if shared_warning(report):
+        print("sweep: warning: " + shared_warning(report))
     print(f"{'config':<12} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
           (f" {'accuracy':>8}" if acc else ""))
     for n, r in results.items():

@@ -105,6 +105,7 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
                                                                    "stop-0.8"}
     assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.8"]["drafted_per_step"]
     assert (run / "eval" / "sweep.json").is_file()
+    assert r["machine"]["other_cpu_share"] is None or 0.0 <= r["machine"]["other_cpu_share"] <= 1.0
     # bad input: a specdecpp rule without a head on a plain draft is a one-line error
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", *common]) == 0
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp",
