@@ -29,7 +29,9 @@ def sh(*args: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--losses", nargs="+", default=["ce", "fkl", "tvdpp"], help="train.loss.kind values to compare")
+    ap.add_argument("--losses", nargs="*", default=["ce", "fkl", "tvdpp"],
+                    help="train.loss.kind values to compare; none (with --on-policy) = only the on-policy row, "
+                         "from the FKL run already in --root")
     ap.add_argument("--steps", type=int, default=400, help="fine-tuning steps per loss (same budget for all)")
     ap.add_argument("--on-policy", type=float, default=0.0,
                     help="> 0: after the FKL run, regenerate with this fraction written by the FKL drafter and "
