@@ -46,7 +46,8 @@ def main() -> None:
     if not a.skip_pretrain:
         steps = [f"train.steps={a.pretrain_steps}"] if a.pretrain_steps else []
         times["pretrain"] = sh("run", "fastdraft-pretrain", *steps, "-q")
-    times["generate"] = sh("generate", "fastdraft-finetune", "-q")
+    if a.losses:  # the shared target-written records (the on-policy row writes its own)
+        times["generate"] = sh("generate", "fastdraft-finetune", "-q")
     data = Path("runs/fastdraft-finetune/data")
     rows = []
     runs = [(kind, kind, data, []) for kind in a.losses]
