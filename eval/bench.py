@@ -7,7 +7,6 @@ Writes ``<run>/eval/report.json``, ``report.md`` and ``acceptance.png``. Keys of
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from collections import defaultdict
@@ -230,8 +229,7 @@ def evaluate(recipe) -> dict:
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded),
                           device, cat_times)
-    report["machine"] = {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                         "other_cpu_share": meter.other}
+    report["machine"] = meter.machine()
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
     if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
@@ -250,8 +248,8 @@ def evaluate(recipe) -> dict:
           f"speedup vs own AR {report['speedup'].get('vs_ar', float('nan')):.2f}x"
           + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "") + ", "
           f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
-    if shared_warning(report):
-        print("eval: warning: " + shared_warning(report))
+    if warning := shared_warning(report):
+        print("eval: warning: " + warning)
     return report
 
 

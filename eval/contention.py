@@ -51,6 +51,12 @@ class CpuShare:
         self.other = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
         return self.other
 
+    def machine(self) -> dict:
+        """The reports' ``machine`` entry: CPU count, torch threads and the measured share (None before stop)."""
+        import torch
+
+        return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "other_cpu_share": self.other}
+
     def __enter__(self) -> CpuShare:
         return self.start()
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -131,15 +130,14 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                              for n in (best_fixed, best)} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
         **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
-        "machine": {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "other_cpu_share": meter.other},
+        "machine": meter.machine(),
     }
     out_dir = recipe.run_dir / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(report, indent=2))
     acc = setup.tasks is not None
-    if shared_warning(report):
-        print("sweep: warning: " + shared_warning(report))
+    if warning := shared_warning(report):
+        print("sweep: warning: " + warning)
     print(f"{'config':<12} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
           (f" {'accuracy':>8}" if acc else ""))
     for n, r in results.items():
