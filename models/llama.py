@@ -230,6 +230,11 @@ class FusedLinear(nn.Module):
     machines we measured (benchmarks/step_costs.py); elsewhere, or if the packing op is missing, plain F.linear.
     """
 
+    # Batch-size hint for oneDNN's weight layout. Packed for 1, a 2–8-row matmul (a verify) takes a slow path, 2–3x
+    # a 1-row one; packed for 8, those rows cost 1.1–1.7x one row and one row is as fast as before (AVX2 EPYC,
+    # benchmarks/step_costs.py --pack-ab). Decode and verify then also share one kernel.
+    pack_batch = 8
+
     def __init__(self, *linears: nn.Linear):
         super().__init__()
         self.sizes = [lin.out_features for lin in linears]
@@ -240,7 +245,7 @@ class FusedLinear(nn.Module):
         cpu_packable = w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
         if cpu_packable and torch.backends.mkldnn.is_available():
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(w, self.pack_batch)
             except (AttributeError, RuntimeError):  # private op: absent or unsupported in this torch build
                 self.packed = None
         self.weight = None if self.packed is not None else w
