@@ -7,7 +7,12 @@ matmuls) unless --no-optimize.
 (``FusedLinear.pack_batch``), alternating in one process for 3 rounds; prints each forward's time under both and
 the max logit difference.
 
+--head-vocab N ...: also time one Medusa-style head step (ResBlock + LM head + the scatter into the target's
+vocabulary, what ``logits_after`` costs the decoder per draft) with the full LM head and with N-row reduced heads
+(drafter.draft_vocab); random weights, since only the shapes set the cost.
+
 Usage: python benchmarks/step_costs.py [--target smollm2-135m-instruct] [--drafter CKPT] [--k 1 2 3 4 6 48]
+                                       [--head-vocab 8192 4096]
        python benchmarks/step_costs.py --pack-ab
 """
 from __future__ import annotations
@@ -45,6 +50,31 @@ def step_time(model, ctx: int, t: int, device: str, reps: int) -> tuple[float, t
     return statistics.median(times), out
 
 
+def head_models(tgt, sizes: list[int]) -> dict:
+    """One-head Medusa drafters, full and reduced vocabularies, pre-packed as eval runs them (built from the plain
+    target: its LM head rows are copied)."""
+    from draftsmith.models.medusa import build_medusa
+
+    counts = torch.ones(tgt.cfg.vocab_size)  # which rows are kept does not change the cost
+    out = {}
+    for n in [None, *sizes]:
+        heads = build_medusa({"n_heads": 1, **({"draft_vocab": n} if n else {})}, tgt, counts=counts)
+        out[n or tgt.cfg.vocab_size] = heads.optimize_for_inference()
+    return out
+
+
+def head_time(heads, dim: int, device: str, reps: int) -> float:
+    h, cur = torch.randn(dim, device=device), torch.tensor([100], device=device)
+    times = []
+    with torch.no_grad():
+        heads.logits_after(h, [cur])
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            heads.logits_after(h, [cur])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def pack_ab(base, a) -> None:
     current = FusedLinear.pack_batch
     FusedLinear.pack_batch = 1
@@ -76,11 +106,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-optimize", action="store_true", help="time the plain (unfused) model instead")
     ap.add_argument("--pack-ab", action="store_true", help="CPU: A/B the oneDNN pack hint (see above)")
+    ap.add_argument("--head-vocab", type=int, nargs="*", default=[8192, 4096],
+                    help="reduced head vocabularies to time next to the full one (empty: no head timings)")
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     tgt = load_model(a.target, dtype, a.device).model
     if a.pack_ab:
         return pack_ab(tgt, a)
+    heads = head_models(tgt, a.head_vocab) if a.head_vocab and not a.no_optimize else {}
     if not a.no_optimize:
         tgt.optimize_for_inference()
     base, _ = step_time(tgt, a.ctx, 1, a.device, a.reps)
@@ -90,6 +123,9 @@ def main() -> None:
     for k in a.k:
         v, _ = step_time(tgt, a.ctx, k + 1, a.device, a.reps)
         print(f"verify k={k} ({k + 1} tokens): {v * 1e3:.2f} ms = {v / base:.2f}x a decode step")
+    for n, model in heads.items():
+        t = head_time(model, tgt.cfg.dim, a.device, a.reps)
+        print(f"head step, {n}-token LM head: {t * 1e3:.2f} ms = {t / base:.3f} of a target step")
     try:
         drafter, _ = load_drafter(a.drafter, dtype=dtype, device=a.device)
     except Exception as e:  # the drafter is optional: report and stop

@@ -276,8 +276,8 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
     if info.get("kind") == "acceptance_head":  # decode with the draft LM the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
-    if info.get("kind") != "draft_lm":
-        raise DraftsmithError(f"eval.stop needs a standalone draft LM drafter, not {info.get('kind')}")
+    if head is not None and info.get("kind") != "draft_lm":  # the entropy rule works for every chain drafter
+        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM drafter, not {info.get('kind')}")
     if head is not None and head.cfg.dim != drafter.cfg.dim:
         raise DraftsmithError(f"eval.stop.head {head_path} reads {head.cfg.dim}-wide states; the drafter's are "
                               f"{drafter.cfg.dim}")

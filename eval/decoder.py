@@ -241,10 +241,10 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         raise ValueError("judge verification is implemented for greedy decoding with a standalone draft LM")
     if getattr(drafter, "reads_target_hidden", False):
         return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                                 eos_ids, generator, on_token)
+                                 eos_ids, generator, on_token, stop_drafting)
     if getattr(drafter, "reads_target_features", False):
         return _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
-                                    top_p, eos_ids, generator, on_token)
+                                    top_p, eos_ids, generator, on_token, stop_drafting)
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -302,7 +302,7 @@ def _with_hidden(target, ids: torch.Tensor, cache, logits_at=None):
 
 
 def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p, eos_ids,
-                      generator, on_token=None) -> tuple[list[int], DecodeStats]:
+                      generator, on_token=None, stop=None) -> tuple[list[int], DecodeStats]:
     """Chain decoding with a drafter that reads the target's features (Medusa-style heads): each step drafts
     from the target's final hidden state at the position that produced ``cur``, and the verify forward returns
     the hidden state for the next step, so the drafter never runs a model of its own over the sequence."""
@@ -327,7 +327,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
     while not done:
         gamma = min(gamma_max, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
-        drafts, q = drafter.propose(h_cur, cur, gamma, pick)
+        drafts, q = drafter.propose(h_cur, cur, gamma, pick, **({"stop": stop} if stop is not None else {}))
         gamma = drafts.numel()
         _sync(prompt.device)
         t1 = time.perf_counter()
@@ -479,11 +479,14 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     return tok[keep], parents, mask, depths
 
 
-def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick):
-    """A chain of gamma drafts from the runner -> (drafts (γ,), q (γ, V) or None)."""
+def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick, stop=None):
+    """A chain of up to gamma drafts from the runner -> (drafts (γ,), q (γ, V) or None). ``stop(n, logits,
+    state)`` may end it after n >= 1 drafts (see ``_draft``; state is EAGLE's output at draft n)."""
     logits, state = run.root(cur)
     drafts, qs = [], []
     for i in range(gamma):
+        if stop is not None and i > 0 and stop(i, logits, state):
+            break
         tok, q = pick(logits)
         drafts.append(tok)
         qs.append(q)
@@ -496,7 +499,7 @@ def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick):
 
 
 def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                         eos_ids, generator, on_token=None) -> tuple[list[int], DecodeStats]:
+                         eos_ids, generator, on_token=None, stop=None) -> tuple[list[int], DecodeStats]:
     """Chain decoding with an EAGLE drafter: every target forward also returns the features the drafter reads
     next step; the drafter re-reads the accepted positions with those real features (``_Drafting``)."""
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
@@ -519,7 +522,8 @@ def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len,
     while not done:
         gamma = min(draft_len, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
-        drafts, q = _draft_chain(run, cur, gamma, pick)
+        drafts, q = _draft_chain(run, cur, gamma, pick, stop)
+        gamma = drafts.numel()  # the hook may have stopped early
         _sync(prompt.device)
         t1 = time.perf_counter()
         t_len = tcache.length

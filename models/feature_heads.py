@@ -8,6 +8,13 @@ drafting in eval/decoder.py are built on that one method.
 The context state is the target's final hidden state itself, unless the drafter has a context layer (Hydra++'s
 prefix attention): then the decoder feeds every committed position's hidden state through ``read_context`` with
 the cache from ``new_context`` and drafts from the last output.
+
+Reduced draft vocabulary (``head_vocab_size``, algorithms.md A10): every head's LM head keeps only the N most
+frequent response tokens (rows copied from the target's LM head), with EAGLE-3's d2t / t2d maps as checkpointed
+buffers. On this CPU a head's full 49k-row LM head costs about a fifth of a target step, so K heads cost almost
+a whole step per block; 8k rows cut that ~6x. ``logits_after`` still returns target-vocabulary logits (-inf
+outside the kept rows), so decoders and acceptance rules never see draft ids; training reads the small
+weights and maps labels / teacher ids through t2d (train/objectives.py ``shifted_teachers``).
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ class HeadsConfig:
     vocab_size: int
     n_heads: int = 4
     n_layers: int = 1
+    head_vocab_size: int | None = None  # reduced draft vocabulary: rows of every head's LM head (None = full)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -32,12 +40,55 @@ class HeadsConfig:
 class FeatureHeads(nn.Module):
     reads_target_hidden = True
 
+    def _init_vocab_maps(self, n_kept: int | None, vocab_size: int) -> None:
+        """Buffers for a reduced head vocabulary (filled by ``set_head_vocab`` or loaded with the checkpoint):
+        draft id i is target id i + d2t[i]; t2d maps target ids to draft ids or -1. Absent for full heads."""
+        if n_kept is not None:
+            self.register_buffer("d2t", torch.zeros(n_kept, dtype=torch.long))
+            self.register_buffer("t2d", torch.full((vocab_size,), -1, dtype=torch.long))
+
+    @torch.no_grad()
+    def set_head_vocab(self, keep: torch.Tensor) -> None:
+        """keep (n_kept,) sorted target ids of the reduced head vocabulary."""
+        keep = keep.to(self.d2t.device)
+        self.d2t.copy_(keep - torch.arange(len(keep), device=keep.device))
+        self.t2d.fill_(-1)
+        self.t2d[keep] = torch.arange(len(keep), device=keep.device)
+
+    @property
+    def head_ids(self) -> torch.Tensor | None:
+        """Target ids of the reduced head rows (n_kept,), or None for full-vocabulary heads."""
+        d2t = getattr(self, "d2t", None)
+        return None if d2t is None else torch.arange(len(d2t), device=d2t.device) + d2t
+
+    def to_target(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Head logits (..., n) -> target-vocabulary logits (..., V): -inf outside a reduced vocabulary."""
+        if getattr(self, "d2t", None) is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        full[..., self.head_ids] = logits
+        return full
+
     @property
     def max_draft_len(self) -> int:
         raise NotImplementedError
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
+
+    def optimize_for_inference(self) -> FeatureHeads:
+        """The decoder's fast path (eval.optimize): every linear layer pre-packed for oneDNN (models/llama.py
+        ``FusedLinear``); a head is a few matrix-vector products, and the LM heads dominate them. Stops training;
+        parameter counts are kept for the reports."""
+        from draftsmith.models.llama import FusedLinear
+
+        counts = (self.num_params(), self.num_params(exclude_embeddings=True))
+        for mod in list(self.modules()):
+            for name, child in list(mod.named_children()):
+                if type(child) is nn.Linear:
+                    setattr(mod, name, FusedLinear(child))
+        self.num_params = lambda exclude_embeddings=False: counts[exclude_embeddings]  # shadows the method
+        return self.requires_grad_(False)
 
     def new_context(self, max_len: int):
         """A cache for ``read_context`` (None: the heads read the target's hidden states as they are)."""
@@ -48,12 +99,16 @@ class FeatureHeads(nn.Module):
         return hs
 
     @torch.no_grad()
-    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick):
+    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick, stop=None):
         """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
-        draft is drawn from the q it reports, which is all rejection sampling needs."""
+        draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
+        (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n >= 1 drafts."""
         path, qs = [cur], []
-        for _ in range(min(gamma, self.max_draft_len)):
-            tok, q = pick(self.logits_after(h, path))
+        for i in range(min(gamma, self.max_draft_len)):
+            logits = self.logits_after(h, path)
+            if stop is not None and i > 0 and stop(i, logits, None):
+                break
+            tok, q = pick(logits)
             path.append(tok)
             qs.append(q)
         if len(path) == 1:
@@ -62,8 +117,23 @@ class FeatureHeads(nn.Module):
 
 
 @torch.no_grad()
-def copy_target_head(lm_heads: nn.ModuleList, target, freeze: bool) -> None:
-    """Every head's LM head starts as a copy of the target's, frozen if asked (only the blocks then train)."""
+def copy_target_head(lm_heads: nn.ModuleList, target, freeze: bool, keep: torch.Tensor | None = None) -> None:
+    """Every head's LM head starts as a copy of the target's (its ``keep`` rows for a reduced vocabulary), frozen
+    if asked (only the blocks then train)."""
+    w = target.lm_head.weight if keep is None else target.lm_head.weight[keep.to(target.lm_head.weight.device)]
     for lm in lm_heads:
-        lm.weight.copy_(target.lm_head.weight)
+        lm.weight.copy_(w)
         lm.weight.requires_grad_(not freeze)
+
+
+def head_vocab(params: dict, target, counts: torch.Tensor | None, eos_ids) -> torch.Tensor | None:
+    """drafter.draft_vocab -> the kept target ids (the N most frequent response tokens, EOS forced in), or None."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.draft_lm import select_vocab
+
+    n = params.get("draft_vocab")
+    if not n or n >= target.cfg.vocab_size:
+        return None
+    if counts is None:
+        raise DraftsmithError("drafter.draft_vocab needs training records to count token frequencies")
+    return select_vocab(counts, n, set(eos_ids or ()))

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head, head_vocab
 from draftsmith.models.llama import Block, KVCache, LlamaConfig, prepare_cache, rope_cos_sin, rope_inv_freq
 
 
@@ -53,7 +53,9 @@ class HydraHeads(FeatureHeads):
         self.blocks = nn.ModuleList(
             nn.Sequential(WideResBlock((k + 2) * d, d), *(WideResBlock(d, d) for _ in range(cfg.n_layers - 1)))
             for k in range(cfg.n_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+        self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.head_vocab_size or cfg.vocab_size, bias=False)
+                                      for _ in range(cfg.n_heads))
+        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         if cfg.prefix is not None:
             self.prefix_cfg = LlamaConfig(**cfg.prefix)
             self.prefix = Block(self.prefix_cfg)
@@ -68,7 +70,7 @@ class HydraHeads(FeatureHeads):
     def new_context(self, max_len: int):
         if self.cfg.prefix is None:
             return None
-        p = self.lm_heads[0].weight
+        p = self.embed.weight  # (the LM heads may be pre-packed, without a weight)
         return KVCache(self.prefix_cfg, 1, max_len, p.dtype, p.device)
 
     def read_context(self, hs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -102,29 +104,33 @@ class HydraHeads(FeatureHeads):
             if head_fn is not None:
                 outs.append(head_fn(k, flat if select is None else flat[select[k]], self.lm_heads[k].weight))
             else:
-                outs.append(self.lm_heads[k](x))
+                outs.append(self.to_target(self.lm_heads[k](x), self.cfg.vocab_size))
         return outs if head_fn is not None else torch.stack(outs)
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         k = len(path) - 1
         x = torch.cat([h, *(self.embed(t).reshape(-1).to(h.dtype) for t in path)])
-        return self.lm_heads[k](self.blocks[k](x))
+        return self.to_target(self.lm_heads[k](self.blocks[k](x)), self.cfg.vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed.weight.numel() if exclude_embeddings else n
 
 
-def build_hydra(params: dict, target, **_) -> HydraHeads:
+def build_hydra(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_) -> HydraHeads:
     tcfg = target.cfg
     if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 1:
         raise DraftsmithError("drafter.n_heads and drafter.n_layers must be >= 1 for hydra")
     prefix = None
     if params.get("prefix_attention"):  # Hydra++: one decoder layer shaped like the target's
         prefix = {**tcfg.to_dict(), "n_layers": 1, "head_vocab_size": None}
+    keep = head_vocab(params, target, counts, eos_ids)
     heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                   n_layers=params.get("n_layers", 1), prefix=prefix))
+                                   n_layers=params.get("n_layers", 1), prefix=prefix,
+                                   head_vocab_size=None if keep is None else len(keep)))
+    if keep is not None:
+        heads.set_head_vocab(keep)
     with torch.no_grad():
         heads.embed.weight.copy_(target.embed_tokens.weight)
-    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))
+    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False), keep)
     return heads.to(target.embed_tokens.weight.dtype)

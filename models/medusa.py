@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head, head_vocab
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILE = "target_adapter.safetensors"
@@ -86,7 +86,9 @@ class MedusaHeads(FeatureHeads):
         self.cfg = cfg
         self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))
                                     for _ in range(cfg.n_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, cfg.vocab_size, bias=False) for _ in range(cfg.n_heads))
+        n_out = cfg.head_vocab_size or cfg.vocab_size
+        self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, n_out, bias=False) for _ in range(cfg.n_heads))
+        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         self.base = None  # Medusa-2 training: the LoRA-adapted copy of the target (never saved whole)
         self.target_adapter = None  # a loaded Medusa-2 checkpoint: the LoRA tensors to merge into the target
 
@@ -112,17 +114,18 @@ class MedusaHeads(FeatureHeads):
         if head_fn is not None:
             return first + [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
                             for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
-        return torch.stack([lm(blk(h)) for blk, lm in zip(self.blocks, self.lm_heads)])
+        return torch.stack([self.to_target(lm(blk(h)), self.cfg.vocab_size)
+                            for blk, lm in zip(self.blocks, self.lm_heads)])
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         k = len(path) - 1  # Medusa heads ignore the drafted tokens: head k reads only h
-        return self.lm_heads[k](self.blocks[k](h))
+        return self.to_target(self.lm_heads[k](self.blocks[k](h)), self.cfg.vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for p in self.parameters())
 
 
-def build_medusa(params: dict, target, **_) -> MedusaHeads:
+def build_medusa(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_) -> MedusaHeads:
     tcfg = target.cfg
     if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 0:
         raise DraftsmithError("drafter.n_heads must be >= 1 and drafter.n_layers >= 0")
@@ -130,9 +133,13 @@ def build_medusa(params: dict, target, **_) -> MedusaHeads:
     if params.get("lora_r", 0) > 0:
         lora = {"r": params["lora_r"], "alpha": params.get("lora_alpha", 16.0),
                 "modules": list(params.get("lora_modules") or LORA_MODULES)}
+    keep = head_vocab(params, target, counts, eos_ids)
     heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                     n_layers=params.get("n_layers", 1), lora=lora))
-    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False))
+                                     n_layers=params.get("n_layers", 1), lora=lora,
+                                     head_vocab_size=None if keep is None else len(keep)))
+    if keep is not None:
+        heads.set_head_vocab(keep)
+    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False), keep)
     heads = heads.to(target.embed_tokens.weight.dtype)
     if lora is not None:  # a copy: the loop's frozen teacher (if any) must stay the original target
         heads.base = attach_lora(copy.deepcopy(target), lora)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads
+from draftsmith.models.feature_heads import FeatureHeads, head_vocab
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,7 @@ class MLPSpeculatorConfig:
     vocab_size: int
     n_predict: int = 3
     inner_dim: int | None = None
+    head_vocab_size: int | None = None  # reduced draft vocabulary (models/feature_heads.py); None = full
 
     @property
     def inner(self) -> int:
@@ -44,7 +45,9 @@ class MLPSpeculator(FeatureHeads):
         self.emb = nn.ModuleList(nn.Embedding(cfg.vocab_size, inner) for _ in range(K))
         self.proj = nn.ModuleList(nn.Linear(d if k == 0 else inner, inner, bias=False) for k in range(K))
         self.ln = nn.ModuleList(nn.LayerNorm(inner) for _ in range(K))
-        self.head = nn.ModuleList(nn.Linear(inner, cfg.vocab_size, bias=False) for _ in range(K))
+        self.head = nn.ModuleList(nn.Linear(inner, cfg.head_vocab_size or cfg.vocab_size, bias=False)
+                                  for _ in range(K))
+        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         self.state_weight = 0.5 ** (0.5 / K)
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
 
@@ -71,30 +74,35 @@ class MLPSpeculator(FeatureHeads):
             if head_fn is not None:
                 outs.append(head_fn(k, flat if select is None else flat[select[k]], self.head[k].weight))
             else:
-                outs.append(self.head[k](state))
+                outs.append(self.to_target(self.head[k](state), self.cfg.vocab_size))
         return outs if head_fn is not None else torch.stack(outs)
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         state = h
         for k, tok in enumerate(path):  # stage k reads the token after the k-th state
             state = self._stage(k, state, tok.reshape(-1)).reshape(-1)
-        return self.head[len(path) - 1](state)
+        return self.to_target(self.head[len(path) - 1](state), self.cfg.vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - sum(e.weight.numel() for e in self.emb) if exclude_embeddings else n
 
 
-def build_mlp_speculator(params: dict, target, **_) -> MLPSpeculator:
+def build_mlp_speculator(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
+                         **_) -> MLPSpeculator:
     tcfg = target.cfg
     if params.get("n_predict", 3) < 1:
         raise DraftsmithError("drafter.n_predict must be >= 1")
+    keep = head_vocab(params, target, counts, eos_ids)
     model = MLPSpeculator(MLPSpeculatorConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size,
                                               n_predict=params.get("n_predict", 3),
-                                              inner_dim=params.get("inner_dim")))
+                                              inner_dim=params.get("inner_dim"),
+                                              head_vocab_size=None if keep is None else len(keep)))
+    if keep is not None:
+        model.set_head_vocab(keep)
     if model.cfg.inner == tcfg.dim:  # start the heads and embeddings from the target's own
         with torch.no_grad():
             for k in range(model.cfg.n_predict):
-                model.head[k].weight.copy_(target.lm_head.weight)
+                model.head[k].weight.copy_(target.lm_head.weight if keep is None else target.lm_head.weight[keep])
                 model.emb[k].weight.copy_(target.embed_tokens.weight)
     return model.to(target.embed_tokens.weight.dtype)

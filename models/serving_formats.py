@@ -138,6 +138,10 @@ def to_medusa(model, info: dict, verifier: str, include_embeddings: bool):
     if info["kind"] != "medusa":
         raise DraftsmithError(f"export --format medusa: only Medusa heads use this layout, not {info['kind']}")
     cfg, out = info["config"], {}
+    if cfg.get("head_vocab_size"):  # the layout has no d2t map: its heads must cover the whole vocabulary
+        raise DraftsmithError(f"export --format medusa: these heads keep {cfg['head_vocab_size']} of "
+                              f"{cfg['vocab_size']} tokens (drafter.draft_vocab), which the Medusa layout cannot "
+                              f"express; export --format hf")
     for k, v in checkpoint_tensors(model).items():
         parts = k.split(".")  # blocks.{h}.{j}.linear.{w,b} / lm_heads.{h}.weight
         if parts[0] == "blocks":

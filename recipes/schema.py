@@ -183,6 +183,9 @@ class _HeadsSection(Strict):
     """Keep each head's LM head (a copy of the target's) frozen and train only the blocks."""
     head_decay: float = Field(0.8, gt=0, le=1)
     """Loss weight of head k is head_decay**k."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Every head's LM head keeps only the N most frequent response tokens (rows of the target's LM head, d2t /
+    t2d maps, EOS always kept; algorithms.md A10): each head step gets ~V/N times cheaper. None = full vocabulary."""
 
 
 class MedusaDrafterConfig(_HeadsSection):
@@ -212,6 +215,8 @@ class MLPSpeculatorDrafterConfig(Strict):
     """Stage width; None = the target's (then the heads and embeddings start as the target's)."""
     head_decay: float = Field(0.8, gt=0, le=1)
     """Loss weight of stage k is head_decay**k."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Every stage's LM head keeps only the N most frequent response tokens (as for Medusa / Hydra heads)."""
 
 
 class HydraDrafterConfig(_HeadsSection):
@@ -399,8 +404,9 @@ class StopConfig(Strict):
     rejected (eval.draft_len stays the cap; the output is unchanged)."""
 
     rule: Literal["specdecpp", "entropy"] = "specdecpp"
-    """specdecpp: stop once 1 - prod(predicted acceptances of this block) > threshold (a trained acceptance head);
-    entropy: training-free baseline, stop once the draft's next-token entropy (nats) > threshold."""
+    """specdecpp: stop once 1 - prod(predicted acceptances of this block) > threshold (a trained acceptance head
+    on a standalone draft LM); entropy: training-free, stop once the draft's next-token entropy (nats) > threshold
+    (every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
     threshold: float = Field(0.3, gt=0)
     min_len: int = Field(1, ge=1)
     """Drafts always made before a rule may stop."""

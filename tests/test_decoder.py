@@ -494,6 +494,68 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         assert out == ar_outputs[tuple(prompt)] and st.accepted <= st.target_forwards * max(tree.depths)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra++", "eagle3"])
+def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_outputs, kind):
+    """The stop hook (SVIP-style entropy rule, or any rule) reaches heads and EAGLE chains too: blocks get
+    shorter, the output does not change, and stopping after every first draft equals draft_len 1."""
+    from draftsmith.models.acceptance import EntropyStop
+
+    drafter = _eagle(3, target, 0.05) if kind == "eagle3" else _heads(kind, target, 4, 0.05)
+    rule, seen = EntropyStop(threshold=3.0), []
+
+    def hook(i, logits, hidden):
+        seen.append((i, logits.shape))
+        return rule(i, logits, hidden)
+
+    for prompt in PROMPTS:
+        want = ar_outputs[tuple(prompt)]
+        fixed = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=4)[1]
+        out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=4, stop_drafting=hook)
+        assert out == want and st.drafted < fixed.drafted
+        _check_tau_consistency(st)
+    assert seen and {n for n, _ in seen} <= {1, 2, 3} and seen[0][1] == (CFG.vocab_size,)
+    one = speculative_generate(target, drafter, torch.tensor(PROMPTS[1]), NEW, draft_len=4,
+                               stop_drafting=lambda i, lg, h: True)[1]
+    ref1 = speculative_generate(target, drafter, torch.tensor(PROMPTS[1]), NEW, draft_len=1)[1]
+    assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra++", "mlp_speculator"])
+def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target, ar_outputs, kind, tmp_path):
+    """drafter.draft_vocab for heads: the N most frequent tokens' rows of the target's LM head, -inf elsewhere in
+    the target vocabulary; lossless chain and tree; checkpoint and pre-packed (eval.optimize) paths agree."""
+    from draftsmith.eval.tree import tree_from_choices
+    from draftsmith.models.registry import build_drafter, load_drafter, save_drafter
+
+    counts = torch.arange(CFG.vocab_size, dtype=torch.float)  # the highest ids are the most frequent
+    params = {"n_predict" if kind == "mlp_speculator" else "n_heads": 3, "draft_vocab": 24,
+              **({"prefix_attention": True} if kind == "hydra++" else {})}
+    heads = build_drafter(kind.rstrip("+"), params, target, counts=counts, eos_ids={2})
+    lm = lambda m: m.head if kind == "mlp_speculator" else m.lm_heads  # noqa: E731
+    keep = heads.head_ids
+    assert len(keep) == 24 and 2 in keep.tolist() and set(range(CFG.vocab_size - 23, CFG.vocab_size)) <= set(
+        keep.tolist())
+    torch.testing.assert_close(lm(heads)[1].weight, target.lm_head.weight[keep])
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    h, cur = torch.randn(CFG.dim, dtype=torch.float64), torch.tensor([keep[0]])
+    row = heads.logits_after(h, [cur, cur])
+    assert row.shape == (CFG.vocab_size,) and torch.isinf(row[heads.t2d < 0]).all() and torch.isfinite(row[keep]).all()
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    for prompt in PROMPTS:
+        want = ar_outputs[tuple(prompt)]
+        assert speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=3)[0] == want
+        assert tree_speculative_generate(target, heads, torch.tensor(prompt), NEW, tree)[0] == want
+    loaded, info = load_drafter(save_drafter(tmp_path / kind, heads, kind.rstrip("+"), {}), dtype=torch.float64)
+    assert info["config"]["head_vocab_size"] == 24
+    torch.testing.assert_close(loaded.logits_after(h, [cur, cur]), row)
+    n_params = loaded.num_params()
+    fast = loaded.float().optimize_for_inference()
+    assert fast.num_params() == n_params and type(lm(fast)[0]).__name__ == "FusedLinear"  # counts kept
+    torch.testing.assert_close(fast.logits_after(h.float(), [cur, cur]), row.float(), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
 def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = _model(0, CFG8, logit_scale=3.0)

@@ -44,8 +44,10 @@ BUILDERS = {
     "medusa": lambda t: build_medusa({"n_heads": 3, "n_layers": 1}, t),
     "hydra": lambda t: build_hydra({"n_heads": 3, "prefix_attention": True}, t),
     "mlp_speculator": lambda t: build_mlp_speculator({"n_predict": 3}, t),
+    "medusa_vocab": lambda t: build_medusa({"n_heads": 2, "draft_vocab": 100}, t,
+                                           counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
 }
-KIND = {"eagle3": "eagle"}
+KIND = {"eagle3": "eagle", "medusa_vocab": "medusa"}
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def _decode(target, drafter, tree=False):
 
 
 CASES = [("draft_lm", "hf"), ("draft_lm", "vllm"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "hf"),
-         ("medusa", "medusa"), ("medusa", "hf"), ("hydra", "hf"), ("mlp_speculator", "hf")]
+         ("medusa", "medusa"), ("medusa", "hf"), ("hydra", "hf"), ("mlp_speculator", "hf"), ("medusa_vocab", "hf")]
 
 
 @pytest.mark.parametrize("name,fmt", CASES)
@@ -86,6 +88,14 @@ def test_round_trip_gives_the_same_output_and_tau(checkpoints, target, tmp_path,
     for tree in (False, True) if name in ("draft_lm", "eagle3") else (False,):
         (o1, s1), (o2, s2) = _decode(target, original, tree), _decode(target, back, tree)
         assert o1 == o2 and s1.tau == s2.tau and s1.accept_counts == s2.accept_counts
+
+
+def test_medusa_layout_refuses_reduced_vocabulary_heads(checkpoints, tmp_path):
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match="keep 100 of 300 tokens.*--format hf"):
+        export(checkpoints["medusa_vocab"], "medusa", tmp_path / "m")
+    assert not (tmp_path / "m").exists()
 
 
 def test_eagle3_engine_contracts(checkpoints, tmp_path):

@@ -211,8 +211,9 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
 
 
 HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3},
-         "hydra++": {"n_heads": 3, "prefix_attention": True}, "medusa-2": {"n_heads": 3, "lora_r": 4}}
-KIND = {"hydra++": "hydra", "medusa-2": "medusa"}  # test name -> drafter.kind
+         "hydra++": {"n_heads": 3, "prefix_attention": True}, "medusa-2": {"n_heads": 3, "lora_r": 4},
+         "hydra-vocab": {"n_heads": 3, "draft_vocab": 64}}
+KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra"}  # test name -> drafter.kind
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
@@ -223,7 +224,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     losslessly."""
     import yaml
 
-    from draftsmith.data.dataset import RecordDataset, collate
+    from draftsmith.data.dataset import RecordDataset, collate, token_counts
     from draftsmith.models.hf import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.loader import RECIPE_DIR
@@ -255,7 +256,11 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
            f"out_dir={stored}", "data.signals.hidden_last=true", "-q"]
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
-    heads = build_drafter(KIND.get(kind, kind), HEADS[kind], tgt)
+    facts = {"counts": token_counts(stored / "data", tgt.cfg.vocab_size)} if "draft_vocab" in HEADS[kind] else {}
+    heads = build_drafter(KIND.get(kind, kind), HEADS[kind], tgt, **facts)
+    if facts:  # a reduced head vocabulary: 64 target rows, and target-vocabulary logits outside them are -inf
+        assert heads.lm_heads[0].weight.shape[0] == 64 == int((drafter.t2d >= 0).sum())
+        torch.testing.assert_close(heads.lm_heads[0].weight, tgt.lm_head.weight[heads.head_ids])
     batch = collate([RecordDataset(stored / "data", 128, signals={"topk", "hidden_last"})[i] for i in range(4)])
     cfg = __import__("draftsmith.recipes.schema", fromlist=["LossConfig"]).LossConfig(kind="fkl")
     with_stored = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads))

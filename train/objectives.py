@@ -161,7 +161,9 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     joint = getattr(ctx.unwrapped, "base", None) is not None  # Medusa-2: the adapted target runs in forward
     # The original target's states: the heads' input, or (Medusa-2) only a full-distribution teacher.
     h = target_features(batch, ctx) if not joint or cfg.teacher == "target" else None  # (B, T, D)
-    selects, teachers, _ = shifted_teachers(batch, cfg, ctx, ctx.unwrapped.max_draft_len, h)
+    t2d, kept = getattr(ctx.unwrapped, "t2d", None), getattr(ctx.unwrapped, "head_ids", None)  # reduced vocab
+    kept_head = ctx.target.lm_head.weight[kept] if kept is not None and cfg.teacher == "target" else None
+    selects, teachers, _ = shifted_teachers(batch, cfg, ctx, ctx.unwrapped.max_draft_len, h, t2d, kept_head)
     decay = ctx.params.get("head_decay", 0.8)
     # Medusa-2: L = L_target + heads_coefficient * sum_k decay^k L_k, where L_target keeps the adapted target close
     # to the original (self-distillation: its own records' teacher at every predicted position).
