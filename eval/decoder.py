@@ -172,6 +172,12 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
         logits = target(tok.view(1, 1), cache=cache)[0, -1]  # (V,)
 
 
+def first_stop(stop) -> int:
+    """The first draft count a stop hook is asked about: 1, or 0 for a hook with ``min_len`` 0 (it may skip
+    drafting when even the first draft looks unsure; a hook without the attribute is asked from 1 on)."""
+    return 0 if stop is not None and getattr(stop, "min_len", 1) < 1 else 1
+
+
 def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator, stop=None):
     """Propose up to γ tokens. feed (k,): tokens the drafter has not seen yet, ending with the current token.
 
@@ -180,15 +186,18 @@ def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, 
     survives). ``stop(n, logits, hidden)`` (adaptive draft length: SpecDec++, entropy rules) is asked once the
     drafter has read draft n < γ: logits (V,) is its distribution for the next token and hidden (D,) its final
     state at draft n's position (None when the drafter cannot return it); True ends the block with n drafts.
+    It is first asked at n = 1, or at n = 0 (the drafter has just read the current token) when the hook's
+    ``min_len`` is 0: stopping there drafts nothing, and the verify is a plain target step.
     """
     drafts, q_rows, fed_last = [], [], False
     with_hidden = stop is not None and hasattr(drafter, "cfg")
+    first = first_stop(stop)
     for i in range(1, gamma + 1):
         out = _run_drafter(drafter, feed.view(1, -1), cache=dcache,
                            **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
         logits, hidden = (out[0][0, -1], drafter.norm(out[1][drafter.cfg.n_layers][0, -1])) if with_hidden \
             else (out[0, -1], None)  # (V,), (D,)
-        if stop is not None and i > 1 and stop(i - 1, logits, hidden):
+        if stop is not None and i - 1 >= first and stop(i - 1, logits, hidden):
             fed_last = True
             break
         tok, q = _pick(logits, temperature, top_k, top_p, generator)
@@ -284,6 +293,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         if gamma > 0:
             dcache.length = min(dcache.length, d0 + pending.numel() + 1 + n)
             pending = drafts[gamma - 1:] if n == gamma and not fed_last else drafts[:0]
+        elif fed_last:  # the stop hook skipped drafting after the drafter read pending + cur: all kept
+            pending = pending[:0]
         else:  # nothing was fed to the drafter this step: cur joins the tokens it still has to see
             pending = torch.cat([pending, cur])
         cur = drafts.new_tensor([nxt])
@@ -484,8 +495,9 @@ def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick, stop=None)
     state)`` may end it after n >= 1 drafts (see ``_draft``; state is EAGLE's output at draft n)."""
     logits, state = run.root(cur)
     drafts, qs = [], []
+    first = first_stop(stop)
     for i in range(gamma):
-        if stop is not None and i > 0 and stop(i, logits, state):
+        if stop is not None and i >= first and stop(i, logits, state):
             break
         tok, q = pick(logits)
         drafts.append(tok)

@@ -11,6 +11,7 @@ the best fixed draft length.
 
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
     python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
+    python -m draftsmith.eval.sweep RECIPE eval.stop.rule=entropy --thresholds 1,2,3 --min-lens 0,1   # any drafter
 """
 from __future__ import annotations
 
@@ -34,8 +35,10 @@ from draftsmith.models.judge import Judge
 DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]
 
 
-def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = ()) -> dict:
-    """thresholds None: the default list when the recipe has a stop rule, else none."""
+def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = (),
+          min_lens: list[int] = ()) -> dict:
+    """thresholds None: the default list when the recipe has a stop rule, else none. min_lens: each threshold is
+    tried with each of these eval.stop.min_len values (empty: the recipe's)."""
     ec = recipe.eval
     setup = load_for_eval(recipe)
     hook = setup.stop_drafting
@@ -50,6 +53,10 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         raise DraftsmithError("nothing to sweep: give --thresholds (a stop rule) or --deltas (a judge)")
     if not fixed:
         raise DraftsmithError("--fixed needs at least one draft length to compare against")
+    if min_lens and (not thresholds or any(m < 0 for m in min_lens)):
+        raise DraftsmithError("--min-lens needs --thresholds and values >= 0")
+    if 0 in min_lens and (setup.stop_info or {}).get("rule") != "entropy":
+        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy (the SpecDec++ head scores drafted tokens)")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
     gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
@@ -58,9 +65,11 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         return lambda x: speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=k, eos_ids=eos,
                                               generator=gen, stop_drafting=stop, **sampling)
 
-    def with_threshold(h):
+    def with_threshold(h, m=None):
         def run(x):
             hook.threshold = h
+            if m is not None:
+                hook.min_len = m
             return spec(ec.draft_len, hook)(x)
         return run
 
@@ -72,7 +81,9 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     configs = {"ar": lambda x: (autoregressive_generate(tgt, x, ec.max_new_tokens, eos_ids=eos, generator=gen,
                                                         **sampling), None)}
     configs.update({f"fixed-{k}": spec(k) for k in fixed})
-    configs.update({f"stop-{h:g}": with_threshold(h) for h in thresholds})
+    stop_of = {f"stop-{h:g}": (h, None) for h in thresholds} if not min_lens else \
+        {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}  # config name -> (threshold, min_len)
+    configs.update({n: with_threshold(h, m) for n, (h, m) in stop_of.items()})
     configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
     solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
@@ -124,7 +135,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                     **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {})},
         "drafter": str(setup.ckpt), "stop": setup.stop_info, "cap": ec.draft_len, "temperature": ec.temperature,
         "configs": results, "best_fixed": best_fixed, "best_stop": best,
-        "best_threshold": float(best.split("-", 1)[1]),
+        "best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
+        **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
         "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1,
         "per_category": {c: {n: cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"])
                              for n in (best_fixed, best)} for c in cats},
@@ -138,10 +150,10 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     acc = setup.tasks is not None
     if warning := shared_warning(report):
         print("sweep: warning: " + warning)
-    print(f"{'config':<12} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
+    print(f"{'config':<14} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
           (f" {'accuracy':>8}" if acc else ""))
     for n, r in results.items():
-        print(f"{n:<12} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
+        print(f"{n:<14} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
               f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}" +
               (f" {r['task_accuracy']:8.3f}" if acc else ""))
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
@@ -162,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated judge thresholds δ in (0, 1) for lossy Judge-Decoding verification at "
                         "eval.draft_len (needs eval.judge.head; task accuracy is scored with eval.judge.tasks)")
     p.add_argument("--fixed", default="1,2,3,4,6", help="comma-separated fixed draft lengths to compare against")
+    p.add_argument("--min-lens", default="",
+                   help="comma-separated eval.stop.min_len values to cross with every threshold (config names "
+                        "stop-<h>-m<n>); 0 lets the entropy rule skip drafting where even the first draft looks "
+                        "unsure; default: the recipe's min_len only")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 
@@ -174,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
             raise DraftsmithError(f"--deltas {args.deltas!r}: each δ must lie in (0, 1)")
         recipe = load_recipe(args.recipe, args.overrides)
         sweep(recipe, None if args.thresholds is None else floats(args.thresholds),
-              [int(k) for k in args.fixed.split(",") if k.strip()], deltas)
+              [int(k) for k in args.fixed.split(",") if k.strip()], deltas,
+              [int(m) for m in args.min_lens.split(",") if m.strip()])
     except (DraftsmithError, ValueError) as e:
         print(f"draftsmith sweep: error: {e}", file=sys.stderr)
         return 2

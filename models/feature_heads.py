@@ -102,11 +102,14 @@ class FeatureHeads(nn.Module):
     def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick, stop=None):
         """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
         draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
-        (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n >= 1 drafts."""
-        path, qs = [cur], []
+        (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n drafts (n >= 1, or n >= 0
+        for a hook with min_len 0)."""
+        from draftsmith.eval.decoder import first_stop
+
+        path, qs, first = [cur], [], first_stop(stop)
         for i in range(min(gamma, self.max_draft_len)):
             logits = self.logits_after(h, path)
-            if stop is not None and i > 0 and stop(i, logits, None):
+            if stop is not None and i >= first and stop(i, logits, None):
                 break
             tok, q = pick(logits)
             path.append(tok)

@@ -408,10 +408,17 @@ class StopConfig(Strict):
     on a standalone draft LM); entropy: training-free, stop once the draft's next-token entropy (nats) > threshold
     (every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
     threshold: float = Field(0.3, gt=0)
-    min_len: int = Field(1, ge=1)
-    """Drafts always made before a rule may stop."""
+    min_len: int = Field(1, ge=0)
+    """Drafts always made before a rule may stop. 0 (entropy rule only): when even the first draft looks unsure,
+    draft nothing and take a plain target step, so a weak drafter costs little where it cannot help."""
     head: str | None = None
     """specdecpp: the acceptance-head checkpoint; None = eval.checkpoint when that is an acceptance head."""
+
+    @model_validator(mode="after")
+    def _specdecpp_needs_a_draft(self):
+        if self.rule == "specdecpp" and self.min_len < 1:  # the head predicts a draft's acceptance after reading it
+            raise ValueError("eval.stop.min_len=0 needs rule=entropy (the SpecDec++ head scores drafted tokens)")
+        return self
 
 
 class EvalConfig(Strict):

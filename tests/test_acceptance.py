@@ -106,6 +106,18 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.8"]["drafted_per_step"]
     assert (run / "eval" / "sweep.json").is_file()
     assert r["machine"]["other_cpu_share"] is None or 0.0 <= r["machine"]["other_cpu_share"] <= 1.0
+    # the training-free entropy rule crossed with min_len 0 (may skip drafting) and 1, on the plain draft
+    plain = [f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=entropy", "target.dtype=float64",
+             *[c for c in common if c != "-q"]]
+    r = sweep.sweep(load_recipe("tiny", plain), [0.05, 50.0], [1], min_lens=[0, 1])
+    assert r["lossless_mismatches"] == 0 and r["best_min_len"] in (0, 1)
+    assert {"stop-0.05-m0", "stop-0.05-m1", "stop-50-m0", "stop-50-m1"} <= set(r["configs"])
+    assert r["configs"]["stop-0.05-m0"]["drafted_per_step"] < r["configs"]["stop-0.05-m1"]["drafted_per_step"]
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match="min-lens 0 needs eval.stop.rule=entropy"):
+        sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", *[c for c in common if c != "-q"]]), [0.5], [1],
+                    min_lens=[0])
     # bad input: a specdecpp rule without a head on a plain draft is a one-line error
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", *common]) == 0
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp",

@@ -520,6 +520,39 @@ def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_o
     assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
 
 
+class _SkipHook:
+    """A min_len-0 stop hook: asked before the first draft too; skips (no drafts) on a coin flip, else stops
+    after two drafts."""
+    min_len = 0
+
+    def __init__(self, seed):
+        self.gen, self.asked = torch.Generator().manual_seed(seed), []
+
+    def __call__(self, n, logits, hidden):
+        self.asked.append(n)
+        return n >= 2 or (n == 0 and bool(torch.rand((), generator=self.gen) < 0.5))
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
+def test_min_len_zero_skips_drafting_and_stays_lossless(target, ar_outputs, kind):
+    """With min_len 0 a stop rule may draft nothing: that step is a plain target step (one token, no drafts),
+    the drafter's cache stays consistent, and the output still equals the target's greedy output."""
+    from draftsmith.models.acceptance import EntropyStop
+
+    drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
+        kind, lambda: _heads(kind, target, 4, 0.05))()
+    for prompt in PROMPTS:
+        hook = _SkipHook(len(prompt))
+        out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=4, stop_drafting=hook)
+        assert out == ar_outputs[tuple(prompt)]
+        assert 0 in hook.asked and st.accept_counts[0] > 0 and st.drafted <= 2 * st.target_forwards
+        _check_tau_consistency(st)
+    # skipping every step is plain AR decoding: one token per target forward, nothing drafted
+    out, st = speculative_generate(target, drafter, torch.tensor(PROMPTS[2]), NEW, draft_len=4,
+                                   stop_drafting=EntropyStop(threshold=1e-9, min_len=0))
+    assert out == ar_outputs[tuple(PROMPTS[2])] and st.drafted == 0 and st.target_forwards == NEW - 1  # + the prefill
+
+
 @pytest.mark.parametrize("kind", ["medusa", "hydra++", "mlp_speculator"])
 def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target, ar_outputs, kind, tmp_path):
     """drafter.draft_vocab for heads: the N most frequent tokens' rows of the target's LM head, -inf elsewhere in

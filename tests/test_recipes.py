@@ -54,6 +54,7 @@ def test_overrides_are_typed_and_revalidated():
     ("data.prompts.source=file", "prompts.path is required"),
     ("train.steps", "expected dotted.key=value"),
     ("train.steps.x=1", "train.steps is not a section"),
+    ("eval.stop.min_len=0", "eval.stop.min_len=0 needs rule=entropy"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(DraftsmithError, match=message.replace("(", r"\(").replace("[", r"\[")):
