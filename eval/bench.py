@@ -274,14 +274,17 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
                                       f"acceptance head")
         else:
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
-    if info.get("kind") == "acceptance_head":  # decode with the draft LM the head was trained on
+    if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
-    if head is not None and info.get("kind") != "draft_lm":  # the entropy rule works for every chain drafter
-        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM drafter, not {info.get('kind')}")
-    if head is not None and head.cfg.dim != drafter.cfg.dim:
-        raise DraftsmithError(f"eval.stop.head {head_path} reads {head.cfg.dim}-wide states; the drafter's are "
+    if head is not None and info.get("kind") not in ("draft_lm", "eagle"):  # entropy works for every drafter
+        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM or EAGLE drafter, not "
+                              f"{info.get('kind')}")
+    if head is not None and (head.cfg.dim != drafter.cfg.dim or head.cfg.draft_kind != info.get("kind")):
+        raise DraftsmithError(f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
+                              f"{head.cfg.dim}-wide states; this drafter is a {info.get('kind')} with "
                               f"{drafter.cfg.dim}")
-    hook = AcceptanceStop(head, sc.threshold, sc.min_len) if head is not None else \
+    prepare = drafter.head_input if info.get("kind") == "eagle" else None  # EAGLE: as in training
+    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare) if head is not None else \
         EntropyStop(sc.threshold, sc.min_len)
     desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len,
             **({"head": str(head_path)} if head is not None else {})}

@@ -1,9 +1,16 @@
 """SpecDec++ acceptance predictor (algorithms.md A7) and the adaptive draft-length rules that use it.
 
-The head reads a frozen draft LM's final hidden state at the position of a just-drafted token and predicts the
-probability that speculative sampling accepts that token: ``ResBlock^L -> Linear(d -> 1)`` (one logit instead of
-the reference's two-way softmax; the same model). It trains on the data stage's SpecDec++ labels (the draft's
-sample y at each response position and min(1, p(y)/q(y))) with weighted soft-label BCE (train/objectives.py).
+The head reads a frozen drafter's state at the position of a just-drafted token and predicts the probability
+that speculative sampling accepts that token: ``ResBlock^L -> Linear(d -> 1)`` (one logit instead of the
+reference's two-way softmax; the same model). It trains with weighted soft-label BCE on labels min(1, p(y)/q(y))
+for the drafter's sample y (train/objectives.py):
+- a standalone draft LM: the data stage's SpecDec++ labels (``data.specdec_labels``); the head reads the draft's
+  final normed state;
+- an EAGLE drafter (``draft_kind`` eagle): labels are made in the loop, since they need the target's features
+  anyway. The drafter, teacher-forced on the target's features, drafts y for the next position; the frozen
+  target scores it; the drafter reads its own y (a TTT step with y as the token, ``Eagle.forward``
+  ``step_tokens``) and the head reads that state through the drafter's ``head_input``, exactly the state the
+  chain decoder hands a stop rule after the first draft.
 
 In the decoder, a *stop rule* decides after each draft whether to end the block (eval/decoder.py ``_draft``):
 - ``AcceptanceStop``: keep P = prod of predicted acceptances of this block's drafts; stop once 1 - P > threshold
@@ -28,7 +35,8 @@ from draftsmith.models.medusa import ResBlock
 class AcceptanceConfig:
     dim: int
     n_layers: int = 3
-    draft: str | None = None  # the draft LM checkpoint folder the head was trained on
+    draft: str | None = None  # the drafter checkpoint folder the head was trained on
+    draft_kind: str = "draft_lm"  # its kind: draft_lm or eagle
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -49,26 +57,36 @@ class AcceptanceHead(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.out(self.blocks(h)).squeeze(-1)
 
+    @property
+    def signals_needed(self) -> set[str]:
+        """Record signals the objective reads: stored labels for a draft LM; none for EAGLE (made in the loop)."""
+        return set() if self.cfg.draft_kind == "eagle" else {"specdec"}
+
+    @property
+    def needs_target(self) -> bool:
+        """Whether the loop must run the frozen target (EAGLE: its features and its distribution)."""
+        return self.cfg.draft_kind == "eagle"
+
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("draft."))
 
 
 def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
-    """A fresh head on the frozen draft LM ``params['draft']`` (a draftsmith draft_lm checkpoint)."""
+    """A fresh head on the frozen drafter ``params['draft']`` (a draftsmith draft_lm or eagle checkpoint)."""
     from draftsmith.models.registry import load_drafter
 
     path = params.get("draft")
     if not path:
         raise DraftsmithError("drafter.draft: the draft LM checkpoint whose acceptance the head predicts is required")
     draft, info = load_drafter(Path(path))
-    if info.get("kind") != "draft_lm":
+    if info.get("kind") not in ("draft_lm", "eagle"):
         raise DraftsmithError(f"drafter.draft {path!r} is a {info.get('kind')} checkpoint; the acceptance head "
-                              f"reads a standalone draft LM")
+                              f"reads a standalone draft LM or an EAGLE drafter")
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise DraftsmithError(f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target "
                               f"{target.cfg.vocab_size}")
     head = AcceptanceHead(AcceptanceConfig(dim=draft.cfg.dim, n_layers=params.get("n_layers", 3),
-                                           draft=str(path)))
+                                           draft=str(path), draft_kind=info["kind"]))
     head.draft = draft.float().requires_grad_(False)  # frozen: only the head trains (as in the reference)
     return head
 
@@ -76,8 +94,9 @@ def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
 class AcceptanceStop:
     """SpecDec++ threshold rule: stop once P(some draft of this block is rejected) = 1 - prod p_hat > threshold."""
 
-    def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1):
+    def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1, prepare=None):
         self.head, self.threshold, self.min_len = head, threshold, min_len
+        self.prepare = prepare  # drafter state -> head input (EAGLE: its head_input, as in training)
         self.p_all = 1.0
 
     def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
@@ -86,7 +105,8 @@ class AcceptanceStop:
         if n == 1:  # a new block: the verified token's factor is 1
             self.p_all = 1.0
         with torch.no_grad():
-            self.p_all *= float(torch.sigmoid(self.head(hidden.to(self.head.out.weight.dtype))))
+            x = self.prepare(hidden) if self.prepare is not None else hidden
+            self.p_all *= float(torch.sigmoid(self.head(x.to(self.head.out.weight.dtype))))
         return n >= self.min_len and 1.0 - self.p_all > self.threshold
 
 

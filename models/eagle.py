@@ -180,11 +180,13 @@ class Eagle(ReducedVocab, nn.Module):
 
     # ---- training: training-time test -----------------------------------------------------------------------------
 
-    def forward(self, feats: torch.Tensor, ids: torch.Tensor, steps: int = 1, select=None, head_fn=None):
+    def forward(self, feats: torch.Tensor, ids: torch.Tensor, steps: int = 1, select=None, head_fn=None,
+                step_tokens: dict[int, torch.Tensor] | None = None):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
         x_{i+s+2}. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
-        or, without head_fn, the (steps, B, T, d) outputs."""
+        or, without head_fn, the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads
+        instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need)."""
         B, T = ids.shape
         a, lc = self.self_attn, self.cfg.layer_config()
         H, Hkv, hd = lc.n_heads, lc.n_kv_heads, lc.hd
@@ -196,6 +198,8 @@ class Eagle(ReducedVocab, nn.Module):
             tok = torch.zeros_like(ids)
             if s + 1 < T:
                 tok[:, :T - s - 1] = ids[:, s + 1:]  # past the end: token 0, never selected for a loss
+            if step_tokens and s in step_tokens:
+                tok = step_tokens[s]
             x, resid = self._inputs(self.embed_tokens(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
             q, k, v = a.q_proj(x).view(B, T, H, hd), a.k_proj(x).view(B, T, Hkv, hd), a.v_proj(x).view(B, T, Hkv, hd)

@@ -290,14 +290,18 @@ class AcceptanceHeadConfig(Strict):
 
     kind: Literal["acceptance_head"] = "acceptance_head"
     draft: str = Field(min_length=1)
-    """The draft LM checkpoint folder (kind draft_lm) whose tokens the head judges; it stays frozen. The records
-    must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint)."""
+    """The drafter checkpoint folder whose tokens the head judges; it stays frozen. A draft LM (kind draft_lm):
+    the records must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint). An EAGLE
+    drafter (kind eagle): any target-written records; the loop runs the target and makes the labels."""
     n_layers: int = Field(3, ge=0)
     """Residual blocks before the output logit."""
     mixing_ratio: float = Field(0.15, ge=0, lt=1)
     """Share of response positions that keep the target's token instead of the draft's sample in the input."""
     weight_mismatch: float = Field(6.0, gt=0)
     """Loss weight of the rejected class (acceptance is the common case)."""
+    label_temperature: float = Field(0.0, ge=0)
+    """EAGLE drafters: the temperature of the labels made in the loop (0: greedy, y = argmax q, label 1 iff the
+    target's argmax agrees). Draft LMs take theirs from data.specdec_labels.temperature."""
 
 
 DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig

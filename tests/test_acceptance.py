@@ -122,3 +122,42 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", *common]) == 0
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp",
                  *common]) == 2
+
+
+def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
+    """SpecDec++ for EAGLE: labels made in the loop (any target-written records, no stored labels), the head
+    trains, and its checkpoint decodes its EAGLE drafter with the stop rule, losslessly; the sweep runs."""
+    import shutil
+
+    import yaml
+
+    from draftsmith.eval import sweep
+    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+
+    root, _, common = specdec_run
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "eagle", "version": 3}
+    (tmp_path / "tiny-eagle.yaml").write_text(yaml.safe_dump(spec))
+    shutil.copytree(root / "draft" / "data", tmp_path / "eagle" / "data")
+    assert main(["train", str(tmp_path / "tiny-eagle.yaml"), f"out_dir={tmp_path / 'eagle'}", "train.steps=2",
+                 *common]) == 0
+    eagle = tmp_path / "eagle" / "checkpoints" / "final"
+    spec["drafter"] = {"kind": "acceptance_head", "draft": str(eagle), "n_layers": 1}
+    recipe = tmp_path / "tiny-eagle-head.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "head"
+    shutil.copytree(root / "draft" / "data", run / "data")  # plain records: no SpecDec++ labels in them
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", *common]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["stage"] == "train"]
+    assert len(train_rows) == 3 and all(r["accept_label"] in (0.0, 1.0) or 0 < r["accept_label"] < 1
+                                        for r in train_rows)
+    assert json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]["draft_kind"] == "eagle"
+    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
+                 *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["rule"] == "specdecpp"
+    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64",
+                                              *[c for c in common if c != "-q"]]), [0.2, 0.9], [1, 3])
+    assert r["lossless_mismatches"] == 0
+    assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.9"]["drafted_per_step"]

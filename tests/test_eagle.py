@@ -77,3 +77,36 @@ def test_optimized_eagle_steps_like_the_plain_one(target, version):
         torch.testing.assert_close(a, b)
     la, _ = e.step(state[:, :2], ids[:, :2], cache=c1, last_only=True)
     assert la.shape == (1, 1, CFG.vocab_size) and fast.num_params() == e.num_params()
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, version):
+    """SpecDec++ on EAGLE: per selected position t, the label is [draft == target argmax at t+1] (greedy) and the
+    head input is the state the decoder reaches after reading the real pairs 0..t and then its own first draft."""
+    from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead
+    from draftsmith.train.objectives import Context, eagle_acceptance_inputs
+
+    torch.manual_seed(2)
+    e = _eagle(target, version)
+    ids = torch.randint(0, CFG.vocab_size, (2, 10))
+    pm = torch.zeros(2, 10, dtype=torch.bool)
+    pm[:, 3:9] = True  # positions 3..8 predict response tokens
+    head = AcceptanceHead(AcceptanceConfig(dim=CFG.dim, n_layers=1, draft_kind="eagle"))
+    assert head.needs_target and head.signals_needed == set()
+    x, s = eagle_acceptance_inputs(e, {"input_ids": ids, "predict_mask": pm}, Context(unwrapped=head, target=target),
+                                   chunk=3)  # chunks of 3 rows: 10 selected rows cross chunk boundaries
+    assert x.shape == (10, CFG.dim) and s.shape == (10,)
+    _, cap = target(ids, capture_layers=e.capture_layers)
+    f = e.features(cap, target)
+    tlogits = target(ids)
+    row = 0
+    for b in range(2):
+        for t in range(3, 8):  # pm[t] and pm[t+1]
+            cache = e.new_cache(1, 32)
+            logits, out = e.step(e.project(f[b:b + 1, :t + 1]), ids[b:b + 1, 1:t + 2], cache=cache)
+            y = logits[0, -1].argmax()
+            assert float(s[row]) == float(y == tlogits[b, t + 1].argmax())
+            _, out = e.step(out[:, -1:], y.view(1, 1), cache=cache)
+            torch.testing.assert_close(x[row], e.head_input(out[0, -1]).float())
+            row += 1
+    assert row == 10

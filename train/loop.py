@@ -135,10 +135,12 @@ def train(recipe) -> Path:
     # states when the records do not store them.
     stored = kind in READS_FEATURES and features_stored(drafter, manifest["signals"])
     # The judge reads the target's states at every what-if token.
-    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) or kind == "judge"
+    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) or kind == "judge" \
+        or getattr(drafter, "needs_target", False)
     teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
     del tgt
-    signals = SIGNALS_NEEDED[kind] - (set() if stored else {"hidden_last", "hidden_aux"})
+    signals = getattr(drafter, "signals_needed", SIGNALS_NEEDED[kind]) - (set() if stored else {"hidden_last",
+                                                                                               "hidden_aux"})
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals)
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")

@@ -244,28 +244,67 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     predicts the acceptance of y from the draft's state there. Weighted soft-label BCE on s = min(1, p(y)/q(y)):
     w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class."""
     head, p = ctx.unwrapped, ctx.params
-    if "spec_accept" not in batch:
-        raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with data.specdec_labels "
-                              "(checkpoint: the same draft LM)")
-    pm, ids = batch["predict_mask"], batch["input_ids"]
-    y, s = batch["spec_token"].long(), batch["spec_accept"].float()
-    label_pos = torch.zeros_like(pm)
-    label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
-    swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= p.get("mixing_ratio", 0.15)
-    z = ids.clone()
-    z[label_pos] = torch.where(swap, y, ids[label_pos])
-    with torch.no_grad():
-        h = head.draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
-    logit = model(h[label_pos][swap].float())
-    s = s[swap]
+    if head.cfg.draft_kind == "eagle":
+        x, s = eagle_acceptance_inputs(head.draft, batch, ctx)
+        logit = model(x)
+    else:
+        if "spec_accept" not in batch:
+            raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with "
+                                  "data.specdec_labels (checkpoint: the same draft LM)")
+        pm, ids = batch["predict_mask"], batch["input_ids"]
+        y, s = batch["spec_token"].long(), batch["spec_accept"].float()
+        label_pos = torch.zeros_like(pm)
+        label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
+        swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= p.get("mixing_ratio", 0.15)
+        z = ids.clone()
+        z[label_pos] = torch.where(swap, y, ids[label_pos])
+        with torch.no_grad():
+            h = head.draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
+        logit = model(h[label_pos][swap].float())
+        s = s[swap]
     w = p.get("weight_mismatch", 6.0)
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
-    n = int(swap.sum())
+    n = len(s)
     m = {"accept_label": float(s.mean()) if n else 0.0, "accept_pred": float(a.mean()) if n else 0.0,
          "brier": float(((a - s) ** 2).mean()) if n else 0.0,
          "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0}  # agreement on accept vs reject
     return StepOutput(loss, n, m)
+
+
+@torch.no_grad()
+def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512):
+    """SpecDec++ labels for an EAGLE drafter, made in the loop -> (head inputs (N, d), s (N,)).
+
+    At every position t whose next two tokens are response tokens, the drafter (teacher-forced on the target's
+    features: TTT step 0) drafts y for x_{t+2} from q; the target's distribution there is p at t+1; the label is
+    s = min(1, p(y)/q(y)) under ``label_temperature`` (0: y = argmax q and s = [y == argmax p]). The head input is
+    the drafter's state after it reads its own y (a TTT step with y as the token), through its ``head_input``:
+    the state the chain decoder hands a stop rule after the first draft of a block."""
+    from draftsmith.data.engine import Sampling, specdec_labels
+
+    if ctx.target is None:
+        raise DraftsmithError("an acceptance head on an EAGLE drafter needs the target in the loop")
+    pm, ids = batch["predict_mask"], batch["input_ids"]
+    T = ids.shape[1]
+    sel = torch.zeros_like(pm)
+    sel[:, :T - 1] = pm[:, :T - 1] & pm[:, 1:]
+    h, cap = ctx.target(ids, capture_layers=eagle.capture_layers, return_hidden=True)
+    feats = eagle.features(cap, ctx.target).to(eagle.embed_tokens.weight.dtype)
+    first = eagle.head_input(eagle(feats, ids, steps=1)[0][sel])  # (N, d): drafts x_{t+2}
+    h_next = h[:, 1:][sel[:, :T - 1]]  # (N, D): the target's states at t+1
+    sampling = Sampling(temperature=ctx.params.get("label_temperature", 0.0))
+    ys, ss = [], []
+    for a in range(0, len(first), chunk):  # (n, V) logits for a chunk of rows at a time
+        q = eagle.lm_head(first[a:a + chunk])
+        y, s = specdec_labels(ctx.target.lm_head(h_next[a:a + chunk]).float(), q.float(), sampling,
+                              [ctx.generator] * len(q))
+        ys.append(y)
+        ss.append(s)
+    y_at = torch.zeros_like(ids)
+    y_at[sel] = torch.cat(ys) if ys else y_at[sel]
+    second = eagle(feats, ids, steps=2, step_tokens={1: y_at})[1][sel]  # after reading its own draft
+    return eagle.head_input(second).float(), (torch.cat(ss) if ss else first.new_zeros(0)).float()
 
 
 def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
