@@ -103,6 +103,7 @@ def main() -> None:
                     help="draft lengths to verify (k + 1 tokens; 48 ~ a dynamic tree's node budget)")
     ap.add_argument("--ctx", type=int, default=256, help="tokens already in the KV cache")
     ap.add_argument("--reps", type=int, default=30, help="forwards per measurement (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all measurements (median)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-optimize", action="store_true", help="time the plain (unfused) model instead")
     ap.add_argument("--pack-ab", action="store_true", help="CPU: A/B the oneDNN pack hint (see above)")
@@ -116,26 +117,39 @@ def main() -> None:
     heads = head_models(tgt, a.head_vocab) if a.head_vocab and not a.no_optimize else {}
     if not a.no_optimize:
         tgt.optimize_for_inference()
-    base, _ = step_time(tgt, a.ctx, 1, a.device, a.reps)
-    print(f"device {a.device}, dtype {dtype}, ctx {a.ctx}, threads {torch.get_num_threads()}, "
-          f"optimized {not a.no_optimize}")
-    print(f"target decode step: {base * 1e3:.2f} ms")
-    for k in a.k:
-        v, _ = step_time(tgt, a.ctx, k + 1, a.device, a.reps)
-        print(f"verify k={k} ({k + 1} tokens): {v * 1e3:.2f} ms = {v / base:.2f}x a decode step")
-    for n, model in heads.items():
-        t = head_time(model, tgt.cfg.dim, a.device, a.reps)
-        print(f"head step, {n}-token LM head: {t * 1e3:.2f} ms = {t / base:.3f} of a target step")
     try:
         drafter, _ = load_drafter(a.drafter, dtype=dtype, device=a.device)
-    except Exception as e:  # the drafter is optional: report and stop
+        if not a.no_optimize:
+            drafter.optimize_for_inference()
+    except Exception as e:  # the drafter is optional
+        drafter = None
         print(f"no drafter ({e})")
-        return
-    if not a.no_optimize:
-        drafter.optimize_for_inference()
-    d, _ = step_time(drafter, a.ctx, 1, a.device, a.reps)
-    print(f"draft step: {d * 1e3:.2f} ms = c = {d / base:.3f} of a target step "
-          f"({drafter.num_params() / 1e6:.1f}M vs {tgt.num_params() / 1e6:.1f}M params)")
+    # Every measurement in every round, interleaved: a machine that speeds up or slows down during the run
+    # shifts all of them alike, and the medians over rounds are compared.
+    jobs = {"decode": lambda: step_time(tgt, a.ctx, 1, a.device, a.reps)[0]}
+    jobs.update({f"verify {k}": (lambda k=k: step_time(tgt, a.ctx, k + 1, a.device, a.reps)[0]) for k in a.k})
+    jobs.update({f"head {n}": (lambda m=m: head_time(m, tgt.cfg.dim, a.device, a.reps)) for n, m in heads.items()})
+    if drafter is not None:
+        jobs["draft"] = lambda: step_time(drafter, a.ctx, 1, a.device, a.reps)[0]
+    times = {name: [] for name in jobs}
+    for _ in range(a.rounds):
+        for name, job in jobs.items():
+            times[name].append(job())
+    t = {name: statistics.median(v) for name, v in times.items()}
+    base = t["decode"]
+    print(f"device {a.device}, dtype {dtype}, ctx {a.ctx}, threads {torch.get_num_threads()}, "
+          f"optimized {not a.no_optimize}, median of {a.reps} forwards, median of {a.rounds} interleaved rounds")
+    print(f"target decode step: {base * 1e3:.2f} ms (rounds: {' '.join(f'{x * 1e3:.1f}' for x in times['decode'])})")
+    for k in a.k:
+        v = t[f"verify {k}"]
+        print(f"verify k={k} ({k + 1} tokens): {v * 1e3:.2f} ms = {v / base:.2f}x a decode step")
+    for n in heads:
+        h = t[f"head {n}"]
+        print(f"head step, {n}-token LM head: {h * 1e3:.2f} ms = {h / base:.3f} of a target step")
+    if drafter is not None:
+        d = t["draft"]
+        print(f"draft step: {d * 1e3:.2f} ms = c = {d / base:.3f} of a target step "
+              f"({drafter.num_params() / 1e6:.1f}M vs {tgt.num_params() / 1e6:.1f}M params)")
 
 
 if __name__ == "__main__":
