@@ -19,6 +19,7 @@ from draftsmith.eval.tree import (
     sample_tree_accept,
 )
 from draftsmith.kernels.tree import tree_mask
+from draftsmith.models.feature_heads import first_stop
 from draftsmith.models.sampling import process_logits
 
 
@@ -170,12 +171,6 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
         if _emit(out, [int(tok)], eos_ids, max_new_tokens, on_token):
             return out
         logits = target(tok.view(1, 1), cache=cache)[0, -1]  # (V,)
-
-
-def first_stop(stop) -> int:
-    """The first draft count a stop hook is asked about: 1, or 0 for a hook with ``min_len`` 0 (it may skip
-    drafting when even the first draft looks unsure; a hook without the attribute is asked from 1 on)."""
-    return 0 if stop is not None and getattr(stop, "min_len", 1) < 1 else 1
 
 
 def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, top_p, generator, stop=None):

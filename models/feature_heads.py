@@ -104,8 +104,6 @@ class FeatureHeads(nn.Module):
         draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
         (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n drafts (n >= 1, or n >= 0
         for a hook with min_len 0)."""
-        from draftsmith.eval.decoder import first_stop
-
         path, qs, first = [cur], [], first_stop(stop)
         for i in range(min(gamma, self.max_draft_len)):
             logits = self.logits_after(h, path)
@@ -117,6 +115,12 @@ class FeatureHeads(nn.Module):
         if len(path) == 1:
             return cur.new_empty(0), None
         return torch.cat(path[1:]), (torch.stack(qs) if qs[0] is not None else None)
+
+
+def first_stop(stop) -> int:
+    """The first draft count a stop hook (eval/decoder.py) is asked about: 1, or 0 for a hook with ``min_len`` 0
+    (it may skip drafting when even the first draft looks unsure; a hook without the attribute is asked from 1 on)."""
+    return 0 if stop is not None and getattr(stop, "min_len", 1) < 1 else 1
 
 
 @torch.no_grad()
