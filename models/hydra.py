@@ -88,6 +88,17 @@ class HydraHeads(FeatureHeads):
             cache.length += T
         return y if hs.dim() == 3 else y[0]
 
+    def optimize_for_inference(self) -> HydraHeads:
+        """The prefix layer's q/k/v and gate/up matmuls fused like the target's, then every matmul pre-packed."""
+        from draftsmith.models.llama import fuse_layers
+
+        counts = (self.num_params(), self.num_params(exclude_embeddings=True))
+        if self.cfg.prefix is not None:
+            fuse_layers([(self.prefix.self_attn, self.prefix.mlp)])
+        super().optimize_for_inference()
+        self.num_params = lambda exclude_embeddings=False: counts[exclude_embeddings]  # as before the fusion
+        return self
+
     def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
         """Teacher-forced pass: h (B, T, D), ids (B, T); head k at t reads tokens t+1..t+k+1. Returns
         ``[head_fn(k, x_k[select[k]], lm_head_k.weight)]`` or the (K, B, T, V) logits."""

@@ -308,16 +308,21 @@ class ReducedVocab:
         return res
 
 
-def fuse_for_inference(model: nn.Module, layers: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
-    """Fuse each (attention, MLP) pair's q/k/v and gate/up matmuls, pre-pack every matmul weight (FusedLinear) and
-    the LM head; the model keeps its parameter counts (packed weights are not parameters) and stops training."""
-    model._counts = (model.num_params(), model.num_params(exclude_embeddings=True))
+def fuse_layers(layers: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Fuse each (attention, MLP) pair's q/k/v and gate/up matmuls and pre-pack every matmul weight (FusedLinear)."""
     for a, m in layers:
         a.qkv_proj = FusedLinear(a.q_proj, a.k_proj, a.v_proj)
         a.o_proj = FusedLinear(a.o_proj)
         m.gate_up_proj = FusedLinear(m.gate_proj, m.up_proj)
         m.down_proj = FusedLinear(m.down_proj)
         del a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj
+
+
+def fuse_for_inference(model: nn.Module, layers: list[tuple[nn.Module, nn.Module]]) -> nn.Module:
+    """Fuse each (attention, MLP) pair's q/k/v and gate/up matmuls, pre-pack every matmul weight (FusedLinear) and
+    the LM head; the model keeps its parameter counts (packed weights are not parameters) and stops training."""
+    model._counts = (model.num_params(), model.num_params(exclude_embeddings=True))
+    fuse_layers(layers)
     if isinstance(model.lm_head, ReducedHead):
         model.lm_head.fused = FusedLinear(model.lm_head)
     else:

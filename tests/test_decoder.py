@@ -584,9 +584,13 @@ def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target
     assert info["config"]["head_vocab_size"] == 24
     torch.testing.assert_close(loaded.logits_after(h, [cur, cur]), row)
     n_params = loaded.num_params()
+    hs = torch.randn(5, CFG.dim, dtype=torch.float64)
+    context = loaded.read_context(hs, loaded.new_context(8))  # Hydra++'s prefix layer (the identity otherwise)
     fast = loaded.float().optimize_for_inference()
     assert fast.num_params() == n_params and type(lm(fast)[0]).__name__ == "FusedLinear"  # counts kept
     torch.testing.assert_close(fast.logits_after(h.float(), [cur, cur]), row.float(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fast.read_context(hs.float(), fast.new_context(8)), context.float(), rtol=1e-4,
+                               atol=1e-4)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
