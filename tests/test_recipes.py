@@ -61,6 +61,12 @@ def test_bad_overrides_name_the_key(override, message):
         load_recipe("quickstart", [override])
 
 
+def test_medusa_layout_needs_full_vocabulary_heads():
+    with pytest.raises(DraftsmithError, match="export.formats has medusa, but drafter.draft_vocab"):
+        load_recipe("medusa-smollm2", ["export.formats=[hf,medusa]"])
+    assert load_recipe("medusa-smollm2", ["export.formats=[hf,medusa]", "drafter.draft_vocab=null"])
+
+
 def test_yaml_errors_name_the_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: x\ntrain:\n  steps: 3\n  lr: [1, 2\n")
