@@ -11,8 +11,8 @@ the cache from ``new_context`` and drafts from the last output.
 
 Reduced draft vocabulary (``head_vocab_size``, algorithms.md A10): every head's LM head keeps only the N most
 frequent response tokens (rows copied from the target's LM head), with EAGLE-3's d2t / t2d maps as checkpointed
-buffers. On this CPU a head's full 49k-row LM head costs about a fifth of a target step, so K heads cost almost
-a whole step per block; 8k rows cut that ~6x. ``logits_after`` still returns target-vocabulary logits (-inf
+buffers. On a 2-core CPU a head step with SmolLM2's full 49k-row LM head costs 0.125 of a target step, so four
+heads cost half a step per block; 8,192 rows cut that ~10x (benchmarks/step_costs.py). ``logits_after`` still returns target-vocabulary logits (-inf
 outside the kept rows), so decoders and acceptance rules never see draft ids; training reads the small
 weights and maps labels / teacher ids through t2d (train/objectives.py ``shifted_teachers``).
 """
