@@ -12,9 +12,10 @@ the cache from ``new_context`` and drafts from the last output.
 Reduced draft vocabulary (``head_vocab_size``, algorithms.md A10): every head's LM head keeps only the N most
 frequent response tokens (rows copied from the target's LM head), with EAGLE-3's d2t / t2d maps as checkpointed
 buffers. On a 2-core CPU a head step with SmolLM2's full 49k-row LM head costs 0.125 of a target step, so four
-heads cost half a step per block; 8,192 rows cut that ~10x (benchmarks/step_costs.py). ``logits_after`` still returns target-vocabulary logits (-inf
-outside the kept rows), so decoders and acceptance rules never see draft ids; training reads the small
-weights and maps labels / teacher ids through t2d (train/objectives.py ``shifted_teachers``).
+heads cost half a step per block; 8,192 rows cut that ~10x (benchmarks/step_costs.py). ``logits_after`` still
+returns target-vocabulary logits (-inf outside the kept rows), so decoders and acceptance rules never see draft
+ids; training reads the small weights and maps labels / teacher ids through t2d (train/objectives.py
+``shifted_teachers``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+
+from draftsmith.models.llama import ReducedVocab
 
 
 @dataclass(frozen=True)
@@ -37,23 +40,10 @@ class HeadsConfig:
         return asdict(self)
 
 
-class FeatureHeads(nn.Module):
+class FeatureHeads(ReducedVocab, nn.Module):
+    """Reduced vocabularies reuse the draft LMs' and EAGLE's d2t / t2d machinery (models/llama.py ReducedVocab:
+    subclasses call ``_init_vocab_maps`` when cfg.head_vocab_size is set, builders ``set_head_vocab``)."""
     reads_target_hidden = True
-
-    def _init_vocab_maps(self, n_kept: int | None, vocab_size: int) -> None:
-        """Buffers for a reduced head vocabulary (filled by ``set_head_vocab`` or loaded with the checkpoint):
-        draft id i is target id i + d2t[i]; t2d maps target ids to draft ids or -1. Absent for full heads."""
-        if n_kept is not None:
-            self.register_buffer("d2t", torch.zeros(n_kept, dtype=torch.long))
-            self.register_buffer("t2d", torch.full((vocab_size,), -1, dtype=torch.long))
-
-    @torch.no_grad()
-    def set_head_vocab(self, keep: torch.Tensor) -> None:
-        """keep (n_kept,) sorted target ids of the reduced head vocabulary."""
-        keep = keep.to(self.d2t.device)
-        self.d2t.copy_(keep - torch.arange(len(keep), device=keep.device))
-        self.t2d.fill_(-1)
-        self.t2d[keep] = torch.arange(len(keep), device=keep.device)
 
     @property
     def head_ids(self) -> torch.Tensor | None:

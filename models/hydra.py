@@ -55,7 +55,8 @@ class HydraHeads(FeatureHeads):
             for k in range(cfg.n_heads))
         self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.head_vocab_size or cfg.vocab_size, bias=False)
                                       for _ in range(cfg.n_heads))
-        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
+        if cfg.head_vocab_size:
+            self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         if cfg.prefix is not None:
             self.prefix_cfg = LlamaConfig(**cfg.prefix)
             self.prefix = Block(self.prefix_cfg)

@@ -291,10 +291,11 @@ class ReducedVocab:
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.fill_(-1)
         self.t2d[ids] = torch.arange(len(ids), device=ids.device)
-        self.lm_head.target_ids = ids.clone()
+        if isinstance(getattr(self, "lm_head", None), ReducedHead):  # feature heads have several plain heads
+            self.lm_head.target_ids = ids.clone()
 
     def _sync_head_ids(self) -> None:
-        if isinstance(self.lm_head, ReducedHead):  # non-persistent, so rebuilt from the d2t buffer
+        if isinstance(getattr(self, "lm_head", None), ReducedHead):  # non-persistent, so rebuilt from d2t
             self.lm_head.target_ids = torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def _apply(self, fn, recurse=True):

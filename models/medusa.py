@@ -88,7 +88,8 @@ class MedusaHeads(FeatureHeads):
                                     for _ in range(cfg.n_heads))
         n_out = cfg.head_vocab_size or cfg.vocab_size
         self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, n_out, bias=False) for _ in range(cfg.n_heads))
-        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
+        if cfg.head_vocab_size:
+            self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         self.base = None  # Medusa-2 training: the LoRA-adapted copy of the target (never saved whole)
         self.target_adapter = None  # a loaded Medusa-2 checkpoint: the LoRA tensors to merge into the target
 

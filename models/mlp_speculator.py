@@ -47,7 +47,8 @@ class MLPSpeculator(FeatureHeads):
         self.ln = nn.ModuleList(nn.LayerNorm(inner) for _ in range(K))
         self.head = nn.ModuleList(nn.Linear(inner, cfg.head_vocab_size or cfg.vocab_size, bias=False)
                                   for _ in range(K))
-        self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
+        if cfg.head_vocab_size:
+            self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         self.state_weight = 0.5 ** (0.5 / K)
         self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
 
