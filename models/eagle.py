@@ -242,7 +242,9 @@ def default_aux_layers(n_layers: int) -> tuple[int, ...]:
 def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(),
                 **_) -> Eagle:
     """A fresh EAGLE drafter shaped like one target layer; embeddings (and EAGLE-1's LM head) copied frozen from
-    the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains."""
+    the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains. With
+    ``draft_vocab``, EAGLE-1's frozen head is the target's rows of the kept vocabulary (FR-Spec): a draft step
+    no longer pays for the whole vocabulary."""
     from draftsmith.models.draft_lm import select_vocab
 
     t, version = target.cfg, params.get("version", 3)
@@ -250,9 +252,7 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
     for i in aux:
         if not 0 <= i < t.n_layers:
             raise DraftsmithError(f"drafter.aux_layers: layer {i} is outside the target's {t.n_layers} layers")
-    n_vocab = params.get("draft_vocab") if version == 3 else None
-    if params.get("draft_vocab") and version == 1:
-        raise DraftsmithError("drafter.draft_vocab needs version 3 (EAGLE-1 reuses the target's LM head)")
+    n_vocab = params.get("draft_vocab")
     cfg = EagleConfig(version=version, dim=t.dim, vocab_size=t.vocab_size, n_heads=t.n_heads,
                       n_kv_heads=t.n_kv_heads, hidden_dim=params.get("hidden_dim") or t.hidden_dim,
                       target_layers=t.n_layers, head_dim=t.head_dim, aux_layers=aux, rope_theta=t.rope_theta,
@@ -271,7 +271,7 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
             model.set_head_vocab(keep)
         else:
             model.lm_head.weight.copy_(head)
-    # EAGLE-1 reads tokens through the target's LM head, frozen; EAGLE-3's head is its own.
+    # EAGLE-1 reads tokens through the target's LM head (or a slice of it), frozen; EAGLE-3's head is its own.
     model.lm_head.weight.requires_grad_(version == 3 and not params.get("freeze_lm_head", False))
     return model
 

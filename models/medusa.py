@@ -33,7 +33,7 @@ ADAPTER_FILE = "target_adapter.safetensors"
 
 @dataclass(frozen=True)
 class MedusaConfig(HeadsConfig):
-    lora: dict | None = None  # Medusa-2: {"r", "alpha", "modules"} of the target's LoRA adapters
+    lora: dict | None = None  # Medusa-2: {"r", "alpha", "modules", "lr_ratio"} of the target's LoRA adapters
 
 
 def attach_lora(model: nn.Module, lora: dict) -> nn.Module:
@@ -99,6 +99,16 @@ class MedusaHeads(FeatureHeads):
     def max_draft_len(self) -> int:
         return self.cfg.n_heads
 
+    def param_groups(self) -> list[tuple[list[nn.Parameter], float]]:
+        """(trainable parameters, learning-rate multiplier) groups for the optimizer: Medusa-2's adapters train
+        at ``lr_ratio`` x the heads' rate (A5.3: the heads get 4x the backbone's rate), so the adapted target
+        stays close to the original."""
+        heads = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("base.")]
+        if self.base is None:
+            return [(heads, 1.0)]
+        adapters = [p for p in self.base.parameters() if p.requires_grad]
+        return [(heads, 1.0), (adapters, self.cfg.lora.get("lr_ratio", 1.0))]
+
     def forward(self, h: torch.Tensor | None, ids: torch.Tensor | None = None,
                 select: list[torch.Tensor] | None = None, head_fn=None, base_select: torch.Tensor | None = None):
         """h (..., D) target hidden states -> (K, N, V) logits over the flattened positions; or, with ``head_fn``,
@@ -133,7 +143,8 @@ def build_medusa(params: dict, target, counts: torch.Tensor | None = None, eos_i
     lora = None
     if params.get("lora_r", 0) > 0:
         lora = {"r": params["lora_r"], "alpha": params.get("lora_alpha", 16.0),
-                "modules": list(params.get("lora_modules") or LORA_MODULES)}
+                "modules": list(params.get("lora_modules") or LORA_MODULES), "lr_ratio": params.get("lora_lr_ratio",
+                                                                                                   0.25)}
     keep = head_vocab(params, target, counts, eos_ids)
     heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
                                      n_layers=params.get("n_layers", 1), lora=lora,

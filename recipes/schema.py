@@ -200,6 +200,9 @@ class MedusaDrafterConfig(_HeadsSection):
     """LoRA scale numerator: the update is (lora_alpha / lora_r) B A."""
     lora_modules: list[str] | None = None
     """Target linear layers that get adapters; None = q/k/v/o and gate/up/down projections."""
+    lora_lr_ratio: float = Field(0.25, gt=0)
+    """Medusa-2: the adapters train at train.lr x this (the heads at train.lr). A5.3 gives the heads 4x the
+    backbone's rate; a higher ratio lets the adapted target drift further from the original."""
     heads_coefficient: float = Field(0.2, gt=0)
     """Medusa-2: loss = target loss (self-distillation to the original target) + this x sum_k decay^k head_k."""
 
@@ -242,7 +245,8 @@ class EagleDrafterConfig(Strict):
     aux_layers: list[int] | None = None
     """EAGLE-3: 0-indexed target layers whose outputs are fused; None = [1, L/2-1, L-4]."""
     draft_vocab: int | None = Field(None, gt=1)
-    """EAGLE-3: the draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full."""
+    """The draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full. EAGLE-3 trains
+    those rows; EAGLE-1 keeps them frozen, a slice of the target's head (FR-Spec, algorithms.md A10)."""
     ttt_steps: int | None = Field(None, gt=0, le=16)
     """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
     head_decay: float = Field(0.8, gt=0, le=1)
@@ -264,8 +268,8 @@ class EagleDrafterConfig(Strict):
         if not isinstance(data, dict):
             return data
         v1 = data.get("version", 3) == 1
-        if v1 and (data.get("aux_layers") is not None or data.get("draft_vocab") is not None):
-            raise ValueError("drafter.aux_layers and drafter.draft_vocab need drafter.version=3")
+        if v1 and data.get("aux_layers") is not None:
+            raise ValueError("drafter.aux_layers needs drafter.version=3")
         if not v1 and data.get("feature_loss_weight"):
             raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
         defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,

@@ -61,6 +61,15 @@ def test_eagle3_fuses_the_low_mid_high_layers_and_maps_its_vocabulary(target):
     e1 = build_eagle({"version": 1}, target)
     assert e1.capture_layers == (CFG.n_layers,) and not e1.lm_head.weight.requires_grad
     assert not e1.embed_tokens.weight.requires_grad and e.lm_head.weight.requires_grad
+    # EAGLE-1 with a reduced vocabulary (FR-Spec): a frozen slice of the target's head, same logits on kept ids
+    s1 = build_eagle({"version": 1, "draft_vocab": 10}, target, counts=counts, eos_ids={2})
+    kept = s1.lm_head.target_ids
+    assert not s1.lm_head.weight.requires_grad and len(kept) == 10 and 2 in kept.tolist()
+    torch.testing.assert_close(s1.lm_head.weight, target.lm_head.weight[kept])
+    x = torch.randn(3, CFG.dim, dtype=s1.lm_head.weight.dtype)
+    full, sliced = e1.lm_head(x), s1.lm_head(x)
+    torch.testing.assert_close(sliced[:, kept], full[:, kept])
+    assert torch.isinf(sliced).sum() == 3 * (CFG.vocab_size - 10)
 
 
 @pytest.mark.parametrize("version", [1, 3])
@@ -68,8 +77,7 @@ def test_optimized_eagle_steps_like_the_plain_one(target, version):
     import copy
 
     torch.manual_seed(2)
-    params = {"version": version, **({"draft_vocab": 20} if version == 3 else {})}
-    e = build_eagle(params, target, counts=torch.rand(CFG.vocab_size)).double()
+    e = build_eagle({"version": version, "draft_vocab": 20}, target, counts=torch.rand(CFG.vocab_size)).double()
     fast = copy.deepcopy(e).optimize_for_inference()
     state, ids = torch.randn(1, 5, CFG.dim, dtype=torch.float64), torch.randint(0, CFG.vocab_size, (1, 5))
     c1, c2 = e.new_cache(1, 8), fast.new_cache(1, 8)

@@ -284,7 +284,7 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     from draftsmith.recipes.schema import EagleDrafterConfig
     from draftsmith.train import objectives
 
-    drafter = {"kind": "eagle", "version": version, "ttt_steps": 3, **({"draft_vocab": 120} if version == 3 else {})}
+    drafter = {"kind": "eagle", "version": version, "ttt_steps": 3, "draft_vocab": 120}
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
     spec["drafter"] = drafter
     recipe = tmp_path / f"tiny-eagle{version}.yaml"
@@ -296,8 +296,7 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_step0", "alpha_step2", "tau_estimate"))
     model, info = load_drafter(run / "checkpoints" / "final")
     assert info["kind"] == "eagle" and model.cfg.version == version
-    if version == 3:
-        assert model.cfg.head_vocab_size == 120 and int((model.t2d >= 0).sum()) == 120
+    assert model.cfg.head_vocab_size == 120 and int((model.t2d >= 0).sum()) == 120
     for strategy in ("chain", "dynamic_tree"):
         args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
                 f"out_dir={run}", "target.dtype=float64", f"eval.strategy={strategy}", "-q"]
@@ -353,3 +352,25 @@ def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_p
     load_weights_into(ckpt, fresh)
     with torch.no_grad():
         torch.testing.assert_close(fresh.base(ids), heads.base(ids))
+
+
+def test_medusa2_adapters_train_at_their_own_learning_rate(tiny_model_dir):
+    """The optimizer gives Medusa-2's adapters lr x lora_lr_ratio and its heads lr; the schedule scales both and
+    every trainable parameter is in exactly one group."""
+    from draftsmith.models.hf import load_model
+    from draftsmith.models.registry import build_drafter
+    from draftsmith.recipes.schema import TrainConfig
+    from draftsmith.train.loop import build_optimizer
+
+    tgt = load_model(str(tiny_model_dir), torch.float32).model
+    heads = build_drafter("medusa", {"n_heads": 2, "lora_r": 4, "lora_lr_ratio": 0.1}, tgt)
+    opt, sched = build_optimizer(heads, TrainConfig(lr=2e-3, warmup_steps=0, steps=10, lr_schedule="constant"))
+    by_id = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    trainable = dict((n, p) for n, p in heads.named_parameters() if p.requires_grad)
+    assert len(by_id) == len(trainable) and all(id(p) in by_id for p in trainable.values())
+    assert {n for n, p in trainable.items() if by_id[id(p)] == pytest.approx(2e-4)} == \
+        {n for n in trainable if n.startswith("base.")} != set()
+    assert all(by_id[id(p)] == pytest.approx(2e-3) for n, p in trainable.items() if not n.startswith("base."))
+    medusa1 = build_drafter("medusa", {"n_heads": 2}, tgt)
+    opt1, _ = build_optimizer(medusa1, TrainConfig(lr=2e-3))
+    assert len(opt1.param_groups) == 1

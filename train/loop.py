@@ -30,8 +30,12 @@ log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, tc):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    # A drafter may split its parameters into groups with their own learning-rate multipliers (Medusa-2's
+    # adapters train slower than its heads); the schedule below scales every group alike.
+    groups = model.param_groups() if hasattr(model, "param_groups") else [
+        ([p for p in model.parameters() if p.requires_grad], 1.0)]
+    opt = torch.optim.AdamW([{"params": ps, "lr": tc.lr * mult} for ps, mult in groups if ps],
+                            lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
 
     def lr_at(step: int) -> float:  # linear warmup, then cosine / linear decay to min_lr_ratio, or constant
         if step < tc.warmup_steps:
