@@ -664,18 +664,19 @@ class _EagleOracle:
 def _eagle(version, target, noise, **params):
     from draftsmith.models.eagle import build_eagle
 
-    e = build_eagle({"version": version, **params}, target).double().eval()
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)  # draft_vocab keeps the highest ids (+ EOS 2)
+    e = build_eagle({"version": version, **params}, target, counts=counts, eos_ids={2}).double().eval()
     with torch.no_grad():  # a non-trivial random drafter
         for p in e.parameters():
             p.add_(torch.randn_like(p) * noise)
     return e
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_eagle_is_lossless_chain_static_and_dynamic_trees(target, ar_outputs, version):
+@pytest.mark.parametrize("version,vocab", [(1, None), (3, None), (1, 24), (3, 24)])
+def test_eagle_is_lossless_chain_static_and_dynamic_trees(target, ar_outputs, version, vocab):
     from draftsmith.eval.tree import DynamicTree, tree_from_choices
 
-    eagle = _eagle(version, target, 0.05)
+    eagle = _eagle(version, target, 0.05, draft_vocab=vocab)
     tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     for prompt in PROMPTS:
         want = ar_outputs[tuple(prompt)]
@@ -705,13 +706,14 @@ def test_eagle_features_and_positions_are_aligned(target, ar_outputs):
             assert st.accept_counts[-1] >= st.target_forwards - 1  # full depth each step (the last may clamp)
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_eagle_sampling_keeps_the_target_distribution(version):
-    """EAGLE-1 through the chain (rejection sampling), EAGLE-3 through a dynamic tree (point-mass rule)."""
+@pytest.mark.parametrize("version,vocab", [(1, None), (3, None), (1, 5)])
+def test_eagle_sampling_keeps_the_target_distribution(version, vocab):
+    """EAGLE-1 through the chain (rejection sampling), EAGLE-3 through a dynamic tree (point-mass rule). With a
+    reduced vocabulary (5 of 8 tokens) the 3 missing tokens get q = 0 and must still appear at p's rate."""
     from draftsmith.eval.tree import DynamicTree
 
     tgt = _model(0, CFG8, logit_scale=3.0)
-    eagle = _eagle(version, tgt, 0.3)
+    eagle = _eagle(version, tgt, 0.3, draft_vocab=vocab)
     gen = torch.Generator().manual_seed(0)
     if version == 1:
         def decode(x):
