@@ -212,8 +212,9 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
 
 HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3},
          "hydra++": {"n_heads": 3, "prefix_attention": True}, "medusa-2": {"n_heads": 3, "lora_r": 4},
-         "hydra-vocab": {"n_heads": 3, "draft_vocab": 64}}
-KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra"}  # test name -> drafter.kind
+         "hydra-vocab": {"n_heads": 3, "draft_vocab": 64},
+         "medusa-2-vocab": {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}}
+KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra", "medusa-2-vocab": "medusa"}  # -> drafter.kind
 
 
 @pytest.mark.parametrize("kind", list(HEADS))
@@ -245,7 +246,8 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     drafter, info = load_drafter(run / "checkpoints" / "final")
     assert info["kind"] == KIND.get(kind, kind) and drafter.max_draft_len == 3
     assert (drafter.new_context(4) is not None) == (kind == "hydra++")
-    assert (getattr(drafter, "target_adapter", None) is not None and "top1_target" in rows[-1]) == (kind == "medusa-2")
+    medusa2 = kind.startswith("medusa-2")
+    assert (getattr(drafter, "target_adapter", None) is not None and "top1_target" in rows[-1]) == medusa2
     args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
             f"out_dir={run}", "target.dtype=float64", "-q"]
     assert main(args) == 0
@@ -374,3 +376,24 @@ def test_medusa2_adapters_train_at_their_own_learning_rate(tiny_model_dir):
     medusa1 = build_drafter("medusa", {"n_heads": 2}, tgt)
     opt1, _ = build_optimizer(medusa1, TrainConfig(lr=2e-3))
     assert len(opt1.param_groups) == 1
+
+
+@pytest.mark.parametrize("vocab", [None, 64])
+def test_medusa2_self_distils_the_target_in_its_own_vocabulary(vocab, train_run, tiny_model_dir, prompts_file,
+                                                                tmp_path):
+    """On greedy records, step 1 (adapters still zero, so the adapted target is the original) must agree with
+    every label. Reduced heads once mapped the adapted target's labels into the heads' draft ids too, and the
+    self-distillation then pulled the target away from itself."""
+    import yaml
+
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    out = tmp_path / f"m2-{vocab}"
+    assert main(["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
+                 f"out_dir={out}", "data.temperature=0", "-q"]) == 0
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "medusa", "n_heads": 2, "lora_r": 4, "draft_vocab": vocab}
+    recipe = tmp_path / "tiny-m2.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    rows = _rows(train_run(out.name, "train.steps=1", "train.loss.kind=fkl", recipe=str(recipe)))
+    assert rows[0]["top1_target"] > 0.99, rows[0]

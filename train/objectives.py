@@ -39,8 +39,13 @@ def _spec(cfg) -> losses.LossSpec:
 
 def draft_lm_teacher(batch: dict, cfg, ctx: Context) -> losses.Teacher:
     """Labels and teacher distribution at the trained positions, mapped into the draft's head vocabulary."""
-    model = ctx.unwrapped
-    t2d = getattr(model, "t2d", None)  # (V_target,) draft index or -1, for a reduced draft vocabulary
+    # (V_target,) draft index or -1, for a reduced draft vocabulary
+    return records_teacher(batch, cfg, ctx, getattr(ctx.unwrapped, "t2d", None))
+
+
+def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) -> losses.Teacher:
+    """Labels and teacher distribution at the trained positions, in the vocabulary ``t2d`` maps target ids into
+    (None: the target's own, e.g. for a model with the full LM head)."""
     labels = batch["labels"] if t2d is None else t2d[batch["labels"]]
     teacher = losses.Teacher(labels=labels)
     if cfg.kind == "ce" and "topk_ids" not in batch:
@@ -168,7 +173,8 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     # Medusa-2: L = L_target + heads_coefficient * sum_k decay^k L_k, where L_target keeps the adapted target close
     # to the original (self-distillation: its own records' teacher at every predicted position).
     coef = ctx.params.get("heads_coefficient", 0.2) if joint else 1.0
-    base_teacher = draft_lm_teacher(batch, cfg, ctx) if joint else None
+    # The adapted target keeps the full LM head: its teacher stays in target ids even when the heads are reduced.
+    base_teacher = records_teacher(batch, cfg, ctx, None) if joint else None
 
     def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward); k = -1: the adapted target
         t, weight = (base_teacher, 1.0) if k < 0 else (teachers[k], coef * decay ** k)
