@@ -22,8 +22,8 @@ import sys
 from pathlib import Path
 
 KINDS = ["eagle3", "eagle1", "hydra", "medusa", "medusa2", "mlp-speculator"]
-SETTINGS = {"chain-t0": [], "dyn-t0": ["eval.strategy=dynamic_tree"], "tree-t0": ["eval.strategy=tree"],
-            "chain-t1": ["eval.temperature=1.0"]}
+SETTINGS = {"chain-t0": ["eval.strategy=chain"], "dyn-t0": ["eval.strategy=dynamic_tree"],
+            "tree-t0": ["eval.strategy=tree"], "chain-t1": ["eval.strategy=chain", "eval.temperature=1.0"]}
 PLAN = [("eagle3", "chain-t0"), ("eagle3", "dyn-t0"), ("eagle1", "chain-t0"), ("hydra", "chain-t0"),
         ("medusa", "chain-t0"), ("eagle1", "dyn-t0"), ("eagle3", "chain-t1"), ("hydra", "tree-t0"),
         ("medusa", "tree-t0"), ("eagle1", "chain-t1"), ("hydra", "chain-t1"), ("medusa", "chain-t1"),
