@@ -143,8 +143,8 @@ def build_medusa(params: dict, target, counts: torch.Tensor | None = None, eos_i
     lora = None
     if params.get("lora_r", 0) > 0:
         lora = {"r": params["lora_r"], "alpha": params.get("lora_alpha", 16.0),
-                "modules": list(params.get("lora_modules") or LORA_MODULES), "lr_ratio": params.get("lora_lr_ratio",
-                                                                                                   0.25)}
+                "modules": list(params.get("lora_modules") or LORA_MODULES),
+                "lr_ratio": params.get("lora_lr_ratio", 0.25)}
     keep = head_vocab(params, target, counts, eos_ids)
     heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
                                      n_layers=params.get("n_layers", 1), lora=lora,

@@ -38,8 +38,8 @@ def _spec(cfg) -> losses.LossSpec:
 
 
 def draft_lm_teacher(batch: dict, cfg, ctx: Context) -> losses.Teacher:
-    """Labels and teacher distribution at the trained positions, mapped into the draft's head vocabulary."""
-    # (V_target,) draft index or -1, for a reduced draft vocabulary
+    """Labels and teacher distribution at the trained positions, mapped into the draft's head vocabulary (t2d:
+    (V_target,) draft index or -1, for a reduced draft vocabulary)."""
     return records_teacher(batch, cfg, ctx, getattr(ctx.unwrapped, "t2d", None))
 
 
