@@ -49,10 +49,18 @@ log = logging.getLogger("draftsmith.data")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def data_hash(recipe) -> str:
-    """Everything that changes the records: the target, the seed and the data section (not `enabled`)."""
+def data_hash(recipe, with_n: bool = False) -> str:
+    """Everything that changes the records: the target, the seed and the data section (not `enabled`, not the
+    batch sizes, and not ``prompts.n``).
+
+    ``prompts.n`` stays out because the first n prompts are a prefix of the first n' > n (shuffling happens before
+    the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
+    shard, and each shard's metadata records the prompt span it covers. ``with_n``: the hash as written before
+    spans were recorded, so such shards still resume."""
     d = {"target": recipe.target.model_dump(exclude={"device"}), "seed": recipe.seed,
          "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"})}
+    if not with_n:
+        d["data"]["prompts"].pop("n")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -261,7 +269,7 @@ def generate(recipe) -> Path:
     pc = dc.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
                            max_turns=pc.max_turns)
-    dhash = data_hash(recipe)
+    dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
     starts = range(0, len(prompts), dc.shard_size)
     mine = [si for si in range(len(starts)) if si % world == rank]
@@ -279,7 +287,8 @@ def generate(recipe) -> Path:
     for si in mine:
         path, start = out / shard_name(si), starts[si]
         shard_prompts = prompts[start:start + dc.shard_size]
-        if shard_done(path, dhash):
+        span = f"{start}:{start + len(shard_prompts)}"
+        if shard_done(path, dhash, span, legacy_hash):
             bar.update(len(shard_prompts))
             continue
         stats = Stats()
@@ -287,7 +296,7 @@ def generate(recipe) -> Path:
         bar.update(len(shard_prompts) - len(units) / dc.n_samples)  # unusable prompts are done at once
         records = prod.shard_records(units, stats, on_batch) if units else []
         counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
-        entry = write_shard(path, records, meta, counts)
+        entry = write_shard(path, records, {**meta, "prompt_span": span}, counts)
         runlog.log({"shard": si, "rank": rank, "sequences": entry["n_sequences"], "new_tokens": new_tokens,
                     "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1)})
     bar.close()

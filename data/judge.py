@@ -97,7 +97,7 @@ def mine(recipe) -> Path:
     t0 = time.perf_counter()
     for si, start in enumerate(starts):
         path, shard = out / shard_name(si), tasks[start:start + dc.shard_size]
-        if shard_done(path, dhash):
+        if shard_done(path, dhash, legacy_hash=data_hash(recipe, with_n=True)):
             bar.update(len(shard))
             continue
         records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}

@@ -108,16 +108,23 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
     return entry
 
 
-def shard_done(path: Path, data_hash: str) -> bool:
-    """Whether a shard of this data recipe is already written (resume); a shard of another recipe is an error."""
+def shard_done(path: Path, data_hash: str, span: str | None = None, legacy_hash: str | None = None) -> bool:
+    """Whether a shard of this data recipe is already written (resume); a shard of another recipe is an error.
+
+    span: the prompt range "start:end" the shard must cover. A shard of this recipe over another range (the short
+    last shard of a run with a smaller ``prompts.n``) is not done: it is rewritten. legacy_hash: the recipe's hash
+    as written before spans were recorded; such a shard counts as done as it is."""
     if not path.exists():
         return False
-    if read_shard_meta(path).get("data_hash") != data_hash:
+    meta = read_shard_meta(path)
+    if legacy_hash is not None and meta.get("data_hash") == legacy_hash:
+        return True
+    if meta.get("data_hash") != data_hash:
         from draftsmith.errors import DraftsmithError
 
         raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new out_dir or "
                               f"delete {path.parent}")
-    return True
+    return span is None or meta.get("prompt_span") == span
 
 
 def read_shard_meta(path: Path) -> dict[str, str]:

@@ -439,6 +439,41 @@ def test_resume_after_injected_crash_gives_the_identical_dataset(tmp_path, run_a
     assert clean["shards"] == resumed["shards"] and clean["n_loss_tokens"] == resumed["n_loss_tokens"]
 
 
+def test_raising_prompts_n_keeps_the_complete_shards(tmp_path, run_args, monkeypatch):
+    """Growing a dataset by raising data.prompts.n rewrites only the short last shard and adds the new ones; the
+    result is the dataset a fresh run at that n writes. Lowering n again keeps the shards and lists fewer."""
+    import draftsmith.data.generate as gen
+
+    grow = ("data.shard_size=2", "data.max_new_tokens=4")
+    real, written = gen.write_shard, []
+    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or real(path, *a, **k))
+    assert main(run_args(*grow, "data.prompts.n=3", out="grow")) == 0
+    assert written == ["shard-00000.safetensors", "shard-00001.safetensors"]
+    written.clear()
+    assert main(run_args(*grow, "data.prompts.n=4", out="grow")) == 0
+    assert written == ["shard-00001.safetensors"]  # it covered prompts 2:3, now 2:4; shard 0 is kept as it is
+    assert main(run_args(*grow, "data.prompts.n=4", out="fresh")) == 0
+    data = tmp_path / "grow" / "data"
+    _same(shard_tensors(tmp_path / "fresh" / "data"), shard_tensors(data))
+    assert read_manifest(data)["shards"] == read_manifest(tmp_path / "fresh" / "data")["shards"]
+    written.clear()
+    assert main(run_args(*grow, "data.prompts.n=2", out="grow")) == 0
+    assert written == [] and [e["file"] for e in read_manifest(data)["shards"]] == ["shard-00000.safetensors"]
+
+
+def test_shards_hashed_with_prompts_n_still_resume(tmp_path, run_args, monkeypatch):
+    """Shards written before prompt spans were recorded (their hash includes prompts.n) count as done."""
+    import draftsmith.data.generate as gen
+
+    real_hash, rw, written = gen.data_hash, gen.write_shard, []
+    monkeypatch.setattr(gen, "data_hash", lambda recipe, with_n=False: real_hash(recipe, with_n=True))
+    assert main(run_args("data.shard_size=2", "data.max_new_tokens=4", out="old")) == 0
+    monkeypatch.setattr(gen, "data_hash", real_hash)
+    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or rw(path, *a, **k))
+    assert main(run_args("data.shard_size=2", "data.max_new_tokens=4", out="old")) == 0
+    assert written == []
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
