@@ -264,6 +264,8 @@ def generate(recipe) -> Path:
     if rank == 0:
         for stale in out.glob("*.tmp*"):  # left by a killed run; never read
             stale.unlink()
+        # Written again last: a kill while a dataset grows must not leave the smaller run's manifest looking complete.
+        (out / "manifest.json").unlink(missing_ok=True)
     barrier()
     prod = Producer(recipe, device)
     pc = dc.prompts

@@ -450,6 +450,14 @@ def test_raising_prompts_n_keeps_the_complete_shards(tmp_path, run_args, monkeyp
     assert main(run_args(*grow, "data.prompts.n=3", out="grow")) == 0
     assert written == ["shard-00000.safetensors", "shard-00001.safetensors"]
     written.clear()
+
+    def killed(path, *a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "write_shard", killed)  # a kill while growing: no manifest, not the old one
+    assert main(run_args(*grow, "data.prompts.n=4", out="grow")) == 130
+    assert not (tmp_path / "grow" / "data" / "manifest.json").exists()
+    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or real(path, *a, **k))
     assert main(run_args(*grow, "data.prompts.n=4", out="grow")) == 0
     assert written == ["shard-00001.safetensors"]  # it covered prompts 2:3, now 2:4; shard 0 is kept as it is
     assert main(run_args(*grow, "data.prompts.n=4", out="fresh")) == 0
