@@ -89,7 +89,7 @@ def mine(recipe) -> Path:
         raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
     tasks = load_tasks(jc.tasks, jc.path, jc.n, jc.start)
     eos = stop_ids(tgt.path, tgt.tokenizer)
-    dhash = data_hash(recipe)
+    dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash}
     starts = range(0, len(tasks), dc.shard_size)
     runlog = RunLog(recipe.run_dir, "generate")
@@ -97,7 +97,7 @@ def mine(recipe) -> Path:
     t0 = time.perf_counter()
     for si, start in enumerate(starts):
         path, shard = out / shard_name(si), tasks[start:start + dc.shard_size]
-        if shard_done(path, dhash, legacy_hash=data_hash(recipe, with_n=True)):
+        if shard_done(path, dhash, legacy_hash=legacy_hash):
             bar.update(len(shard))
             continue
         records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}

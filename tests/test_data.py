@@ -439,6 +439,14 @@ def test_resume_after_injected_crash_gives_the_identical_dataset(tmp_path, run_a
     assert clean["shards"] == resumed["shards"] and clean["n_loss_tokens"] == resumed["n_loss_tokens"]
 
 
+def _recording(write_shard, written: list):
+    """write_shard that also appends each shard's file name to ``written``."""
+    def write(path, *a, **k):
+        written.append(path.name)
+        return write_shard(path, *a, **k)
+    return write
+
+
 def test_raising_prompts_n_keeps_the_complete_shards(tmp_path, run_args, monkeypatch):
     """Growing a dataset by raising data.prompts.n rewrites only the short last shard and adds the new ones; the
     result is the dataset a fresh run at that n writes. Lowering n again keeps the shards and lists fewer."""
@@ -446,7 +454,7 @@ def test_raising_prompts_n_keeps_the_complete_shards(tmp_path, run_args, monkeyp
 
     grow = ("data.shard_size=2", "data.max_new_tokens=4")
     real, written = gen.write_shard, []
-    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or real(path, *a, **k))
+    monkeypatch.setattr(gen, "write_shard", _recording(real, written))
     assert main(run_args(*grow, "data.prompts.n=3", out="grow")) == 0
     assert written == ["shard-00000.safetensors", "shard-00001.safetensors"]
     written.clear()
@@ -457,7 +465,7 @@ def test_raising_prompts_n_keeps_the_complete_shards(tmp_path, run_args, monkeyp
     monkeypatch.setattr(gen, "write_shard", killed)  # a kill while growing: no manifest, not the old one
     assert main(run_args(*grow, "data.prompts.n=4", out="grow")) == 130
     assert not (tmp_path / "grow" / "data" / "manifest.json").exists()
-    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or real(path, *a, **k))
+    monkeypatch.setattr(gen, "write_shard", _recording(real, written))
     assert main(run_args(*grow, "data.prompts.n=4", out="grow")) == 0
     assert written == ["shard-00001.safetensors"]  # it covered prompts 2:3, now 2:4; shard 0 is kept as it is
     assert main(run_args(*grow, "data.prompts.n=4", out="fresh")) == 0
@@ -477,7 +485,7 @@ def test_shards_hashed_with_prompts_n_still_resume(tmp_path, run_args, monkeypat
     monkeypatch.setattr(gen, "data_hash", lambda recipe, with_n=False: real_hash(recipe, with_n=True))
     assert main(run_args("data.shard_size=2", "data.max_new_tokens=4", out="old")) == 0
     monkeypatch.setattr(gen, "data_hash", real_hash)
-    monkeypatch.setattr(gen, "write_shard", lambda path, *a, **k: written.append(path.name) or rw(path, *a, **k))
+    monkeypatch.setattr(gen, "write_shard", _recording(rw, written))
     assert main(run_args("data.shard_size=2", "data.max_new_tokens=4", out="old")) == 0
     assert written == []
 
