@@ -8,6 +8,7 @@
 Prints a markdown table of tau, acceptance and speedup vs the own AR decoder; every run stays under runs/kd/.
 
 Usage: python benchmarks/kd_losses.py [--losses ce fkl tvdpp] [--steps 400] [--on-policy 0.5] [--eval-n 16]
+       [--init runs/fdkd-fkl-L8/checkpoints/final --root runs/kd-L8]
 """
 from __future__ import annotations
 
@@ -40,10 +41,12 @@ def main() -> None:
     ap.add_argument("--root", default="runs/kd", help="where the per-loss runs go")
     ap.add_argument("--skip-pretrain", action="store_true", help="reuse runs/fastdraft-pretrain as it is")
     ap.add_argument("--pretrain-steps", type=int, help="override fastdraft-pretrain's train.steps")
+    ap.add_argument("--init", help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's "
+                                   "(e.g. a deeper draft from benchmarks/fixed_data_kd.py); implies --skip-pretrain")
     a = ap.parse_args()
     root = Path(a.root)
     times = {}
-    if not a.skip_pretrain:
+    if not (a.skip_pretrain or a.init):
         steps = [f"train.steps={a.pretrain_steps}"] if a.pretrain_steps else []
         times["pretrain"] = sh("run", "fastdraft-pretrain", *steps, "-q")
     if a.losses:  # the shared target-written records (the on-policy row writes its own)
@@ -59,7 +62,7 @@ def main() -> None:
         out = root / label.replace("+", "-")
         if src is not None and not (out / "data").exists():
             shutil.copytree(src, out / "data")
-        common = [f"out_dir={out}", *extra]
+        common = [f"out_dir={out}", *extra, *([f"drafter.init_from={a.init}"] if a.init else [])]
         if src is None:
             times[f"generate {label}"] = sh("generate", "fastdraft-finetune", *common, "-q")
         times[f"train {label}"] = sh("train", "fastdraft-finetune", *common, f"train.loss.kind={kind}",

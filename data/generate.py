@@ -114,6 +114,11 @@ def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: St
     return units
 
 
+def reads_target(drafter) -> bool:
+    """Heads and EAGLE read the target's states; a standalone draft LM reads tokens only."""
+    return getattr(drafter, "reads_target_hidden", False) or getattr(drafter, "reads_target_features", False)
+
+
 def _writer(dc, seed: int, pi: int, si: int) -> str:
     if dc.responses == "dataset":
         return "dataset"
@@ -176,19 +181,26 @@ class Producer:
             if not 0 <= i < n:
                 raise DraftsmithError(f"data.signals.hidden_layers: layer {i} is outside the target's {n} layers")
         self.capture = Capture(dc.signals.topk, dc.signals.hidden_last, aux)
-        self.drafter = self._drafter(dc.on_policy, "data.on_policy.checkpoint", dtype)
+        self.drafter = self._drafter(dc.on_policy, "data.on_policy.checkpoint", dtype, writer=True)
         self.labeller = self._drafter(dc.specdec_labels, "data.specdec_labels.checkpoint", dtype)
         lc = dc.specdec_labels
         self.label_sampling = Sampling(lc.temperature, lc.top_k, lc.top_p) if lc else None
         self._vllm = None
 
-    def _drafter(self, section, key: str, dtype):
+    def _drafter(self, section, key: str, dtype, writer: bool = False):
+        """The drafter that writes on-policy responses (``writer``) or labels SpecDec++ tokens. A standalone
+        draft LM writes in the batched generator. A drafter that reads the target's states (heads, EAGLE) writes
+        one row at a time through the decoder's write mode, with the target supplying those states."""
         if section is None:
             return None
         model, info = load_drafter(Path(section.checkpoint), dtype=dtype, device=self.device)
-        if info.get("kind") != "draft_lm":
-            raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter; only a "
-                                  f"standalone draft LM can write or label sequences on its own")
+        if info.get("kind") != "draft_lm" and not (writer and reads_target(model)):
+            what = "write sequences" if writer else "label sequences on its own"
+            raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter, which cannot "
+                                  f"{what}")
+        if getattr(model, "target_adapter", None) is not None:
+            raise DraftsmithError(f"{key}: {section.checkpoint} is a Medusa-2 drafter: its heads read the states of "
+                                  f"its adapted target, not of {self.tgt.name!r}")
         if info.get("tokenizer_hash", self.tok_hash) != self.tok_hash or model.cfg.vocab_size != \
                 self.tgt.model.cfg.vocab_size:
             raise DraftsmithError(f"{key}: {section.checkpoint} was trained with a different tokenizer than "
@@ -217,8 +229,16 @@ class Producer:
                                 [u.gen for u in units], self.capture, self.labeller, self.label_sampling)
 
         def drafter(contexts, units, turn):
-            return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
-                                [u.gen for u in units])
+            if not reads_target(self.drafter):
+                return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
+                                    [u.gen for u in units])
+            from draftsmith.eval.decoder import speculative_generate
+
+            s = self.sampling
+            return [Generated(speculative_generate(self.tgt.model, self.drafter, torch.tensor(c), dc.max_new_tokens,
+                                                   temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                                   eos_ids=self.eos, generator=u.gen, write=True)[0])
+                    for c, u in zip(contexts, units)]
 
         def dataset(contexts, units, turn):
             return [Generated(u.layout.responses[turn][:dc.max_new_tokens]) for u in units]

@@ -224,7 +224,8 @@ def _accept(drafts, q, logits, temperature, top_k, top_p, generator):
 def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                          eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
-                         stop_drafting=None, judge=None, on_token=None) -> tuple[list[int], DecodeStats]:
+                         stop_drafting=None, judge=None, on_token=None, write: bool = False,
+                         ) -> tuple[list[int], DecodeStats]:
     """Chain speculative decoding with a Llama-like drafter (``drafter(ids, cache=c) -> logits``, ``new_cache``).
 
     ``stop_drafting(n, logits, hidden) -> bool``: optional hook asked, once the drafter has read its n-th draft,
@@ -233,6 +234,12 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
 
     ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy only: a draft the target
     would not have chosen is still kept when the judge accepts the target's state at it (``judge_accept``).
+
+    ``write``: the drafter *writes* instead of proposing, for drafters that read the target's states (the data
+    stage's on-policy mode; standalone draft LMs write through the batched generator). The first token is the
+    target's; every later one is the drafter's first draft, picked with the given sampling settings and committed
+    unverified. The target runs once per token only to give the drafter the states it reads next. Not lossless,
+    by design: it makes training data, never an eval.
 
     prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens; stats).
     Cache invariant: both caches hold every committed token except the current one ``cur``; the draft cache may
@@ -243,12 +250,17 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     if judge is not None and (temperature > 0 or getattr(drafter, "reads_target_hidden", False)
                               or getattr(drafter, "reads_target_features", False)):
         raise ValueError("judge verification is implemented for greedy decoding with a standalone draft LM")
+    if write and (stop_drafting is not None or judge is not None):
+        raise ValueError("write mode drafts exactly one token per step: no stop hook, no judge")
     if getattr(drafter, "reads_target_hidden", False):
         return _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                                 eos_ids, generator, on_token, stop_drafting)
+                                 eos_ids, generator, on_token, stop_drafting, write)
     if getattr(drafter, "reads_target_features", False):
         return _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k,
-                                    top_p, eos_ids, generator, on_token, stop_drafting)
+                                    top_p, eos_ids, generator, on_token, stop_drafting, write)
+    if write:
+        raise ValueError("write mode is for drafters that read the target's states; a standalone draft LM writes "
+                         "through the batched generator (data/engine.py decode_batch)")
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -300,6 +312,12 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     return out, stats
 
 
+def _written(drafts: torch.Tensor) -> tuple[int, int]:
+    """Write mode's "acceptance": keep none of the verify, and the first draft becomes the next token. Only ``cur``
+    was fed to the target, so its state (which the drafter reads next, with the draft) is all that is committed."""
+    return 0, int(drafts[0])
+
+
 def _with_hidden(target, ids: torch.Tensor, cache, logits_at=None):
     """A cached target forward that also returns its final hidden states after the norm (1, T, D)."""
     L = target.cfg.n_layers
@@ -308,7 +326,7 @@ def _with_hidden(target, ids: torch.Tensor, cache, logits_at=None):
 
 
 def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p, eos_ids,
-                      generator, on_token=None, stop=None) -> tuple[list[int], DecodeStats]:
+                      generator, on_token=None, stop=None, write=False) -> tuple[list[int], DecodeStats]:
     """Chain decoding with a drafter that reads the target's features (Medusa-style heads): each step drafts
     from the target's final hidden state at the position that produced ``cur``, and the verify forward returns
     the hidden state for the next step, so the drafter never runs a model of its own over the sequence."""
@@ -331,15 +349,15 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
     out: list[int] = []
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
-        gamma = min(gamma_max, max_new_tokens - len(out) - 1)
+        gamma = 1 if write else min(gamma_max, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
         drafts, q = drafter.propose(h_cur, cur, gamma, pick, **({"stop": stop} if stop is not None else {}))
         gamma = drafts.numel()
         _sync(prompt.device)
         t1 = time.perf_counter()
         t_len = tcache.length
-        logits, h = _with_hidden(target, torch.cat([cur, drafts]).view(1, -1), tcache)
-        n, nxt = _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
+        logits, h = _with_hidden(target, (cur if write else torch.cat([cur, drafts])).view(1, -1), tcache)
+        n, nxt = _written(drafts) if write else _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
         h_cur = drafter.read_context(h[0, :n + 1], context)[-1]  # at d_n (or cur when n = 0): it gave nxt
         tcache.length = t_len + 1 + n
@@ -506,7 +524,7 @@ def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick, stop=None)
 
 
 def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, temperature, top_k, top_p,
-                         eos_ids, generator, on_token=None, stop=None) -> tuple[list[int], DecodeStats]:
+                         eos_ids, generator, on_token=None, stop=None, write=False) -> tuple[list[int], DecodeStats]:
     """Chain decoding with an EAGLE drafter: every target forward also returns the features the drafter reads
     next step; the drafter re-reads the accepted positions with those real features (``_Drafting``)."""
     stats = DecodeStats(accept_counts=[0] * (draft_len + 1))
@@ -527,15 +545,16 @@ def _feature_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len,
     out: list[int] = []
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
-        gamma = min(draft_len, max_new_tokens - len(out) - 1)
+        gamma = 1 if write else min(draft_len, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
         drafts, q = _draft_chain(run, cur, gamma, pick, stop)
         gamma = drafts.numel()  # the hook may have stopped early
         _sync(prompt.device)
         t1 = time.perf_counter()
         t_len = tcache.length
-        logits, feats = _target_pass(target, drafter, torch.cat([cur, drafts]).view(1, -1), tcache)
-        n, nxt = _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
+        fed = cur if write else torch.cat([cur, drafts])
+        logits, feats = _target_pass(target, drafter, fed.view(1, -1), tcache)
+        n, nxt = _written(drafts) if write else _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
         tcache.length = t_len + 1 + n
         run.commit(drafts[:n], feats[:n + 1])

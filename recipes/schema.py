@@ -67,7 +67,9 @@ class OnPolicyConfig(Strict):
     """DistillSpec on-policy data: a fraction of sequences is written by a drafter and scored by the target."""
 
     checkpoint: str
-    """Drafter checkpoint folder (a standalone draft LM with the target's tokenizer)."""
+    """Drafter checkpoint folder with the target's tokenizer: a standalone draft LM (batched), or heads / EAGLE,
+    which write one row at a time: each token after the first is their first draft from the target's states
+    (Medusa-2 excluded: its heads read its adapted target)."""
     fraction: float = Field(1.0, ge=0.0, le=1.0)
     """Mixing ratio lambda: probability that a (prompt, sample) is drafter-written rather than target-written."""
 

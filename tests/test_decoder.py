@@ -757,3 +757,41 @@ def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outp
         out, st = decode()
         assert out == ar_outputs[tuple(prompt)] and len(seen) >= st.target_forwards - 1  # last step: γ may be 0
         assert seen == sorted(seen) and seen[0] == len(prompt) - 1
+
+
+# ---- write mode: heads and EAGLE write on-policy data (the data stage's data.on_policy) -----------------------------
+
+class _WritingOracleHeads(_AlignedOracleHeads):
+    """Writes the target's greedy continuation one token per step, checking it is handed the state whose LM-head
+    output is ``cur``: write mode reproduces AR iff every step lines up."""
+
+    def propose(self, h, cur, gamma, pick):
+        assert gamma == 1 and int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
+        self.k += 1
+        self.checked += 1
+        return torch.tensor(self.ar[self.k:self.k + 1], dtype=torch.long), None
+
+
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra++", "eagle1", "eagle3"])
+def test_write_mode_lets_feature_drafters_write(target, ar_outputs, kind):
+    eagle = kind.startswith("eagle")
+    drafter = _eagle(int(kind[-1]), target, 0.05) if eagle else _heads(kind, target, 4, 0.05)
+    differs = 0
+    for prompt in PROMPTS:
+        want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
+        oracle = _EagleOracle(target, prompt, want) if eagle else _WritingOracleHeads(target, want)
+        out, st = speculative_generate(target, oracle, x, NEW, write=True)
+        assert out == want and oracle.checked >= len(want) - 2
+        assert st.target_forwards == st.drafted == len(out) - 1 and st.accepted == 0  # one token, one forward
+        # a real drafter writes its own first drafts: deterministic when greedy, seeded when sampling
+        out, _ = speculative_generate(target, drafter, x, NEW, write=True)
+        assert len(out) == NEW and out == speculative_generate(target, drafter, x, NEW, write=True)[0]
+        differs += out != want
+        sampled = [speculative_generate(target, drafter, x, NEW, write=True, temperature=1.0,
+                                        generator=torch.Generator().manual_seed(s))[0] for s in (7, 7, 8)]
+        assert sampled[0] == sampled[1] != sampled[2]
+    assert differs > 0  # the drafter's text, not the target's
+    with pytest.raises(ValueError, match="write mode"):
+        speculative_generate(target, _model(1), torch.tensor(PROMPTS[0]), 4, write=True)
+    with pytest.raises(ValueError, match="write mode"):
+        speculative_generate(target, drafter, torch.tensor(PROMPTS[0]), 4, write=True, stop_drafting=lambda *a: True)

@@ -217,6 +217,23 @@ HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": 
 KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra", "medusa-2-vocab": "medusa"}  # -> drafter.kind
 
 
+def _check_written(data_dir, tgt, drafter):
+    """On-policy records by a drafter that reads the target's states: the drafter-written responses are exactly
+    what the decoder's write mode gives (greedy; tests/test_decoder.py shows that mode writes the drafter's text)."""
+    from draftsmith.data.dataset import RecordDataset
+    from draftsmith.data.records import SOURCES
+    from draftsmith.eval.decoder import speculative_generate
+
+    ds = RecordDataset(data_dir, 10_000)
+    recs = [ds[i] for i in range(len(ds))]
+    written = [r for r in recs if r.source == SOURCES["drafter"]]
+    assert written and len(written) < len(recs)
+    for r in written:
+        start = int(r.loss_mask.nonzero()[0])  # one turn: the context, then the response
+        ctx, resp = r.input_ids[:start], r.input_ids[start:][r.loss_mask[start:]].tolist()
+        assert resp == speculative_generate(tgt, drafter, ctx, len(resp), write=True)[0]
+
+
 @pytest.mark.parametrize("kind", list(HEADS))
 def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(kind, train_run, tiny_model_dir,
                                                                                    prompts_file, tmp_path):
@@ -252,12 +269,17 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
             f"out_dir={run}", "target.dtype=float64", "-q"]
     assert main(args) == 0
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
-    # the same batch, features stored vs computed
+    # the same batch, features stored vs computed, on on-policy records half written by these heads
     stored = tmp_path / "stored"
     gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
            f"out_dir={stored}", "data.signals.hidden_last=true", "-q"]
-    assert main(gen) == 0
+    on_policy = [f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}", "data.on_policy.fraction=0.5"]
     tgt = load_model(str(tiny_model_dir)).model
+    if medusa2:  # its heads read the adapted target's states: it cannot write for the original target
+        assert main(gen + on_policy) == 2 and main(gen) == 0
+    else:
+        assert main(gen + on_policy) == 0
+        _check_written(stored / "data", tgt, drafter)
     facts = {"counts": token_counts(stored / "data", tgt.cfg.vocab_size)} if "draft_vocab" in HEADS[kind] else {}
     heads = build_drafter(KIND.get(kind, kind), HEADS[kind], tgt, **facts)
     if facts:  # a reduced head vocabulary: 64 target rows, and target-vocabulary logits outside them are -inf
@@ -304,12 +326,14 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
                 f"out_dir={run}", "target.dtype=float64", f"eval.strategy={strategy}", "-q"]
         assert main(args) == 0
         assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
-    # the same batch, features stored vs computed by the target in the loop
+    # the same batch, features stored vs computed by the target in the loop, on records half written by this EAGLE
     stored = tmp_path / "stored"
     gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-           f"out_dir={stored}", "data.signals.hidden_last=true", "data.signals.hidden_layers=eagle3", "-q"]
+           f"out_dir={stored}", "data.signals.hidden_last=true", "data.signals.hidden_layers=eagle3",
+           f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}", "data.on_policy.fraction=0.5", "-q"]
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
+    _check_written(stored / "data", tgt, model)
     params = EagleDrafterConfig(**drafter).model_dump(exclude={"kind"})
     eagle = build_drafter("eagle", params, tgt, counts=token_counts(stored / "data", tgt.cfg.vocab_size))
     ds = RecordDataset(stored / "data", 128, signals=objectives.SIGNALS_NEEDED["eagle"])
