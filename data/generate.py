@@ -38,6 +38,7 @@ from draftsmith.data.records import (
     write_shard,
 )
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import reads_target, speculative_generate
 from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
@@ -112,11 +113,6 @@ def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: St
             stats.truncated += 1
         units += [Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si)) for si in range(dc.n_samples)]
     return units
-
-
-def reads_target(drafter) -> bool:
-    """Heads and EAGLE read the target's states; a standalone draft LM reads tokens only."""
-    return getattr(drafter, "reads_target_hidden", False) or getattr(drafter, "reads_target_features", False)
 
 
 def _writer(dc, seed: int, pi: int, si: int) -> str:
@@ -232,8 +228,6 @@ class Producer:
             if not reads_target(self.drafter):
                 return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
                                     [u.gen for u in units])
-            from draftsmith.eval.decoder import speculative_generate
-
             s = self.sampling
             return [Generated(speculative_generate(self.tgt.model, self.drafter, torch.tensor(c), dc.max_new_tokens,
                                                    temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,

@@ -247,8 +247,7 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     """
     if draft_len < 0:
         raise ValueError(f"draft_len must be >= 0, got {draft_len}")
-    if judge is not None and (temperature > 0 or getattr(drafter, "reads_target_hidden", False)
-                              or getattr(drafter, "reads_target_features", False)):
+    if judge is not None and (temperature > 0 or reads_target(drafter)):
         raise ValueError("judge verification is implemented for greedy decoding with a standalone draft LM")
     if write and (stop_drafting is not None or judge is not None):
         raise ValueError("write mode drafts exactly one token per step: no stop hook, no judge")
@@ -312,6 +311,11 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     return out, stats
 
 
+def reads_target(drafter) -> bool:
+    """Heads and EAGLE read the target's states (and decode through their own paths); a draft LM reads tokens."""
+    return getattr(drafter, "reads_target_hidden", False) or getattr(drafter, "reads_target_features", False)
+
+
 def _written(drafts: torch.Tensor) -> tuple[int, int]:
     """Write mode's "acceptance": keep none of the verify, and the first draft becomes the next token. Only ``cur``
     was fed to the target, so its state (which the drafter reads next, with the draft) is all that is committed."""
@@ -359,7 +363,7 @@ def _head_speculative(target, drafter, prompt_ids, max_new_tokens, draft_len, te
         logits, h = _with_hidden(target, (cur if write else torch.cat([cur, drafts])).view(1, -1), tcache)
         n, nxt = _written(drafts) if write else _accept(drafts, q, logits[0], temperature, top_k, top_p, generator)
         t2 = time.perf_counter()
-        h_cur = drafter.read_context(h[0, :n + 1], context)[-1]  # at d_n (or cur when n = 0): it gave nxt
+        h_cur = drafter.read_context(h[0, :n + 1], context)[-1]  # at d_n (or cur when n = 0), just before nxt
         tcache.length = t_len + 1 + n
         cur = drafts.new_tensor([nxt]) if gamma else cur.new_tensor([nxt])
         done = _emit(out, drafts[:n].tolist() + [nxt], eos_ids, max_new_tokens, on_token)

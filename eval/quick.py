@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.eval.decoder import DecodeStats, speculative_generate
+from draftsmith.eval.decoder import DecodeStats, reads_target, speculative_generate
 from draftsmith.models.sampling import process_logits
 
 
@@ -40,9 +40,7 @@ def quick_eval(target, drafter, prompts: list[list[int]], max_new_tokens: int, d
         out, st = speculative_generate(target, drafter, prompt, max_new_tokens, draft_len=draft_len,
                                        temperature=temperature, eos_ids=eos_ids, generator=gen)
         stats.merge(st)
-        feature_drafter = getattr(drafter, "reads_target_hidden", False) or getattr(drafter, "reads_target_features",
-                                                                                    False)
-        if len(out) > 1 and not feature_drafter:  # heads / EAGLE: the loop logs alpha per head or TTT step
+        if len(out) > 1 and not reads_target(drafter):  # heads / EAGLE: the loop logs alpha per head or TTT step
             seq = torch.cat([prompt, torch.tensor(out, device=device)])
             alphas.append(teacher_forced_alpha(target, drafter, seq, len(ids), temperature))
     out = {"tau_measured": stats.tau, "acceptance_rate": stats.acceptance_rate}
