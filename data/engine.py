@@ -3,6 +3,8 @@
 - ``decode_batch``: left-padded batched generation with one KV cache. Teacher signals are captured while the
   target generates (top-k log-probs at each new token, hidden states at every position, SpecDec++ labels from a
   drafter run in lock-step), so the target never runs twice over its own responses.
+- ``write_batch``: on-policy responses written by a drafter that reads the target's states (heads, EAGLE), the
+  batched form of the decoder's write mode.
 - ``score_batch``: one teacher-forced forward over finished sequences (dataset responses, drafter-written or
   vLLM-written responses) giving the same signals.
 
@@ -137,14 +139,20 @@ def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, e
     toks, rows = [], {"topk_ids": [], "topk_logprobs": [], "spec_token": [], "spec_accept": []}
     next_pos = pos[:, -1:] + 1
     for t in range(max_new_tokens):
-        tok = sampling.pick(logits, gens)
+        # Only rows still writing draw from their generators: a finished row's generator must not advance with
+        # its batch-mates' steps, or its next turn (multi-turn sampling) would depend on who shared the batch.
+        live = (~done).nonzero()[:, 0].tolist()
+        live_gens = [gens[b] for b in live]
+        tok = torch.zeros(B, dtype=torch.long, device=dev)
+        tok[live] = sampling.pick(logits[live], live_gens)
         toks.append(tok)
         if capture.topk:
             i, v = _topk_rows(logits, capture.topk)
             rows["topk_ids"].append(i)
             rows["topk_logprobs"].append(v)
         if companion is not None:
-            y, acc = specdec_labels(logits, q_logits, label_sampling or sampling, gens)
+            y, acc = torch.zeros_like(tok), torch.zeros(B, device=dev)
+            y[live], acc[live] = specdec_labels(logits[live], q_logits[live], label_sampling or sampling, live_gens)
             rows["spec_token"].append(y)
             rows["spec_accept"].append(acc)
         done |= torch.isin(tok, eos)
@@ -157,6 +165,71 @@ def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, e
     if layer_ids:  # the last token's hidden state: one more forward, LM head skipped
         step(tok[:, None], next_pos, None, none)
     return _split_rows(contexts, L, torch.stack(toks, 1).cpu(), eos_ids, rows, hidden)
+
+
+@torch.no_grad()
+def write_batch(model: Llama, drafter, contexts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
+                sampling: Sampling, gens: list[torch.Generator]) -> list[Generated]:
+    """On-policy responses written by a drafter that reads the target's states (heads, EAGLE): the decoder's
+    write mode (eval/decoder.py ``speculative_generate(write=True)``) for a left-padded batch, with one target KV
+    cache and one drafter cache.
+
+    The first token is the target's; every later one is the drafter's first draft after the last token. The
+    target only runs one step behind, over the token just written, for the state the drafter reads next: its
+    final hidden state (heads, through Hydra++'s prefix layer when there is one) or the captured feature layers
+    (EAGLE, read in (feature, next token) pairs). Row b draws only from gens[b] and stops drawing at its EOS, so
+    its text does not depend on its batch-mates: it equals the one-row write mode's.
+    """
+    if max_new_tokens <= 0:
+        return [Generated([]) for _ in contexts]
+    dev = model.embed_tokens.weight.device
+    B, L = len(contexts), max(len(c) for c in contexts)
+    ids, valid, pos = _left_pad(contexts, dev)
+    eagle = getattr(drafter, "reads_target_features", False)
+    layer_ids = drafter.capture_layers if eagle else (model.cfg.n_layers,)
+    cache = model.new_cache(B, L + max_new_tokens)
+    dcache = drafter.new_cache(B, L + max_new_tokens) if eagle else drafter.new_context(L + max_new_tokens, B)
+    last = torch.zeros(B, L, dtype=torch.bool, device=dev)
+    last[:, -1] = True  # the target's LM head runs once, for the first token; the drafter writes the rest
+
+    def target(x, p, v, at):
+        logits, cap = model(x, pos=p, cache=cache, valid=v, capture_layers=layer_ids, logits_at=at)
+        return logits, drafter.features(cap, model) if eagle else model.norm(cap[model.cfg.n_layers])
+
+    def draft(states, toks, p, v=None):
+        """The drafter's logits (B, V) for the token after toks[:, -1], from the target's states (B, T, ·) at
+        the T positions before ``toks``: EAGLE reads them as pairs (f_i, x_{i+1}); heads feed them through
+        their context layer and draft from the last one."""
+        if eagle:
+            logits, _ = drafter.step(drafter.project(states), toks, pos=p, cache=dcache, valid=v, last_only=True)
+            return logits[:, -1]
+        ctx = drafter.read_context(states, dcache, pos=p, valid=v)[:, -1]
+        return drafter.logits_after(ctx, [toks[:, -1]])
+
+    logits, states = target(ids, pos, valid, last)
+    cur = sampling.pick(logits, gens)
+    # EAGLE's pair i is (f_i, x_{i+1}): the prompt shifted by one, then the first token
+    q = draft(states, torch.cat([ids[:, 1:], cur[:, None]], 1) if eagle else cur[:, None], pos, valid)
+    eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    no_head = torch.zeros(B, 1, dtype=torch.bool, device=dev)
+    toks, next_pos = [], pos[:, -1:] + 1
+    for t in range(max_new_tokens):
+        toks.append(cur)
+        active &= ~torch.isin(cur, eos)
+        if not active.any() or t == max_new_tokens - 1:
+            break
+        rows = active.nonzero()[:, 0].tolist()
+        nxt = cur.clone()  # finished rows repeat a token nobody keeps; they draw nothing
+        nxt[rows] = sampling.pick(q[rows], [gens[b] for b in rows])
+        _, states = target(cur[:, None], next_pos, None, no_head)  # the state at cur, one step behind
+        q = draft(states, nxt[:, None], next_pos)
+        cur, next_pos = nxt, next_pos + 1
+    out = []
+    for row in torch.stack(toks, 1).tolist():
+        k = next((j + 1 for j, x in enumerate(row) if x in eos_ids), len(row))  # keep EOS, drop what follows
+        out.append(Generated(row[:k]))
+    return out
 
 
 def _split_rows(contexts, L, toks, eos_ids, rows, hidden) -> list[Generated]:

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat import ChatLayout, chat_layout
-from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch
+from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch, write_batch
 from draftsmith.data.prompts import load_prompts
 from draftsmith.data.records import (
     FORMAT,
@@ -38,7 +38,7 @@ from draftsmith.data.records import (
     write_shard,
 )
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.decoder import reads_target, speculative_generate
+from draftsmith.eval.decoder import reads_target
 from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
@@ -186,7 +186,7 @@ class Producer:
     def _drafter(self, section, key: str, dtype, writer: bool = False):
         """The drafter that writes on-policy responses (``writer``) or labels SpecDec++ tokens. A standalone
         draft LM writes in the batched generator. A drafter that reads the target's states (heads, EAGLE) writes
-        one row at a time through the decoder's write mode, with the target supplying those states."""
+        in ``write_batch``, with the target one step behind supplying those states."""
         if section is None:
             return None
         model, info = load_drafter(Path(section.checkpoint), dtype=dtype, device=self.device)
@@ -228,11 +228,8 @@ class Producer:
             if not reads_target(self.drafter):
                 return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
                                     [u.gen for u in units])
-            s = self.sampling
-            return [Generated(speculative_generate(self.tgt.model, self.drafter, torch.tensor(c), dc.max_new_tokens,
-                                                   temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                                   eos_ids=self.eos, generator=u.gen, write=True)[0])
-                    for c, u in zip(contexts, units)]
+            return write_batch(self.tgt.model, self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
+                               [u.gen for u in units])
 
         def dataset(contexts, units, turn):
             return [Generated(u.layout.responses[turn][:dc.max_new_tokens]) for u in units]

@@ -159,14 +159,16 @@ class Eagle(ReducedVocab, nn.Module):
         return KVCache(self.cfg.layer_config(), batch, max_len, p.dtype, p.device)
 
     def step(self, state: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None = None,
-             cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False):
+             cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
+             valid: torch.Tensor | None = None):
         """state (B, T, d), ids (B, T) -> (logits (B, T, V_target), next state (B, T, d)), appending to ``cache``.
-        last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul)."""
+        last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul).
+        valid (B, T): False at left padding (the data stage's batched writer)."""
         T = ids.shape[1]
         pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
-        mask = prepare_cache(cache, T, None, attn_mask) if cache is not None else None
+        mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
         if cache is not None:

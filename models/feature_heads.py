@@ -3,7 +3,8 @@
 Decoder protocol: ``reads_target_hidden = True``; ``max_draft_len``; ``logits_after(h, path)`` = the logits of
 the token after ``path``, where h (D,) is the drafter's context state at the position that produced path[0] (the
 current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain proposal and the tree
-drafting in eval/decoder.py are built on that one method.
+drafting in eval/decoder.py are built on that one method; it also takes a batch of rows (h (B, D)), which the
+data stage's batched writer uses (data/engine.py ``write_batch``).
 
 The context state is the target's final hidden state itself, unless the drafter has a context layer (Hydra++'s
 prefix attention): then the decoder feeds every committed position's hidden state through ``read_context`` with
@@ -64,6 +65,7 @@ class FeatureHeads(ReducedVocab, nn.Module):
         raise NotImplementedError
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+        """h (D,) with path tokens (1,) -> (V,); or a batch: h (B, D) with path tokens (B,) -> (B, V)."""
         raise NotImplementedError
 
     def optimize_for_inference(self) -> FeatureHeads:
@@ -80,12 +82,13 @@ class FeatureHeads(ReducedVocab, nn.Module):
         self.num_params = lambda exclude_embeddings=False: counts[exclude_embeddings]  # shadows the method
         return self.requires_grad_(False)
 
-    def new_context(self, max_len: int):
+    def new_context(self, max_len: int, batch: int = 1):
         """A cache for ``read_context`` (None: the heads read the target's hidden states as they are)."""
         return None
 
-    def read_context(self, hs: torch.Tensor, cache=None) -> torch.Tensor:
-        """Target hidden states of new committed positions (n, D) -> the heads' context states (n, D)."""
+    def read_context(self, hs: torch.Tensor, cache=None, pos=None, valid=None) -> torch.Tensor:
+        """Target hidden states of new committed positions (n, D), or (B, n, D) for a batch (``pos`` / ``valid``
+        (B, n): left-padded rows) -> the heads' context states, same shape."""
         return hs
 
     @torch.no_grad()

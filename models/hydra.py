@@ -68,22 +68,26 @@ class HydraHeads(FeatureHeads):
     def max_draft_len(self) -> int:
         return self.cfg.n_heads
 
-    def new_context(self, max_len: int):
+    def new_context(self, max_len: int, batch: int = 1):
         if self.cfg.prefix is None:
             return None
         p = self.embed.weight  # (the LM heads may be pre-packed, without a weight)
-        return KVCache(self.prefix_cfg, 1, max_len, p.dtype, p.device)
+        return KVCache(self.prefix_cfg, batch, max_len, p.dtype, p.device)
 
-    def read_context(self, hs: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        """(n, D) with a cache (decoding, appended after the committed positions) or (B, T, D) without (training,
-        causal over the whole sequence) -> the prefix layer's outputs, same shape."""
+    def read_context(self, hs: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, D) or (B, n, D) with a cache (decoding, appended after the committed positions; ``pos`` / ``valid``
+        (B, n) for left-padded rows) or (B, T, D) without (training, causal over the whole sequence) -> the prefix
+        layer's outputs, same shape."""
         if self.cfg.prefix is None:
             return hs
         x = hs if hs.dim() == 3 else hs[None]
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0
-        cos, sin = rope_cos_sin(torch.arange(start, start + T, device=x.device).expand(B, T), self.inv_freq, x.dtype)
-        mask = prepare_cache(cache, T, None, None) if cache is not None else None
+        if pos is None:
+            pos = torch.arange(start, start + T, device=x.device).expand(B, T)
+        cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
+        mask = prepare_cache(cache, T, valid, None) if cache is not None else None
         y = self.prefix(x, cos, sin, mask, cache, 0)
         if cache is not None:
             cache.length += T
@@ -121,7 +125,7 @@ class HydraHeads(FeatureHeads):
 
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         k = len(path) - 1
-        x = torch.cat([h, *(self.embed(t).reshape(-1).to(h.dtype) for t in path)])
+        x = torch.cat([h, *(self.embed(t.reshape(h.shape[:-1])).to(h.dtype) for t in path)], -1)
         return self.to_target(self.lm_heads[k](self.blocks[k](x)), self.cfg.vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

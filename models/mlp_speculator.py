@@ -81,7 +81,7 @@ class MLPSpeculator(FeatureHeads):
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         state = h
         for k, tok in enumerate(path):  # stage k reads the token after the k-th state
-            state = self._stage(k, state, tok.reshape(-1)).reshape(-1)
+            state = self._stage(k, state, tok.reshape(state.shape[:-1]))
         return self.to_target(self.head[len(path) - 1](state), self.cfg.vocab_size)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -328,6 +328,23 @@ def test_sampled_tokens_follow_the_processed_distribution(target):
     assert 0.5 * (freq - probs.double()).abs().sum() < 0.1
 
 
+def test_a_rows_sample_does_not_depend_on_its_batch_mates(target):
+    """A row that ends at EOS stops drawing from its generator, so its next draws (the next turn of a sampled
+    multi-turn conversation) are the same whoever shared its batch and however long they ran."""
+    s = Sampling(temperature=1.0)
+    alone = decode_batch(target, [[1, 5, 9]], 24, set(), s, [row_generator("cpu", 0, 0)])[0].tokens
+    eos = {alone[3]}  # the row's 4th token: it stops there
+    for mates in ([], [[2, 7]], [[2, 7], [3, 3, 3, 3, 3]]):
+        gens = [row_generator("cpu", 0, i) for i in range(1 + len(mates))]
+        out = decode_batch(target, [[1, 5, 9], *mates], 24, eos, s, gens)
+        assert out[0].tokens == alone[:alone.index(alone[3]) + 1]
+        assert any(len(g.tokens) > len(out[0].tokens) for g in out[1:]) or not mates
+        state = gens[0].get_state()
+        if not mates:
+            first = state
+        assert torch.equal(state, first)  # the same number of draws as alone
+
+
 # --- fixed data, on-policy, SpecDec++ labels --------------------------------------------------------------------
 
 

@@ -795,3 +795,33 @@ def test_write_mode_lets_feature_drafters_write(target, ar_outputs, kind):
         speculative_generate(target, _model(1), torch.tensor(PROMPTS[0]), 4, write=True)
     with pytest.raises(ValueError, match="write mode"):
         speculative_generate(target, drafter, torch.tensor(PROMPTS[0]), 4, write=True, stop_drafting=lambda *a: True)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++", "eagle1", "eagle3"])
+def test_batched_writer_equals_write_mode_row_by_row(target, kind):
+    """The data stage's batched writer (left-padded rows, one target cache, one drafter cache) writes exactly
+    what the decoder's write mode writes for each row alone: greedy and seeded sampling, with rows ending at EOS
+    at different steps, whatever the batch order."""
+    from draftsmith.data.engine import Sampling, write_batch
+
+    eagle = kind.startswith("eagle")
+    drafter = _eagle(int(kind[-1]), target, 0.05, draft_vocab=24 if kind == "eagle3" else None) if eagle \
+        else _heads(kind, target, 4, 0.05)
+    prompts = PROMPTS + [[7, 7, 1, 2]]
+
+    def row(p, eos, temperature=0.0, seed=0):
+        return speculative_generate(target, drafter, torch.tensor(p), NEW, write=True, eos_ids=eos,
+                                    temperature=temperature, generator=torch.Generator().manual_seed(seed))[0]
+
+    free = [row(p, None) for p in prompts]
+    eos = {free[1][len(free[1]) // 2]}  # a token one row writes mid-way: rows stop at different steps
+    for temperature in (0.0, 1.0):
+        s = Sampling(temperature)
+        want = [row(p, eos, temperature, 11 + b) for b, p in enumerate(prompts)]
+        assert len({len(w) for w in want}) > 1 and any(w[-1] in eos for w in want)
+        got = write_batch(target, drafter, prompts, NEW, eos, s,
+                          [torch.Generator().manual_seed(11 + b) for b in range(len(prompts))])
+        assert [g.tokens for g in got] == want
+        back = write_batch(target, drafter, prompts[::-1], NEW, eos, s,
+                           [torch.Generator().manual_seed(11 + b) for b in reversed(range(len(prompts)))])
+        assert [g.tokens for g in back] == want[::-1]

@@ -219,7 +219,8 @@ KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra", "medus
 
 def _check_written(data_dir, tgt, drafter):
     """On-policy records by a drafter that reads the target's states: the drafter-written responses are exactly
-    what the decoder's write mode gives (greedy; tests/test_decoder.py shows that mode writes the drafter's text)."""
+    what the decoder's write mode gives row by row (greedy; tests/test_decoder.py shows that mode writes the
+    drafter's text, and that the data stage's batched writer equals it)."""
     from draftsmith.data.dataset import RecordDataset
     from draftsmith.data.records import SOURCES
     from draftsmith.eval.decoder import speculative_generate
