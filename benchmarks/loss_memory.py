@@ -1,5 +1,7 @@
 """Peak memory of a KD loss step: naive (full (T, V) logits, autograd end to end) vs train/losses.py head_loss
-(LM head + loss chunked over positions). Each variant runs in a fresh subprocess so peaks do not mix; the
+(LM head + loss chunked over positions), with each chunk's gradient through autograd ("unfused") or from the
+in-place softmax passes of kernels/softmax.py ("chunked", the default: train.loss.fused). Each variant runs in a
+fresh subprocess so peaks do not mix; the
 result is the ratio, plus a check that both give the same loss and gradients.
 
 Usage: python benchmarks/loss_memory.py [--tokens 2048] [--vocab 49152] [--dim 576] [--k 32] [--kind fkl]
@@ -54,7 +56,8 @@ def one(variant: str, a) -> dict:
         else:
             loss = losses.DIVERGENCES[a.kind](*teacher.log_pair(logits)).mean()
     else:
-        loss = losses.head_loss(h, w, teacher, losses.LossSpec(kind=a.kind, chunk=a.chunk))
+        spec = losses.LossSpec(kind=a.kind, chunk=a.chunk, fused=variant == "chunked")
+        loss = losses.head_loss(h, w, teacher, spec)
     loss.backward()
     if dev.startswith("cuda"):
         torch.cuda.synchronize()
@@ -81,7 +84,7 @@ def main() -> None:
         print(json.dumps(one(a.variant, a)))
         return
     res = {}
-    for v in ("naive", "chunked"):
+    for v in ("naive", "unfused", "chunked"):
         cmd = [sys.executable, __file__, "--variant", v] + [f"--{k}={getattr(a, k)}" for k in
                                                             ("tokens", "vocab", "dim", "k", "kind", "chunk", "device")]
         # glibc keeps freed heap memory resident, which would hide later allocations from RSS; a fixed, low
@@ -89,12 +92,14 @@ def main() -> None:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
         res[v] = json.loads(out)
-        print(f"{v:8s} peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
+        print(f"{v:8s}  peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
               f"|grad h| {res[v]['grad_h_norm']:.6f}  |grad W| {res[v]['grad_w_norm']:.6f}")
-    n, c = res["naive"], res["chunked"]
+    n, u, c = res["naive"], res["unfused"], res["chunked"]
     print(f"T={a.tokens} V={a.vocab} D={a.dim} k={a.k} kind={a.kind} chunk={a.chunk} device={a.device}: "
           f"peak memory chunked/naive = {c['peak_mb'] / n['peak_mb']:.3f}, time chunked/naive = "
           f"{c['seconds'] / n['seconds']:.2f}, loss rel diff {abs(c['loss'] - n['loss']) / abs(n['loss']):.1e}")
+    print(f"fused vs unfused chunks: peak memory {c['peak_mb'] / u['peak_mb']:.3f}, time "
+          f"{c['seconds'] / u['seconds']:.2f}, loss rel diff {abs(c['loss'] - u['loss']) / abs(u['loss']):.1e}")
 
 
 if __name__ == "__main__":

@@ -330,6 +330,9 @@ class LossConfig(Strict):
     distribution (more compute and memory, exact divergences)."""
     chunk: int = Field(256, gt=0)
     """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab."""
+    fused: bool = True
+    """CE and stored top-k teachers: take the gradient from a logsumexp pass and one in-place softmax pass over
+    each chunk's logits (Triton kernels on GPU) instead of autograd through log-softmax; false = autograd (A/B)."""
 
 
 class TrainConfig(Strict):

@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("triton")
 
 from draftsmith.kernels.kv import compact_kv, compact_kv_reference  # noqa: E402
+from draftsmith.kernels.softmax import row_logsumexp, softmax_scale_  # noqa: E402
 from draftsmith.kernels.tree import tree_mask, tree_mask_reference  # noqa: E402
 from draftsmith.kernels.verify import verify_greedy, verify_greedy_reference, verify_sampling  # noqa: E402
 
@@ -106,12 +107,36 @@ def test_compact_kv_matches_reference(B, H, S, D, start, keep):
     assert torch.equal(x.cpu(), ref)
 
 
+@pytest.mark.parametrize("N,V", [(1, 7), (3, 1024), (5, 1025), (2, 3001), (0, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_softmax_passes_match_reference(N, V, dtype):
+    """The fused KD-loss passes: logsumexp per row, then z <- coef * softmax(z) in place (train/losses.py)."""
+    g = torch.Generator().manual_seed(N * 7 + V)
+    z = (torch.randn(N, V, generator=g) * 4).to(dtype)
+    coef = torch.randn(N, generator=g)
+    lse = row_logsumexp(z.to(DEV), impl="triton")
+    ref = torch.logsumexp(z.float(), -1)
+    torch.testing.assert_close(lse.cpu(), ref, rtol=1e-5, atol=1e-5)
+    zk = z.clone().to(DEV)
+    softmax_scale_(zk, lse, coef.to(DEV), impl="triton")
+    want = (torch.softmax(z.float(), -1) * coef[:, None]).to(dtype)
+    torch.testing.assert_close(zk.cpu().float(), want.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5,
+                               atol=1e-6)
+    zr = z.clone()
+    softmax_scale_(zr, ref, coef, impl="reference")
+    torch.testing.assert_close(zr.float(), want.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-6)
+
+
 def test_launchers_check_shapes_and_fall_back():
     draft, logits = _greedy_case(2, 3, 11, seed=0, device="cpu")
     with pytest.raises(ValueError, match="expected"):
         verify_greedy(draft, logits[:, :3])
     with pytest.raises(ValueError, match="ascending"):
         compact_kv(torch.zeros(1, 1, 8, 4), 0, torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="unit stride"):
+        row_logsumexp(torch.zeros(4, 6).t())
+    with pytest.raises(ValueError, match="lse and coef"):
+        softmax_scale_(torch.zeros(4, 6), torch.zeros(3), torch.zeros(4))
     n, nxt = verify_greedy(draft, logits)  # auto on CPU = the reference
     assert torch.equal(n, verify_greedy_reference(draft, logits)[0])
 
@@ -122,5 +147,11 @@ def test_kernels_natively_on_cuda():
     n, nxt = verify_greedy(draft, logits)  # auto on CUDA = the Triton kernel
     rn, rnxt = verify_greedy_reference(draft, logits)
     assert torch.equal(n, rn) and torch.equal(nxt, rnxt)
+    z = torch.randn(300, 49152, device="cuda", dtype=torch.bfloat16) * 4  # auto on CUDA = the Triton passes
+    lse = row_logsumexp(z)
+    torch.testing.assert_close(lse, torch.logsumexp(z.float(), -1), rtol=1e-5, atol=1e-4)
+    coef = torch.randn(300, device="cuda")
+    want = torch.softmax(z.float(), -1) * coef[:, None]
+    torch.testing.assert_close(softmax_scale_(z, lse, coef).float(), want, rtol=2e-2, atol=1e-5)
     mask, depth = tree_mask(_parents(60, 0).cuda())
     assert torch.equal(mask.cpu(), tree_mask_reference(_parents(60, 0))[0])

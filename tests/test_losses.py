@@ -160,8 +160,10 @@ def _teachers(t_logits, h_t, w_t, k):
 
 @pytest.mark.parametrize("kind", list(losses.LOSS_KINDS))
 @pytest.mark.parametrize("form", ["topk", "logits", "hidden"])
-def test_head_loss_chunked_equals_unchunked_reference(kind, form):
-    """head_loss over chunks of 1, 7 and all positions = the naive full-logits computation, value and grads."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_head_loss_chunked_equals_unchunked_reference(kind, form, fused):
+    """head_loss over chunks of 1, 7 and all positions = the naive full-logits computation, value and grads, on
+    the fused path (CE and top-k teachers: in-place softmax gradient) and through autograd."""
     torch.manual_seed(0)
     N, D, V = 23, 8, 31
     h = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
@@ -170,7 +172,7 @@ def test_head_loss_chunked_equals_unchunked_reference(kind, form):
     teacher = _teachers(h_t @ w_t.t(), h_t, w_t, 5)[form]
     results = []
     for chunk in (1, 7, N):
-        spec = losses.LossSpec(kind=kind, chunk=chunk, beta=0.4)
+        spec = losses.LossSpec(kind=kind, chunk=chunk, beta=0.4, fused=fused)
         gen = torch.Generator().manual_seed(3)
         h.grad = w.grad = None
         loss = losses.head_loss(h, w, teacher, spec, gen)
@@ -193,6 +195,29 @@ def test_head_loss_chunked_equals_unchunked_reference(kind, form):
                                    rtol=1e-5, atol=1e-6, check_dtype=False)
         torch.testing.assert_close(gh, h.grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(losses.LOSS_KINDS))
+def test_fused_path_equals_autograd_with_ids_outside_the_vocabulary_and_in_bf16(kind):
+    """Teacher ids of -1 (outside a reduced student vocabulary) on the fused path; and a bf16 head, where the
+    fused path never upcasts the chunk: both match autograd through log-softmax."""
+    torch.manual_seed(1)
+    N, D, V, K = 19, 8, 40, 6
+    h, w = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
+    ids, lp = _topk(torch.randn(N, V + 9, dtype=torch.float64) * 2, K)
+    ids = torch.where(ids >= V, -1, ids)  # teacher ids the student lacks
+    teacher = losses.Teacher(labels=torch.randint(0, V, (N,)), topk_ids=ids, topk_logprobs=lp.float())
+    assert (ids < 0).any()
+    for dtype, tol in ((torch.float64, 1e-6), (torch.bfloat16, 3e-2)):
+        out = []
+        for fused in (True, False):
+            hh, ww = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
+            loss = losses.head_loss(hh, ww, teacher, losses.LossSpec(kind=kind, chunk=7, fused=fused),
+                                    torch.Generator().manual_seed(5))
+            loss.backward()
+            out.append((loss.detach().double(), hh.grad.double(), ww.grad.double()))
+        for a, b in zip(*out):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_reduced_vocabulary_teacher_mass_goes_to_the_tail():

@@ -9,7 +9,9 @@ Gradients flow through the student (q) only; p is a constant.
 
 ``head_loss`` computes any of them straight from the student's final hidden states and LM head, chunk by chunk
 over positions, with the gradient of each chunk taken immediately (as Liger's fused linear cross-entropy does):
-peak memory is O(chunk x V) instead of O(N x V) (benchmarks/loss_memory.py).
+peak memory is O(chunk x V) instead of O(N x V) (benchmarks/loss_memory.py). For CE and top-k teachers the
+chunk's gradient skips autograd over (chunk, V) altogether (``_fused_chunk``: two in-place softmax passes, Triton
+kernels on GPU).
 """
 from __future__ import annotations
 
@@ -57,8 +59,13 @@ class Teacher:
 def topk_buckets(logq_all: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor):
     """Project both distributions onto K+1 buckets (top-k ids + tail). Returns (log p, log q), each (N, K+1).
     Teacher ids < 0 (outside a reduced student vocabulary) count as no student mass; their teacher mass stays."""
+    return gathered_buckets(logq_all.gather(-1, topk_ids.clamp_min(0)), topk_ids, topk_logprobs)
+
+
+def gathered_buckets(logq_at_ids: torch.Tensor, topk_ids: torch.Tensor, topk_logprobs: torch.Tensor):
+    """``topk_buckets`` from the student's log-probs at the teacher's ids only (N, K): all the buckets need."""
     inside = topk_ids >= 0
-    logq_k = torch.where(inside, logq_all.gather(-1, topk_ids.clamp_min(0)), NEG)  # (N, K)
+    logq_k = torch.where(inside, logq_at_ids, NEG)  # (N, K)
     # Teacher mass on ids the student cannot produce joins the tail (a finite KL, and alpha is not overstated).
     logp_k = torch.where(inside, topk_logprobs.float(), NEG)
     # The tail is clamped away from 0 (fp16 storage can round it negative).
@@ -156,16 +163,52 @@ class LossSpec:
     kl_scale: float = 1.0
     kl_decay: float = 1.0
     chunk: int = 256
+    fused: bool = True  # CE and stored top-k teachers: the gradient from two in-place softmax passes (below)
 
 
 def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torch.Tensor:
     if spec.kind == "ce":
         return ce(logits, teacher.labels)
-    logp, logq = teacher.log_pair(logits)
+    return _on_support(spec, *teacher.log_pair(logits), sample)
+
+
+def _on_support(spec: LossSpec, logp, logq, sample=None) -> torch.Tensor:
     if spec.kind == "tvdpp":
         x, r_hat = sample
         return tvdpp_sampled(logq, x, r_hat)
     return DIVERGENCES[spec.kind](logp, logq, beta=spec.beta, kl_scale=spec.kl_scale, kl_decay=spec.kl_decay)
+
+
+def _fusable(spec: LossSpec, teacher: Teacher) -> bool:
+    return spec.fused and (spec.kind == "ce" or teacher.topk_ids is not None)
+
+
+def _fused_chunk(spec: LossSpec, logits: torch.Tensor, teacher: Teacher, sample, need_grad: bool):
+    """Loss (sum over the chunk) and, in place of ``logits``, its gradient, for losses that read the student's
+    log-probs at K ids per row only (CE: the label; top-k teachers: the K ids, whose tail bucket is 1 minus their
+    mass). With z the logits, lse their logsumexp and g_k = d loss / d log q(id_k) (autograd on (N, K) only):
+
+        d loss / d z_j = sum_k g_k [j = id_k] - softmax(z)_j * sum_k g_k
+
+    so the (N, V) work is a logsumexp pass and one in-place pass writing -sum_k g_k * softmax(z) over the logits
+    (kernels/softmax.py: Triton on GPU), then a K-column scatter. No log-softmax, no (N, V) gradient, no fp32 copy
+    of a bf16 chunk is ever allocated."""
+    from draftsmith.kernels.softmax import row_logsumexp, softmax_scale_
+
+    ids = teacher.labels[:, None] if spec.kind == "ce" else teacher.topk_ids
+    lse = row_logsumexp(logits)
+    zk = logits.gather(-1, ids.clamp_min(0)).float().requires_grad_(need_grad)
+    with torch.enable_grad():
+        logq_k = zk - lse[:, None]
+        if spec.kind == "ce":
+            loss = -logq_k[:, 0].sum()
+        else:
+            loss = _on_support(spec, *gathered_buckets(logq_k, ids, teacher.topk_logprobs), sample).sum()
+    if need_grad:
+        (gk,) = torch.autograd.grad(loss, zk)  # ids < 0 (outside a reduced vocabulary) get 0: no student mass
+        softmax_scale_(logits, lse, -gk.sum(-1))
+        logits.scatter_add_(-1, ids.clamp_min(0), gk.to(logits.dtype))
+    return loss.detach()
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -183,14 +226,21 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         for s in range(0, h.shape[0], spec.chunk):
             e = min(s + spec.chunk, h.shape[0])
             hc = h[s:e].detach().to(w.dtype)
-            with torch.enable_grad():
-                logits = (hc @ w.t()).requires_grad_(need_h or need_w)
-                sample = None if samples is None else (samples[0][s:e], samples[1][s:e])
-                loss = _per_position(spec, logits, teacher.rows(s, e), sample).sum()
+            sample = None if samples is None else (samples[0][s:e], samples[1][s:e])
+            if _fusable(spec, teacher):
+                logits = hc @ w.t()
+                loss = _fused_chunk(spec, logits, teacher.rows(s, e), sample, need_h or need_w)
+                g = logits  # now holds d loss / d logits
+            else:
+                with torch.enable_grad():
+                    logits = (hc @ w.t()).requires_grad_(need_h or need_w)
+                    loss = _per_position(spec, logits, teacher.rows(s, e), sample).sum()
+                if need_h or need_w:
+                    # Back through the loss to the logits only.
+                    (g,) = torch.autograd.grad(loss, logits)
             if need_h or need_w:
-                # Back through the loss to the logits only; the two head matmuls are done by hand, in place
-                # (a fresh (V, D) gradient per chunk would double the head's memory).
-                (g,) = torch.autograd.grad(loss, logits)
+                # The two head matmuls are done by hand, in place (a fresh (V, D) gradient per chunk would double
+                # the head's memory).
                 if need_h:
                     grad_h[s:e] = (g @ w).to(h.dtype)
                 if need_w:

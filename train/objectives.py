@@ -34,7 +34,7 @@ class Context:
 
 def _spec(cfg) -> losses.LossSpec:
     return losses.LossSpec(kind=cfg.kind, beta=cfg.beta, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
-                           chunk=cfg.chunk)
+                           chunk=cfg.chunk, fused=cfg.fused)
 
 
 def draft_lm_teacher(batch: dict, cfg, ctx: Context) -> losses.Teacher:
