@@ -113,9 +113,6 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     adapted = getattr(drafter, "target_adapter", None) is not None
     if adapted:  # Medusa-2 serves the jointly trained target: decoding is lossless w.r.t. the adapted target
         merge_adapter(tgt.model, drafter.target_adapter, info["config"]["lora"])
-    if getattr(drafter, "reads_target_hidden", False) and ec.strategy == "dynamic_tree":
-        raise DraftsmithError(f"eval.strategy=dynamic_tree is not implemented for {info['kind']} heads yet: use "
-                              f"chain or tree")
     pc, jc, tasks = ec.prompts, ec.judge, None
     if jc is not None and jc.tasks:  # the prompts are the tasks whose accuracy is scored
         tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n, jc.tasks_start)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -404,8 +405,9 @@ class _Drafting:
         self.root_len = self.cache.length
         return logits[-1], None if out is None else out[-1]
 
-    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None):
-        """tokens (n,), states (n, d) or None -> (logits (n, V), states (n, d) or None)."""
+    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None, paths=None):
+        """tokens (n,), states (n, d) or None -> (logits (n, V), states (n, d) or None). ``paths`` (the nodes'
+        tokens from the root down) is for ``_HeadDrafting``; a drafter with a cache reads them from the mask."""
         return self._call(tokens, states, **({} if pos is None else {"pos": pos.view(1, -1)}),
                           **({} if mask is None else {"attn_mask": mask}))
 
@@ -413,6 +415,24 @@ class _Drafting:
         """accepted (n,) drafted tokens kept; feats (n + 1, F): the target's features at cur and at them."""
         self.cache.length = self.root_len
         self.ids, self.feats = accepted, feats
+
+
+class _HeadDrafting:
+    """Feature heads behind ``_Drafting``'s interface, for dynamic trees: no cache to fill; a node's children are
+    head d's logits after the node's path (``logits_after``), all frontier nodes of a level in one batched call."""
+    eagle = False
+
+    def __init__(self, drafter, h: torch.Tensor):
+        self.d, self.h = drafter, h  # h (D,): the context state at the position that produced cur
+        self.cache = SimpleNamespace(length=0)  # written by _draft_dynamic, read by nothing
+
+    def root(self, cur: torch.Tensor):
+        self.cur = cur
+        return self.d.logits_after(self.h, [cur]), None
+
+    def expand(self, tokens, states, pos=None, mask=None, paths=None):
+        n = paths.shape[0]
+        return self.d.logits_after(self.h.expand(n, -1), [self.cur.expand(n), *paths.t()]), None
 
 
 def _target_pass(target, drafter, ids: torch.Tensor, cache, **kw):
@@ -478,6 +498,8 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     anc = torch.eye(n_max, dtype=torch.bool, device=device)  # row n: n and its ancestors (root excluded)
     tok[:k], score[:k] = top.indices, top.values
     state = root_state.expand(n_max, -1).clone() if run.eagle else None  # each node's input: its parent's output
+    path = torch.zeros(n_max, spec.depth, dtype=torch.long, device=device)  # node tokens from the root down
+    path[:k, 0] = top.indices
     frontier = torch.arange(k, device=device)
     fed = frontier[:0]  # node ids in slot order after base
     for d in range(1, spec.depth):
@@ -485,12 +507,15 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
         mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=device), anc[frontier][:, order]], 1)
         run.cache.length = base + fed.numel()
         pos = torch.full((k,), base - 1 + d, device=device)
-        out, out_st = run.expand(tok[frontier], state[frontier] if run.eagle else None, pos, mask[None])  # (k, V)
+        out, out_st = run.expand(tok[frontier], state[frontier] if run.eagle else None, pos, mask[None],
+                                 paths=path[frontier, :d])  # (k, V)
         fed = order
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
         new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
         tok[new], score[new] = ci.flatten(), (score[frontier, None] + cv).flatten()
         par[new], depth[new] = frontier.repeat_interleave(k), d + 1
+        path[new] = path[par[new]]
+        path[new, d] = tok[new]
         anc[new] |= anc[par[new]]
         if run.eagle:
             state[new] = out_st.repeat_interleave(k, 0)
@@ -585,9 +610,6 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
     """
     if getattr(drafter, "reads_target_hidden", False):
-        if isinstance(tree, DynamicTree):
-            raise ValueError("dynamic trees with feature-reading heads are not implemented yet: use "
-                             "eval.strategy=tree (static, Medusa-style) or chain")
         return _head_tree(target, drafter, prompt_ids, max_new_tokens, tree, temperature, top_k, top_p, eos_ids,
                           generator, on_token)
     dynamic = isinstance(tree, DynamicTree)
@@ -636,6 +658,22 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     return out, stats
 
 
+@torch.no_grad()
+def _static_head_tree(drafter, h_cur: torch.Tensor, cur: torch.Tensor, tree: TreeSpec) -> torch.Tensor:
+    """Node tokens (N,) of a static tree drafted by heads: one ``logits_after`` call per distinct parent."""
+    tokens = torch.zeros(len(tree), dtype=torch.long, device=cur.device)
+    child_logits = {}  # parent node (-1 = root) -> logits of its children
+    for i, (par, rank) in enumerate(zip(tree.parents, tree.ranks)):
+        if par not in child_logits:
+            path, n = [], par
+            while n >= 0:
+                path.append(tokens[n:n + 1])
+                n = tree.parents[n]
+            child_logits[par] = drafter.logits_after(h_cur, [cur, *reversed(path)])
+        tokens[i] = torch.topk(child_logits[par], rank + 1).indices[-1]
+    return tokens
+
+
 def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) -> tuple[list[int], int]:
     """Greedy (deepest argmax path) or point-mass sampling verification of a tree -> (accepted path, next)."""
     if temperature <= 0:
@@ -643,12 +681,15 @@ def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) 
     return sample_tree_accept(tokens, parents, process_logits(logits, temperature, top_k, top_p), generator)
 
 
-def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temperature, top_k, top_p, eos_ids,
-               generator, on_token=None) -> tuple[list[int], DecodeStats]:
-    """Static-tree decoding with feature heads (Medusa-style trees): node (r1..rd) is the r_d-th best token of
-    head d-1 after its ancestors' tokens; one target forward under the tree mask verifies all nodes and returns
-    the hidden state of the last accepted node for the next step. No drafter cache at all."""
-    max_depth = max(tree.depths)
+def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec | DynamicTree, temperature, top_k,
+               top_p, eos_ids, generator, on_token=None) -> tuple[list[int], DecodeStats]:
+    """Tree decoding with feature heads. Static (Medusa-style) trees: node (r1..rd) is the r_d-th best token of
+    head d-1 after its ancestors' tokens. Dynamic trees: EAGLE-2's expansion by cumulative draft log-prob
+    (``_draft_dynamic``), head d scoring the children of every depth-d frontier node. One target forward under the
+    tree mask verifies all nodes and returns the hidden state of the last accepted node for the next step. No
+    drafter cache at all (Hydra++'s prefix layer reads only committed positions)."""
+    dynamic = isinstance(tree, DynamicTree)
+    max_depth = tree.depth if dynamic else max(tree.depths)
     if max_depth > drafter.max_draft_len:
         raise ValueError(f"tree depth {max_depth} exceeds the drafter's {drafter.max_draft_len} heads")
     stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
@@ -656,9 +697,11 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
         return [], stats
     prompt = _prepare(target, prompt_ids)
     device = prompt.device
-    parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
-    anc, depths = tree_mask(parents)
-    max_len = prompt.shape[1] + max_new_tokens + len(tree) + max_depth + 2
+    if not dynamic:
+        parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
+        anc, depths = tree_mask(parents)
+    n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)
+    max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache, context = target.new_cache(1, max_len), drafter.new_context(max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
     last[:, -1] = True
@@ -669,17 +712,10 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec, temp
     done = _emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
         t0 = time.perf_counter()
-        tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
-        child_logits = {}  # parent node (-1 = root) -> logits of its children
-        with torch.no_grad():
-            for i, (par, rank) in enumerate(zip(tree.parents, tree.ranks)):
-                if par not in child_logits:
-                    path, n = [], par
-                    while n >= 0:
-                        path.append(tokens[n:n + 1])
-                        n = tree.parents[n]
-                    child_logits[par] = drafter.logits_after(h_cur, [cur, *reversed(path)])
-                tokens[i] = torch.topk(child_logits[par], rank + 1).indices[-1]
+        if dynamic:
+            tokens, parents, anc, depths = _draft_dynamic(_HeadDrafting(drafter, h_cur), cur, tree)
+        else:
+            tokens = _static_head_tree(drafter, h_cur, cur, tree)
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length

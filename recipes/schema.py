@@ -567,8 +567,6 @@ class Recipe(Strict):
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:
             raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
-        if d.kind in ("medusa", "mlp_speculator", "hydra") and self.eval.strategy == "dynamic_tree":
-            raise ValueError(f"eval.strategy=dynamic_tree is not implemented for {d.kind} yet: use chain or tree")
         if d.kind == "medusa" and d.draft_vocab and self.export.enabled and "medusa" in self.export.formats:
             raise ValueError("export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
                              "which the Medusa layout cannot express: drop one of them (hf exports either)")

@@ -458,6 +458,30 @@ class _AlignedOracleHeads:
         return torch.tensor(drafts, dtype=torch.long), None
 
 
+class _TreeOracleHeads(_AlignedOracleHeads):
+    """For dynamic trees: ``logits_after`` checks the hidden state at each step's root and ranks the known greedy
+    continuation first after any path that follows it, batched over frontier nodes as the decoder calls it."""
+
+    def __init__(self, target, ar, depth):
+        super().__init__(target, ar)
+        self.k, self.depth = None, depth
+
+    def logits_after(self, h, path):
+        if h.dim() == 1:  # a step's root: cur is ar[k], just after the last accepted path
+            cur = int(path[0])
+            assert int(self.target.lm_head(h).argmax()) == cur
+            lo = 0 if self.k is None else self.k + 1
+            self.k = lo if self.k is None else max(i for i in range(lo, min(lo + self.depth + 1, len(self.ar)))
+                                                   if self.ar[i] == cur)
+            self.checked += 1
+        rows = torch.stack([t.reshape(-1) for t in path], -1).view(-1, len(path)).tolist()  # (n, depth + 1)
+        logits = torch.zeros(len(rows), self.target.cfg.vocab_size, dtype=h.dtype)
+        nxt = self.k + len(path)
+        for r, row in enumerate(rows):
+            logits[r, self.ar[nxt] if row == self.ar[self.k:nxt] and nxt < len(self.ar) else r % 5] = 10.0
+        return logits[0] if h.dim() == 1 else logits
+
+
 def _heads(kind, target, k, noise):
     from draftsmith.models.registry import build_drafter
 
@@ -485,8 +509,17 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         assert out == ar_outputs[tuple(prompt)] and st.acceptance_rate == 1.0 and oracle.checked > 1
     from draftsmith.eval.tree import DynamicTree, tree_from_choices
 
-    with pytest.raises(ValueError, match="dynamic trees"):
-        tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 2, 4))
+    # EAGLE-2-style dynamic trees, head d scoring the children of depth-d nodes; deeper than the heads is refused
+    for spec in (DynamicTree(2, 2, 4), DynamicTree(3, 4, 10)):
+        for prompt in PROMPTS:
+            out, st = tree_speculative_generate(target, heads, torch.tensor(prompt), NEW, spec)
+            assert out == ar_outputs[tuple(prompt)] and st.drafted == st.target_forwards * spec.total_tokens
+        oracle = _TreeOracleHeads(target, ar_outputs[tuple(PROMPTS[2])], spec.depth)
+        out, st = tree_speculative_generate(target, oracle, torch.tensor(PROMPTS[2]), NEW, spec)
+        assert out == ar_outputs[tuple(PROMPTS[2])] and oracle.checked == st.target_forwards > 1
+        assert st.accepted >= (st.target_forwards - 1) * spec.depth  # the known path is found at full depth
+    with pytest.raises(ValueError, match="exceeds"):
+        tree_speculative_generate(target, heads, torch.tensor(PROMPTS[0]), 4, DynamicTree(2, 5, 4))
     # static Medusa-style trees: top-2 at each of the first two depths, a top-1 spine below
     tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]][:2 + draft_len])
     for prompt in PROMPTS:
