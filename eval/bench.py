@@ -290,15 +290,21 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
 
 def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | None:
     """The eval recipe's draft tree; None for chain decoding. ``max_depth``: the drafter's limit (heads), which
-    caps the default static tree."""
+    caps the default static tree; a tree the recipe makes deeper is refused in one line naming the key."""
     if ec.strategy == "dynamic_tree":
-        return DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens)
-    if ec.strategy == "tree":
+        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens)
+        key, depth = "eval.tree.depth", tree.depth
+    elif ec.strategy == "tree":
         # default: the top-1 chain plus the runner-up sibling at every depth
         depths = range(1, min(ec.draft_len, max_depth or ec.draft_len) + 1)
         default = [[0] * d for d in depths] + [[0] * (d - 1) + [1] for d in depths]
-        return tree_from_choices(ec.tree.choices or default)
-    return None
+        tree = tree_from_choices(ec.tree.choices or default)
+        key, depth = "eval.tree.choices", max(tree.depths)
+    else:
+        return None
+    if max_depth is not None and depth > max_depth:
+        raise DraftsmithError(f"{key}: the tree is {depth} levels deep, but the drafter has only {max_depth} heads")
+    return tree
 
 
 def _strategy(ec, max_depth: int | None = None) -> tuple[dict, int]:

@@ -270,6 +270,11 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
             f"out_dir={run}", "target.dtype=float64", "-q"]
     assert main(args) == 0
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+    dyn = ["eval.strategy=dynamic_tree", "eval.tree.top_k=2", "eval.tree.total_tokens=5", "eval.tree.choices=null"]
+    assert main(args + dyn + ["eval.tree.depth=3"]) == 0  # one level per head
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["kind"] == "dynamic_tree"
+    assert main(args + dyn + ["eval.tree.depth=4"]) == 2  # deeper than the heads: refused in one line
     # the same batch, features stored vs computed, on on-policy records half written by these heads
     stored = tmp_path / "stored"
     gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
