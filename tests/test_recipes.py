@@ -61,6 +61,17 @@ def test_bad_overrides_name_the_key(override, message):
         load_recipe("quickstart", [override])
 
 
+def test_documented_precision_values_survive_yaml(tmp_path):
+    """`no` is a YAML 1.1 boolean: as an override and in a recipe file it still means no mixed precision."""
+    assert load_recipe("quickstart", ["train.precision=no"]).train.precision == "no"
+    assert load_recipe("quickstart", ["train.precision=bf16"]).train.precision == "bf16"
+    p = tmp_path / "r.yaml"
+    p.write_text(dump_recipe(load_recipe("quickstart")).replace("precision: 'no'", "precision: no"))
+    assert "precision: no\n" in p.read_text() and load_recipe(str(p)).train.precision == "no"
+    with pytest.raises(DraftsmithError, match="train.precision"):
+        load_recipe("quickstart", ["train.precision=yes"])
+
+
 def test_medusa_layout_needs_full_vocabulary_heads():
     with pytest.raises(DraftsmithError, match="export.formats has medusa, but drafter.draft_vocab"):
         load_recipe("medusa-smollm2", ["export.formats=[hf,medusa]"])
