@@ -614,7 +614,7 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
                           generator, on_token)
     dynamic = isinstance(tree, DynamicTree)
     max_depth = tree.depth if dynamic else max(tree.depths)
-    n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)  # most nodes a step holds
+    n_nodes = _most_nodes(tree)
     stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -674,6 +674,13 @@ def _static_head_tree(drafter, h_cur: torch.Tensor, cur: torch.Tensor, tree: Tre
     return tokens
 
 
+def _most_nodes(tree: TreeSpec | DynamicTree) -> int:
+    """The most draft nodes one step can hold (KV-cache room): every node a dynamic tree records, or the tree."""
+    if isinstance(tree, DynamicTree):
+        return tree.top_k + (tree.depth - 1) * tree.top_k ** 2
+    return len(tree)
+
+
 def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) -> tuple[list[int], int]:
     """Greedy (deepest argmax path) or point-mass sampling verification of a tree -> (accepted path, next)."""
     if temperature <= 0:
@@ -700,7 +707,7 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec | Dyn
     if not dynamic:
         parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
         anc, depths = tree_mask(parents)
-    n_nodes = tree.top_k + (tree.depth - 1) * tree.top_k ** 2 if dynamic else len(tree)
+    n_nodes = _most_nodes(tree)
     max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache, context = target.new_cache(1, max_len), drafter.new_context(max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
