@@ -236,8 +236,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy only: a draft the target
     would not have chosen is still kept when the judge accepts the target's state at it (``judge_accept``).
 
-    ``write``: the drafter *writes* instead of proposing, for drafters that read the target's states (the data
-    stage's on-policy mode; standalone draft LMs write through the batched generator). The first token is the
+    ``write``: the drafter *writes* instead of proposing, for drafters that read the target's states: the one-row
+    reference of the data stage's on-policy writer (data/engine.py ``write_batch`` batches it and is tested equal
+    to it; standalone draft LMs write through the batched generator). The first token is the
     target's; every later one is the drafter's first draft, picked with the given sampling settings and committed
     unverified. The target runs once per token only to give the drafter the states it reads next. Not lossless,
     by design: it makes training data, never an eval.
