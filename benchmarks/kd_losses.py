@@ -9,6 +9,7 @@ Prints a markdown table of tau, acceptance and speedup vs the own AR decoder; ev
 
 Usage: python benchmarks/kd_losses.py [--losses ce fkl tvdpp] [--steps 400] [--on-policy 0.5] [--eval-n 16]
        [--init runs/fdkd-fkl-L8/checkpoints/final --root runs/kd-L8]
+       [--data runs/fd-big/data --set train.precision=bf16 train.warmup_steps=40]
 """
 from __future__ import annotations
 
@@ -43,15 +44,19 @@ def main() -> None:
     ap.add_argument("--pretrain-steps", type=int, help="override fastdraft-pretrain's train.steps")
     ap.add_argument("--init", help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's "
                                    "(e.g. a deeper draft from benchmarks/fixed_data_kd.py); implies --skip-pretrain")
+    ap.add_argument("--data", help="target-written records to fine-tune on instead of generating "
+                                   "runs/fastdraft-finetune (e.g. a larger set grown with data.prompts.n)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="recipe overrides added to every train and eval (e.g. train.precision=bf16)")
     a = ap.parse_args()
     root = Path(a.root)
     times = {}
     if not (a.skip_pretrain or a.init):
         steps = [f"train.steps={a.pretrain_steps}"] if a.pretrain_steps else []
         times["pretrain"] = sh("run", "fastdraft-pretrain", *steps, "-q")
-    if a.losses:  # the shared target-written records (the on-policy row writes its own)
+    if a.losses and not a.data:  # the shared target-written records (the on-policy row writes its own)
         times["generate"] = sh("generate", "fastdraft-finetune", "-q")
-    data = Path("runs/fastdraft-finetune/data")
+    data = Path(a.data or "runs/fastdraft-finetune/data")
     rows = []
     runs = [(kind, kind, data, []) for kind in a.losses]
     if a.on_policy > 0:
@@ -62,7 +67,7 @@ def main() -> None:
         out = root / label.replace("+", "-")
         if src is not None and not (out / "data").exists():
             shutil.copytree(src, out / "data")
-        common = [f"out_dir={out}", *extra, *([f"drafter.init_from={a.init}"] if a.init else [])]
+        common = [f"out_dir={out}", *extra, *([f"drafter.init_from={a.init}"] if a.init else []), *a.set]
         if src is None:
             times[f"generate {label}"] = sh("generate", "fastdraft-finetune", *common, "-q")
         times[f"train {label}"] = sh("train", "fastdraft-finetune", *common, f"train.loss.kind={kind}",
