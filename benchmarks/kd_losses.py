@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="recipe overrides added to every train and eval (e.g. train.precision=bf16)")
     a = ap.parse_args()
+    if a.data and not (Path(a.data) / "manifest.json").exists():
+        ap.error(f"--data {a.data}: no manifest.json there (a finished `draftsmith generate` data folder)")
     root = Path(a.root)
     times = {}
     if not (a.skip_pretrain or a.init):
