@@ -280,10 +280,14 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
         raise DraftsmithError(f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
                               f"{head.cfg.dim}-wide states; this drafter is a {info.get('kind')} with "
                               f"{drafter.cfg.dim}")
+    if head is not None and sc.state not in (None, head.cfg.state):
+        raise DraftsmithError(f"eval.stop.state={sc.state} but the head {head_path} was trained with "
+                              f"drafter.state={head.cfg.state}")
     prepare = drafter.head_input if info.get("kind") == "eagle" else None  # EAGLE: as in training
     hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare) if head is not None else \
-        EntropyStop(sc.threshold, sc.min_len)
-    desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len,
+        EntropyStop(sc.threshold, sc.min_len, before_feed=sc.state == "before")
+    state = head.cfg.state if head is not None else (sc.state or "after")
+    desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len, "state": state,
             **({"head": str(head_path)} if head is not None else {})}
     return drafter, info, hook, desc
 

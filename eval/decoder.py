@@ -20,7 +20,7 @@ from draftsmith.eval.tree import (
     sample_tree_accept,
 )
 from draftsmith.kernels.tree import tree_mask
-from draftsmith.models.feature_heads import first_stop
+from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.sampling import process_logits
 
 
@@ -183,22 +183,27 @@ def _draft(drafter, dcache, feed: torch.Tensor, gamma: int, temperature, top_k, 
     drafter has read draft n < γ: logits (V,) is its distribution for the next token and hidden (D,) its final
     state at draft n's position (None when the drafter cannot return it); True ends the block with n drafts.
     It is first asked at n = 1, or at n = 0 (the drafter has just read the current token) when the hook's
-    ``min_len`` is 0: stopping there drafts nothing, and the verify is a plain target step.
+    ``min_len`` is 0: stopping there drafts nothing, and the verify is a plain target step. A hook with
+    ``before_feed`` is asked instead right after draft n < γ is picked, with the logits and state that produced it
+    and the draft: ``stop(n, logits, hidden, token)``; stopping there costs no drafter forward.
     """
     drafts, q_rows, fed_last = [], [], False
     with_hidden = stop is not None and hasattr(drafter, "cfg")
-    first = first_stop(stop)
+    after, before = split_stop(stop)
+    first = first_stop(after)
     for i in range(1, gamma + 1):
         out = _run_drafter(drafter, feed.view(1, -1), cache=dcache,
                            **({"capture_layers": (drafter.cfg.n_layers,)} if with_hidden else {}))
         logits, hidden = (out[0][0, -1], drafter.norm(out[1][drafter.cfg.n_layers][0, -1])) if with_hidden \
             else (out[0, -1], None)  # (V,), (D,)
-        if stop is not None and i - 1 >= first and stop(i - 1, logits, hidden):
+        if after is not None and i - 1 >= first and after(i - 1, logits, hidden):
             fed_last = True
             break
         tok, q = _pick(logits, temperature, top_k, top_p, generator)
         drafts.append(tok)
         q_rows.append(q)
+        if before is not None and i < gamma and before(i, logits, hidden, tok):
+            break  # draft i was never fed: the verify decides whether it survives, as at the cap
         feed = tok
     drafts_t = torch.cat(drafts) if drafts else feed.new_empty(0)  # (γ,)
     q_t = torch.stack(q_rows) if drafts and q_rows[0] is not None else None  # (γ, V)
@@ -535,16 +540,20 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
 
 def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick, stop=None):
     """A chain of up to gamma drafts from the runner -> (drafts (γ,), q (γ, V) or None). ``stop(n, logits,
-    state)`` may end it after n >= 1 drafts (see ``_draft``; state is EAGLE's output at draft n)."""
+    state)`` may end it after n >= 1 drafts (see ``_draft``; state is EAGLE's output at draft n, or for a
+    ``before_feed`` hook the output that produced draft n)."""
     logits, state = run.root(cur)
     drafts, qs = [], []
-    first = first_stop(stop)
+    after, before = split_stop(stop)
+    first = first_stop(after)
     for i in range(gamma):
-        if stop is not None and i >= first and stop(i, logits, state):
+        if after is not None and i >= first and after(i, logits, state):
             break
         tok, q = pick(logits)
         drafts.append(tok)
         qs.append(q)
+        if before is not None and i + 1 < gamma and before(i + 1, logits, state, tok):
+            break
         if i + 1 < gamma:  # the last draft is never fed: the verify decides whether it survives
             out, st = run.expand(tok, None if state is None else state[None])
             logits, state = out[-1], None if st is None else st[-1]

@@ -57,6 +57,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         raise DraftsmithError("--min-lens needs --thresholds and values >= 0")
     if 0 in min_lens and (setup.stop_info or {}).get("rule") != "entropy":
         raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy (the SpecDec++ head scores drafted tokens)")
+    if 0 in min_lens and (setup.stop_info or {}).get("state") == "before":
+        raise DraftsmithError("--min-lens 0 needs eval.stop.state=after (a before rule judges a picked draft)")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
     gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)

@@ -12,12 +12,23 @@ for the drafter's sample y (train/objectives.py):
   ``step_tokens``) and the head reads that state through the drafter's ``head_input``, exactly the state the
   chain decoder hands a stop rule after the first draft.
 
+Which state the head reads (``state``):
+- ``after`` (the paper): the state after the drafter has read the draft. To judge draft n the drafter must read
+  it first, so a block the rule ends costs one drafter forward more than a fixed length of the same size.
+- ``before``: the state that *produced* draft n, plus the draft's own log-probability log q(y) and the entropy
+  of q (both from the raw logits). Nothing extra runs when the rule stops. For greedy verification it is also
+  the exact conditional the threshold rule multiplies: draft n matters only when drafts 1..n-1 were accepted,
+  i.e. when the drafter's prefix is the target's own text, which is what the head is trained on (no mixing).
+
 In the decoder, a *stop rule* decides after each draft whether to end the block (eval/decoder.py ``_draft``):
 - ``AcceptanceStop``: keep P = prod of predicted acceptances of this block's drafts; stop once 1 - P > threshold
   (the paper's threshold policy);
 - ``EntropyStop``: training-free baseline (SVIP-style): stop once the draft's next-token entropy exceeds a
-  threshold (nats).
-Both respect ``min_len``; ``eval.draft_len`` stays the cap. Neither changes the output (lossless either way).
+  threshold (nats); ``before``: stop after a draft whose own distribution's entropy exceeded it.
+A rule with ``before_feed`` set is asked right after draft n is picked, with the logits and state that produced
+it and the draft itself: ``stop(n, logits, hidden, token)``; otherwise after the drafter has read draft n:
+``stop(n, logits, hidden)``. Both respect ``min_len``; ``eval.draft_len`` stays the cap. Neither changes the
+output (lossless either way).
 """
 from __future__ import annotations
 
@@ -30,6 +41,18 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.medusa import ResBlock
 
+N_EXTRA = 2  # log q(y) and the entropy of q, appended to the producing state of a ``before`` head
+
+
+def acceptance_features(hidden: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A ``before`` head's input: the state that produced the draft (..., d), its raw logits (..., V) and the draft
+    y (...) -> (..., d + 2) = [state, log q(y), entropy of q] (q = softmax of the raw logits, whatever the decoding
+    temperature, so training and decoding see the same numbers)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    lq = logp.gather(-1, y[..., None].long())
+    ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)  # reduced vocabularies: -inf rows
+    return torch.cat([hidden.float(), lq, ent], -1)
+
 
 @dataclass(frozen=True)
 class AcceptanceConfig:
@@ -37,6 +60,7 @@ class AcceptanceConfig:
     n_layers: int = 3
     draft: str | None = None  # the drafter checkpoint folder the head was trained on
     draft_kind: str = "draft_lm"  # its kind: draft_lm or eagle
+    state: str = "after"  # after: the state after reading the draft (the paper); before: the producing state
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,12 +74,15 @@ class AcceptanceHead(nn.Module):
     def __init__(self, cfg: AcceptanceConfig):
         super().__init__()
         self.cfg = cfg
+        # before: the producing state and two scalars of the draft's own distribution (acceptance_features)
+        self.inp = nn.Linear(cfg.dim + N_EXTRA, cfg.dim) if cfg.state == "before" else None
         self.blocks = nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))  # separate instances
         self.out = nn.Linear(cfg.dim, 1)
         self.draft = None  # training only: the frozen draft LM whose states the head reads
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.out(self.blocks(h)).squeeze(-1)
+        """h (..., d), or (..., d + 2) from ``acceptance_features`` for a ``before`` head -> logit (...)."""
+        return self.out(self.blocks(h if self.inp is None else self.inp(h))).squeeze(-1)
 
     @property
     def signals_needed(self) -> set[str]:
@@ -86,37 +113,43 @@ def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
         raise DraftsmithError(f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target "
                               f"{target.cfg.vocab_size}")
     head = AcceptanceHead(AcceptanceConfig(dim=draft.cfg.dim, n_layers=params.get("n_layers", 3),
-                                           draft=str(path), draft_kind=info["kind"]))
+                                           draft=str(path), draft_kind=info["kind"],
+                                           state=params.get("state", "after")))
     head.draft = draft.float().requires_grad_(False)  # frozen: only the head trains (as in the reference)
     return head
 
 
 class AcceptanceStop:
-    """SpecDec++ threshold rule: stop once P(some draft of this block is rejected) = 1 - prod p_hat > threshold."""
+    """SpecDec++ threshold rule: stop once P(some draft of this block is rejected) = 1 - prod p_hat > threshold.
+    Asked before or after the drafter reads each draft, as the head was trained (its ``state``)."""
 
     def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1, prepare=None):
         self.head, self.threshold, self.min_len = head, threshold, min_len
         self.prepare = prepare  # drafter state -> head input (EAGLE: its head_input, as in training)
+        self.before_feed = head.cfg.state == "before"
         self.p_all = 1.0
 
-    def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
         if hidden is None:
             raise DraftsmithError("the SpecDec++ stop rule needs a drafter that returns its hidden states")
         if n == 1:  # a new block: the verified token's factor is 1
             self.p_all = 1.0
         with torch.no_grad():
             x = self.prepare(hidden) if self.prepare is not None else hidden
+            if self.before_feed:
+                x = acceptance_features(x, logits, token.reshape(()))
             self.p_all *= float(torch.sigmoid(self.head(x.to(self.head.out.weight.dtype))))
         return n >= self.min_len and 1.0 - self.p_all > self.threshold
 
 
 class EntropyStop:
-    """Training-free baseline: stop once the draft's next-token entropy (nats) exceeds the threshold."""
+    """Training-free baseline: stop once the draft's next-token entropy (nats) exceeds the threshold; with
+    ``before_feed``, stop after a draft drawn from a distribution whose entropy exceeded it (no extra forward)."""
 
-    def __init__(self, threshold: float, min_len: int = 1):
-        self.threshold, self.min_len = threshold, min_len
+    def __init__(self, threshold: float, min_len: int = 1, before_feed: bool = False):
+        self.threshold, self.min_len, self.before_feed = threshold, min_len, before_feed
 
-    def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None) -> bool:
+    def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
         logp = torch.log_softmax(logits.float(), -1)
         entropy = float(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum())
         return n >= self.min_len and entropy > self.threshold

@@ -96,18 +96,30 @@ class FeatureHeads(ReducedVocab, nn.Module):
         """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
         draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
         (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n drafts (n >= 1, or n >= 0
-        for a hook with min_len 0)."""
-        path, qs, first = [cur], [], first_stop(stop)
-        for i in range(min(gamma, self.max_draft_len)):
+        for a hook with min_len 0); a ``before_feed`` hook is asked right after draft n: stop(n, logits, None, tok)."""
+        after, before = split_stop(stop)
+        path, qs, first = [cur], [], first_stop(after)
+        n_max = min(gamma, self.max_draft_len)
+        for i in range(n_max):
             logits = self.logits_after(h, path)
-            if stop is not None and i >= first and stop(i, logits, None):
+            if after is not None and i >= first and after(i, logits, None):
                 break
             tok, q = pick(logits)
             path.append(tok)
             qs.append(q)
+            if before is not None and i + 1 < n_max and before(i + 1, logits, None, tok):
+                break
         if len(path) == 1:
             return cur.new_empty(0), None
         return torch.cat(path[1:]), (torch.stack(qs) if qs[0] is not None else None)
+
+
+def split_stop(stop):
+    """A stop hook -> (asked after the drafter reads each draft, asked right after each draft is picked): one of
+    the two is the hook, the other None (models/acceptance.py: hooks with ``before_feed``)."""
+    if stop is not None and getattr(stop, "before_feed", False):
+        return None, stop
+    return stop, None
 
 
 def first_stop(stop) -> int:

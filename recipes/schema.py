@@ -301,8 +301,13 @@ class AcceptanceHeadConfig(Strict):
     drafter (kind eagle): any target-written records; the loop runs the target and makes the labels."""
     n_layers: int = Field(3, ge=0)
     """Residual blocks before the output logit."""
+    state: Literal["after", "before"] = "after"
+    """after (the paper): the head reads the draft's state after it has read the judged token, so a block the rule
+    ends costs one more drafter forward. before: it reads the state that produced the token, plus the token's
+    log q and the entropy of q; stopping costs nothing extra (trained on the target's own text, no mixing)."""
     mixing_ratio: float = Field(0.15, ge=0, lt=1)
-    """Share of response positions that keep the target's token instead of the draft's sample in the input."""
+    """state=after: share of response positions that keep the target's token instead of the draft's sample in
+    the input."""
     weight_mismatch: float = Field(6.0, gt=0)
     """Loss weight of the rejected class (acceptance is the common case)."""
     label_temperature: float = Field(0.0, ge=0)
@@ -431,11 +436,18 @@ class StopConfig(Strict):
     draft nothing and take a plain target step, so a weak drafter costs little where it cannot help."""
     head: str | None = None
     """specdecpp: the acceptance-head checkpoint; None = eval.checkpoint when that is an acceptance head."""
+    state: Literal["after", "before"] | None = None
+    """When the rule judges draft n. after: once the drafter has read it (the next-token distribution; one more
+    drafter forward per block the rule ends). before: right after it is picked, from the distribution and state
+    that produced it (no extra forward). None: the head's own (drafter.state it was trained with) for specdecpp,
+    after for entropy."""
 
     @model_validator(mode="after")
     def _specdecpp_needs_a_draft(self):
         if self.rule == "specdecpp" and self.min_len < 1:  # the head predicts a draft's acceptance after reading it
             raise ValueError("eval.stop.min_len=0 needs rule=entropy (the SpecDec++ head scores drafted tokens)")
+        if self.state == "before" and self.min_len < 1:
+            raise ValueError("eval.stop.min_len=0 needs eval.stop.state=after (a before rule judges a picked draft)")
         return self
 
 

@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, AcceptanceStop, EntropyStop
+from draftsmith.models.acceptance import (
+    AcceptanceConfig,
+    AcceptanceHead,
+    AcceptanceStop,
+    EntropyStop,
+    acceptance_features,
+)
 
 
 def test_stop_rules():
@@ -26,6 +32,32 @@ def test_stop_rules():
     flat, peaked = torch.zeros(8), torch.tensor([9.0] + [0.0] * 7)
     ent = EntropyStop(threshold=1.0)
     assert ent(1, flat, None) is True and ent(1, peaked, None) is False  # ln 8 = 2.08 nats vs ~0.01
+
+
+def test_before_head_reads_the_producing_state_and_the_drafts_own_probability():
+    head = AcceptanceHead(AcceptanceConfig(dim=4, n_layers=1, state="before"))
+    rule = AcceptanceStop(head, threshold=0.5)
+    assert rule.before_feed and not AcceptanceStop(AcceptanceHead(AcceptanceConfig(dim=4)), 0.5).before_feed
+    logits = torch.tensor([2.0, 0.0, float("-inf"), 1.0])  # a reduced vocabulary leaves -inf rows
+    x = acceptance_features(torch.ones(4), logits, torch.tensor(0))
+    logp = torch.log_softmax(logits, -1)
+    ref_ent = -(logp[[0, 1, 3]].exp() * logp[[0, 1, 3]]).sum()
+    torch.testing.assert_close(x, torch.cat([torch.ones(4), logp[:1], ref_ent.view(1)]))
+    with torch.no_grad():  # the logit grows with log q(y) only: a confident draft is predicted accepted
+        head.inp.weight.zero_()
+        head.inp.bias.zero_()
+        head.inp.weight[0, 4] = 1.0
+        for b in head.blocks:  # identity blocks
+            b.linear.weight.zero_()
+            b.linear.bias.zero_()
+        head.out.weight.zero_()
+        head.out.weight[0, 0] = 10.0
+        head.out.bias.fill_(5.0)
+    sure, unsure = torch.tensor([9.0, 0.0, 0.0, 0.0]), torch.zeros(4)
+    assert rule(1, sure, torch.zeros(4), torch.tensor(0)) is False
+    assert rule(1, unsure, torch.zeros(4), torch.tensor(0)) is True  # log q = -1.39: p_hat = sigmoid(-8.9)
+    ent = EntropyStop(threshold=1.0, before_feed=True)
+    assert ent.before_feed and ent(1, unsure, None, torch.tensor(0)) is True and ent(1, sure, None, 0) is False
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +101,57 @@ def test_acceptance_objective_is_weighted_soft_bce(specdec_run, tiny_model_dir):
     torch.testing.assert_close(out.loss_sum.detach(), ref, rtol=1e-4, atol=1e-4)
     out.loss_sum.backward()
     assert head.out.weight.grad is not None
+
+
+def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_model_dir, tmp_path):
+    """A ``before`` head: the objective reads the draft's state *producing* each labelled token on the target's own
+    text (every label counts, no mixing) plus log q(y) and the entropy; it trains from the CLI, decodes its draft
+    losslessly with the rule asked before feeding, and an eval.stop.state that contradicts the head is refused."""
+    import yaml
+
+    from draftsmith.data.dataset import RecordDataset, collate
+    from draftsmith.models.hf import load_model
+    from draftsmith.models.registry import build_drafter
+    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.schema import LossConfig
+    from draftsmith.train.objectives import Context, acceptance_objective
+
+    root, draft, common = specdec_run
+    tgt = load_model(str(tiny_model_dir)).model
+    head = build_drafter("acceptance_head", {"draft": str(draft), "n_layers": 1, "state": "before"}, tgt)
+    batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
+    out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(
+        unwrapped=head, params={"weight_mismatch": 6.0}, generator=torch.Generator()))
+    s, y = batch["spec_accept"].float(), batch["spec_token"].long()
+    assert out.n == len(s)
+    pm = batch["predict_mask"]
+    with torch.no_grad():  # reference, row by row: the state at t drafts the response token at t + 1
+        xs = []
+        for b in range(len(pm)):
+            h = head.draft(batch["input_ids"][b:b + 1], return_hidden=True)[0]
+            t = pm[b, :-1].nonzero()[:, 0]
+            xs.append((h[t], head.draft.lm_head(h[t])))
+        h = torch.cat([a for a, _ in xs])
+        a = torch.sigmoid(head(acceptance_features(h, torch.cat([q for _, q in xs]), y)))
+    ref = -(6 * (1 - s) * torch.log1p(-a) + s * torch.log(a)).sum()
+    torch.testing.assert_close(out.loss_sum.detach(), ref, rtol=1e-4, atol=1e-4)
+
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "acceptance_head", "draft": str(draft), "n_layers": 1, "state": "before"}
+    recipe = tmp_path / "tiny-before.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "before"
+    import shutil
+
+    shutil.copytree(root / "head" / "data", run / "data")
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", *common]) == 0
+    cfg = json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]
+    assert cfg["state"] == "before"
+    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
+                 *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"
+    assert main(["eval", str(recipe), f"out_dir={run}", "eval.stop.state=after", *common]) == 2
 
 
 def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_path):
@@ -161,3 +244,12 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
                                               *[c for c in common if c != "-q"]]), [0.2, 0.9], [1, 3])
     assert r["lossless_mismatches"] == 0
     assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.9"]["drafted_per_step"]
+    # a ``before`` head on the same EAGLE drafter: the state that drafted y, no second TTT step; lossless
+    spec["drafter"]["state"] = "before"
+    recipe.write_text(yaml.safe_dump(spec))
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=2", "train.resume=false", *common]) == 0
+    assert json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]["state"] == "before"
+    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
+                 *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"

@@ -553,6 +553,65 @@ def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_o
     assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
 
 
+class _BeforeHook:
+    """A ``before_feed`` stop hook: asked right after each draft is picked, with the logits and state that produced
+    it; stops after ``at`` drafts."""
+    before_feed = True
+
+    def __init__(self, at):
+        self.at, self.asked = at, []
+
+    def __call__(self, n, logits, hidden, token):
+        self.asked.append((n, int(logits.argmax()), int(token), None if hidden is None else hidden.shape))
+        return n >= self.at
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "mlp_speculator", "hydra++", "eagle3"])
+def test_before_feed_stop_costs_no_extra_drafter_forward(target, ar_outputs, kind):
+    """A rule that judges draft n from the state that produced it (models/acceptance.py ``state: before``) is
+    asked right after each pick, stays lossless, and a block it ends after n drafts costs exactly what a fixed
+    draft length n costs: the same drafter forwards (counted at the LM head), drafts and target forwards. The
+    after-feed rule pays one drafter forward more for the same block."""
+    from draftsmith.models.acceptance import EntropyStop
+
+    drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
+        kind, lambda: _heads(kind, target, 4, 0.05))()
+    calls = []
+    lm_head = drafter.lm_head if hasattr(drafter, "lm_head") and isinstance(drafter.lm_head, torch.nn.Module) else None
+    handle = lm_head.register_forward_hook(lambda *a: calls.append(1)) if lm_head is not None else None
+    prompt = torch.tensor(PROMPTS[2])
+
+    def run(**kw):
+        calls.clear()
+        out, st = speculative_generate(target, drafter, prompt, NEW, draft_len=4, **kw)
+        assert out == ar_outputs[tuple(PROMPTS[2])]
+        _check_tau_consistency(st)
+        return st, len(calls)
+
+    for at in (1, 2):
+        hook = _BeforeHook(at)
+        st, fwd = run(stop_drafting=hook)
+        ref = speculative_generate(target, drafter, prompt, NEW, draft_len=at)[1]
+        assert (st.drafted, st.accepted, st.target_forwards) == (ref.drafted, ref.accepted, ref.target_forwards)
+        assert {n for n, *_ in hook.asked} <= set(range(1, at + 1))
+        assert all(arg == tok for _, arg, tok, _ in hook.asked)  # greedy: the draft is its producer's argmax
+        if kind in ("draft_lm", "eagle3"):
+            assert all(shape == (drafter.cfg.dim,) for *_, shape in hook.asked)  # the producing state
+            calls.clear()
+            speculative_generate(target, drafter, prompt, NEW, draft_len=at)
+            assert fwd == len(calls)  # no drafter forward beyond the fixed length's
+            _, fwd_after = run(stop_drafting=lambda n, lg, h, at=at: n >= at)
+            assert fwd_after > fwd
+    # the entropy rule judged before feeding: lossless, and it shortens blocks
+    fixed, _ = run()
+    st, _ = run(stop_drafting=EntropyStop(threshold=1e-9, before_feed=True))
+    one = speculative_generate(target, drafter, prompt, NEW, draft_len=1)[1]
+    assert (st.drafted, st.target_forwards) == (one.drafted, one.target_forwards)  # every block ends at draft 1
+    assert st.drafted < fixed.drafted
+    if handle is not None:
+        handle.remove()
+
+
 class _SkipHook:
     """A min_len-0 stop hook: asked before the first draft too; skips (no drafts) on a coin flip, else stops
     after two drafts."""

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.acceptance import N_EXTRA, acceptance_features
 from draftsmith.train import losses
 
 
@@ -248,10 +249,13 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     """SpecDec++ acceptance head (algorithms.md A7): the frozen draft reads Z, the response with each token
     replaced by the draft's own sample y with probability 1 - mixing_ratio; at every replaced position the head
     predicts the acceptance of y from the draft's state there. Weighted soft-label BCE on s = min(1, p(y)/q(y)):
-    w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class."""
+    w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class.
+
+    A ``before`` head (models/acceptance.py) reads instead the state that produced y, on the target's own text
+    (no mixing), with log q(y) and the entropy of q: every labelled token is a training example."""
     head, p = ctx.unwrapped, ctx.params
     if head.cfg.draft_kind == "eagle":
-        x, s = eagle_acceptance_inputs(head.draft, batch, ctx)
+        x, s = eagle_acceptance_inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
         logit = model(x)
     else:
         if "spec_accept" not in batch:
@@ -261,6 +265,15 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         y, s = batch["spec_token"].long(), batch["spec_accept"].float()
         label_pos = torch.zeros_like(pm)
         label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
+    if head.cfg.draft_kind != "eagle" and head.cfg.state == "before":
+        producer = torch.zeros_like(pm)
+        producer[:, :-1] = label_pos[:, 1:]  # the position whose logits drafted each labelled token, same order
+        with torch.no_grad():
+            h = head.draft(ids, return_hidden=True)[producer]  # (N, D): the frozen draft on the target's text
+            x = torch.cat([acceptance_features(h[a:a + 512], head.draft.lm_head(h[a:a + 512]), y[a:a + 512])
+                           for a in range(0, len(h), 512)]) if len(h) else h.new_zeros(0, h.shape[-1] + N_EXTRA)
+        logit = model(x)
+    elif head.cfg.draft_kind != "eagle":
         swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= p.get("mixing_ratio", 0.15)
         z = ids.clone()
         z[label_pos] = torch.where(swap, y, ids[label_pos])
@@ -279,14 +292,15 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
 
 @torch.no_grad()
-def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512):
+def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, before: bool = False):
     """SpecDec++ labels for an EAGLE drafter, made in the loop -> (head inputs (N, d), s (N,)).
 
     At every position t whose next two tokens are response tokens, the drafter (teacher-forced on the target's
     features: TTT step 0) drafts y for x_{t+2} from q; the target's distribution there is p at t+1; the label is
     s = min(1, p(y)/q(y)) under ``label_temperature`` (0: y = argmax q and s = [y == argmax p]). The head input is
     the drafter's state after it reads its own y (a TTT step with y as the token), through its ``head_input``:
-    the state the chain decoder hands a stop rule after the first draft of a block."""
+    the state the chain decoder hands a stop rule after the first draft of a block. ``before``: the state that
+    drafted y instead, with log q(y) and the entropy of q (``acceptance_features``): no second TTT step."""
     from draftsmith.data.engine import Sampling, specdec_labels
 
     if ctx.target is None:
@@ -300,13 +314,18 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512):
     first = eagle.head_input(eagle(feats, ids, steps=1)[0][sel])  # (N, d): drafts x_{t+2}
     h_next = h[:, 1:][sel[:, :T - 1]]  # (N, D): the target's states at t+1
     sampling = Sampling(temperature=ctx.params.get("label_temperature", 0.0))
-    ys, ss = [], []
+    ys, ss, xs = [], [], []
     for a in range(0, len(first), chunk):  # (n, V) logits for a chunk of rows at a time
         q = eagle.lm_head(first[a:a + chunk])
         y, s = specdec_labels(ctx.target.lm_head(h_next[a:a + chunk]).float(), q.float(), sampling,
                               [ctx.generator] * len(q))
         ys.append(y)
         ss.append(s)
+        if before:
+            xs.append(acceptance_features(first[a:a + chunk], q, y))
+    if before:
+        s_all = torch.cat(ss) if ss else first.new_zeros(0)
+        return (torch.cat(xs) if xs else first.new_zeros(0, first.shape[-1] + N_EXTRA)).float(), s_all.float()
     y_at = torch.zeros_like(ids)
     y_at[sel] = torch.cat(ys) if ys else y_at[sel]
     second = eagle(feats, ids, steps=2, step_tokens={1: y_at})[1][sel]  # after reading its own draft
