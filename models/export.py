@@ -67,8 +67,9 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
     run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
-    if (run_dir / "recipe.yaml").is_file():
-        shutil.copy2(run_dir / "recipe.yaml", tmp / "recipe.yaml")
+    trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
+    if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
+        shutil.copy2(trained_by, tmp / "recipe.yaml")
     report = run_dir / "eval" / "report.json"
     (tmp / "README.md").write_text(model_card(info, fmt, json.loads(report.read_text()) if report.is_file() else None))
     shutil.rmtree(out, ignore_errors=True)

@@ -61,9 +61,12 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
-def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extra=None) -> Path:
+def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extra=None,
+                 recipe_yaml: str | None = None) -> Path:
     """Write atomically: a half-written checkpoint never sits under the final name. ``extra(folder)`` may add
-    files (the training state) before the folder is renamed into place."""
+    files (the training state) before the folder is renamed into place. ``recipe_yaml``: the resolved recipe that
+    trained it, kept with the weights as ``recipe.yaml`` (the run folder's copy is rewritten by every later
+    command on that folder, e.g. an eval with other overrides)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -73,6 +76,8 @@ def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extr
         save_file(adapter_state(model.base), str(tmp / ADAPTER_FILE))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
+    if recipe_yaml is not None:
+        (tmp / "recipe.yaml").write_text(recipe_yaml)
     if extra is not None:
         extra(tmp)
     if path.exists():

@@ -42,7 +42,14 @@ def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
     assert stages == {"generate", "train", "eval"}
     assert "name: tiny" in (run / "recipe.yaml").read_text()
     assert (run / "export" / "hf" / "README.md").is_file()  # `run` ends with the recipe's export section
+    # the checkpoint keeps the recipe that trained it; a later command rewrites only the run folder's copy
+    trained_by = (run / "checkpoints" / "final" / "recipe.yaml").read_text()
+    assert trained_by == (run / "recipe.yaml").read_text()
+    assert main(["eval", "tiny", *tiny_overrides, "target.dtype=float64", "train.steps=999", "-q"]) == 0
+    assert "steps: 999" in (run / "recipe.yaml").read_text()
+    assert (run / "checkpoints" / "final" / "recipe.yaml").read_text() == trained_by
     assert main(["export", "tiny", *tiny_overrides, "-q"]) == 0
+    assert (run / "export" / "hf" / "recipe.yaml").read_text() == trained_by  # exports ship the training recipe
     assert main(["export", "tiny", *tiny_overrides, "--format", "vllm", "-q"]) == 0
     card = (run / "export" / "hf" / "README.md").read_text()
     assert f"| file × 3 | kind=chain draft_len=3 | {report['tau']:.2f} |" in card  # the card's eval table

@@ -21,6 +21,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.quick import tau_from_alpha
 from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
+from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
@@ -178,6 +179,7 @@ def train(recipe) -> Path:
               f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
               + (f", resuming at step {step} from {resume_from}" if resume_from is not None else ""))
     meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
+    recipe_yaml = dump_recipe(recipe)  # every checkpoint keeps the exact recipe that trained it
     t0, window = time.perf_counter() - counters["seconds"], []
     bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process,
                dynamic_ncols=True)
@@ -201,12 +203,12 @@ def train(recipe) -> Path:
         if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
             counters.update(step=step, seconds=time.perf_counter() - t0)
             _save_resumable(acc, ckpt_dir / f"step-{step:06d}", drafter, opt, sched, kind, meta, dict(counters),
-                            loss_gen, tc.keep_last)
+                            loss_gen, tc.keep_last, recipe_yaml)
     bar.close()
     final = ckpt_dir / "final"
     acc.wait_for_everyone()
     if acc.is_main_process:
-        save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step})
+        save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml)
         print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
     runlog.close()
     return final
@@ -264,11 +266,13 @@ def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: in
     return m
 
 
-def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last) -> None:
+def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last,
+                    recipe_yaml: str | None = None) -> None:
     """Drafter + training state, atomically; then prune old step folders."""
     acc.wait_for_everyone()
     if acc.is_main_process:
         save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
-                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}))
+                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}),
+                     recipe_yaml=recipe_yaml)
         prune(path.parent, keep_last)
     acc.wait_for_everyone()
