@@ -49,9 +49,12 @@ def acceptance_features(hidden: torch.Tensor, logits: torch.Tensor, y: torch.Ten
     y (...) -> (..., d + 2) = [state, log q(y), entropy of q] (q = softmax of the raw logits, whatever the decoding
     temperature, so training and decoding see the same numbers)."""
     logp = torch.log_softmax(logits.float(), -1)
-    lq = logp.gather(-1, y[..., None].long())
-    ent = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1, keepdim=True)  # reduced vocabularies: -inf rows
-    return torch.cat([hidden.float(), lq, ent], -1)
+    return torch.cat([hidden.float(), logp.gather(-1, y[..., None].long()), _entropy(logp)[..., None]], -1)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of log-probs (..., V) -> (...); -inf rows (reduced vocabularies) count as zero."""
+    return -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,5 @@ class EntropyStop:
         self.threshold, self.min_len, self.before_feed = threshold, min_len, before_feed
 
     def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
-        logp = torch.log_softmax(logits.float(), -1)
-        entropy = float(-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum())
+        entropy = float(_entropy(torch.log_softmax(logits.float(), -1)))
         return n >= self.min_len and entropy > self.threshold
