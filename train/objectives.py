@@ -254,33 +254,9 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     A ``before`` head (models/acceptance.py) reads instead the state that produced y, on the target's own text
     (no mixing), with log q(y) and the entropy of q: every labelled token is a training example."""
     head, p = ctx.unwrapped, ctx.params
-    if head.cfg.draft_kind == "eagle":
-        x, s = eagle_acceptance_inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
-        logit = model(x)
-    else:
-        if "spec_accept" not in batch:
-            raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with "
-                                  "data.specdec_labels (checkpoint: the same draft LM)")
-        pm, ids = batch["predict_mask"], batch["input_ids"]
-        y, s = batch["spec_token"].long(), batch["spec_accept"].float()
-        label_pos = torch.zeros_like(pm)
-        label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
-    if head.cfg.draft_kind != "eagle" and head.cfg.state == "before":
-        producer = torch.zeros_like(pm)
-        producer[:, :-1] = label_pos[:, 1:]  # the position whose logits drafted each labelled token, same order
-        with torch.no_grad():
-            h = head.draft(ids, return_hidden=True)[producer]  # (N, D): the frozen draft on the target's text
-            x = torch.cat([acceptance_features(h[a:a + 512], head.draft.lm_head(h[a:a + 512]), y[a:a + 512])
-                           for a in range(0, len(h), 512)]) if len(h) else h.new_zeros(0, h.shape[-1] + N_EXTRA)
-        logit = model(x)
-    elif head.cfg.draft_kind != "eagle":
-        swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= p.get("mixing_ratio", 0.15)
-        z = ids.clone()
-        z[label_pos] = torch.where(swap, y, ids[label_pos])
-        with torch.no_grad():
-            h = head.draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
-        logit = model(h[label_pos][swap].float())
-        s = s[swap]
+    inputs = eagle_acceptance_inputs if head.cfg.draft_kind == "eagle" else draft_lm_acceptance_inputs
+    x, s = inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
+    logit = model(x)
     w = p.get("weight_mismatch", 6.0)
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
@@ -289,6 +265,33 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
          "brier": float(((a - s) ** 2).mean()) if n else 0.0,
          "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0}  # agreement on accept vs reject
     return StepOutput(loss, n, m)
+
+
+@torch.no_grad()
+def draft_lm_acceptance_inputs(draft, batch: dict, ctx: Context, chunk: int = 512, before: bool = False):
+    """Head inputs from the data stage's SpecDec++ labels for a frozen draft LM -> (inputs (N, ·), s (N,)).
+    after: the draft reads Z (each response token swapped for its sample y with probability 1 - mixing_ratio)
+    and the head reads its state at every swapped token. before: the draft reads the target's text and the head
+    reads the state that drafted each labelled token, with log q(y) and the entropy (every label counts)."""
+    if "spec_accept" not in batch:
+        raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with "
+                              "data.specdec_labels (checkpoint: the same draft LM)")
+    pm, ids = batch["predict_mask"], batch["input_ids"]
+    y, s = batch["spec_token"].long(), batch["spec_accept"].float()
+    label_pos = torch.zeros_like(pm)
+    label_pos[:, 1:] = pm[:, :-1]  # where the response tokens sit (row-major order = the labels' order)
+    if before:
+        producer = torch.zeros_like(pm)
+        producer[:, :-1] = label_pos[:, 1:]  # the position whose logits drafted each labelled token, same order
+        h = draft(ids, return_hidden=True)[producer]  # (N, D): the frozen draft on the target's text
+        x = torch.cat([acceptance_features(h[a:a + chunk], draft.lm_head(h[a:a + chunk]), y[a:a + chunk])
+                       for a in range(0, len(h), chunk)]) if len(h) else h.new_zeros(0, h.shape[-1] + N_EXTRA)
+        return x, s
+    swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= ctx.params.get("mixing_ratio", 0.15)
+    z = ids.clone()
+    z[label_pos] = torch.where(swap, y, ids[label_pos])
+    h = draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
+    return h[label_pos][swap].float(), s[swap]
 
 
 @torch.no_grad()
