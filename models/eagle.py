@@ -1,4 +1,4 @@
-"""EAGLE-1 and EAGLE-3 drafters (algorithms.md A6): one decoder layer that autoregresses on the target's features.
+"""EAGLE-1 and EAGLE-3 drafters (algorithms.md A6): a decoder layer that autoregresses on the target's features.
 
 Both read, at position i, a *state* (the target's feature f_i, or the drafter's own output once it drafts past the
 verified prefix) and the embedding of the next token x_{i+1}, and predict x_{i+2}:
@@ -15,6 +15,11 @@ verified prefix) and the embedding of the next token x_{i+1}, and predict x_{i+2
   parallel; at step s a query at i sees the step-0 keys <= i plus only its own key of steps 1..s, i.e. each
   row simulates one drafting trajectory (``forward``).
 
+**Deeper stacks** (``n_layers`` > 1, both versions): plain Llama blocks after that first layer, each with its own
+K/V, unrolled by TTT like the first; their output is the next state. The blocks start as the identity (zeroed
+output projections: a 1-layer checkpoint grows into a deeper one unchanged) or as copies of target layers
+(``init_layers``), as the standalone draft LM's depth came from the target's layers (RESULTS.md, session 15).
+
 Decoding (eval/decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on new positions with a KV
 cache, for the chain and for EAGLE-2 dynamic trees; ``features(captured, target)`` turns a target forward's
 captured hidden states into f.
@@ -22,7 +27,7 @@ captured hidden states into f.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 from torch import nn
@@ -31,6 +36,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.llama import (
     MLP,
     Attention,
+    Block,
     KVCache,
     LlamaConfig,
     ReducedHead,
@@ -63,6 +69,7 @@ class EagleConfig:
     qk_norm: bool = False
     head_vocab_size: int | None = None  # reduced draft LM head (EAGLE-3)
     ttt_steps: int = 1  # the unroll length it was trained with (informational; decoding drafts any length)
+    n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=1, n_heads=self.n_heads,
@@ -82,6 +89,7 @@ class EagleConfig:
 
 class Eagle(ReducedVocab, nn.Module):
     reads_target_features = True
+    growable = ("extra.",)  # train.init_checkpoint from a shallower EAGLE: the added blocks keep their init
 
     def __init__(self, cfg: EagleConfig):
         super().__init__()
@@ -107,6 +115,7 @@ class Eagle(ReducedVocab, nn.Module):
             a.v_proj = nn.Linear(2 * d, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
         self.mlp = MLP(lc)
+        self.extra = nn.ModuleList(Block(lc) for _ in range(cfg.n_layers - 1))
         if cfg.head_vocab_size:
             self.lm_head = ReducedHead(d, cfg.head_vocab_size, cfg.vocab_size)
             self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
@@ -156,7 +165,8 @@ class Eagle(ReducedVocab, nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(self.cfg.layer_config(), batch, max_len, p.dtype, p.device)
+        return KVCache(replace(self.cfg.layer_config(), n_layers=self.cfg.n_layers), batch, max_len, p.dtype,
+                       p.device)
 
     def step(self, state: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None = None,
              cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
@@ -171,6 +181,8 @@ class Eagle(ReducedVocab, nn.Module):
         mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
+        for j, block in enumerate(self.extra):
+            out = block(out, cos, sin, mask, cache, j + 1)
         if cache is not None:
             cache.length += T
         return self.lm_head(self.head_input(out[:, -1:] if last_only else out)), out
@@ -178,7 +190,7 @@ class Eagle(ReducedVocab, nn.Module):
     @torch.no_grad()
     def optimize_for_inference(self) -> Eagle:
         """Fused q/k/v and gate/up matmuls with pre-packed weights (models/llama.py FusedLinear); decoding only."""
-        return fuse_for_inference(self, [(self.self_attn, self.mlp)])
+        return fuse_for_inference(self, [(self.self_attn, self.mlp)] + [(b.self_attn, b.mlp) for b in self.extra])
 
     # ---- training: training-time test -----------------------------------------------------------------------------
 
@@ -190,12 +202,11 @@ class Eagle(ReducedVocab, nn.Module):
         or, without head_fn, the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads
         instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need)."""
         B, T = ids.shape
-        a, lc = self.self_attn, self.cfg.layer_config()
-        H, Hkv, hd = lc.n_heads, lc.n_kv_heads, lc.hd
         state = self.project(feats)
         base = torch.arange(T, device=ids.device).expand(B, T)
         causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
-        ks, vs, results = [], [], []
+        kv = [([], []) for _ in range(self.cfg.n_layers)]  # per layer: the keys / values of every step so far
+        results = []
         for s in range(steps):
             tok = torch.zeros_like(ids)
             if s + 1 < T:
@@ -204,22 +215,11 @@ class Eagle(ReducedVocab, nn.Module):
                 tok = step_tokens[s]
             x, resid = self._inputs(self.embed_tokens(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
-            q, k, v = a.q_proj(x).view(B, T, H, hd), a.k_proj(x).view(B, T, Hkv, hd), a.v_proj(x).view(B, T, Hkv, hd)
-            if lc.qk_norm:
-                q, k = a.q_norm(q), a.k_norm(k)
-            q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
-            k = apply_rope(k.transpose(1, 2), cos, sin).repeat_interleave(H // Hkv, 1)
-            ks.append(k)
-            vs.append(v.transpose(1, 2).repeat_interleave(H // Hkv, 1))
-            scale = 1.0 / math.sqrt(hd)
-            # step-0 keys, causal; then the diagonal of every later step (the row's own simulated drafts)
-            scores = [(q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-            scores += [(q * kj).sum(-1, keepdim=True) * scale for kj in ks[1:]]
-            p = torch.softmax(torch.cat(scores, -1).to(torch.promote_types(q.dtype, torch.float32)), -1).to(q.dtype)
-            y = p[..., :T] @ vs[0]
-            for j, vj in enumerate(vs[1:]):
-                y = y + p[..., T + j:T + j + 1] * vj
-            out = self._finish(resid + a.o_proj(y.transpose(1, 2).reshape(B, T, H * hd)))
+            out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], causal))
+            for j, block in enumerate(self.extra):
+                out = out + self._ttt_attention(block.self_attn, block.input_layernorm(out), cos, sin, *kv[j + 1],
+                                                causal)
+                out = out + block.mlp(block.post_attention_layernorm(out))
             if head_fn is None:
                 results.append(out)
             else:
@@ -228,6 +228,27 @@ class Eagle(ReducedVocab, nn.Module):
                 results.append(head_fn(s, self.head_input(sel), self.lm_head.weight, sel))
             state = out
         return torch.stack(results) if head_fn is None else results
+
+    def _ttt_attention(self, a: Attention, x, cos, sin, ks: list, vs: list, causal) -> torch.Tensor:
+        """One TTT step of attention ``a`` over x (B, T, in): the step's keys / values join ``ks`` / ``vs``; a query
+        at i sees the step-0 keys <= i (causal) plus its own key of every later step (the row's simulated drafts)."""
+        B, T, _ = x.shape
+        lc = self.cfg.layer_config()
+        H, Hkv, hd = lc.n_heads, lc.n_kv_heads, lc.hd
+        q, k, v = a.q_proj(x).view(B, T, H, hd), a.k_proj(x).view(B, T, Hkv, hd), a.v_proj(x).view(B, T, Hkv, hd)
+        if lc.qk_norm:
+            q, k = a.q_norm(q), a.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, H, T, hd)
+        ks.append(apply_rope(k.transpose(1, 2), cos, sin).repeat_interleave(H // Hkv, 1))
+        vs.append(v.transpose(1, 2).repeat_interleave(H // Hkv, 1))
+        scale = 1.0 / math.sqrt(hd)
+        scores = [(q @ ks[0].transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        scores += [(q * kj).sum(-1, keepdim=True) * scale for kj in ks[1:]]
+        p = torch.softmax(torch.cat(scores, -1).to(torch.promote_types(q.dtype, torch.float32)), -1).to(q.dtype)
+        y = p[..., :T] @ vs[0]
+        for j, vj in enumerate(vs[1:]):
+            y = y + p[..., T + j:T + j + 1] * vj
+        return a.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         if hasattr(self, "_counts"):  # packed weights are not parameters any more
@@ -260,7 +281,14 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
                       target_layers=t.n_layers, head_dim=t.head_dim, aux_layers=aux, rope_theta=t.rope_theta,
                       rope_scaling=t.rope_scaling, norm_eps=t.norm_eps, attention_bias=t.attention_bias,
                       qk_norm=t.qk_norm, head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
-                      ttt_steps=params.get("ttt_steps", 7 if version == 3 else 1))
+                      ttt_steps=params.get("ttt_steps", 7 if version == 3 else 1),
+                      n_layers=params.get("n_layers") or 1)
+    layers = params.get("init_layers") or []
+    if len(layers) not in (0, cfg.n_layers - 1):
+        raise DraftsmithError(f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
+                              f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)")
+    if layers and cfg.hidden_dim != t.hidden_dim:
+        raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
     model = Eagle(cfg).to(target.embed_tokens.weight.dtype)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.embed_tokens.weight)
@@ -273,6 +301,15 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
             model.set_head_vocab(keep)
         else:
             model.lm_head.weight.copy_(head)
+        for j, block in enumerate(model.extra):
+            if layers:
+                if not 0 <= layers[j] < t.n_layers:
+                    raise DraftsmithError(f"drafter.init_layers[{j}] = {layers[j]} is outside the target's "
+                                          f"{t.n_layers} layers")
+                block.load_state_dict(target.layers[layers[j]].state_dict())
+            else:  # the identity at init: a deeper drafter starts as the 1-layer one (and can grow from it)
+                nn.init.zeros_(block.self_attn.o_proj.weight)
+                nn.init.zeros_(block.mlp.down_proj.weight)
     # EAGLE-1 reads tokens through the target's LM head (or a slice of it), frozen; EAGLE-3's head is its own.
     model.lm_head.weight.requires_grad_(version == 3 and not params.get("freeze_lm_head", False))
     return model

@@ -86,11 +86,13 @@ def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extr
     return path
 
 
-def load_weights_into(path: Path, model: torch.nn.Module) -> None:
-    """Resume: a checkpoint's weights into an already built drafter of the same shape."""
+def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False) -> None:
+    """Resume: a checkpoint's weights into an already built drafter of the same shape. ``grow`` (a warm start,
+    train.init_checkpoint): parts the model marks ``growable`` (an EAGLE's added blocks) may be missing and keep
+    their initialisation."""
     sd = load_file(str(Path(path) / "model.safetensors"))
     missing, unexpected = model.load_state_dict(sd, strict=False)
-    skip = getattr(model, "checkpoint_exclude", ())
+    skip = getattr(model, "checkpoint_exclude", ()) + (getattr(model, "growable", ()) if grow else ())
     missing = [m for m in missing if m != "lm_head.weight" and not (skip and m.startswith(skip))]
     if getattr(model, "base", None) is not None:
         from peft import set_peft_model_state_dict

@@ -42,6 +42,13 @@ def _is_eagle3(info: dict) -> bool:
     return info["kind"] == "eagle" and info["config"].get("version") == 3
 
 
+def _one_layer(info: dict, fmt: str) -> None:
+    n = info["config"].get("n_layers", 1)
+    if n > 1:
+        raise DraftsmithError(f"export --format {fmt}: the engine loads a one-layer EAGLE-3, this one has "
+                              f"drafter.n_layers={n} (use --format hf: draftsmith's own layout)")
+
+
 # ---- EAGLE-3: our names <-> an engine's ------------------------------------------------------------------------
 
 _LAYER_KEYS = {"embed_norm.": "input_layernorm.", "hidden_norm.": "hidden_norm.",
@@ -109,6 +116,7 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
     if not _is_eagle3(info):
         raise DraftsmithError(f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
                               f"(use --format hf, or medusa for Medusa heads)")
+    _one_layer(info, "vllm")
     config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_config(cfg),
               "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"], "norm_before_residual": False,
@@ -123,6 +131,7 @@ def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool)
     if not _is_eagle3(info):
         raise DraftsmithError(f"export --format sglang: the SGLang layout is EAGLE-3's, not {info['kind']} "
                               f"(a draft LM serves as is from --format hf)")
+    _one_layer(info, "sglang")
     cfg = info["config"]
     config = {**_layer_config(cfg), "architectures": ["LlamaForCausalLMEagle3"],
               "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"], "target_hidden_size": cfg["dim"],

@@ -263,6 +263,12 @@ class EagleDrafterConfig(Strict):
     """Uniform noise in [-a, a] added to the input features while training (EAGLE-1's augmentation)."""
     freeze_lm_head: bool = False
     """EAGLE-3: keep the draft LM head at its start (the target's rows) and train only the layer."""
+    n_layers: int = Field(1, gt=0, le=32)
+    """Depth: the EAGLE layer plus n_layers - 1 plain Llama blocks (each with its own KV cache in decoding). The
+    blocks start as the identity, so train.init_checkpoint may name a shallower EAGLE checkpoint to grow from, or
+    as copies of target layers (init_layers). vLLM / SGLang load one layer: export a deeper one with --format hf."""
+    init_layers: list[int] | None = None
+    """Target layers (0-indexed) copied into the n_layers - 1 added blocks; None = identity blocks."""
 
     @model_validator(mode="before")
     @classmethod
@@ -274,6 +280,9 @@ class EagleDrafterConfig(Strict):
             raise ValueError("drafter.aux_layers needs drafter.version=3")
         if not v1 and data.get("feature_loss_weight"):
             raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
+        if data.get("init_layers") is not None and len(data["init_layers"]) != data.get("n_layers", 1) - 1:
+            raise ValueError(f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
+                             f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks")
         defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,
                     "feature_loss_weight": 1.0 if v1 else 0.0}
         return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
@@ -584,6 +593,10 @@ class Recipe(Strict):
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:
             raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
+        if d.kind == "eagle" and d.n_layers > 1 and self.export.enabled and {"vllm", "sglang"} & set(
+                self.export.formats):
+            raise ValueError(f"export.formats has vllm/sglang, which load a one-layer EAGLE, but drafter.n_layers is "
+                             f"{d.n_layers}: export formats [hf] (draftsmith's layout) or train one layer")
         if d.kind == "medusa" and d.draft_vocab and self.export.enabled and "medusa" in self.export.formats:
             raise ValueError("export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
                              "which the Medusa layout cannot express: drop one of them (hf exports either)")

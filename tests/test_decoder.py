@@ -764,11 +764,11 @@ def _eagle(version, target, noise, **params):
     return e
 
 
-@pytest.mark.parametrize("version,vocab", [(1, None), (3, None), (1, 24), (3, 24)])
-def test_eagle_is_lossless_chain_static_and_dynamic_trees(target, ar_outputs, version, vocab):
+@pytest.mark.parametrize("version,vocab,depth", [(1, None, 1), (3, None, 1), (1, 24, 1), (3, 24, 1), (3, 24, 3)])
+def test_eagle_is_lossless_chain_static_and_dynamic_trees(target, ar_outputs, version, vocab, depth):
     from draftsmith.eval.tree import DynamicTree, tree_from_choices
 
-    eagle = _eagle(version, target, 0.05, draft_vocab=vocab)
+    eagle = _eagle(version, target, 0.05, draft_vocab=vocab, n_layers=depth)
     tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]])
     for prompt in PROMPTS:
         want = ar_outputs[tuple(prompt)]

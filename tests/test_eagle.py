@@ -25,12 +25,13 @@ def _eagle(target, version, **params):
     return e
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version):
+@pytest.mark.parametrize("version,depth", [(1, 1), (3, 1), (1, 3), (3, 3)])
+def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version, depth):
     """Row i of TTT step s must be exactly the state the decoder reaches at position i + s after reading the
-    real pairs 0..i and then feeding its own outputs with tokens x_{i+2}..x_{i+s+1}."""
+    real pairs 0..i and then feeding its own outputs with tokens x_{i+2}..x_{i+s+1} (every block of a deeper
+    stack has its own keys per step)."""
     torch.manual_seed(1)
-    e = _eagle(target, version)
+    e = _eagle(target, version, n_layers=depth)
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     _, cap = target(ids, capture_layers=e.capture_layers)
     f = e.features(cap, target)
@@ -72,12 +73,13 @@ def test_eagle3_fuses_the_low_mid_high_layers_and_maps_its_vocabulary(target):
     assert torch.isinf(sliced).sum() == 3 * (CFG.vocab_size - 10)
 
 
-@pytest.mark.parametrize("version", [1, 3])
-def test_optimized_eagle_steps_like_the_plain_one(target, version):
+@pytest.mark.parametrize("version,depth", [(1, 1), (3, 1), (3, 2)])
+def test_optimized_eagle_steps_like_the_plain_one(target, version, depth):
     import copy
 
     torch.manual_seed(2)
-    e = build_eagle({"version": version, "draft_vocab": 20}, target, counts=torch.rand(CFG.vocab_size)).double()
+    e = build_eagle({"version": version, "draft_vocab": 20, "n_layers": depth, "init_layers": [4] * (depth - 1)},
+                    target, counts=torch.rand(CFG.vocab_size)).double()
     fast = copy.deepcopy(e).optimize_for_inference()
     state, ids = torch.randn(1, 5, CFG.dim, dtype=torch.float64), torch.randint(0, CFG.vocab_size, (1, 5))
     c1, c2 = e.new_cache(1, 8), fast.new_cache(1, 8)
@@ -85,6 +87,36 @@ def test_optimized_eagle_steps_like_the_plain_one(target, version):
         torch.testing.assert_close(a, b)
     la, _ = e.step(state[:, :2], ids[:, :2], cache=c1, last_only=True)
     assert la.shape == (1, 1, CFG.vocab_size) and fast.num_params() == e.num_params()
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_a_deeper_eagle_starts_as_the_one_layer_one_or_from_target_layers(target, version, tmp_path):
+    """Identity blocks: the same outputs as the 1-layer drafter it grows from (train.init_checkpoint may name that
+    checkpoint: only the added blocks may be missing, and only for a warm start, never for resume).
+    init_layers: the blocks are copies of those target layers."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.registry import load_weights_into, save_drafter
+
+    torch.manual_seed(3)
+    one = _eagle(target, version)
+    deep = build_eagle({"version": version, "n_layers": 3}, target).double()
+    save_drafter(tmp_path / "one", one, "eagle", {})
+    load_weights_into(tmp_path / "one", deep, grow=True)
+    ids = torch.randint(0, CFG.vocab_size, (2, 9))
+    _, cap = target(ids, capture_layers=one.capture_layers)
+    f = one.features(cap, target)
+    torch.testing.assert_close(deep(f, ids, steps=3), one(f, ids, steps=3))
+    with pytest.raises(DraftsmithError, match="does not fit"):
+        load_weights_into(tmp_path / "one", deep)  # resume is strict
+    copied = build_eagle({"version": version, "n_layers": 3, "init_layers": [5, 2]}, target)
+    for block, src in zip(copied.extra, (5, 2)):
+        for k, v in target.layers[src].state_dict().items():
+            torch.testing.assert_close(block.state_dict()[k], v)
+    assert copied.new_cache(1, 4).kv.shape[1] == 3
+    with pytest.raises(DraftsmithError, match="init_layers"):
+        build_eagle({"version": version, "n_layers": 3, "init_layers": [1]}, target)
+    with pytest.raises(DraftsmithError, match="outside"):
+        build_eagle({"version": version, "n_layers": 2, "init_layers": [6]}, target)
 
 
 @pytest.mark.parametrize("version", [1, 3])

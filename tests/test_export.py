@@ -41,13 +41,14 @@ BUILDERS = {
     "draft_lm": lambda t: build_draft_lm({"n_layers": 1}, t),
     "eagle3": lambda t: build_eagle({"version": 3, "draft_vocab": 120, "aux_layers": [0, 0, 1]}, t,
                                     counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
+    "eagle3_deep": lambda t: build_eagle({"version": 3, "n_layers": 2, "init_layers": [1]}, t),
     "medusa": lambda t: build_medusa({"n_heads": 3, "n_layers": 1}, t),
     "hydra": lambda t: build_hydra({"n_heads": 3, "prefix_attention": True}, t),
     "mlp_speculator": lambda t: build_mlp_speculator({"n_predict": 3}, t),
     "medusa_vocab": lambda t: build_medusa({"n_heads": 2, "draft_vocab": 100}, t,
                                            counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
 }
-KIND = {"eagle3": "eagle", "medusa_vocab": "medusa"}
+KIND = {"eagle3": "eagle", "eagle3_deep": "eagle", "medusa_vocab": "medusa"}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,7 @@ def _decode(target, drafter, tree=False):
 
 
 CASES = [("draft_lm", "hf"), ("draft_lm", "vllm"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "hf"),
+         ("eagle3_deep", "hf"),
          ("medusa", "medusa"), ("medusa", "hf"), ("hydra", "hf"), ("mlp_speculator", "hf"), ("medusa_vocab", "hf")]
 
 
@@ -85,7 +87,7 @@ def test_round_trip_gives_the_same_output_and_tau(checkpoints, target, tmp_path,
     assert info["export_format"] == fmt
     sd_a, sd_b = original.state_dict(), back.state_dict()
     assert sd_a.keys() == sd_b.keys() and all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a)
-    for tree in (False, True) if name in ("draft_lm", "eagle3") else (False,):
+    for tree in (False, True) if name in ("draft_lm", "eagle3", "eagle3_deep") else (False,):
         (o1, s1), (o2, s2) = _decode(target, original, tree), _decode(target, back, tree)
         assert o1 == o2 and s1.tau == s2.tau and s1.accept_counts == s2.accept_counts
 
@@ -96,6 +98,15 @@ def test_medusa_layout_refuses_reduced_vocabulary_heads(checkpoints, tmp_path):
     with pytest.raises(DraftsmithError, match="keep 100 of 300 tokens.*--format hf"):
         export(checkpoints["medusa_vocab"], "medusa", tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
+def test_engines_refuse_a_deeper_eagle(checkpoints, tmp_path, fmt):
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError, match=f"--format {fmt}: .*n_layers=2 .*--format hf"):
+        export(checkpoints["eagle3_deep"], fmt, tmp_path / fmt)
+    assert not (tmp_path / fmt).exists()
 
 
 def test_eagle3_engine_contracts(checkpoints, tmp_path):

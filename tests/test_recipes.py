@@ -78,6 +78,15 @@ def test_medusa_layout_needs_full_vocabulary_heads():
     assert load_recipe("medusa-smollm2", ["export.formats=[hf,medusa]", "drafter.draft_vocab=null"])
 
 
+def test_deeper_eagle_options_are_checked():
+    r = load_recipe("eagle3-smollm2", ["drafter.n_layers=3", "drafter.init_layers=[27,28]", "export.formats=[hf]"])
+    assert r.drafter.n_layers == 3 and r.drafter.init_layers == [27, 28]
+    with pytest.raises(DraftsmithError, match=r"init_layers has 1 entries.*n_layers - 1 = 2"):
+        load_recipe("eagle3-smollm2", ["drafter.n_layers=3", "drafter.init_layers=[27]", "export.formats=[hf]"])
+    with pytest.raises(DraftsmithError, match="export.formats has vllm/sglang.*n_layers is 2"):
+        load_recipe("eagle3-smollm2", ["drafter.n_layers=2"])
+
+
 def test_yaml_errors_name_the_line(tmp_path):
     p = tmp_path / "bad.yaml"
     p.write_text("name: x\ntrain:\n  steps: 3\n  lr: [1, 2\n")

@@ -300,6 +300,31 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=1e-2, atol=1e-3)  # bf16 storage
 
 
+def test_a_deeper_eagle_grows_from_a_one_layer_checkpoint(train_run, tiny_model_dir, prompts_file, tmp_path):
+    """drafter.n_layers=2 warm-started from a 1-layer EAGLE-3 run (train.init_checkpoint): its added block starts as
+    the identity, trains, checkpoints with its depth and decodes losslessly (the eval reads the depth from the
+    checkpoint)."""
+    import yaml
+
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "eagle", "version": 3, "ttt_steps": 2}
+    recipe = tmp_path / "tiny-eagle3.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    one = train_run("one", "train.steps=2", recipe=str(recipe))
+    deep = train_run("deep", "train.steps=2", "drafter.n_layers=2",
+                     f"train.init_checkpoint={one / 'checkpoints' / 'final'}", recipe=str(recipe))
+    model, info = load_drafter(deep / "checkpoints" / "final")
+    assert info["config"]["n_layers"] == 2 and len(model.extra) == 1
+    assert model.extra[0].self_attn.o_proj.weight.abs().sum() > 0  # trained away from the identity start
+    assert len([r for r in _rows(deep) if "loss" in r]) == 2
+    args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+            f"out_dir={deep}", "target.dtype=float64", "-q"]
+    assert main(args) == 0
+    assert json.loads((deep / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+
+
 @pytest.mark.parametrize("version", [1, 3])
 def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(version, train_run, tiny_model_dir,
                                                                              prompts_file, tmp_path):

@@ -156,7 +156,7 @@ def train(recipe) -> Path:
     if resume_from is not None:
         load_weights_into(resume_from, drafter)
     elif tc.init_checkpoint:
-        load_weights_into(Path(tc.init_checkpoint), drafter)
+        load_weights_into(Path(tc.init_checkpoint), drafter, grow=True)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper would step it once per
     # process, which changes the schedule with the process count.
     drafter, opt = acc.prepare(drafter, opt)
