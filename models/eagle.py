@@ -289,6 +289,9 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
                               f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)")
     if layers and cfg.hidden_dim != t.hidden_dim:
         raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
+    for j, src in enumerate(layers):
+        if not 0 <= src < t.n_layers:
+            raise DraftsmithError(f"drafter.init_layers[{j}] = {src} is outside the target's {t.n_layers} layers")
     model = Eagle(cfg).to(target.embed_tokens.weight.dtype)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.embed_tokens.weight)
@@ -303,9 +306,6 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
             model.lm_head.weight.copy_(head)
         for j, block in enumerate(model.extra):
             if layers:
-                if not 0 <= layers[j] < t.n_layers:
-                    raise DraftsmithError(f"drafter.init_layers[{j}] = {layers[j]} is outside the target's "
-                                          f"{t.n_layers} layers")
                 block.load_state_dict(target.layers[layers[j]].state_dict())
             else:  # the identity at init: a deeper drafter starts as the 1-layer one (and can grow from it)
                 nn.init.zeros_(block.self_attn.o_proj.weight)
