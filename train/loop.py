@@ -25,7 +25,7 @@ from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
-from draftsmith.train.state import latest_resumable, prune, read_state, write_state
+from draftsmith.train.state import gather, latest_resumable, prune, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def train(recipe) -> Path:
     # process, which changes the schedule with the process count.
     drafter, opt = acc.prepare(drafter, opt)
     if resume_from is not None:
-        counters = read_state(resume_from, opt, sched, {"loss": loss_gen})
+        counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter)
     sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed,
                             start=counters["batches"])
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
@@ -207,8 +207,10 @@ def train(recipe) -> Path:
     bar.close()
     final = ckpt_dir / "final"
     acc.wait_for_everyone()
+    full, _ = gather(drafter)  # every rank: a collective under FSDP2
     if acc.is_main_process:
-        save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml)
+        save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml,
+                     state=full)
         print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
     runlog.close()
     return final
@@ -270,9 +272,10 @@ def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, 
                     recipe_yaml: str | None = None) -> None:
     """Drafter + training state, atomically; then prune old step folders."""
     acc.wait_for_everyone()
+    full, osd = gather(drafter, opt)  # every rank: a collective under FSDP2
     if acc.is_main_process:
         save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
-                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}),
-                     recipe_yaml=recipe_yaml)
+                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd),
+                     recipe_yaml=recipe_yaml, state=full)
         prune(path.parent, keep_last)
     acc.wait_for_everyone()

@@ -31,10 +31,62 @@ def _jsonable(x):
     return x
 
 
+def sharded(model: torch.nn.Module) -> bool:
+    """FSDP2 (``fully_shard``, what accelerate's FSDP v2 applies) holds parameters as DTensors: each rank has a
+    shard, so a checkpoint needs the full tensors gathered first, a collective every rank must join."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _fqns(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's order: position i is key i of an unsharded optimizer's state dict."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in opt.param_groups for p in g["params"]]
+
+
+_FULL = {"full_state_dict": True, "cpu_offload": True}
+
+
+def gather(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> tuple[dict | None, dict | None]:
+    """Collective under FSDP2 (every rank calls it; rank 0 gets the tensors, on CPU): (model state dict, optimizer
+    state dict keyed by parameter position, as an unsharded optimizer's), so a checkpoint written under FSDP2 is
+    the same file a single-process run writes and resumes under any launcher. (None, None) when not sharded."""
+    if not sharded(model):
+        return None, None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(**_FULL)
+    msd = get_model_state_dict(model, options=options)
+    if opt is None:
+        return msd, None
+    osd = get_optimizer_state_dict(model, opt, options=options)
+    if not osd:  # ranks other than 0 get empty dicts (cpu_offload gathers onto rank 0 only)
+        return msd, None
+    pos = {n: i for i, n in enumerate(_fqns(model, opt))}
+    return msd, {"state": {pos[n]: st for n, st in osd["state"].items()},
+                 "param_groups": [{**g, "params": [pos[n] for n in g["params"]]} for g in osd["param_groups"]]}
+
+
+def _load_optimizer(model, opt: torch.optim.Optimizer, osd: dict) -> None:
+    if not sharded(model):
+        opt.load_state_dict(osd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = _fqns(model, opt)
+    if len(names) != sum(len(g["params"]) for g in osd["param_groups"]):
+        raise ValueError("the saved optimizer has a different number of parameters")
+    full = {"state": {names[i]: st for i, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
+
+
 def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
-                generators: dict[str, torch.Generator]) -> None:
-    """Write train_state.{safetensors,json} into ``folder`` (the caller renames the folder into place)."""
-    osd = opt.state_dict()
+                generators: dict[str, torch.Generator], osd: dict | None = None) -> None:
+    """Write train_state.{safetensors,json} into ``folder`` (the caller renames the folder into place).
+    ``osd``: the optimizer state dict when it had to be gathered first (``gather``)."""
+    osd = opt.state_dict() if osd is None else osd
     tensors, scalars = {}, {}
     for pid, st in osd["state"].items():
         for k, v in st.items():
@@ -54,8 +106,10 @@ def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
     (folder / "train_state.json").write_text(json.dumps(meta))
 
 
-def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict[str, torch.Generator]) -> dict:
-    """Restore optimizer, scheduler and RNG states from ``folder``; returns the saved counters."""
+def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict[str, torch.Generator],
+               model: torch.nn.Module | None = None) -> dict:
+    """Restore optimizer, scheduler and RNG states from ``folder``; returns the saved counters. ``model``: the
+    prepared drafter, needed when it is sharded (FSDP2) to scatter the full optimizer state onto its shards."""
     meta = json.loads((folder / "train_state.json").read_text())
     tensors = load_file(str(folder / "train_state.safetensors"))
     state: dict[int, dict] = {}
@@ -68,7 +122,8 @@ def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict
             state.setdefault(int(pid), {})[k] = torch.tensor(v, dtype=torch.float32) if k == "step" else v
     groups = meta["param_groups"]
     try:
-        opt.load_state_dict({"state": state, "param_groups": groups})
+        osd = {"state": state, "param_groups": groups}
+        opt.load_state_dict(osd) if model is None else _load_optimizer(model, opt, osd)
     except ValueError as e:
         raise DraftsmithError(f"{folder}: optimizer state does not fit this drafter ({e})") from None
     sched.load_state_dict(meta["scheduler"])
