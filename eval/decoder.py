@@ -21,6 +21,7 @@ from draftsmith.eval.tree import (
 )
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.models.feature_heads import first_stop, split_stop
+from draftsmith.models.graphs import GraphedLlama
 from draftsmith.models.sampling import process_logits
 
 
@@ -490,12 +491,30 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
     frontier. Finally keep the ``total_tokens`` best of all recorded nodes. Every shape is fixed by (k, depth), so
     the whole step stays on the device with no host sync: node ids are assigned level by level (children after
-    their parents), an ancestor matrix grows with them, and a stable sort by score ranks them.
+    their parents), an ancestor matrix grows with them, and a stable sort by score ranks them. A draft LM wrapped
+    for CUDA graphs (models/graphs.py) drafts every level after the root from one captured graph (``TreeGraph``).
     """
-    k, device = spec.top_k, cur.device
-    n_max = k + (spec.depth - 1) * k * k
     root_logits, root_state = run.root(cur)
     base = run.cache.length  # the root (current token) sits at slot base - 1; slot index == position
+    if isinstance(run.d, GraphedLlama) and root_state is None and run.cache is run.d._cache:
+        return TreeGraph.of(run.d, spec)(root_logits, base)
+    return _tree_levels(run, root_logits, root_state, base, spec, _level)
+
+
+def _level(run, tokens, states, d: int, base: int, n_fed: int, anc, paths):
+    """One level of a dynamic tree: the k frontier nodes in one forward, after the n_fed nodes already in the
+    cache; anc (k, n_fed + k) is their ancestor mask over the tree slots."""
+    k = tokens.numel()
+    mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=tokens.device), anc], 1)
+    run.cache.length = base + n_fed
+    pos = torch.full((k,), base - 1 + d, device=tokens.device)
+    return run.expand(tokens, states, pos, mask[None], paths=paths)
+
+
+def _tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
+    """The levels and the final selection of ``_draft_dynamic``; ``level`` runs the drafter on a frontier."""
+    k, device = spec.top_k, root_logits.device
+    n_max = k + (spec.depth - 1) * k * k
     top = torch.log_softmax(root_logits.float(), -1).topk(k)
     tok = torch.zeros(n_max, dtype=torch.long, device=device)
     score = torch.full((n_max,), float("-inf"), device=device)
@@ -510,16 +529,14 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     fed = frontier[:0]  # node ids in slot order after base
     for d in range(1, spec.depth):
         order = torch.cat([fed, frontier])
-        mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=device), anc[frontier][:, order]], 1)
-        run.cache.length = base + fed.numel()
-        pos = torch.full((k,), base - 1 + d, device=device)
-        out, out_st = run.expand(tok[frontier], state[frontier] if run.eagle else None, pos, mask[None],
-                                 paths=path[frontier, :d])  # (k, V)
+        out, out_st = level(run, tok[frontier], state[frontier] if run.eagle else None, d, base, fed.numel(),
+                            anc[frontier][:, order], path[frontier, :d])  # (k, V)
         fed = order
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
         new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
         tok[new], score[new] = ci.flatten(), (score[frontier, None] + cv).flatten()
-        par[new], depth[new] = frontier.repeat_interleave(k), d + 1
+        par[new] = frontier.repeat_interleave(k)
+        depth.index_fill_(0, new, d + 1)  # a scalar through index_put_ would be a host copy (no CUDA graph)
         path[new] = path[par[new]]
         path[new, d] = tok[new]
         anc[new] |= anc[par[new]]
@@ -536,6 +553,52 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     mask[1:, 1:] = anc[keep][:, keep]
     depths = torch.cat([depth.new_zeros(1), depth[keep]]).int()
     return tok[keep], parents, mask, depths
+
+
+class TreeGraph:
+    """Every level of a dynamic tree after the root, for a draft LM in a ``GraphedLlama``: the same
+    ``_tree_levels``, with the tree's first slot (``base``) held in a device tensor and each level's mask built
+    over the whole static cache, so no shape or Python value depends on the step. On CUDA it is captured once per
+    (drafter, tree spec) and replayed: one launch instead of a few hundred small kernels per tree (the eager tree
+    was launch-bound on an H100, benchmarks/RESULTS.md). Elsewhere (``graphs=False``) it runs uncaptured, which is
+    how the tests check it against the eager levels on CPU."""
+
+    def __init__(self, model: GraphedLlama, spec: DynamicTree):
+        self.model, self.spec = model, spec
+        self.root = None  # the root's logits: allocated at the first call, from their shape
+        self.base = torch.zeros((), dtype=torch.long, device=model._arange.device)
+        self.run = SimpleNamespace(d=model, eagle=False)
+        self.graph, self.out = None, None
+
+    @staticmethod
+    def of(model: GraphedLlama, spec: DynamicTree) -> TreeGraph:
+        graphs = model.__dict__.setdefault("_tree_graphs", {})
+        if spec not in graphs:
+            graphs[spec] = TreeGraph(model, spec)
+        return graphs[spec]
+
+    def _levels(self):
+        return _tree_levels(self.run, self.root, None, self.base, self.spec, self._level)
+
+    def _level(self, run, tokens, states, d: int, base: torch.Tensor, n_fed: int, anc, paths):
+        k, m = tokens.numel(), self.model
+        mask = (m._arange < base).expand(k, -1).clone()  # the committed prefix, then this tree's slots
+        mask[:, base + m._arange[:anc.shape[1]]] = anc
+        pos = (base - 1 + d).expand(k)
+        return _run_drafter(m, tokens.view(1, -1), cache=m._cache, pos=pos.view(1, -1), attn_mask=mask[None],
+                            s0=base + n_fed)[0], None
+
+    def __call__(self, root_logits: torch.Tensor, base: int):
+        if self.root is None:
+            self.root = torch.empty_like(root_logits)
+        self.root.copy_(root_logits)
+        self.base.fill_(base)
+        if not self.model.graphs:
+            return self._levels()
+        if self.graph is None:
+            self.graph, self.out = self.model.capture(self._levels)
+        self.graph.replay()
+        return tuple(t.clone() for t in self.out)  # the next replay overwrites the graph's outputs
 
 
 def _draft_chain(run: _Drafting, cur: torch.Tensor, gamma: int, pick, stop=None):

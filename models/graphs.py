@@ -66,7 +66,13 @@ class GraphedLlama(nn.Module):
         return c
 
     def forward(self, ids, pos=None, cache=None, valid=None, attn_mask=None, capture_layers=(), logits_at=None,
-                return_hidden=False, head_fn=None):
+                return_hidden=False, head_fn=None, s0: torch.Tensor | None = None):
+        """``s0`` (a 0-d long tensor): the static-shape forward itself, with the first written slot held on the
+        device and ``attn_mask`` (1, T, max_len) over the whole cache; no capture, no Python ints, so a caller can
+        capture it inside its own graph (a whole dynamic tree, ``TreeGraph``). The cache's ``length`` is left as
+        it was."""
+        if s0 is not None:
+            return self._forward_at(ids, pos, attn_mask, s0)
         T = ids.shape[1]
         eager = (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None
                  or cache.padded or capture_layers or logits_at is not None or return_hidden
@@ -108,36 +114,42 @@ class GraphedLlama(nn.Module):
         return run
 
     def _static_forward(self, run: _Run) -> torch.Tensor:
-        cache, T = self._cache, run.ids.shape[1]
-        slots = self._s0 + self._arange[:T]  # (T,): everything below reads the slot offset from a tensor
+        mask = run.mask
+        if mask is None:  # causal in slot order, as KVCache's own mask
+            mask = self._arange[None, None, :] <= (self._s0 + self._arange[:run.ids.shape[1]])[None, :, None]
+        return self._forward_at(run.ids, run.pos, mask, self._s0)
+
+    def _forward_at(self, ids, pos, mask, s0: torch.Tensor) -> torch.Tensor:
+        cache, T = self._cache, ids.shape[1]
+        slots = s0 + self._arange[:T]  # (T,): everything below reads the slot offset from a tensor
         cache.valid.index_fill_(1, slots, True)
-        if run.mask is None:  # causal in slot order, as KVCache's own mask
-            mask = self._arange[None, None, :] <= slots[None, :, None]
-        else:
-            mask = run.mask
-        mask = mask & cache.valid[:, None, :]  # (1, T, max_len)
         cache.slots = slots
         try:
-            return self.model(run.ids, pos=slots.view(1, T) if run.pos is None else run.pos, cache=cache,
-                              attn_mask=mask)
+            return self.model(ids, pos=slots.view(1, T) if pos is None else pos, cache=cache,
+                              attn_mask=mask & cache.valid[:, None, :])  # (1, T, max_len)
         finally:
             cache.slots = None
 
     def _capture(self, run: _Run) -> None:
-        # Warm up on a side stream (as torch.cuda.graphs asks), then capture. The inputs are the real ones, so
-        # the warm-up writes the very K/V the replay writes again: capturing changes nothing.
+        run.graph, run.out = self.capture(lambda: self._static_forward(run))
+
+    def capture(self, fn):
+        """-> (graph, fn's output): ``fn`` captured into a CUDA graph in this model's memory pool (replays never
+        overlap). Warmed up on a side stream first, as torch.cuda.graphs asks; the inputs are the real ones, so the
+        warm-up writes the very K/V the replay writes again: capturing changes nothing."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._static_forward(run)
+                fn()
         torch.cuda.current_stream().wait_stream(side)
-        run.graph = torch.cuda.CUDAGraph()
-        # One memory pool (replays never overlap). thread_local: other threads' CUDA work (the online learner
-        # trains in the serving process) must not invalidate this thread's capture.
-        with torch.cuda.graph(run.graph, pool=self._pool, capture_error_mode="thread_local"):
-            run.out = self._static_forward(run)
-        self._pool = run.graph.pool()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads' CUDA work (the online learner trains in the serving process) must not
+        # invalidate this thread's capture.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = fn()
+        self._pool = graph.pool()
+        return graph, out
 
 
 def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Module:

@@ -56,8 +56,32 @@ def test_graphed_decoding_is_lossless():
     tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0]])
     assert tree_speculative_generate(gt, gd, p, 40, tree)[0] == ref
     assert tree_speculative_generate(gt, gd, p, 40, DynamicTree(depth=3, top_k=3, total_tokens=8))[0] == ref
+    assert list(gd._tree_graphs) == [DynamicTree(depth=3, top_k=3, total_tokens=8)]  # drafted by TreeGraph
     out, stats = tree_speculative_generate(gt, oracle, p, 40, DynamicTree(depth=3, top_k=2, total_tokens=12))
     assert out == ref and stats.tau > 3
+
+
+def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
+    """TreeGraph (a dynamic tree with its slot offset on the device and full-width masks, captured on CUDA) against
+    the eager levels it replaces, uncaptured on CPU: the same tokens, parents, mask and depths, step after step."""
+    from draftsmith.eval.decoder import TreeGraph, _Drafting, _level, _tree_levels
+
+    gd = GraphedLlama(_model(1, n_layers=1), 256, graphs=False)
+    p = torch.randint(0, 300, (12,))
+    for spec in (DynamicTree(depth=3, top_k=3, total_tokens=8), DynamicTree(depth=5, top_k=4, total_tokens=30)):
+        run = _Drafting(gd, 256, p, None)
+        assert run.cache is gd._cache
+        cur = torch.tensor([5])
+        with torch.no_grad():
+            for accepted in ([], [7, 9], [11]):  # three steps: the tree's first slot moves on
+                logits, _ = run.root(cur)
+                base = run.cache.length
+                want = _tree_levels(run, logits, None, base, spec, _level)
+                got = TreeGraph.of(gd, spec)(logits, base)
+                for w, g in zip(want, got, strict=True):
+                    assert torch.equal(w, g)
+                run.commit(torch.tensor(accepted, dtype=torch.long), None)
+    assert len(gd._tree_graphs) == 2
 
 
 def test_graph_decoding_wraps_only_llamas():
@@ -83,3 +107,4 @@ def test_cuda_graphs_replay_the_eager_decode():
         assert speculative_generate(gt, oracle, p, 48, draft_len=k)[0] == ref
     assert tree_speculative_generate(gt, gd, p, 48, DynamicTree(depth=3, top_k=3, total_tokens=8))[0] == ref
     assert any(r.graph is not None for r in gt._runs.values())
+    assert all(g.graph is not None for g in gd._tree_graphs.values()) and gd._tree_graphs  # one captured tree
