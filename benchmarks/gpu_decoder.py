@@ -12,12 +12,15 @@ models/graphs.py). Speedups are against the faster of the two AR decoders.
 Random weights accept nothing from a real drafter, so acceptance is scripted and only the *cost* of drafting is
 real: the target's LM head is tied to a permutation π of its input embeddings (random otherwise), which makes its
 greedy next token π(current token) with a wide logit margin, so bf16 verify and decode agree; the drafter runs a
-real one-layer draft model (EAGLE-3 sized: one target-width layer, a 32k reduced-vocabulary head) and then proposes
-π(token) with probability α, else a wrong token, so τ = (1 − α^(γ+1)) / (1 − α) in expectation. Output equality
-with the AR decoder is checked for every run.
+real one-layer draft model (EAGLE-3 sized: one target-width layer, a 32k reduced-vocabulary head) whose head then
+proposes π(token) with probability α, else a wrong token, so τ = (1 − α^(γ+1)) / (1 − α) in expectation (a chain;
+trees accept more). The script lives inside the draft model (``ScriptedHead``), so the CUDA-graph path drafts
+dynamic trees as the eval decoder does, from one captured graph per tree (eval/decoder.py ``TreeGraph``). Output
+equality with the AR decoder is checked for every run.
 
     python benchmarks/gpu_decoder.py                # CUDA, ~1B target
     python benchmarks/gpu_decoder.py --tiny         # a small config: smoke test on CPU
+    python benchmarks/gpu_decoder.py --skip-eager   # only the CUDA-graph decoder (no eager / transformers rows)
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from draftsmith.eval.tree import DynamicTree, compact_cache
 from draftsmith.kernels.kv import compact_kv_reference
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.kernels.verify import verify_greedy
-from draftsmith.models.graphs import graph_decoding
+from draftsmith.models.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
 LLAMA_1B = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,
@@ -56,27 +59,37 @@ def build_target(shape: dict, device, dtype, seed: int) -> tuple[Llama, torch.Te
     return model, perm
 
 
-class ScriptedDraft(nn.Module):
-    """A real draft model's cost with scripted acceptance: proposes π(token) with probability α, else π(token)+1."""
+class ScriptedHead(nn.Module):
+    """A real draft model's cost with scripted acceptance: its LM head proposes π(token) with probability α, else
+    π(token)+1. It sits inside the model, so CUDA graphs replay it too (a whole captured dynamic tree included):
+    the input ids come from a forward pre-hook on the model, the coin is an integer hash of (id, call counter) on
+    the device (no RNG state, no host value in a graph), and α is a device tensor set between runs."""
 
-    def __init__(self, inner: Llama, perm: torch.Tensor, alpha: float, seed: int):
+    def __init__(self, inner: nn.Module, model: Llama, perm: torch.Tensor):
         super().__init__()
-        self.inner, self.perm, self.alpha = inner, perm, alpha
-        self.gen = torch.Generator(device=perm.device).manual_seed(seed)
+        self.inner, self.perm, self.ids = inner, perm, None
+        self.alpha = torch.zeros((), device=perm.device)
+        self.calls = torch.zeros((), dtype=torch.long, device=perm.device)
+        self.hook = model.register_forward_pre_hook(lambda module, args: setattr(self, "ids", args[0]))
 
-    @property
-    def target_vocab_size(self) -> int:
-        return self.inner.cfg.vocab_size
-
-    def new_cache(self, batch: int, max_len: int):
-        return self.inner.new_cache(batch, max_len)
-
-    def forward(self, ids, cache=None, **kw):
-        logits = self.inner(ids, cache=cache, **kw)
-        right = self.perm[ids]
-        hit = torch.rand(ids.shape, device=ids.device, generator=self.gen) < self.alpha
-        choice = torch.where(hit, right, (right + 1) % self.target_vocab_size)
+    def forward(self, h):
+        logits = self.inner(h)
+        self.calls += 1
+        x = (self.ids * 1103515245 + self.calls * 12345 + 12345) % 2147483648
+        hit = ((x >> 8) % 65536).float() / 65536 < self.alpha
+        right = self.perm[self.ids]
+        choice = torch.where(hit, right, (right + 1) % logits.shape[-1])
         return logits.scatter(-1, choice[..., None], 1e4)
+
+
+def script(model: Llama, perm: torch.Tensor) -> ScriptedHead:
+    model.lm_head = ScriptedHead(model.lm_head, model, perm)
+    return model.lm_head
+
+
+def unscript(model: Llama) -> None:
+    model.lm_head.hook.remove()
+    model.lm_head = model.lm_head.inner
 
 
 def build_draft(shape: dict, device, dtype, seed: int) -> Llama:
@@ -176,8 +189,11 @@ def end_to_end(target, draft, perm, prompt, a, dev, label: str, t_ar: float, ref
     """Chain runs per (α, γ), or a dynamic tree where γ is a DynamicTree. ``bound`` is the efficiency the measured
     model costs alone allow, AR step / (γ draft steps + one verify): the rest is decoder overhead."""
     rows = []
+    head = (draft.model if isinstance(draft, GraphedLlama) else draft).lm_head
     for alpha, gamma in configs:
-        sd = ScriptedDraft(draft, perm, alpha, seed=2)
+        head.alpha.fill_(alpha)
+        head.calls.zero_()
+        sd = draft
         if isinstance(gamma, DynamicTree):
             def run(sd=sd, tree=gamma):
                 return tree_speculative_generate(target, sd, prompt, a.new_tokens, tree)
@@ -214,8 +230,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=256, help="tokens generated per end-to-end run")
     ap.add_argument("--prompt-len", type=int, default=128, help="random prompt length end to end")
     ap.add_argument("--no-graphs", action="store_true", help="measure only the eager decoder")
+    ap.add_argument("--skip-eager", action="store_true", help="measure only the CUDA-graph decoder")
     ap.add_argument("--json", default=None, help="also write the results here")
     a = ap.parse_args()
+    if a.no_graphs and a.skip_eager:
+        ap.error("--no-graphs and --skip-eager leave nothing to measure")
     dev, shape = a.device, TINY if a.tiny else LLAMA_1B
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
     res: dict = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
@@ -223,6 +242,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     target, perm = build_target(shape, dev, dtype, seed=0)
     draft = build_draft(shape, dev, dtype, seed=1)
+    script(draft, perm)
     res["params"] = {"target": target.num_params(), "draft": draft.num_params(exclude_embeddings=True)}
     print(f"device {res['device']}, {dtype}, target {res['params']['target'] / 1e9:.2f} B params, "
           f"draft {res['params']['draft'] / 1e6:.0f} M (without embeddings), ctx {a.ctx}", flush=True)
@@ -233,24 +253,28 @@ def main() -> None:
     print(f"target greedy = π(token) for {res['target_follows_perm']:.1%} of steps")
 
     # --- eager: plain modules, one Python launch per kernel ------------------------------------------------
-    hf = hf_step_latency(target, a.ctx, dev, 64)
-    if hf is not None:
-        res["hf_step_ms"] = hf * 1e3
-        print(f"[transformers] decode step {hf * 1e3:.3f} ms", flush=True)
-    res["eager"] = latencies(target, draft, a, dev, "eager", parents)
-    t_ar_eager = timed(lambda: autoregressive_generate(target, prompt, a.new_tokens), dev, 3, 1)
-    res["eager"]["ar_tokens_per_s"] = a.new_tokens / t_ar_eager
-    print(f"[eager] own AR: {a.new_tokens / t_ar_eager:.1f} tokens/s", flush=True)
     configs = [(al, g) for al in a.alphas for g in a.e2e_gammas]
-    res["e2e"] = end_to_end(target, draft, perm, prompt, a, dev, "eager", t_ar_eager, ref, configs[-1:],
-                            res["eager"])
+    t_ar_eager, res["e2e"] = float("inf"), []
+    if not a.skip_eager:
+        hf = hf_step_latency(target, a.ctx, dev, 64)
+        if hf is not None:
+            res["hf_step_ms"] = hf * 1e3
+            print(f"[transformers] decode step {hf * 1e3:.3f} ms", flush=True)
+        res["eager"] = latencies(target, draft, a, dev, "eager", parents)
+        t_ar_eager = timed(lambda: autoregressive_generate(target, prompt, a.new_tokens), dev, 3, 1)
+        res["eager"]["ar_tokens_per_s"] = a.new_tokens / t_ar_eager
+        print(f"[eager] own AR: {a.new_tokens / t_ar_eager:.1f} tokens/s", flush=True)
+        res["e2e"] = end_to_end(target, draft, perm, prompt, a, dev, "eager", t_ar_eager, ref, configs[-1:],
+                                res["eager"])
 
     # --- the eval decoder on CUDA: fused matmuls + CUDA graphs (models/graphs.py) --------------------------
     label = "eager" if a.no_graphs else "graphs"
     if not a.no_graphs:
         max_len = max(a.ctx + a.tree_nodes + 2, a.prompt_len + a.new_tokens + max(a.e2e_gammas) + 2)
         target = graph_decoding(target.optimize_for_inference(), max_len)
+        unscript(draft)  # optimize_for_inference packs the real head; the script goes back on top of it
         draft = graph_decoding(draft.optimize_for_inference(), max_len)
+        script(draft.model, perm)
         res["graphs"] = latencies(target, draft, a, dev, "graphs", parents)
     t_ar = timed(lambda: autoregressive_generate(target, prompt, a.new_tokens), dev, 3, 1)
     res[label]["ar_tokens_per_s"] = a.new_tokens / t_ar
