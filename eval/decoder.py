@@ -4,6 +4,7 @@ drafter, and with sampling the output follows the target distribution (docs/algo
 """
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,6 +24,8 @@ from draftsmith.kernels.tree import tree_mask
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.graphs import GraphedLlama
 from draftsmith.models.sampling import process_logits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -497,7 +500,9 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     root_logits, root_state = run.root(cur)
     base = run.cache.length  # the root (current token) sits at slot base - 1; slot index == position
     if isinstance(run.d, GraphedLlama) and root_state is None and run.cache is run.d._cache:
-        return TreeGraph.of(run.d, spec)(root_logits, base)
+        graph = TreeGraph.of(run.d, spec)
+        if graph.usable:
+            return graph(root_logits, base)
     return _tree_levels(run, root_logits, root_state, base, spec, _level)
 
 
@@ -569,6 +574,8 @@ class TreeGraph:
         self.base = torch.zeros((), dtype=torch.long, device=model._arange.device)
         self.run = SimpleNamespace(d=model, eagle=False)
         self.graph, self.out = None, None
+        self.capturing = model.graphs  # on CUDA; elsewhere the levels run uncaptured
+        self.usable = True  # False once a capture failed: the caller drafts level by level instead
 
     @staticmethod
     def of(model: GraphedLlama, spec: DynamicTree) -> TreeGraph:
@@ -593,10 +600,16 @@ class TreeGraph:
             self.root = torch.empty_like(root_logits)
         self.root.copy_(root_logits)
         self.base.fill_(base)
-        if not self.model.graphs:
+        if not self.capturing:
             return self._levels()
         if self.graph is None:
-            self.graph, self.out = self.model.capture(self._levels)
+            try:
+                self.graph, self.out = self.model.capture(self._levels)
+            except RuntimeError as e:  # an op of this drafter that cannot be captured: stay correct, say so once
+                self.usable = False
+                log.warning("dynamic tree: CUDA-graph capture failed (%s); drafting level by level instead",
+                            str(e).splitlines()[0])
+                return self._levels()
         self.graph.replay()
         return tuple(t.clone() for t in self.out)  # the next replay overwrites the graph's outputs
 

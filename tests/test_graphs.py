@@ -84,6 +84,30 @@ def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
     assert len(gd._tree_graphs) == 2
 
 
+def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
+    """If a drafter's tree cannot be captured (an op CUDA graphs refuse), decoding stays lossless level by level
+    and says so once."""
+    from draftsmith.eval.decoder import TreeGraph
+
+    t, d = _model(0), _model(1, n_layers=1)
+    gt, gd = GraphedLlama(t, 256, graphs=False), GraphedLlama(d, 256, graphs=False)
+    spec = DynamicTree(depth=3, top_k=3, total_tokens=8)
+    TreeGraph.of(gd, spec).capturing = True  # as on CUDA; the capture itself fails as a refused op would
+
+    def refuse(fn):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(gd, "capture", refuse)
+    p = torch.randint(0, 300, (12,))
+    ref = autoregressive_generate(t, p, 30)
+    with caplog.at_level("WARNING", logger="draftsmith.eval.decoder"):
+        assert tree_speculative_generate(gt, gd, p, 30, spec)[0] == ref
+        assert tree_speculative_generate(gt, gd, p, 30, spec)[0] == ref
+    assert not gd._tree_graphs[spec].usable
+    assert [r.getMessage() for r in caplog.records].count(
+        "dynamic tree: CUDA-graph capture failed (operation not permitted when stream is capturing); drafting "
+        "level by level instead") == 1
+
+
 def test_graph_decoding_wraps_only_llamas():
     m = _model(0)
     assert isinstance(graph_decoding(m, 32, graphs=False), GraphedLlama)
