@@ -183,6 +183,32 @@ def test_fsdp2_checkpoints_gather_and_resume_sharded_or_not(tmp_path):
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
+def test_deepspeed_refuses_resumable_checkpoints_up_front_and_saves_through_accelerate():
+    """DeepSpeed's optimizer keeps its own partitioned state: train.save_every is refused before any work, with
+    the fix in the message. Checkpoint weights come from accelerate's consolidation (ZeRO-3 leaves the module's
+    own tensors empty), which the shipped ZeRO-3 config enables. (DeepSpeed needs GPUs: a stand-in accelerator.)"""
+    from types import SimpleNamespace
+
+    import yaml
+    from accelerate.utils import DistributedType
+
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.train.loop import _check_sharding, _gathered
+
+    ds = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, device="cuda",
+                         get_state_dict=lambda model: {"w": torch.ones(2)})
+    with pytest.raises(DraftsmithError, match="train.save_every: .*DeepSpeed.*fsdp2.yaml"):
+        _check_sharding(ds, SimpleNamespace(save_every=100))
+    _check_sharding(ds, SimpleNamespace(save_every=0))
+    model = torch.nn.Linear(2, 1)
+    assert _gathered(ds, model)[0]["w"].tolist() == [1.0, 1.0]
+    plain = SimpleNamespace(distributed_type=DistributedType.NO, device="cpu")
+    assert _gathered(plain, model) == (None, None)  # the unwrapped module's own state dict is already full
+    cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / "deepspeed_zero3.yaml").read_text())
+    assert cfg["deepspeed_config"]["zero3_save_16bit_model"] is True
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml"])
 def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prompts_file, tmp_path, config):

@@ -119,7 +119,7 @@ def train(recipe) -> Path:
     tc, run = recipe.train, recipe.run_dir
     device = resolve_device(recipe.target.device)
     acc = Accelerator(mixed_precision=tc.precision, cpu=device == "cpu")
-    _check_sharding(acc)
+    _check_sharding(acc, tc)
     set_seed(recipe.seed)
     data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
@@ -207,7 +207,7 @@ def train(recipe) -> Path:
     bar.close()
     final = ckpt_dir / "final"
     acc.wait_for_everyone()
-    full, _ = gather(drafter)  # every rank: a collective under FSDP2
+    full, _ = _gathered(acc, drafter)  # every rank: a collective under FSDP2 / ZeRO-3
     if acc.is_main_process:
         save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml,
                      state=full)
@@ -216,9 +216,14 @@ def train(recipe) -> Path:
     return final
 
 
-def _check_sharding(acc) -> None:
+def _check_sharding(acc, tc) -> None:
     """Say so when a launcher config asked for FSDP / DeepSpeed and accelerate fell back (on CPU it runs DDP over
-    gloo, which is correct but replicates everything), instead of letting the config be ignored silently."""
+    gloo, which is correct but replicates everything), instead of letting the config be ignored silently. Refuse
+    resumable checkpoints under DeepSpeed up front rather than at the first save: its optimizer keeps its own
+    partitioned state layout, which train/state.py does not write."""
+    if acc.distributed_type.value == "DEEPSPEED" and tc.save_every:
+        raise DraftsmithError("train.save_every: resumable checkpoints are not supported under DeepSpeed yet; use "
+                              "recipes/accelerate/fsdp2.yaml (shards as well) or set train.save_every=0")
     asked = [name for name, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
              if os.environ.get(env, "").lower() in ("1", "true")]
     if asked and acc.distributed_type.value not in asked:
@@ -268,11 +273,20 @@ def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: in
     return m
 
 
+def _gathered(acc, drafter, opt=None) -> tuple[dict | None, dict | None]:
+    """Every rank: the full (model, optimizer) state dicts a checkpoint holds, or None where the unwrapped
+    module's own are full. ZeRO-3 partitions parameters (the module holds empty tensors): accelerate consolidates
+    them (the shipped config sets zero3_save_16bit_model). FSDP2: train/state.py ``gather``."""
+    if acc.distributed_type.value == "DEEPSPEED":
+        return acc.get_state_dict(drafter), None
+    return gather(drafter, opt)
+
+
 def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last,
                     recipe_yaml: str | None = None) -> None:
     """Drafter + training state, atomically; then prune old step folders."""
     acc.wait_for_everyone()
-    full, osd = gather(drafter, opt)  # every rank: a collective under FSDP2
+    full, osd = _gathered(acc, drafter, opt)  # every rank: a collective under FSDP2
     if acc.is_main_process:
         save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
                      extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd),
