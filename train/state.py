@@ -69,7 +69,7 @@ def gather(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> 
 
 
 def _load_optimizer(model, opt: torch.optim.Optimizer, osd: dict) -> None:
-    if not sharded(model):
+    if model is None or not sharded(model):
         opt.load_state_dict(osd)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -123,7 +123,7 @@ def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict
     groups = meta["param_groups"]
     try:
         osd = {"state": state, "param_groups": groups}
-        opt.load_state_dict(osd) if model is None else _load_optimizer(model, opt, osd)
+        _load_optimizer(model, opt, osd)
     except ValueError as e:
         raise DraftsmithError(f"{folder}: optimizer state does not fit this drafter ({e})") from None
     sched.load_state_dict(meta["scheduler"])
