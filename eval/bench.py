@@ -25,7 +25,7 @@ from draftsmith.eval.decoder import (
     speculative_generate,
     tree_speculative_generate,
 )
-from draftsmith.eval.report import shared_warning, write_category_plot, write_markdown, write_plot
+from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
 from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.models.graphs import graph_decoding
@@ -247,6 +247,8 @@ def evaluate(recipe) -> dict:
           f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
     if warning := shared_warning(report):
         print("eval: warning: " + warning)
+    if note := rounding_note(report):
+        print("eval: note: " + note)
     return report
 
 

@@ -63,6 +63,17 @@ def shared_warning(report: dict) -> str | None:
             f"lower than this machine's own; the speedups are same-process ratios and less affected")
 
 
+def rounding_note(report: dict) -> str | None:
+    """Why a greedy eval in 16-bit can differ from the target's own output without a bug: a γ+1-token verify and a
+    one-token AR step take different kernels, which round differently, so near-tied argmaxes can flip (measured:
+    the target drafting for itself is exact in fp32 and not in bf16, benchmarks/RESULTS.md session 18)."""
+    m = report.get("lossless_match")
+    if report.get("lossy") or m is None or m >= 1 or report.get("dtype") not in ("bfloat16", "float16"):
+        return None
+    return (f"in {report['dtype']}, a multi-token verify and one-token AR steps round differently, so near-tied "
+            f"argmaxes can flip and outputs drift apart; run with target.dtype=float32 for an exact check")
+
+
 def write_markdown(report: dict, path: Path) -> None:
     r = report
     lines = [
@@ -88,6 +99,8 @@ def write_markdown(report: dict, path: Path) -> None:
                         f"{r['lossy']['judge_accepted']} drafts were kept only because the judge accepted them.\n")
     if shared_warning(r):
         lines.insert(2, f"**Shared machine**: {shared_warning(r)}.\n")
+    if rounding_note(r):
+        lines.insert(2, f"**Lossless match below 1 in 16-bit**: {rounding_note(r)}.\n")
     if r.get("task_accuracy"):
         a = r["task_accuracy"]
         lines.insert(-1, f"| task accuracy ({a['tasks']}) speculative / AR | {a['spec']:.3f} / {a['ar']:.3f} |")

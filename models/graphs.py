@@ -5,20 +5,26 @@ At batch 1 a ~1B model's decode step is bound by launching a few hundred small k
 GPU (benchmarks/RESULTS.md, GPU section). ``GraphedLlama`` keeps one static KV cache and runs every forward of T
 new tokens (a decode step, a γ+1 verify, a tree) through a static-shape variant of the model: new K/V are written
 at slot indices held in a tensor and attention reads the whole cache buffer under a full-width mask, so nothing in
-the forward depends on a Python integer. Each (T, mask kind) is captured once into a CUDA graph and replayed;
-prefills (writes at slot 0), padded batches and calls that ask for hidden states run eagerly on the same cache.
+the forward depends on a Python integer. Each (T, mask kind, captured layers) is captured once into a CUDA graph
+and replayed: a verify that also returns hidden states (EAGLE's features, a head's last state) is one more shape,
+not an eager forward (eager, an EAGLE verify of the packaged SmolLM2 took 33-47 ms on an H100 against 2.6 ms for a
+graphed decode step, benchmarks/RESULTS.md session 18). Prefills (writes at slot 0), padded batches, ``logits_at``
+and ``head_fn`` calls run eagerly on the same cache.
 
 With ``graphs=False`` (any device) the same static-shape forward runs without capture: the tests use it on CPU to
 check that the static path equals the eager one.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from draftsmith.models.llama import KVCache, Llama
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,8 +33,9 @@ class _Run:
     ids: torch.Tensor  # (1, T)
     pos: torch.Tensor | None  # (1, T) the caller's RoPE positions (a tree), or None: the slots themselves
     mask: torch.Tensor | None  # (1, T, max_len): the caller's (tree) mask, or None for causal-in-slot-order
-    out: torch.Tensor | None = None
-    graph: object = None
+    layers: tuple[int, ...] = ()  # hidden states returned with the logits (Llama.forward's capture_layers)
+    out: object = None  # logits, or (logits, {layer: hidden})
+    graph: object = None  # None: not captured yet; False: capture failed, runs uncaptured
 
 
 class GraphedLlama(nn.Module):
@@ -44,7 +51,7 @@ class GraphedLlama(nn.Module):
         self.register_buffer("_arange", torch.arange(max_len, device=device), persistent=False)
         self.register_buffer("_s0", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self._cache: KVCache | None = None
-        self._runs: dict[tuple[int, bool, bool], _Run] = {}  # (T, own mask, own positions)
+        self._runs: dict[tuple, _Run] = {}  # (T, own mask, own positions, captured layers)
         self._pool = None
 
     def __getattr__(self, name):  # cfg, lm_head, norm, d2t, num_params ... come from the wrapped model
@@ -72,10 +79,10 @@ class GraphedLlama(nn.Module):
         capture it inside its own graph (a whole dynamic tree, ``TreeGraph``). The cache's ``length`` is left as
         it was."""
         if s0 is not None:
-            return self._forward_at(ids, pos, attn_mask, s0)
+            return self._forward_at(ids, pos, attn_mask, s0, tuple(capture_layers))
         T = ids.shape[1]
         eager = (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None
-                 or cache.padded or capture_layers or logits_at is not None or return_hidden
+                 or cache.padded or logits_at is not None or return_hidden
                  or head_fn is not None or T > self.max_graph_tokens
                  or cache.length == 0)  # a prefill: one graph per prompt length would cost more than it saves
         if eager:
@@ -85,7 +92,7 @@ class GraphedLlama(nn.Module):
         s0 = cache.length
         if s0 + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {s0}+{T} > {cache.max_len}")
-        key = (T, attn_mask is not None, pos is not None)
+        key = (T, attn_mask is not None, pos is not None, tuple(capture_layers))
         run = self._runs.get(key) or self._new_run(*key)
         # Few launches outside the graph: every one costs about as much as a small kernel at batch 1.
         run.ids.copy_(ids)
@@ -95,38 +102,46 @@ class GraphedLlama(nn.Module):
             run.mask[:, :, :s0 + T] = attn_mask
         if run.pos is not None:
             run.pos.copy_(pos)
-        if not self.graphs:
-            out = self._static_forward(run)
-        else:
-            if run.graph is None:
+        if self.graphs and run.graph is None:
+            try:
                 self._capture(run)
+            except RuntimeError as e:  # an op that cannot be captured: stay correct uncaptured, say so once
+                run.graph = False
+                log.warning("CUDA-graph capture failed for a %d-token forward (%s); it runs uncaptured",
+                            T, str(e).splitlines()[0])
+        if run.graph:
             run.graph.replay()
             out = run.out
+        else:
+            out = self._static_forward(run)
         cache.length = s0 + T
-        return out.clone()  # the graph's output buffer is overwritten by the next replay
+        # The graph's output buffers are overwritten by the next replay.
+        return (out[0].clone(), {k: v.clone() for k, v in out[1].items()}) if run.layers else out.clone()
 
-    def _new_run(self, T: int, custom_mask: bool, custom_pos: bool) -> _Run:
+    def _new_run(self, T: int, custom_mask: bool, custom_pos: bool, layers: tuple[int, ...] = ()) -> _Run:
         dev = self._arange.device
         run = _Run(ids=torch.zeros(1, T, dtype=torch.long, device=dev),
                    pos=torch.zeros(1, T, dtype=torch.long, device=dev) if custom_pos else None,
-                   mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None)
-        self._runs[(T, custom_mask, custom_pos)] = run
+                   mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None,
+                   layers=layers)
+        self._runs[(T, custom_mask, custom_pos, layers)] = run
         return run
 
     def _static_forward(self, run: _Run) -> torch.Tensor:
         mask = run.mask
         if mask is None:  # causal in slot order, as KVCache's own mask
             mask = self._arange[None, None, :] <= (self._s0 + self._arange[:run.ids.shape[1]])[None, :, None]
-        return self._forward_at(run.ids, run.pos, mask, self._s0)
+        return self._forward_at(run.ids, run.pos, mask, self._s0, run.layers)
 
-    def _forward_at(self, ids, pos, mask, s0: torch.Tensor) -> torch.Tensor:
+    def _forward_at(self, ids, pos, mask, s0: torch.Tensor, capture_layers: tuple[int, ...] = ()):
         cache, T = self._cache, ids.shape[1]
         slots = s0 + self._arange[:T]  # (T,): everything below reads the slot offset from a tensor
         cache.valid.index_fill_(1, slots, True)
         cache.slots = slots
         try:
             return self.model(ids, pos=slots.view(1, T) if pos is None else pos, cache=cache,
-                              attn_mask=mask & cache.valid[:, None, :])  # (1, T, max_len)
+                              attn_mask=mask & cache.valid[:, None, :],  # (1, T, max_len)
+                              capture_layers=capture_layers)
         finally:
             cache.slots = None
 

@@ -38,8 +38,60 @@ def test_static_forward_matches_eager():
         x = torch.randint(0, 300, (1, 6))
         kw = {"pos": (n + depth).view(1, -1), "attn_mask": mask}
         torch.testing.assert_close(g(x, cache=c_s, **kw), m(x, cache=c_e, **kw), rtol=1e-5, atol=1e-5)
-    # one static shape per (T, own mask, own positions)
-    assert sorted(g._runs) == [(1, False, False), (4, False, False), (6, True, True)]
+        x = torch.randint(0, 300, (1, 4))  # a verify that also returns hidden states (EAGLE, heads)
+        (ls, hs), (le, he) = g(x, cache=c_s, capture_layers=(1, 2)), m(x, cache=c_e, capture_layers=(1, 2))
+        torch.testing.assert_close(ls, le, rtol=1e-5, atol=1e-5)
+        assert hs.keys() == he.keys() == {1, 2}
+        for k in hs:
+            torch.testing.assert_close(hs[k], he[k], rtol=1e-5, atol=1e-5)
+    # one static shape per (T, own mask, own positions, captured layers)
+    assert sorted(g._runs) == [(1, False, False, ()), (4, False, False, ()), (4, False, False, (1, 2)),
+                               (6, True, True, ())]
+
+
+def test_feature_drafters_verify_through_the_static_forward():
+    """EAGLE (every verify returns the target's layer features) and a Medusa head (its last state) decode
+    through a GraphedLlama target exactly as through the eager one: same tokens, same acceptance."""
+    from draftsmith.models.eagle import build_eagle
+    from draftsmith.models.medusa import build_medusa
+
+    t = _model(0)
+    torch.manual_seed(3)
+    drafters = {"eagle3": build_eagle({"version": 3}, t).eval(), "medusa": build_medusa({"n_heads": 3}, t).eval()}
+    for d in drafters.values():
+        with torch.no_grad():
+            for q in d.parameters():
+                q.add_(torch.randn_like(q) * 0.05)
+    p = torch.randint(0, 300, (12,))
+    ref = autoregressive_generate(t, p, 40)
+    for name, d in drafters.items():
+        gt = GraphedLlama(_model(0), 256, graphs=False)
+        for k in (1, 4):
+            out, st = speculative_generate(gt, d, p, 40, draft_len=k)
+            out_e, st_e = speculative_generate(t, d, p, 40, draft_len=k)
+            assert out == out_e == ref, name
+            assert (st.accepted, st.drafted) == (st_e.accepted, st_e.drafted), name
+        spec = DynamicTree(depth=3, top_k=3, total_tokens=8)
+        assert tree_speculative_generate(gt, d, p, 40, spec)[0] == ref, name
+        assert any(key[3] for key in gt._runs), name  # verifies with hidden states took the static path
+
+
+def test_a_failed_forward_capture_runs_uncaptured(monkeypatch, caplog):
+    g = GraphedLlama(_model(0), 64, graphs=False)
+    g.graphs = True  # as on CUDA; the capture itself fails as a refused op would
+
+    def refuse(run):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+    monkeypatch.setattr(g, "_capture", refuse)
+    p = torch.randint(0, 300, (12,))
+    ref = autoregressive_generate(_model(0), p, 20)
+    with caplog.at_level("WARNING", logger="draftsmith.models.graphs"):
+        assert autoregressive_generate(g, p, 20) == ref
+        assert autoregressive_generate(g, p, 20) == ref
+    assert [r.getMessage() for r in caplog.records] == [
+        "CUDA-graph capture failed for a 1-token forward (operation not permitted when stream is capturing); it "
+        "runs uncaptured"]
+    assert g._runs[(1, False, False, ())].graph is False
 
 
 def test_graphed_decoding_is_lossless():
@@ -132,3 +184,9 @@ def test_cuda_graphs_replay_the_eager_decode():
     assert tree_speculative_generate(gt, gd, p, 48, DynamicTree(depth=3, top_k=3, total_tokens=8))[0] == ref
     assert any(r.graph is not None for r in gt._runs.values())
     assert all(g.graph is not None for g in gd._tree_graphs.values()) and gd._tree_graphs  # one captured tree
+    from draftsmith.models.eagle import build_eagle
+
+    eagle = build_eagle({"version": 3}, t).cuda().eval()  # verifies that return the target's layer features
+    for k in (1, 4):
+        assert speculative_generate(gt, eagle, p, 48, draft_len=k)[0] == ref
+    assert any(r.graph for key, r in gt._runs.items() if key[3])  # captured, not run uncaptured
