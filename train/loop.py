@@ -151,7 +151,8 @@ def train(recipe) -> Path:
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
     opt, sched = build_optimizer(drafter, tc)
-    n_trainable = sum(p.numel() for p in drafter.parameters() if p.requires_grad)  # before ZeRO-3 partitions them
+    # Counted before ZeRO-3 partitions the parameters (its module then holds empty tensors).
+    n_params, n_trainable = drafter.num_params(), sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     loss_gen = torch.Generator(device=acc.device).manual_seed(recipe.seed * 1000 + acc.process_index)
     counters = {"step": 0, "batches": 0, "tokens": 0, "seconds": 0.0}
     resume_from = latest_resumable(ckpt_dir) if tc.resume else None
@@ -175,7 +176,7 @@ def train(recipe) -> Path:
     if resume_from is not None:
         runlog.drop_after(step)
     if acc.is_main_process:
-        print(f"train: {kind} drafter, {ctx.unwrapped.num_params() / 1e6:.1f}M params "
+        print(f"train: {kind} drafter, {n_params / 1e6:.1f}M params "
               f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
               f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
               + (f", resuming at step {step} from {resume_from}" if resume_from is not None else ""))
