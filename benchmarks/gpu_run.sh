@@ -32,7 +32,8 @@ for s in $stages; do
     tests)
       # Many tests start subprocesses that each initialise CUDA: spread them over the machine's cores when
       # pytest-xdist is there; a per-test limit keeps one hang from eating the lease.
-      par=""; python3 -c "import xdist, pytest_timeout" 2>/dev/null && par="-n ${PYTEST_WORKERS:-12} --timeout 240"
+      par="-o addopts=-ra"  # pyproject's -n 2 needs pytest-xdist
+      python3 -c "import xdist, pytest_timeout" 2>/dev/null && par="-n ${PYTEST_WORKERS:-12} --timeout 240"
       # shellcheck disable=SC2086
       timeout "${TESTS_LIMIT:-420}" python3 -m pytest -q -p no:cacheprovider $par --durations 15 tests 2>&1 \
         | tee "$out/pytest.log" | tail -40 ;;
@@ -44,7 +45,9 @@ for s in $stages; do
         done
       done ;;
     gpu-tests)  # only the gpu-marked tests (the shipped DDP / FSDP2 launcher configs, native kernels)
-      python3 -m pytest -q -p no:cacheprovider -m gpu tests 2>&1 | tee "$out/pytest-gpu.log" | tail -15 ;;
+      gpar="-o addopts=-ra"; python3 -c "import xdist" 2>/dev/null && gpar=""
+      # shellcheck disable=SC2086
+      python3 -m pytest -q -p no:cacheprovider $gpar -m gpu tests 2>&1 | tee "$out/pytest-gpu.log" | tail -15 ;;
     decoder)
       # shellcheck disable=SC2086
       python3 benchmarks/gpu_decoder.py ${DECODER_ARGS:-} --json "$out/gpu_decoder.json" 2>&1 \
