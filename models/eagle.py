@@ -21,8 +21,8 @@ output projections: a 1-layer checkpoint grows into a deeper one unchanged) or a
 (``init_layers``), as the standalone draft LM's depth came from the target's layers (RESULTS.md, session 15).
 
 Decoding (eval/decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on new positions with a KV
-cache, for the chain and for EAGLE-2 dynamic trees; ``features(captured, target)`` turns a target forward's
-captured hidden states into f.
+cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs: models/graphs.py GraphedEagle);
+``features(captured, target)`` turns a target forward's captured hidden states into f.
 """
 from __future__ import annotations
 
@@ -178,12 +178,16 @@ class Eagle(ReducedVocab, nn.Module):
         pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
-        mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
+        static = cache is not None and cache.slots is not None
+        if static:  # models/graphs.py GraphedEagle: slots and the (1, T, max_len) mask come from the wrapper
+            mask = attn_mask[:, None]
+        else:
+            mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
         for j, block in enumerate(self.extra):
             out = block(out, cos, sin, mask, cache, j + 1)
-        if cache is not None:
+        if cache is not None and not static:
             cache.length += T
         return self.lm_head(self.head_input(out[:, -1:] if last_only else out)), out
 

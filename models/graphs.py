@@ -1,5 +1,5 @@
-"""CUDA-graph replay of batch-1 decoding forwards for our Llama (gpt-fast's "reduce-overhead" idea, without
-torch.compile).
+"""CUDA-graph replay of batch-1 decoding forwards for our Llama and EAGLE drafters (gpt-fast's "reduce-overhead"
+idea, without torch.compile).
 
 At batch 1 a ~1B model's decode step is bound by launching a few hundred small kernels from Python, not by the
 GPU (benchmarks/RESULTS.md, GPU section). ``GraphedLlama`` keeps one static KV cache and runs every forward of T
@@ -10,6 +10,10 @@ and replayed: a verify that also returns hidden states (EAGLE's features, a head
 not an eager forward (eager, an EAGLE verify of the packaged SmolLM2 took 33-47 ms on an H100 against 2.6 ms for a
 graphed decode step, benchmarks/RESULTS.md session 18). Prefills (writes at slot 0), padded batches, ``logits_at``
 and ``head_fn`` calls run eagerly on the same cache.
+
+``GraphedEagle`` does the same for an EAGLE drafter's ``step(state, ids, ...)``: the state is one more static
+input, and each (T, mask kind, last-only) is a graph. An eager EAGLE draft step cost 1.7 ms in fp32 on the H100
+(session 18), most of a graphed 30-layer verify, for a one-layer model: launch overhead again.
 
 With ``graphs=False`` (any device) the same static-shape forward runs without capture: the tests use it on CPU to
 check that the static path equals the eager one.
@@ -34,7 +38,9 @@ class _Run:
     pos: torch.Tensor | None  # (1, T) the caller's RoPE positions (a tree), or None: the slots themselves
     mask: torch.Tensor | None  # (1, T, max_len): the caller's (tree) mask, or None for causal-in-slot-order
     layers: tuple[int, ...] = ()  # hidden states returned with the logits (Llama.forward's capture_layers)
-    out: object = None  # logits, or (logits, {layer: hidden})
+    state: torch.Tensor | None = None  # (1, T, d) EAGLE's input states
+    last_only: bool = False  # EAGLE: logits of the last position only
+    out: object = None  # logits, (logits, {layer: hidden}) or EAGLE's (logits, states)
     graph: object = None  # None: not captured yet; False: capture failed, runs uncaptured
 
 
@@ -51,7 +57,7 @@ class GraphedLlama(nn.Module):
         self.register_buffer("_arange", torch.arange(max_len, device=device), persistent=False)
         self.register_buffer("_s0", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self._cache: KVCache | None = None
-        self._runs: dict[tuple, _Run] = {}  # (T, own mask, own positions, captured layers)
+        self._runs: dict[tuple, _Run] = {}  # (T, own mask, own positions, captured layers | EAGLE's last-only)
         self._pool = None
 
     def __getattr__(self, name):  # cfg, lm_head, norm, d2t, num_params ... come from the wrapped model
@@ -89,14 +95,22 @@ class GraphedLlama(nn.Module):
             return self.model(ids, pos=pos, cache=cache, valid=valid, attn_mask=attn_mask,
                               capture_layers=capture_layers, logits_at=logits_at, return_hidden=return_hidden,
                               head_fn=head_fn)
-        s0 = cache.length
+        key = (T, attn_mask is not None, pos is not None, tuple(capture_layers))
+        return self._replay(key, cache, ids, pos, attn_mask, layers=tuple(capture_layers))
+
+    def _replay(self, key: tuple, cache: KVCache, ids, pos, attn_mask, layers: tuple[int, ...] = (), state=None,
+                last_only: bool = False):
+        """One static-shape call: inputs into the run's buffers, then the graph (captured on first use)."""
+        T, s0 = ids.shape[1], cache.length
         if s0 + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {s0}+{T} > {cache.max_len}")
-        key = (T, attn_mask is not None, pos is not None, tuple(capture_layers))
-        run = self._runs.get(key) or self._new_run(*key)
+        run = self._runs.get(key) or self._new_run(key, T, attn_mask is not None, pos is not None, layers, state,
+                                                   last_only)
         # Few launches outside the graph: every one costs about as much as a small kernel at batch 1.
         run.ids.copy_(ids)
         self._s0.fill_(s0)
+        if run.state is not None:
+            run.state.copy_(state)
         if run.mask is not None:  # the caller's mask covers the filled slots; later slots are never attended
             run.mask.zero_()
             run.mask[:, :, :s0 + T] = attn_mask
@@ -115,35 +129,38 @@ class GraphedLlama(nn.Module):
         else:
             out = self._static_forward(run)
         cache.length = s0 + T
-        # The graph's output buffers are overwritten by the next replay.
-        return (out[0].clone(), {k: v.clone() for k, v in out[1].items()}) if run.layers else out.clone()
+        return _clone(out)  # a graph's output buffers are overwritten by the next replay
 
-    def _new_run(self, T: int, custom_mask: bool, custom_pos: bool, layers: tuple[int, ...] = ()) -> _Run:
+    def _new_run(self, key: tuple, T: int, custom_mask: bool, custom_pos: bool, layers: tuple[int, ...] = (),
+                 state: torch.Tensor | None = None, last_only: bool = False) -> _Run:
         dev = self._arange.device
         run = _Run(ids=torch.zeros(1, T, dtype=torch.long, device=dev),
                    pos=torch.zeros(1, T, dtype=torch.long, device=dev) if custom_pos else None,
                    mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None,
-                   layers=layers)
-        self._runs[(T, custom_mask, custom_pos, layers)] = run
+                   layers=layers, state=None if state is None else torch.zeros_like(state), last_only=last_only)
+        self._runs[key] = run
         return run
 
     def _static_forward(self, run: _Run) -> torch.Tensor:
         mask = run.mask
         if mask is None:  # causal in slot order, as KVCache's own mask
             mask = self._arange[None, None, :] <= (self._s0 + self._arange[:run.ids.shape[1]])[None, :, None]
-        return self._forward_at(run.ids, run.pos, mask, self._s0, run.layers)
+        return self._forward_at(run.ids, run.pos, mask, self._s0, run.layers, run)
 
-    def _forward_at(self, ids, pos, mask, s0: torch.Tensor, capture_layers: tuple[int, ...] = ()):
+    def _forward_at(self, ids, pos, mask, s0: torch.Tensor, capture_layers: tuple[int, ...] = (), run=None):
         cache, T = self._cache, ids.shape[1]
         slots = s0 + self._arange[:T]  # (T,): everything below reads the slot offset from a tensor
         cache.valid.index_fill_(1, slots, True)
         cache.slots = slots
         try:
-            return self.model(ids, pos=slots.view(1, T) if pos is None else pos, cache=cache,
-                              attn_mask=mask & cache.valid[:, None, :],  # (1, T, max_len)
-                              capture_layers=capture_layers)
+            return self._call(ids, slots.view(1, T) if pos is None else pos, mask & cache.valid[:, None, :], run,
+                              capture_layers)
         finally:
             cache.slots = None
+
+    def _call(self, ids, pos, mask, run, capture_layers):
+        """The wrapped model's own forward in static mode; mask (1, T, max_len)."""
+        return self.model(ids, pos=pos, cache=self._cache, attn_mask=mask, capture_layers=capture_layers)
 
     def _capture(self, run: _Run) -> None:
         run.graph, run.out = self.capture(lambda: self._static_forward(run))
@@ -167,6 +184,39 @@ class GraphedLlama(nn.Module):
         return graph, out
 
 
+class GraphedEagle(GraphedLlama):
+    """Wraps an EAGLE drafter (models/eagle.py) for batch-1 decoding: ``step`` as the model's, captured per
+    (T, own mask, own positions, last-only). Its first call on an empty cache (the prompt) runs eagerly."""
+
+    def forward(self, *args, **kwargs):  # EAGLE's forward is its training-time unroll: never captured
+        return self.model(*args, **kwargs)
+
+    def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only: bool = False, valid=None):
+        T = ids.shape[1]
+        if (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None or cache.padded
+                or T > self.max_graph_tokens or cache.length == 0):
+            return self.model.step(state, ids, pos=pos, cache=cache, attn_mask=attn_mask, last_only=last_only,
+                                   valid=valid)
+        key = (T, attn_mask is not None, pos is not None, last_only)
+        return self._replay(key, cache, ids, pos, attn_mask, state=state, last_only=last_only)
+
+    def _call(self, ids, pos, mask, run, capture_layers):
+        return self.model.step(run.state, ids, pos=pos, cache=self._cache, attn_mask=mask, last_only=run.last_only)
+
+
+def _clone(out):
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, dict):
+        return {k: v.clone() for k, v in out.items()}
+    return tuple(_clone(o) for o in out)
+
+
 def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Module:
-    """``model`` wrapped in a GraphedLlama when it is one of our Llamas (targets and draft LMs); else as is."""
-    return GraphedLlama(model, max_len, graphs) if type(model) is Llama else model
+    """``model`` wrapped for CUDA graphs when it is one of our Llamas (targets and draft LMs) or an EAGLE drafter;
+    else as is."""
+    from draftsmith.models.eagle import Eagle
+
+    if type(model) is Llama:
+        return GraphedLlama(model, max_len, graphs)
+    return GraphedEagle(model, max_len, graphs) if isinstance(model, Eagle) else model

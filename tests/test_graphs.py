@@ -76,6 +76,58 @@ def test_feature_drafters_verify_through_the_static_forward():
         assert any(key[3] for key in gt._runs), name  # verifies with hidden states took the static path
 
 
+def test_eagle_drafters_draft_through_the_static_step():
+    """GraphedEagle: an EAGLE drafter's steps through the static-shape path (chains, a static and a dynamic tree)
+    give the eager drafter's tokens and acceptance, over an eager or a graphed target; EAGLE-1, EAGLE-3 and a
+    deeper EAGLE-3 whose extra block reads the same static cache."""
+    from draftsmith.models.eagle import build_eagle
+    from draftsmith.models.graphs import GraphedEagle
+
+    t = _model(0)
+    p = torch.randint(0, 300, (12,))
+    ref = autoregressive_generate(t, p, 40)
+    for params in ({"version": 1}, {"version": 3}, {"version": 3, "n_layers": 2, "init_layers": [1]}):
+        torch.manual_seed(3)
+        d = build_eagle(params, t).eval()
+        with torch.no_grad():
+            for q in d.parameters():
+                q.add_(torch.randn_like(q) * 0.05)
+        g = graph_decoding(d, 256, graphs=False)
+        assert isinstance(g, GraphedEagle) and g.capture_layers == d.capture_layers
+        for target in (t, GraphedLlama(_model(0), 256, graphs=False)):
+            for k in (1, 4):
+                out, st = speculative_generate(target, g, p, 40, draft_len=k)
+                out_e, st_e = speculative_generate(t, d, p, 40, draft_len=k)
+                assert out == out_e == ref, params
+                assert (st.accepted, st.drafted, st.accept_counts) == (st_e.accepted, st_e.drafted,
+                                                                        st_e.accept_counts), params
+            for tree in (tree_from_choices([[0], [1], [0, 0], [0, 0, 0]]), DynamicTree(depth=3, top_k=3,
+                                                                                      total_tokens=8)):
+                out, st = tree_speculative_generate(target, g, p, 40, tree)
+                out_e, st_e = tree_speculative_generate(t, d, p, 40, tree)
+                assert out == out_e == ref and st.accepted == st_e.accepted, params
+        # chain drafts (1 token, last-only roots of 1..5 tokens) and tree levels (own masks and positions)
+        keys = set(g._runs)  # (T, own mask, own positions, last-only)
+        assert (1, False, False, False) in keys and (1, False, False, True) in keys, params  # chain, root
+        assert any(k[1] and k[2] for k in keys), params  # tree levels
+        # step by step, as the static path sees them: a multi-token root, a draft, a tree level
+        c_e, c_s = d.new_cache(1, 64), g.new_cache(1, 64)
+        with torch.no_grad():
+            for T, kw in ((9, {}), (3, {"last_only": True}), (1, {}), (4, "tree")):
+                ids, st = torch.randint(0, 300, (1, T)), torch.randn(1, T, d.cfg.dim)
+                if kw == "tree":
+                    anc, depth = tree_mask(torch.tensor([-1, 0, 0]))  # root + 3 nodes
+                    n = c_e.length
+                    mask = torch.ones(1, T, n + T, dtype=torch.bool)
+                    mask[0, :, n:] = anc
+                    kw = {"pos": (n + depth).view(1, -1), "attn_mask": mask}
+                (ls, ss), (le, se) = g.step(st, ids, cache=c_s, **kw), d.step(st, ids, cache=c_e, **kw)
+                torch.testing.assert_close(ls, le, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ss, se, rtol=1e-5, atol=1e-5)
+                assert c_s.length == c_e.length
+        assert (3, False, False, True) in g._runs
+
+
 def test_a_failed_forward_capture_runs_uncaptured(monkeypatch, caplog):
     g = GraphedLlama(_model(0), 64, graphs=False)
     g.graphs = True  # as on CUDA; the capture itself fails as a refused op would
@@ -160,7 +212,7 @@ def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
         "level by level instead") == 1
 
 
-def test_graph_decoding_wraps_only_llamas():
+def test_graph_decoding_wraps_llamas_and_nothing_unknown():
     m = _model(0)
     assert isinstance(graph_decoding(m, 32, graphs=False), GraphedLlama)
     head = torch.nn.Linear(4, 4)
@@ -190,3 +242,9 @@ def test_cuda_graphs_replay_the_eager_decode():
     for k in (1, 4):
         assert speculative_generate(gt, eagle, p, 48, draft_len=k)[0] == ref
     assert any(r.graph for key, r in gt._runs.items() if key[3])  # captured, not run uncaptured
+    ge = graph_decoding(eagle, 256)  # and the drafter's own steps: chain, static and dynamic trees
+    for k in (1, 4):
+        assert speculative_generate(gt, ge, p, 48, draft_len=k)[0] == ref
+    for tree in (tree_from_choices([[0], [1], [0, 0]]), DynamicTree(depth=3, top_k=3, total_tokens=8)):
+        assert tree_speculative_generate(gt, ge, p, 48, tree)[0] == ref
+    assert ge._runs and all(r.graph for r in ge._runs.values())
