@@ -6,6 +6,8 @@
 # decoder: benchmarks/gpu_decoder.py (~1B target, CUDA graphs, kernel share, efficiency; extra flags in
 #          DECODER_ARGS, e.g. "--skip-eager");
 # trees:   benchmarks/dynamic_tree_draft.py --device cuda --profile (where a dynamic tree's drafting time goes).
+# eagle-steps: benchmarks/eagle_steps.py --profile (EAGLE verify / draft step costs, eager vs graphed, fp32 vs bf16;
+#          random weights, no model package needed).
 # eagle3:  the EAGLE-3 pipeline on the packaged SmolLM2 at GPU scale: generate target answers, train, eval chain
 #          γ = 6 and the recipe's tree (E3_PROMPTS, E3_GEN_BATCH, E3_STEPS, E3_BATCH, E3_TRAIN_S, E3_DTYPE; run folder
 #          E3_RUN; E3_GEN_ONLY / E3_SKIP_GEN split it over two calls; E3_DATA / E3_EVAL: prompt overrides, e.g.
@@ -56,6 +58,8 @@ for s in $stages; do
       old=""; [ -d .gpu/old ] && old="--old-dir .gpu/old"
       # shellcheck disable=SC2086
       python3 benchmarks/dynamic_tree_draft.py --device cuda --profile $old 2>&1 | tee "$out/dynamic_tree.log" ;;
+    eagle-steps)
+      python3 benchmarks/eagle_steps.py --profile --json "$out/eagle_steps.json" 2>&1 | tee "$out/eagle_steps.log" ;;
     stash)  # the first half of the model wheel, kept on the machine for the next call
       cp .gpu/smollm2.part-a /tmp/ && ls -la /tmp/smollm2.part-a ;;
     eagle3)
@@ -87,6 +91,6 @@ for s in $stages; do
         cp "$e3/eval-$name/eval/report.json" "$out/e3-report-$name.json"
       done
       echo "all: $((SECONDS - t0)) s" ;;
-    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, stash, eagle3)"; exit 2 ;;
+    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, eagle-steps, stash, eagle3)"; exit 2 ;;
   esac
 done
