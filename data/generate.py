@@ -182,6 +182,10 @@ class Producer:
         lc = dc.specdec_labels
         self.label_sampling = Sampling(lc.temperature, lc.top_k, lc.top_p) if lc else None
         self._vllm = None
+        if dc.optimize:  # inference only from here on: fused, pre-packed matmuls (RESULTS.md, session 19)
+            for m in (self.tgt.model, self.drafter, self.labeller):
+                if m is not None and hasattr(m, "optimize_for_inference"):
+                    m.optimize_for_inference()
 
     def _drafter(self, section, key: str, dtype, writer: bool = False):
         """The drafter that writes on-policy responses (``writer``) or labels SpecDec++ tokens. A standalone

@@ -136,6 +136,9 @@ class DataConfig(Strict):
     """Most conversations generated together (left-padded, one KV cache)."""
     batch_tokens: int | None = Field(None, gt=0)
     """Token budget per batch: batch size x (longest context + new tokens) stays under it. None = no budget."""
+    optimize: bool = True
+    """Fuse and pre-pack the target's (and a generating or labelling drafter's) matmuls, as eval.optimize does:
+    the same model to float rounding, batched decode steps 1.6-2x faster on a 2-core CPU. false: plain modules."""
     signals: SignalsConfig = SignalsConfig()
     shard_size: int = Field(256, gt=0)
     """Prompts per safetensors shard; a shard is the unit of resume and of data-parallel work."""

@@ -3,6 +3,7 @@
 modes, resume after a crash, 2 ranks == 1 rank, the vLLM adapter and bad input."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -328,9 +329,13 @@ def test_sampled_tokens_follow_the_processed_distribution(target):
     assert 0.5 * (freq - probs.double()).abs().sum() < 0.1
 
 
-def test_a_rows_sample_does_not_depend_on_its_batch_mates(target):
+@pytest.mark.parametrize("optimize", [False, True])
+def test_a_rows_sample_does_not_depend_on_its_batch_mates(target, optimize):
     """A row that ends at EOS stops drawing from its generator, so its next draws (the next turn of a sampled
-    multi-turn conversation) are the same whoever shared its batch and however long they ran."""
+    multi-turn conversation) are the same whoever shared its batch and however long they ran. Also with the
+    fused, pre-packed matmuls the generate stage uses by default (data.optimize)."""
+    if optimize:
+        target = copy.deepcopy(target).optimize_for_inference()
     s = Sampling(temperature=1.0)
     alone = decode_batch(target, [[1, 5, 9]], 24, set(), s, [row_generator("cpu", 0, 0)])[0].tokens
     eos = {alone[3]}  # the row's 4th token: it stops there
