@@ -289,6 +289,25 @@ def test_batch_size_and_budget_do_not_change_the_data(tmp_path, run_args):
     assert [r.input_ids.tolist() for r in a] == [r.input_ids.tolist() for r in b]
 
 
+def test_plain_and_fused_generation_give_the_same_data(tmp_path, run_args, monkeypatch):
+    """data.optimize (the default) generates with fused, pre-packed matmuls: the same model to float rounding, so
+    the same greedy answers and the same teacher signals up to their storage precision."""
+    from draftsmith.models.llama import Llama
+
+    fused, calls = Llama.optimize_for_inference, []
+    monkeypatch.setattr(Llama, "optimize_for_inference", lambda self: calls.append(1) or fused(self))
+    assert main(run_args("data.optimize=false", out="plain")) == 0
+    assert not calls
+    assert main(run_args(out="fused")) == 0
+    assert calls == [1]
+    a, b = records_of(tmp_path / "plain" / "data"), records_of(tmp_path / "fused" / "data")
+    assert [r.input_ids.tolist() for r in a] == [r.input_ids.tolist() for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert torch.equal(ra.signals["topk_ids"][:, 0], rb.signals["topk_ids"][:, 0])
+        torch.testing.assert_close(ra.signals["topk_logprobs"].float(), rb.signals["topk_logprobs"].float(),
+                                   atol=2e-2, rtol=0)
+
+
 def test_eagle3_layers_default_and_fp8(tmp_path, tiny_tokenizer, run_args):
     from conftest import save_tiny_llama
 
