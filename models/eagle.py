@@ -45,9 +45,9 @@ from draftsmith.models.llama import (
     apply_rope,
     default_pos,
     fuse_for_inference,
-    prepare_cache,
     rope_cos_sin,
     rope_inv_freq,
+    step_mask,
 )
 
 
@@ -178,11 +178,7 @@ class Eagle(ReducedVocab, nn.Module):
         pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
-        static = cache is not None and cache.slots is not None
-        if static:  # models/graphs.py GraphedEagle: slots and the (1, T, max_len) mask come from the wrapper
-            mask = attn_mask[:, None]
-        else:
-            mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
+        mask, static = step_mask(cache, T, valid, attn_mask)  # static: under models/graphs.py GraphedEagle
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
         for j, block in enumerate(self.extra):

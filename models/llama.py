@@ -112,6 +112,16 @@ def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask:
     return None
 
 
+def step_mask(cache: KVCache | None, T: int, valid: torch.Tensor | None, attn_mask: torch.Tensor | None):
+    """-> (attention mask for T new tokens, static). Static-shape mode (models/graphs.py sets ``cache.slots``): the
+    wrapper passes the (B, T, max_len) mask over the whole buffer and keeps ``cache.length`` itself."""
+    if cache is None:
+        return None, False
+    if cache.slots is not None:
+        return attn_mask[:, None], True
+    return prepare_cache(cache, T, valid, attn_mask), False
+
+
 def default_pos(ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
     """RoPE positions (B, T) of new tokens: 0..T-1, or continuing after the cache's filled slots."""
     B, T = ids.shape
@@ -420,11 +430,7 @@ class Llama(ReducedVocab, nn.Module):
             cos, sin = rope_cis(pos, self.inv_freq), None
         else:
             cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
-        static = cache is not None and cache.slots is not None
-        if static:  # models/graphs.py set the slots and passes the (B, T, max_len) mask over the whole buffer
-            mask = attn_mask[:, None]
-        else:
-            mask = prepare_cache(cache, T, valid, attn_mask) if cache is not None else None
+        mask, static = step_mask(cache, T, valid, attn_mask)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
