@@ -12,6 +12,14 @@ the best fixed draft length.
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
     python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
     python -m draftsmith.eval.sweep RECIPE eval.stop.rule=entropy --thresholds 1,2,3 --min-lens 0,1   # any drafter
+    python -m draftsmith.eval.sweep RECIPE --oracle --fixed 1,2,3 eval.draft_len=6   # the headroom of any stop rule
+
+``--oracle`` (greedy only) adds a config no real rule can match: ``OracleStop`` knows the target's greedy output
+(the AR config's, decoded just before it on the same prompt) and ends each block right after the first draft the
+target will reject. That is a SpecDec++ ``before`` rule with a perfect acceptance head: it drafts every token the
+cap would have accepted and wastes at most one draft per verify. Its gain over the best fixed length bounds what
+any rule that judges each picked draft can gain with this drafter on this machine (reported apart, never as the
+best rule).
 """
 from __future__ import annotations
 
@@ -35,22 +43,42 @@ from draftsmith.models.judge import Judge
 DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]
 
 
+class OracleStop:
+    """A stop rule that knows the target's greedy continuation ``want`` (T = 0): asked right after draft n is picked
+    (``before_feed``, so stopping costs no drafter forward), it ends the block iff the target will reject draft n.
+    The decoder's ``on_token`` feeds it the committed tokens, so it knows where the block starts."""
+    before_feed, min_len = True, 1
+
+    def __init__(self, want: list[int]):
+        self.want, self.emitted = want, 0
+
+    def on_token(self, _token: int) -> None:
+        self.emitted += 1
+
+    def __call__(self, n: int, logits, hidden, token=None) -> bool:
+        i = self.emitted + n - 1  # the committed tokens end with cur; draft 1 continues after it
+        return i >= len(self.want) or int(token) != self.want[i]
+
+
 def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = (),
-          min_lens: list[int] = ()) -> dict:
+          min_lens: list[int] = (), oracle: bool = False) -> dict:
     """thresholds None: the default list when the recipe has a stop rule, else none. min_lens: each threshold is
-    tried with each of these eval.stop.min_len values (empty: the recipe's)."""
+    tried with each of these eval.stop.min_len values (empty: the recipe's). oracle: add ``OracleStop``."""
     ec = recipe.eval
+    if oracle and ec.temperature > 0:
+        raise DraftsmithError("--oracle needs eval.temperature=0 (it stops at the first draft the target's greedy "
+                              "output does not continue with)")
     setup = load_for_eval(recipe)
     hook = setup.stop_drafting
     if thresholds is None:
-        thresholds = DEFAULT_THRESHOLDS if hook is not None and not deltas else []
+        thresholds = DEFAULT_THRESHOLDS if hook is not None and not deltas and not oracle else []
     if thresholds and hook is None:
         raise DraftsmithError("--thresholds needs a stop rule: set eval.stop or point eval.checkpoint at an "
                               "acceptance head")
     if deltas and setup.judge is None:
         raise DraftsmithError("--deltas needs a judge: set eval.judge.head (a drafter.kind judge checkpoint)")
-    if not (thresholds or deltas):
-        raise DraftsmithError("nothing to sweep: give --thresholds (a stop rule) or --deltas (a judge)")
+    if not (thresholds or deltas or oracle):
+        raise DraftsmithError("nothing to sweep: give --thresholds (a stop rule), --deltas (a judge) or --oracle")
     if not fixed:
         raise DraftsmithError("--fixed needs at least one draft length to compare against")
     if min_lens and (not thresholds or any(m < 0 for m in min_lens)):
@@ -87,6 +115,15 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}  # config name -> (threshold, min_len)
     configs.update({n: with_threshold(h, m) for n, (h, m) in stop_of.items()})
     configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
+    ar_out: list[int] = []  # this prompt's AR output: "ar" runs first, the oracle after it
+
+    def with_oracle(x):
+        rule = OracleStop(ar_out)
+        return speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos,
+                                    generator=gen, stop_drafting=rule, on_token=rule.on_token, **sampling)
+
+    if oracle:
+        configs["oracle"] = with_oracle
     solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     cat_secs, cat_toks = defaultdict(float), defaultdict(int)
@@ -102,6 +139,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                 if setup.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                if name == "ar":
+                    ar_out[:] = out
                 if i < ec.warmup:
                     continue  # first calls pay one-off allocation costs
                 outs[name] = out
@@ -130,18 +169,21 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                       **({"task_accuracy": solved[n] / n_scored} if setup.tasks else {}),
                       **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {})}
     best_fixed = max((f"fixed-{k}" for k in fixed), key=rate.get)
-    best = max((n for n in configs if n.startswith(("stop-", "judge-"))), key=rate.get)
+    rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
+    best = max(rules, key=rate.get) if rules else None
     cats = sorted({c for c, _ in cat_secs})
+    shown = [n for n in (best_fixed, best, "oracle" if oracle else None) if n]
     report = {
         "prompts": {"source": ec.prompts.source, "n": n_scored, "seed": ec.prompts.seed,
                     **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {})},
         "drafter": str(setup.ckpt), "stop": setup.stop_info, "cap": ec.draft_len, "temperature": ec.temperature,
         "configs": results, "best_fixed": best_fixed, "best_stop": best,
-        "best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
+        **({"best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
+            "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1} if best else {}),
         **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
-        "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1,
+        **({"oracle_gain_vs_best_fixed": rate["oracle"] / rate[best_fixed] - 1} if oracle else {}),
         "per_category": {c: {n: cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"])
-                             for n in (best_fixed, best)} for c in cats},
+                             for n in shown} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
         **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
         "machine": meter.machine(),
@@ -159,8 +201,9 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
               f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}" +
               (f" {r['task_accuracy']:8.3f}" if acc else ""))
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
-    print(f"sweep: best fixed {best_fixed}, best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}; "
-          f"-> {out_dir / 'sweep.json'}")
+    found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
+    bound = f"; oracle stop {report['oracle_gain_vs_best_fixed']:+.1%} (the bound)" if oracle else ""
+    print(f"sweep: best fixed {best_fixed}{found}{bound}; -> {out_dir / 'sweep.json'}")
     return report
 
 
@@ -180,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated eval.stop.min_len values to cross with every threshold (config names "
                         "stop-<h>-m<n>); 0 lets the entropy rule skip drafting where even the first draft looks "
                         "unsure; default: the recipe's min_len only")
+    p.add_argument("--oracle", action="store_true",
+                   help="also decode with OracleStop (greedy only): it knows the target's output and ends each block "
+                        "right after the first draft the target will reject, at the cap eval.draft_len; its gain "
+                        "over the best fixed length bounds what any stop rule can gain with this drafter here")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 
@@ -193,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         sweep(recipe, None if args.thresholds is None else floats(args.thresholds),
               [int(k) for k in args.fixed.split(",") if k.strip()], deltas,
-              [int(m) for m in args.min_lens.split(",") if m.strip()])
+              [int(m) for m in args.min_lens.split(",") if m.strip()], args.oracle)
     except (DraftsmithError, ValueError) as e:
         print(f"draftsmith sweep: error: {e}", file=sys.stderr)
         return 2

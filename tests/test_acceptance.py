@@ -196,8 +196,19 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert r["lossless_mismatches"] == 0 and r["best_min_len"] in (0, 1)
     assert {"stop-0.05-m0", "stop-0.05-m1", "stop-50-m0", "stop-50-m1"} <= set(r["configs"])
     assert r["configs"]["stop-0.05-m0"]["drafted_per_step"] < r["configs"]["stop-0.05-m1"]["drafted_per_step"]
+    # --oracle alone: the bound on any stop rule, reported apart from the rules (there are none here)
+    plain = [c for c in plain if c != "eval.stop.rule=entropy"] + ["eval.draft_len=3"]
+    r = sweep.sweep(load_recipe("tiny", plain), None, [1, 3], oracle=True)
+    assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "oracle"}
+    o, f3 = r["configs"]["oracle"], r["configs"]["fixed-3"]
+    assert o["tau"] == f3["tau"] and o["drafted_per_step"] <= f3["drafted_per_step"] and o["wasted_per_step"] <= 1
+    assert r["best_stop"] is None and "gain_vs_best_fixed" not in r and "oracle" in r["per_category"]["all"]
+    assert r["oracle_gain_vs_best_fixed"] == pytest.approx(o["tokens_per_s"] / r["configs"][r["best_fixed"]]
+                                                           ["tokens_per_s"] - 1)
     from draftsmith.errors import DraftsmithError
 
+    with pytest.raises(DraftsmithError, match="--oracle needs eval.temperature=0"):
+        sweep.sweep(load_recipe("tiny", plain + ["eval.temperature=1.0"]), None, [1], oracle=True)
     with pytest.raises(DraftsmithError, match="min-lens 0 needs eval.stop.rule=entropy"):
         sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", *[c for c in common if c != "-q"]]), [0.5], [1],
                     min_lens=[0])

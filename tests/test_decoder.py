@@ -640,6 +640,29 @@ class _SkipHook:
 
 
 @pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
+def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(target, ar_outputs, kind):
+    """eval/sweep.py OracleStop (the bound on any stop rule): it knows the greedy output and ends each block right
+    after the first draft the target rejects. Every block then accepts exactly what the fixed cap accepts (the
+    same accept counts, so the same tau), with at most one wasted draft per verify, and the output is unchanged."""
+    from draftsmith.eval.sweep import OracleStop
+
+    drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
+        kind, lambda: _heads(kind, target, 4, 0.05))()
+    cap, saved = 4, 0
+    for prompt in PROMPTS:
+        want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
+        _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=cap)
+        rule = OracleStop(want)
+        out, st = speculative_generate(target, drafter, x, NEW, draft_len=cap, stop_drafting=rule,
+                                       on_token=rule.on_token)
+        assert out == want and rule.emitted == len(want)
+        assert st.accept_counts == fixed.accept_counts and st.target_forwards == fixed.target_forwards
+        assert st.drafted - st.accepted <= st.target_forwards  # at most the rejected draft itself per block
+        saved += fixed.drafted - st.drafted
+    assert saved > 0  # some block stopped before the cap
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
 def test_min_len_zero_skips_drafting_and_stays_lossless(target, ar_outputs, kind):
     """With min_len 0 a stop rule may draft nothing: that step is a plain target step (one token, no drafts),
     the drafter's cache stays consistent, and the output still equals the target's greedy output."""
