@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--oracle", action="store_true",
                    help="also decode with OracleStop (greedy only): it knows the target's output and ends each block "
                         "right after the first draft the target will reject, at the cap eval.draft_len; its gain "
-                        "over the best fixed length bounds what any stop rule can gain with this drafter here")
+                        "over the best fixed length bounds what a stop rule judging each picked draft (SpecDec++, "
+                        "entropy with min_len >= 1) can gain with this drafter here")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 

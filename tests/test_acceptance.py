@@ -196,7 +196,7 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert r["lossless_mismatches"] == 0 and r["best_min_len"] in (0, 1)
     assert {"stop-0.05-m0", "stop-0.05-m1", "stop-50-m0", "stop-50-m1"} <= set(r["configs"])
     assert r["configs"]["stop-0.05-m0"]["drafted_per_step"] < r["configs"]["stop-0.05-m1"]["drafted_per_step"]
-    # --oracle alone: the bound on any stop rule, reported apart from the rules (there are none here)
+    # --oracle alone: the bound on per-draft stop rules, reported apart from the rules (there are none here)
     plain = [c for c in plain if c != "eval.stop.rule=entropy"] + ["eval.draft_len=3"]
     r = sweep.sweep(load_recipe("tiny", plain), None, [1, 3], oracle=True)
     assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "oracle"}
