@@ -642,8 +642,9 @@ class _SkipHook:
 @pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
 def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(target, ar_outputs, kind):
     """eval/sweep.py OracleStop (the bound on stop rules that judge each picked draft): it knows the greedy output
-    and ends each block right after the first draft the target rejects. Every block then accepts exactly what the fixed cap accepts (the
-    same accept counts, so the same tau), with at most one wasted draft per verify, and the output is unchanged."""
+    and ends each block right after the first draft the target rejects. Every block then accepts exactly what the
+    fixed cap accepts (the same accept counts, so the same tau), with at most one wasted draft per verify, and the
+    output is unchanged."""
     from draftsmith.eval.sweep import OracleStop
 
     drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
