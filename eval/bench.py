@@ -255,7 +255,7 @@ def evaluate(recipe) -> dict:
 def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     """eval.stop -> (the drafter to decode with, its info, the stop hook, the report's description). An
     acceptance-head checkpoint stands for its draft LM decoded with the SpecDec++ rule."""
-    from draftsmith.models.acceptance import AcceptanceStop, EntropyStop
+    from draftsmith.models.acceptance import AcceptanceStop, ConfidenceStop, EntropyStop
     from draftsmith.recipes.schema import StopConfig
 
     sc = ec.stop or StopConfig()
@@ -275,7 +275,7 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
     if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
-    if head is not None and info.get("kind") not in ("draft_lm", "eagle"):  # entropy works for every drafter
+    if head is not None and info.get("kind") not in ("draft_lm", "eagle"):  # training-free rules: every drafter
         raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM or EAGLE drafter, not "
                               f"{info.get('kind')}")
     if head is not None and (head.cfg.dim != drafter.cfg.dim or head.cfg.draft_kind != info.get("kind")):
@@ -286,8 +286,9 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
         raise DraftsmithError(f"eval.stop.state={sc.state} but the head {head_path} was trained with "
                               f"drafter.state={head.cfg.state}")
     prepare = drafter.head_input if info.get("kind") == "eagle" else None  # EAGLE: as in training
+    training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
     hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare) if head is not None else \
-        EntropyStop(sc.threshold, sc.min_len, before_feed=sc.state == "before")
+        training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
     state = head.cfg.state if head is not None else (sc.state or "after")
     desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len, "state": state,
             **({"head": str(head_path)} if head is not None else {})}

@@ -12,14 +12,18 @@ the best fixed draft length.
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
     python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
     python -m draftsmith.eval.sweep RECIPE eval.stop.rule=entropy --thresholds 1,2,3 --min-lens 0,1   # any drafter
+    python -m draftsmith.eval.sweep RECIPE eval.stop.rule=confidence --thresholds 0.5,0.7,0.9 --min-lens 0 --oracle
     python -m draftsmith.eval.sweep RECIPE --oracle --fixed 1,2,3 eval.draft_len=6   # the headroom of any stop rule
 
-``--oracle`` (greedy only) adds a config no real rule can match: ``OracleStop`` knows the target's greedy output
-(the AR config's, decoded just before it on the same prompt) and ends each block right after the first draft the
-target will reject. That is a SpecDec++ ``before`` rule with a perfect acceptance head: it drafts every token the
-cap would have accepted and wastes at most one draft per verify. Its gain over the best fixed length bounds what
-any rule that judges each picked draft can gain with this drafter on this machine (reported apart, never as the
-best rule).
+``--oracle`` (greedy only) adds two configs no real rule can match. Both know the target's greedy output (the AR
+config's, decoded just before them on the same prompt) and accept exactly what the cap accepts (same tau):
+- ``oracle`` (``OracleStop``) ends each block right after the first draft the target will reject: a SpecDec++
+  ``before`` rule with a perfect acceptance head, wasting at most one draft per verify. Its gain over the best
+  fixed length bounds what a rule that judges each picked draft (min_len >= 1) can gain.
+- ``oracle-skip`` (``OracleStop(skip=True)``) ends each block *before* the first draft the target will reject
+  (min_len 0): no verify ever carries a rejected draft, and a block whose first draft would fail is a plain target
+  step. It bounds rules that may also draft nothing (entropy or SpecDec++ ``after`` rules with min_len 0).
+Their gains are reported apart from the real rules, never as the best rule.
 """
 from __future__ import annotations
 
@@ -44,20 +48,24 @@ DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]
 
 
 class OracleStop:
-    """A stop rule that knows the target's greedy continuation ``want`` (T = 0): asked right after draft n is picked
-    (``before_feed``, so stopping costs no drafter forward), it ends the block iff the target will reject draft n.
-    The decoder's ``on_token`` feeds it the committed tokens, so it knows where the block starts."""
-    before_feed, min_len = True, 1
+    """A stop rule that knows the target's greedy continuation ``want`` (T = 0). By default it is asked right after
+    draft n is picked (``before_feed``, so stopping costs no drafter forward) and ends the block iff the target will
+    reject draft n, which the verify then drops. With ``skip`` it is asked once the drafter has read n drafts
+    (n >= 0, min_len 0) and ends the block iff the next draft, the argmax of the drafter's logits at T = 0, would
+    be rejected: the same drafter forwards, and no rejected draft in any verify. The decoder's ``on_token`` feeds it
+    the committed tokens, so it knows where each block starts."""
 
-    def __init__(self, want: list[int]):
+    def __init__(self, want: list[int], skip: bool = False):
         self.want, self.emitted = want, 0
+        self.before_feed, self.min_len = not skip, 0 if skip else 1
 
     def on_token(self, _token: int) -> None:
         self.emitted += 1
 
     def __call__(self, n: int, logits, hidden, token=None) -> bool:
-        i = self.emitted + n - 1  # the committed tokens end with cur; draft 1 continues after it
-        return i >= len(self.want) or int(token) != self.want[i]
+        # the committed tokens end with cur, and draft 1 continues after it: draft m sits at want[emitted + m - 1]
+        i, tok = (self.emitted + n - 1, token) if self.before_feed else (self.emitted + n, logits.argmax())
+        return i >= len(self.want) or int(tok) != self.want[i]
 
 
 def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = (),
@@ -83,8 +91,9 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         raise DraftsmithError("--fixed needs at least one draft length to compare against")
     if min_lens and (not thresholds or any(m < 0 for m in min_lens)):
         raise DraftsmithError("--min-lens needs --thresholds and values >= 0")
-    if 0 in min_lens and (setup.stop_info or {}).get("rule") != "entropy":
-        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy (the SpecDec++ head scores drafted tokens)")
+    if 0 in min_lens and (setup.stop_info or {}).get("rule") not in ("entropy", "confidence"):
+        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy or confidence (the SpecDec++ head scores "
+                              "drafted tokens)")
     if 0 in min_lens and (setup.stop_info or {}).get("state") == "before":
         raise DraftsmithError("--min-lens 0 needs eval.stop.state=after (a before rule judges a picked draft)")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
@@ -117,13 +126,15 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
     ar_out: list[int] = []  # this prompt's AR output: "ar" runs first, the oracle after it
 
-    def with_oracle(x):
-        rule = OracleStop(ar_out)
-        return speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos,
-                                    generator=gen, stop_drafting=rule, on_token=rule.on_token, **sampling)
+    def with_oracle(skip):
+        def run(x):
+            rule = OracleStop(ar_out, skip)
+            return speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos,
+                                        generator=gen, stop_drafting=rule, on_token=rule.on_token, **sampling)
+        return run
 
-    if oracle:
-        configs["oracle"] = with_oracle
+    oracles = ("oracle", "oracle-skip") if oracle else ()
+    configs.update({n: with_oracle(n == "oracle-skip") for n in oracles})
     solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     cat_secs, cat_toks = defaultdict(float), defaultdict(int)
@@ -172,7 +183,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
     best = max(rules, key=rate.get) if rules else None
     cats = sorted({c for c, _ in cat_secs})
-    shown = [n for n in (best_fixed, best, "oracle" if oracle else None) if n]
+    shown = [n for n in (best_fixed, best, *oracles) if n]
     report = {
         "prompts": {"source": ec.prompts.source, "n": n_scored, "seed": ec.prompts.seed,
                     **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {})},
@@ -181,7 +192,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         **({"best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
             "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1} if best else {}),
         **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
-        **({"oracle_gain_vs_best_fixed": rate["oracle"] / rate[best_fixed] - 1} if oracle else {}),
+        **{f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in oracles},
         "per_category": {c: {n: cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"])
                              for n in shown} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
@@ -202,7 +213,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
               (f" {r['task_accuracy']:8.3f}" if acc else ""))
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
     found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
-    bound = f"; oracle stop {report['oracle_gain_vs_best_fixed']:+.1%} (the bound)" if oracle else ""
+    bound = (f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
+             f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)") if oracle else ""
     print(f"sweep: best fixed {best_fixed}{found}{bound}; -> {out_dir / 'sweep.json'}")
     return report
 
@@ -213,21 +225,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe", help="recipe name or YAML path (its eval section and checkpoint are used)")
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. eval.prompts.seed=7")
     p.add_argument("--thresholds", default=None,
-                   help="comma-separated stop thresholds (SpecDec++: probability in (0, 1); entropy: nats); default "
-                        f"{','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule and no --deltas")
+                   help="comma-separated stop thresholds (specdecpp, confidence: probability in (0, 1); entropy: "
+                        f"nats); default {','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule "
+                        "and no --deltas")
     p.add_argument("--deltas", default="",
                    help="comma-separated judge thresholds δ in (0, 1) for lossy Judge-Decoding verification at "
                         "eval.draft_len (needs eval.judge.head; task accuracy is scored with eval.judge.tasks)")
     p.add_argument("--fixed", default="1,2,3,4,6", help="comma-separated fixed draft lengths to compare against")
     p.add_argument("--min-lens", default="",
                    help="comma-separated eval.stop.min_len values to cross with every threshold (config names "
-                        "stop-<h>-m<n>); 0 lets the entropy rule skip drafting where even the first draft looks "
-                        "unsure; default: the recipe's min_len only")
+                        "stop-<h>-m<n>); 0 lets the entropy or confidence rule skip drafting where even the first "
+                        "draft looks unsure; default: the recipe's min_len only")
     p.add_argument("--oracle", action="store_true",
-                   help="also decode with OracleStop (greedy only): it knows the target's output and ends each block "
-                        "right after the first draft the target will reject, at the cap eval.draft_len; its gain "
-                        "over the best fixed length bounds what a stop rule judging each picked draft (SpecDec++, "
-                        "entropy with min_len >= 1) can gain with this drafter here")
+                   help="also decode with two oracle stop rules (greedy only) that know the target's output, at the "
+                        "cap eval.draft_len: 'oracle' ends each block right after the first draft the target will "
+                        "reject, 'oracle-skip' right before it (it may draft nothing). Their gains over the best "
+                        "fixed length bound what a stop rule can gain with this drafter here: one judging each "
+                        "picked draft (SpecDec++, entropy with min_len >= 1), or one that may draft nothing "
+                        "(min_len 0)")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 

@@ -25,6 +25,10 @@ In the decoder, a *stop rule* decides after each draft whether to end the block 
   (the paper's threshold policy);
 - ``EntropyStop``: training-free baseline (SVIP-style): stop once the draft's next-token entropy exceeds a
   threshold (nats); ``before``: stop after a draft whose own distribution's entropy exceeded it.
+- ``ConfidenceStop``: training-free, the threshold policy above with the drafter's own probability of its draft
+  as the acceptance estimate (EAGLE-2 found draft confidence tracks acceptance). ``after``: asked before each
+  next draft, it multiplies in that draft's top probability and drafts it only while 1 - P <= threshold, so a
+  draft it distrusts never reaches the verify; with min_len 0 a step may draft nothing. ``before``: q(draft n).
 A rule with ``before_feed`` set is asked right after draft n is picked, with the logits and state that produced
 it and the draft itself: ``stop(n, logits, hidden, token)``; otherwise after the drafter has read draft n:
 ``stop(n, logits, hidden)``. Both respect ``min_len``; ``eval.draft_len`` stays the cap. Neither changes the
@@ -155,3 +159,23 @@ class EntropyStop:
     def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
         entropy = float(_entropy(torch.log_softmax(logits.float(), -1)))
         return n >= self.min_len and entropy > self.threshold
+
+
+class ConfidenceStop:
+    """Training-free threshold rule with the drafter's own confidence as the acceptance estimate: P = prod of the
+    block's draft probabilities; stop once 1 - P > threshold. ``after`` (asked once the drafter has read n drafts,
+    about draft n + 1): P takes draft n + 1's top probability max q, which at T = 0 is q of the draft it would
+    pick, and a stop leaves that draft out, so with ``min_len`` 0 a step whose first draft looks unsure drafts
+    nothing. ``before_feed`` (asked right after draft n is picked): P takes q(draft n), and draft n stays in."""
+
+    def __init__(self, threshold: float, min_len: int = 1, before_feed: bool = False):
+        self.threshold, self.min_len, self.before_feed = threshold, min_len, before_feed
+        self.p_all = 1.0
+
+    def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
+        # a new block starts at the first n the decoder asks (first_stop); min_len may be set after construction
+        if n == (0 if self.min_len < 1 and not self.before_feed else 1):
+            self.p_all = 1.0
+        probs = torch.softmax(logits.float(), -1)
+        self.p_all *= float(probs[int(token)] if self.before_feed else probs.max())
+        return n >= self.min_len and 1.0 - self.p_all > self.threshold

@@ -438,14 +438,17 @@ class StopConfig(Strict):
     """Adaptive draft length for chain decoding: end a block early when a rule says the next drafts are likely
     rejected (eval.draft_len stays the cap; the output is unchanged)."""
 
-    rule: Literal["specdecpp", "entropy"] = "specdecpp"
+    rule: Literal["specdecpp", "entropy", "confidence"] = "specdecpp"
     """specdecpp: stop once 1 - prod(predicted acceptances of this block) > threshold (a trained acceptance head
-    on a standalone draft LM); entropy: training-free, stop once the draft's next-token entropy (nats) > threshold
-    (every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
+    on a standalone draft LM or EAGLE drafter); entropy: training-free, stop once the draft's next-token entropy
+    (nats) > threshold; confidence: training-free, the specdecpp policy with the drafter's own top probability of
+    each next draft as its acceptance estimate, a distrusted draft left out (entropy and confidence work for
+    every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
     threshold: float = Field(0.3, gt=0)
     min_len: int = Field(1, ge=0)
-    """Drafts always made before a rule may stop. 0 (entropy rule only): when even the first draft looks unsure,
-    draft nothing and take a plain target step, so a weak drafter costs little where it cannot help."""
+    """Drafts always made before a rule may stop. 0 (entropy and confidence rules): when even the first draft
+    looks unsure, draft nothing and take a plain target step, so a weak drafter costs little where it cannot
+    help."""
     head: str | None = None
     """specdecpp: the acceptance-head checkpoint; None = eval.checkpoint when that is an acceptance head."""
     state: Literal["after", "before"] | None = None
@@ -457,7 +460,8 @@ class StopConfig(Strict):
     @model_validator(mode="after")
     def _specdecpp_needs_a_draft(self):
         if self.rule == "specdecpp" and self.min_len < 1:  # the head predicts a draft's acceptance after reading it
-            raise ValueError("eval.stop.min_len=0 needs rule=entropy (the SpecDec++ head scores drafted tokens)")
+            raise ValueError("eval.stop.min_len=0 needs rule=entropy or confidence (the SpecDec++ head scores "
+                             "drafted tokens)")
         if self.state == "before" and self.min_len < 1:
             raise ValueError("eval.stop.min_len=0 needs eval.stop.state=after (a before rule judges a picked draft)")
         return self

@@ -13,6 +13,7 @@ from draftsmith.models.acceptance import (
     AcceptanceConfig,
     AcceptanceHead,
     AcceptanceStop,
+    ConfidenceStop,
     EntropyStop,
     acceptance_features,
 )
@@ -32,6 +33,22 @@ def test_stop_rules():
     flat, peaked = torch.zeros(8), torch.tensor([9.0] + [0.0] * 7)
     ent = EntropyStop(threshold=1.0)
     assert ent(1, flat, None) is True and ent(1, peaked, None) is False  # ln 8 = 2.08 nats vs ~0.01
+    # confidence, after (asked about the next draft), min_len 0: P multiplies each next draft's top probability
+    half = torch.log(torch.tensor([0.5, 0.25, 0.25]))
+    conf = ConfidenceStop(threshold=0.8, min_len=0)
+    assert [conf(0, half, None), conf(1, half, None), conf(2, half, None)] == [False, False, True]  # .5, .75, .875
+    assert conf(0, torch.log(torch.tensor([0.1, 0.9])), None) is False  # a new block: 1 - 0.9
+    assert conf(0, torch.zeros(6), None) is True  # a new block: 1 - 1/6 > 0.8, draft nothing
+    assert ConfidenceStop(threshold=0.6, min_len=2)(0, torch.zeros(3), None) is False  # min_len wins
+    conf = ConfidenceStop(threshold=0.8)
+    conf.min_len = 0  # as the sweep sets it: blocks now start at n = 0, and each resets the product
+    assert [conf(0, half, None), conf(1, half, None), conf(2, half, None), conf(0, half, None)] == [False] * 2 + \
+        [True, False]
+    # before (asked right after draft n is picked): q of that draft, and a block starts at n = 1
+    conf = ConfidenceStop(threshold=0.6, before_feed=True)
+    assert conf.before_feed and conf(1, half, None, torch.tensor(0)) is False  # 1 - 0.5
+    assert conf(2, half, None, torch.tensor(1)) is True  # 1 - 0.5 * 0.25
+    assert conf(1, half, None, torch.tensor(1)) is True  # reset: 1 - 0.25
 
 
 def test_before_head_reads_the_producing_state_and_the_drafts_own_probability():
@@ -199,12 +216,16 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     # --oracle alone: the bound on per-draft stop rules, reported apart from the rules (there are none here)
     plain = [c for c in plain if c != "eval.stop.rule=entropy"] + ["eval.draft_len=3"]
     r = sweep.sweep(load_recipe("tiny", plain), None, [1, 3], oracle=True)
-    assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "oracle"}
-    o, f3 = r["configs"]["oracle"], r["configs"]["fixed-3"]
-    assert o["tau"] == f3["tau"] and o["drafted_per_step"] <= f3["drafted_per_step"] and o["wasted_per_step"] <= 1
-    assert r["best_stop"] is None and "gain_vs_best_fixed" not in r and "oracle" in r["per_category"]["all"]
-    assert r["oracle_gain_vs_best_fixed"] == pytest.approx(o["tokens_per_s"] / r["configs"][r["best_fixed"]]
-                                                           ["tokens_per_s"] - 1)
+    assert r["lossless_mismatches"] == 0
+    assert set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "oracle", "oracle-skip"}
+    o, s, f3 = r["configs"]["oracle"], r["configs"]["oracle-skip"], r["configs"]["fixed-3"]
+    assert o["tau"] == s["tau"] == f3["tau"] and o["drafted_per_step"] <= f3["drafted_per_step"]
+    assert o["wasted_per_step"] <= 1 and s["wasted_per_step"] == 0
+    assert r["best_stop"] is None and "gain_vs_best_fixed" not in r
+    assert {"oracle", "oracle-skip"} <= set(r["per_category"]["all"])
+    for n, key in (("oracle", "oracle_gain_vs_best_fixed"), ("oracle-skip", "oracle_skip_gain_vs_best_fixed")):
+        assert r[key] == pytest.approx(r["configs"][n]["tokens_per_s"] / r["configs"][r["best_fixed"]]
+                                       ["tokens_per_s"] - 1)
     from draftsmith.errors import DraftsmithError
 
     with pytest.raises(DraftsmithError, match="--oracle needs eval.temperature=0"):

@@ -644,12 +644,13 @@ def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(t
     """eval/sweep.py OracleStop (the bound on stop rules that judge each picked draft): it knows the greedy output
     and ends each block right after the first draft the target rejects. Every block then accepts exactly what the
     fixed cap accepts (the same accept counts, so the same tau), with at most one wasted draft per verify, and the
-    output is unchanged."""
+    output is unchanged. With skip=True (the bound on rules that may draft nothing) it stops right before that
+    draft: the same accept counts and no wasted draft at all."""
     from draftsmith.eval.sweep import OracleStop
 
     drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
         kind, lambda: _heads(kind, target, 4, 0.05))()
-    cap, saved = 4, 0
+    cap, saved, skipped = 4, 0, 0
     for prompt in PROMPTS:
         want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
         _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=cap)
@@ -660,7 +661,37 @@ def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(t
         assert st.accept_counts == fixed.accept_counts and st.target_forwards == fixed.target_forwards
         assert st.drafted - st.accepted <= st.target_forwards  # at most the rejected draft itself per block
         saved += fixed.drafted - st.drafted
-    assert saved > 0  # some block stopped before the cap
+        # skip: stop before the draft the target rejects. The same blocks, and no verify carries a rejected draft
+        rule = OracleStop(want, skip=True)
+        out, st_skip = speculative_generate(target, drafter, x, NEW, draft_len=cap, stop_drafting=rule,
+                                            on_token=rule.on_token)
+        assert out == want and st_skip.accept_counts == fixed.accept_counts
+        assert st_skip.target_forwards == fixed.target_forwards and st_skip.drafted == st_skip.accepted
+        skipped += st_skip.accept_counts[0]  # blocks with no drafts at all: plain target steps
+    assert saved > 0 and skipped > 0  # some block stopped before the cap; some drafted nothing
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "mlp_speculator", "hydra++", "eagle3"])
+def test_confidence_stop_leaves_out_distrusted_drafts_and_stays_lossless(target, ar_outputs, kind):
+    """models/acceptance.py ConfidenceStop (after, min_len 0) on every chain drafter: a threshold no block can
+    exceed drafts exactly what the fixed cap drafts; one every draft exceeds drafts nothing (plain target steps);
+    one in between drafts less than the cap, skips some steps and keeps the output."""
+    from draftsmith.models.acceptance import ConfidenceStop
+
+    drafter = {"draft_lm": lambda: _noisy_copy(target), "eagle3": lambda: _eagle(3, target, 0.05)}.get(
+        kind, lambda: _heads(kind, target, 3 if kind == "mlp_speculator" else 4, 0.05))()
+    cap = 3
+    for prompt in PROMPTS:
+        want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
+        _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=cap)
+        runs = {h: speculative_generate(target, drafter, x, NEW, draft_len=cap,
+                                        stop_drafting=ConfidenceStop(h, min_len=0)) for h in (1.0, 1e-9, 0.5)}
+        assert all(out == want for out, _ in runs.values())
+        never, always, mid = (st for _, st in runs.values())
+        assert (never.drafted, never.accept_counts) == (fixed.drafted, fixed.accept_counts)
+        assert always.drafted == 0 and always.target_forwards == len(want) - 1  # the prefill gave the first
+        assert mid.drafted < fixed.drafted and mid.accept_counts[0] > 0
+        _check_tau_consistency(mid)
 
 
 @pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
