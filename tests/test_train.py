@@ -144,6 +144,35 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
 
 
 @ONE_GPU_SKIP
+def test_two_gloo_processes_resume_each_ranks_own_sampling(data_dir, tiny_model_dir, prompts_file, tmp_path):
+    """Each rank seeds its loss generator apart (TVD++ samples its own tokens), so an exact multi-process resume
+    needs every rank's RNG states in the checkpoint, not rank 0's for all: resuming 2 gloo processes from
+    step 2 ends with the uninterrupted run's weights and losses."""
+    def two_procs(out):
+        if not (out / "data").exists():
+            shutil.copytree(data_dir, out / "data")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+               "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}",
+               f"eval.prompts.path={prompts_file}", f"out_dir={out}", "train.micro_batch_size=2", "train.steps=4",
+               "train.save_every=2", "train.keep_last=2", "train.loss.kind=tvdpp", "train.lr=3e-3", "-q"]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        return out
+
+    full = two_procs(tmp_path / "full")
+    saved = load_file(str(full / "checkpoints" / "step-000002" / "train_state.safetensors"))
+    assert not torch.equal(saved["rng.rank0.gen.loss"], saved["rng.rank1.gen.loss"])
+    resumed = tmp_path / "resumed"  # as if killed after step 2's checkpoint
+    shutil.copytree(full / "checkpoints" / "step-000002", resumed / "checkpoints" / "step-000002")
+    two_procs(resumed)
+    _close(_weights(full / "checkpoints" / "final"), _weights(resumed / "checkpoints" / "final"), tol=1e-6)
+    assert [r["step"] for r in _rows(resumed)] == [3, 4]
+    for ra, rb in zip(_rows(full)[2:], _rows(resumed), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)
+
+
+@ONE_GPU_SKIP
 def test_shipped_fsdp2_config_launches_and_matches_one_process(train_run, tiny_model_dir, prompts_file, tmp_path):
     """`accelerate launch --config_file recipes/accelerate/fsdp2.yaml`: with 2+ GPUs it shards for real; on CPU
     accelerate runs DDP over gloo instead, and the loop says so. Either way the numbers equal one process's."""

@@ -25,7 +25,7 @@ from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
-from draftsmith.train.state import gather, latest_resumable, prune, read_state, write_state
+from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def train(recipe) -> Path:
     # process, which changes the schedule with the process count.
     drafter, opt = acc.prepare(drafter, opt)
     if resume_from is not None:
-        counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter)
+        counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
     sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed,
                             start=counters["batches"])
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
@@ -307,9 +307,10 @@ def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, 
     """Drafter + training state, atomically; then prune old step folders."""
     acc.wait_for_everyone()
     full, osd = _gathered(acc, drafter, opt)  # every rank: a collective under FSDP2
+    rngs = gather_rng_states(acc, {"loss": loss_gen}) if acc.num_processes > 1 else None  # a collective too
     if acc.is_main_process:
         save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
-                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd),
+                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd, rngs),
                      recipe_yaml=recipe_yaml, state=full)
         prune(path.parent, keep_last)
     acc.wait_for_everyone()

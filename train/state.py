@@ -2,8 +2,9 @@
 
 A resumable checkpoint folder ``checkpoints/step-NNNNNN/`` holds the drafter (model.safetensors + drafter.json,
 models/registry.py) plus ``train_state.safetensors`` (optimizer moments, RNG states) and ``train_state.json``
-(optimizer hyper-parameters and step counters, scheduler, step, data position, counters). The folder is
-written under a temporary name and renamed, so a folder with the final name is always complete.
+(optimizer hyper-parameters and step counters, scheduler, step, data position, counters). RNG states are
+stored per rank, so a multi-process run resumes each rank's own sampling. The folder is written under a
+temporary name and renamed, so a folder with the final name is always complete.
 """
 from __future__ import annotations
 
@@ -82,10 +83,37 @@ def _load_optimizer(model, opt: torch.optim.Optimizer, osd: dict) -> None:
     set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
 
 
+def rng_states(generators: dict[str, torch.Generator]) -> dict[str, torch.Tensor]:
+    """This process's RNG states (torch, CUDA when present, the named generators) as uint8 tensors on CPU."""
+    out = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    out.update({f"gen.{name}": g.get_state().cpu() for name, g in generators.items()})
+    return out
+
+
+def gather_rng_states(acc, generators: dict[str, torch.Generator]) -> list[dict[str, torch.Tensor]]:
+    """Every rank (a collective): each rank's ``rng_states``, in rank order. Each rank seeds its loss generator
+    differently (TVD++ samples, EAGLE's feature noise, SpecDec++ mixing), so a resume that handed every rank
+    rank 0's states would draw other numbers than the uninterrupted run. The states have the same layout on
+    every rank, so one flat tensor per rank is gathered."""
+    mine = rng_states(generators)
+    sizes = {k: v.numel() for k, v in mine.items()}
+    flat = torch.cat([v.flatten() for v in mine.values()]).to(torch.int32).to(acc.device)  # gloo and nccl
+    every = acc.gather(flat[None]).view(acc.num_processes, -1).cpu().to(torch.uint8)  # (world, n)
+    out = []
+    for row in every:
+        parts = dict(zip(sizes, torch.split(row, list(sizes.values())), strict=True))
+        out.append({k: v.clone() for k, v in parts.items()})
+    return out
+
+
 def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
-                generators: dict[str, torch.Generator], osd: dict | None = None) -> None:
+                generators: dict[str, torch.Generator], osd: dict | None = None,
+                rank_rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
     """Write train_state.{safetensors,json} into ``folder`` (the caller renames the folder into place).
-    ``osd``: the optimizer state dict when it had to be gathered first (``gather``)."""
+    ``osd``: the optimizer state dict when it had to be gathered first (``gather``). ``rank_rngs``: every rank's
+    RNG states (``gather_rng_states``), stored per rank so each resumes its own."""
     osd = opt.state_dict() if osd is None else osd
     tensors, scalars = {}, {}
     for pid, st in osd["state"].items():
@@ -99,6 +127,8 @@ def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     for name, g in generators.items():
         tensors[f"rng.gen.{name}"] = g.get_state().cpu()
+    for r, states in enumerate(rank_rngs or ()):
+        tensors.update({f"rng.rank{r}.{k}": v for k, v in states.items()})
     save_file(tensors, str(folder / "train_state.safetensors"))
     meta = {"param_groups": _jsonable(osd["param_groups"]), "scalars": scalars,
             "scheduler": _jsonable(sched.state_dict()), "counters": counters,
@@ -107,9 +137,11 @@ def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
 
 
 def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict[str, torch.Generator],
-               model: torch.nn.Module | None = None) -> dict:
+               model: torch.nn.Module | None = None, rank: int = 0) -> dict:
     """Restore optimizer, scheduler and RNG states from ``folder``; returns the saved counters. ``model``: the
-    prepared drafter, needed when it is sharded (FSDP2) to scatter the full optimizer state onto its shards."""
+    prepared drafter, needed when it is sharded (FSDP2) to scatter the full optimizer state onto its shards.
+    ``rank``: this process's rank, whose own RNG states are restored when the checkpoint has them (else the
+    saving process's: a checkpoint from a single process, or resumed on more processes than wrote it)."""
     meta = json.loads((folder / "train_state.json").read_text())
     tensors = load_file(str(folder / "train_state.safetensors"))
     state: dict[int, dict] = {}
@@ -127,12 +159,13 @@ def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict
     except ValueError as e:
         raise DraftsmithError(f"{folder}: optimizer state does not fit this drafter ({e})") from None
     sched.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(tensors["rng.torch"])
-    if "rng.cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    pre = f"rng.rank{rank}." if f"rng.rank{rank}.torch" in tensors else "rng."
+    torch.set_rng_state(tensors[pre + "torch"])
+    if pre + "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors[pre + "cuda"])
     for name, g in generators.items():
-        if f"rng.gen.{name}" in tensors:
-            g.set_state(tensors[f"rng.gen.{name}"])
+        if f"{pre}gen.{name}" in tensors:
+            g.set_state(tensors[f"{pre}gen.{name}"])
     v, internal, gauss = meta["python_random"]
     random.setstate((v, tuple(internal), gauss))
     return meta["counters"]
