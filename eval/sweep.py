@@ -6,8 +6,8 @@ eval.judge.tasks_start for tasks) with plain AR, every fixed draft length, every
 (eval.stop, or the acceptance-head checkpoint's SpecDec++ rule) and every judge δ (eval.judge's head, **lossy**),
 interleaved prompt by prompt in one process so machine noise hits all configurations alike. Prints tau, drafted
 tokens wasted per verify, tokens/s, speedup vs AR and, when eval.judge.tasks is set, task accuracy, per
-configuration and per category; writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over
-the best fixed draft length.
+configuration (speed, tau and waste also per category for the best fixed length, the best rule and the oracles);
+writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over the best fixed draft length.
 
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
     python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
@@ -137,7 +137,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     configs.update({n: with_oracle(n == "oracle-skip") for n in oracles})
     solved = defaultdict(int)
     secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
-    cat_secs, cat_toks = defaultdict(float), defaultdict(int)
+    cat_secs, cat_toks, cat_stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
     mismatches = 0
     meter = CpuShare().start()
     with torch.no_grad():
@@ -162,6 +162,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                 cat_toks[cat, name] += len(out)
                 if st is not None:
                     stats[name].merge(st)
+                    cat_stats[cat, name].merge(st)
                 if setup.tasks:
                     solved[name] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
             if ec.temperature == 0 and outs:
@@ -183,6 +184,12 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
     best = max(rules, key=rate.get) if rules else None
     cats = sorted({c for c, _ in cat_secs})
+
+    def per_category(c, n):  # speed vs AR on this category's prompts, tau and drafts wasted per verify
+        st = cat_stats[c, n]
+        return {"speedup_vs_ar": cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"]),
+                "tau": st.tau, "wasted_per_step": (st.drafted - st.accepted) / max(1, st.target_forwards)}
+
     shown = [n for n in (best_fixed, best, *oracles) if n]
     report = {
         "prompts": {"source": ec.prompts.source, "n": n_scored, "seed": ec.prompts.seed,
@@ -193,8 +200,7 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
             "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1} if best else {}),
         **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
         **{f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in oracles},
-        "per_category": {c: {n: cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"])
-                             for n in shown} for c in cats},
+        "per_category": {c: {n: per_category(c, n) for n in shown} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
         **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
         "machine": meter.machine(),
@@ -211,6 +217,10 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         print(f"{n:<14} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
               f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}" +
               (f" {r['task_accuracy']:8.3f}" if acc else ""))
+    if len(cats) > 1:
+        print("per category (speed vs AR / tau / wasted per verify): " + "; ".join(
+            f"{c}: " + ", ".join(f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
+                                 for n, v in report["per_category"][c].items()) for c in cats))
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
     found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
     bound = (f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "

@@ -223,6 +223,9 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert o["wasted_per_step"] <= 1 and s["wasted_per_step"] == 0
     assert r["best_stop"] is None and "gain_vs_best_fixed" not in r
     assert {"oracle", "oracle-skip"} <= set(r["per_category"]["all"])
+    for per in r["per_category"].values():  # per category: speed, tau and waste; both oracles take the cap's tau
+        assert per["oracle"]["tau"] == per["oracle-skip"]["tau"] >= 1 and per["oracle-skip"]["wasted_per_step"] == 0
+        assert all(v["speedup_vs_ar"] > 0 and v["wasted_per_step"] >= 0 for v in per.values())
     for n, key in (("oracle", "oracle_gain_vs_best_fixed"), ("oracle-skip", "oracle_skip_gain_vs_best_fixed")):
         assert r[key] == pytest.approx(r["configs"][n]["tokens_per_s"] / r["configs"][r["best_fixed"]]
                                        ["tokens_per_s"] - 1)
