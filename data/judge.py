@@ -5,7 +5,9 @@ For each task (eval/tasks.py: HumanEval unit tests, GSM8K-style final answers):
 2. the draft LM reads the target's answer teacher-forced; where its argmax differs from the target's token
    (a draft/target mismatch a lossless verifier would reject), up to ``max_swaps`` positions per task:
 3. the draft's token is substituted, the target continues greedily from there, and the new outcome O' is
-   checked. Label 1 (acceptable) when O' == O, else 0 (the swap changed the result).
+   checked. Label 1 (acceptable) when O' == O, else 0 (the swap changed the result). Both outcomes are kept:
+   each record also stores whether O and O' are right (``judge_base_ok``, ``judge_swap_ok``), and the manifest
+   counts the swaps that broke a right answer and those that fixed a wrong one.
 
 Each what-if becomes one record: the context up to and including the substituted token, with that token as the
 only loss position and a ``judge_label`` signal; the judge trains on the target's state there (read in the loop).
@@ -36,11 +38,13 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
-from draftsmith.eval.tasks import correct, load_tasks, outcome
+from draftsmith.eval.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.models.hf import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype
+
+COUNTS = ("tasks", "swaps", "acceptable", "base_pass", "broke", "fixed")  # per shard and in the manifest
 
 
 @torch.no_grad()
@@ -51,23 +55,26 @@ def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos:
     resp = autoregressive_generate(target, torch.tensor(ids), max_new, eos_ids=eos)
     text = tok.decode(resp, skip_special_tokens=True)
     base = outcome(task, text, timeout)
-    solved = base == "pass" if task.kind == "humaneval" else correct(task, text, timeout)
+    solved = outcome_correct(task, base)
     if only_correct and not solved:
-        return [], {"tasks": 1, "swaps": 0, "acceptable": 0, "base_pass": 0}
+        return [], {"tasks": 1, "swaps": 0, "acceptable": 0, "base_pass": 0, "broke": 0, "fixed": 0}
     seq = torch.tensor([ids + resp], device=next(draft.parameters()).device)
     pred = draft(seq)[0, len(ids) - 1:-1].argmax(-1).tolist()  # the draft's choice for each response token
     swaps = [i for i, (p, r) in enumerate(zip(pred, resp)) if p != r][:max_swaps]
-    records, acceptable = [], 0
+    records, acceptable, broke, fixed = [], 0, 0, 0
     for i in swaps:
         prefix = ids + resp[:i] + [pred[i]]
         cont = [] if pred[i] in eos else autoregressive_generate(target, torch.tensor(prefix), max_new - i - 1,
                                                                    eos_ids=eos)
-        label = float(outcome(task, tok.decode(resp[:i] + [pred[i]] + cont, skip_special_tokens=True),
-                              timeout) == base)
+        swapped = outcome(task, tok.decode(resp[:i] + [pred[i]] + cont, skip_special_tokens=True), timeout)
+        label, swap_ok = float(swapped == base), outcome_correct(task, swapped)
         acceptable += int(label)
+        broke, fixed = broke + int(solved and not swap_ok), fixed + int(swap_ok and not solved)
         records.append(Record(prefix, [0] * (len(prefix) - 1) + [1], prompt_index, i, SOURCES["drafter"],
-                              {"judge_label": torch.tensor([label])}))
-    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(solved)}
+                              {"judge_label": torch.tensor([label]), "judge_base_ok": torch.tensor([float(solved)]),
+                               "judge_swap_ok": torch.tensor([float(swap_ok)])}))
+    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(solved),
+                     "broke": broke, "fixed": fixed}
 
 
 def mine(recipe) -> Path:
@@ -100,7 +107,7 @@ def mine(recipe) -> Path:
         if shard_done(path, dhash, legacy_hash=legacy_hash):
             bar.update(len(shard))
             continue
-        records, counts = [], {"tasks": 0, "swaps": 0, "acceptable": 0, "base_pass": 0}
+        records, counts = [], dict.fromkeys(COUNTS, 0)
         for j, task in enumerate(shard):
             recs, c = task_records(tgt.model, draft, tgt.tokenizer, task, start + j, dc.max_new_tokens, eos,
                                    jc.max_swaps, jc.timeout, jc.only_correct)
@@ -111,7 +118,7 @@ def mine(recipe) -> Path:
         runlog.log({"shard": si, **counts, "seconds": round(time.perf_counter() - t0, 1)})
     bar.close()
     entries = [shard_entry(out / shard_name(i)) for i in range(len(starts))]
-    totals = {k: sum(e["counts"][k] for e in entries) for k in ("tasks", "swaps", "acceptable", "base_pass")}
+    totals = {k: sum(e["counts"].get(k, 0) for e in entries) for k in COUNTS}  # shards from before broke/fixed
     if totals["swaps"] == 0:
         why = (f"the target solved none of the {len(tasks)} tasks (data.judge_labels.only_correct)"
                if jc.only_correct and totals["base_pass"] == 0 else
@@ -127,5 +134,6 @@ def mine(recipe) -> Path:
     write_manifest(out, manifest)
     runlog.log({"done": True, **totals})
     print(f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
-          f"outcome; the target passed {totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}")
+          f"outcome, {totals['broke']} broke a right answer, {totals['fixed']} fixed a wrong one; the target passed "
+          f"{totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}")
     return out

@@ -34,11 +34,11 @@ SIGNALS = {
     "hidden_last": "token", "hidden_last_scale": "token",
     "hidden_aux": "token", "hidden_aux_scale": "token",
     "spec_token": "loss", "spec_accept": "loss",
-    "judge_label": "loss",
+    "judge_label": "loss", "judge_base_ok": "loss", "judge_swap_ok": "loss",
 }
 GROUPS = {"tokens": ("input_ids", "loss_mask"), "topk": ("topk_ids", "topk_logprobs"),
           "hidden_last": ("hidden_last", "hidden_last_scale"), "hidden_aux": ("hidden_aux", "hidden_aux_scale"),
-          "specdec": ("spec_token", "spec_accept"), "judge": ("judge_label",)}
+          "specdec": ("spec_token", "spec_accept"), "judge": ("judge_label", "judge_base_ok", "judge_swap_ok")}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 

@@ -128,8 +128,13 @@ def outcome(task: Task, text: str, timeout: float = 10.0) -> str:
     return final_answer(text)
 
 
+def outcome_correct(task: Task, result: str) -> bool:
+    """Whether an ``outcome`` is right: the tests passed (humaneval) or the final answer is the reference's."""
+    if task.kind == "humaneval":
+        return result == "pass"
+    return result != "" and result == final_answer(task.data["answer"])
+
+
 def correct(task: Task, text: str, timeout: float = 10.0) -> bool:
     """Task accuracy: tests pass (humaneval) or the final answer equals the reference's (gsm8k)."""
-    if task.kind == "humaneval":
-        return run_tests(task, text, timeout)
-    return final_answer(text) != "" and final_answer(text) == final_answer(task.data["answer"])
+    return outcome_correct(task, outcome(task, text, timeout))

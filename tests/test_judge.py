@@ -85,6 +85,11 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     ds = RecordDataset(run / "data", 4096, signals={"judge"})
     labels = torch.cat([ds[i].signals["judge_label"] for i in range(len(ds))])
     assert len(ds) == manifest["judge"]["swaps"] and set(labels.tolist()) <= {0.0, 1.0}
+    # both outcomes are recorded: the same outcome is equally right, and the manifest counts both kinds of change
+    base_ok, swap_ok = ([bool(ds[i].signals[k]) for i in range(len(ds))] for k in ("judge_base_ok", "judge_swap_ok"))
+    assert all(b == s for b, s, lab in zip(base_ok, swap_ok, labels.tolist(), strict=True) if lab == 1.0)
+    assert manifest["judge"]["broke"] == sum(b and not s for b, s in zip(base_ok, swap_ok, strict=True))
+    assert manifest["judge"]["fixed"] == sum(s and not b for b, s in zip(base_ok, swap_ok, strict=True))
     # each record ends with the draft's choice where the target would have written something else
     tgt = load_model(str(tiny_model_dir), torch.float64).model
     draft, _ = load_drafter(draft_ckpt, dtype=torch.float64)
