@@ -28,7 +28,7 @@ class JudgeConfig:
 
 
 class JudgeHead(nn.Module):
-    reads_target_states = True  # trained on the frozen target's states, run in the loop
+    needs_target = True  # train/loop.py runs the frozen target: the judge reads its states at what-if tokens
 
     def __init__(self, cfg: JudgeConfig):
         super().__init__()

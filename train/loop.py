@@ -140,8 +140,8 @@ def train(recipe) -> Path:
     # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
     # states when the records do not store them.
     stored = kind in READS_FEATURES and features_stored(drafter, manifest["signals"])
-    # The judge reads the target's states at every what-if token.
-    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) or kind == "judge" \
+    # A drafter may also ask for it itself (``needs_target``: the judge, acceptance heads on EAGLE).
+    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) \
         or getattr(drafter, "needs_target", False)
     teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
     del tgt

@@ -238,7 +238,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
             return x.sum() * 0, 0, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
         loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
         if w_feat:
-            loss = loss + w_feat * F.smooth_l1_loss(out, target_feats[future[s]], reduction="sum") / out.shape[-1]
+            loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
         return loss * decay ** s, n, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
 
     outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn)
