@@ -75,6 +75,43 @@ def test_every_loss_trains_and_logs(train_run, kind):
         assert 0 <= r["alpha"] <= 1 and r["tau_estimate"] >= 1
 
 
+def test_wandb_and_tensorboard_mirror_metrics_jsonl(train_run, monkeypatch):
+    """train.wandb / train.tensorboard: every numeric metrics.jsonl value of each step reaches both mirrors (stand-in
+    modules here, so the test needs neither package nor a network); without the package, a one-line error."""
+    import types
+
+    seen = {"wandb": [], "tb": [], "closed": []}
+
+    class Run:
+        def log(self, metrics, step=None):
+            seen["wandb"].append((step, metrics))
+
+        def finish(self):
+            seen["closed"].append("wandb")
+
+    class SummaryWriter:
+        def __init__(self, log_dir):
+            seen["closed"].append(("tb-dir", Path(log_dir).name))
+
+        def add_scalar(self, tag, value, step):
+            seen["tb"].append((tag, value, step))
+
+        def close(self):
+            seen["closed"].append("tb")
+
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kw: Run()))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    run = train_run("mirrored", "train.steps=2", "train.wandb=true", "train.tensorboard=true")
+    rows = _rows(run)
+    assert [s for s, _ in seen["wandb"] if s is not None][-2:] == [1, 2]
+    for r in rows:
+        logged = next(m for s, m in seen["wandb"] if s == r["step"])
+        assert logged["loss"] == r["loss"] and ("train/loss", r["loss"], r["step"]) in seen["tb"]
+    assert "wandb" in seen["closed"] and "tb" in seen["closed"] and ("tb-dir", "train") in seen["closed"]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed: import fails
+    train_run("no-wandb", "train.steps=1", "train.wandb=true", expect=2)
+
+
 def test_training_lowers_the_loss_and_raises_alpha(train_run):
     rows = _rows(train_run("long", "train.steps=24", "train.lr=1e-2", "train.warmup_steps=0",
                            "drafter.freeze_embeddings=false"))
