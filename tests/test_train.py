@@ -112,6 +112,26 @@ def test_wandb_and_tensorboard_mirror_metrics_jsonl(train_run, monkeypatch):
     train_run("no-wandb", "train.steps=1", "train.wandb=true", expect=2)
 
 
+def test_a_draft_of_any_size_from_scratch(train_run, tiny_model_dir, prompts_file):
+    """A Llama-style draft of its own shape (narrower than the target, 3 layers, GQA), randomly initialised
+    (init_from_target=false): it trains, checkpoints its shape, decodes losslessly; copying the target's
+    embeddings into a narrower draft is refused in one line."""
+    from draftsmith.models.hf import load_model
+
+    shape = ["drafter.init_from_target=false", "drafter.init_layers=null", "drafter.dim=32", "drafter.n_layers=3",
+             "drafter.n_heads=4", "drafter.n_kv_heads=2", "drafter.hidden_dim=48"]
+    run = train_run("scratch", *shape, "train.steps=2")
+    model, info = load_drafter(run / "checkpoints" / "final")
+    c = model.cfg
+    assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim) == (32, 3, 4, 2, 48)
+    tgt = load_model(str(tiny_model_dir)).model
+    assert c.vocab_size == tgt.cfg.vocab_size and tgt.cfg.dim == 64  # same tokenizer, its own width
+    assert main(["eval", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+                 f"out_dir={run}", "target.dtype=float64", "-q"]) == 0
+    assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+    train_run("narrow-copy", *[o for o in shape if "init_from_target" not in o], "train.steps=1", expect=2)
+
+
 def test_training_lowers_the_loss_and_raises_alpha(train_run):
     rows = _rows(train_run("long", "train.steps=24", "train.lr=1e-2", "train.warmup_steps=0",
                            "drafter.freeze_embeddings=false"))
