@@ -3,6 +3,7 @@ final answers), automatic what-if label mining with resume, judge training, and 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -116,6 +117,13 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert any("recall_reject" in r for r in rows)
     head = run / "checkpoints" / "final"
+    # the tiny-MLP judge (drafter.hidden > 0) trains in the same loop and scores states the same way
+    mlp = tmp_path / "mlp-judge"
+    shutil.copytree(run / "data", mlp / "data")
+    assert main(["train", str(recipe), f"out_dir={mlp}", "drafter.hidden=16", "train.steps=2",
+                 "train.micro_batch_size=4", *common]) == 0
+    j, info = load_drafter(mlp / "checkpoints" / "final")
+    assert info["kind"] == "judge" and j.cfg.hidden == 16 and j(torch.zeros(3, j.cfg.dim)).shape == (3,)
     # lossy eval: the report says so, scores task accuracy next to speed; delta ~1 is plain greedy verification
     ev = ["eval", "tiny", f"out_dir={tmp_path / 'ev'}", f"eval.checkpoint={draft_ckpt}", f"eval.judge.head={head}",
           "eval.judge.tasks=gsm8k", f"eval.judge.tasks_path={tasks}", "target.dtype=float64", *common]

@@ -502,6 +502,31 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
     assert len(n_seen) == 1  # every loss and teacher trains on the same positions
 
 
+def test_head_and_ttt_labels_are_the_tokens_k_plus_2_ahead(data_dir):
+    """The training side of the off-by-one check (the decoder side is tests/test_decoder.py's oracles): for head k
+    (or EAGLE TTT step k) at position t, objectives.shifted_teachers hands the token at t + k + 2, the target's
+    top-k from the position that predicts it (t + k + 1, the feature a chain decoder reads), and that position's
+    flat index; only where both t and t + k + 1 predict response tokens."""
+    from draftsmith.data.dataset import RecordDataset, collate
+    from draftsmith.train import objectives
+
+    batch = collate([RecordDataset(data_dir, 128, signals={"topk"})[i] for i in range(4)])
+    ids, pm = batch["input_ids"], batch["predict_mask"]
+    B, T = pm.shape
+    rows = {(b, t): r for r, (b, t) in enumerate(pm.nonzero().tolist())}  # loss-axis row of each position
+    selects, teachers, future = objectives.shifted_teachers(batch, LossConfig(kind="fkl"), None, 3, None)
+    for k in range(3):
+        where = selects[k].view(B, T).nonzero().tolist()
+        assert where and len(where) == len(teachers[k].labels) == len(future[k])
+        for j, (b, t) in enumerate(where):
+            assert pm[b, t] and pm[b, t + k + 1]
+            assert int(teachers[k].labels[j]) == int(ids[b, t + k + 2])
+            assert torch.equal(teachers[k].topk_ids[j], batch["topk_ids"][rows[b, t + k + 1]])
+            assert int(future[k][j]) == b * T + t + k + 1
+        # every position whose k + 1-th successor still predicts a response token is trained
+        assert len(where) == int((pm[:, :T - k - 1] & pm[:, k + 1:]).sum())
+
+
 def test_a_deeper_eagle_grows_from_a_one_layer_checkpoint(train_run, tiny_model_dir, prompts_file, tmp_path):
     """drafter.n_layers=2 warm-started from a 1-layer EAGLE-3 run (train.init_checkpoint): its added block starts as
     the identity, trains, checkpoints with its depth and decodes losslessly (the eval reads the depth from the
