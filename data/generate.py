@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.chat import ChatLayout, chat_layout
+from draftsmith.data.chat import ChatLayout, chat_layout, encode
 from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch, write_batch
 from draftsmith.data.prompts import load_prompts
 from draftsmith.data.records import (
@@ -75,6 +75,7 @@ class Unit:
     n_turns: int
     source: str  # "target" | "drafter" | "dataset"
     gen: torch.Generator | None = None
+    share: float = 1.0  # the fraction of its prompt this unit is (progress: 1 / n_samples, 1 / pieces of a text)
     seq: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     turns: list[Generated] = field(default_factory=list)
@@ -98,6 +99,11 @@ def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: St
     """The units of ``prompts`` (global indices from ``start``): n_samples each; unusable prompts are counted."""
     units = []
     for pi, p in enumerate(prompts, start):
+        if p.text is not None:
+            pieces = text_units(pi, p, tok, dc)
+            stats.skipped_no_response += int(not pieces)
+            units += pieces
+            continue
         layout = chat_layout(tok, p.messages, eos)
         n_turns = layout.n_turns
         if dc.responses == "dataset":
@@ -111,8 +117,23 @@ def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: St
                 continue
             layout.segments[0] = layout.segments[0][-dc.max_prompt_tokens:]  # keep the end: the question
             stats.truncated += 1
-        units += [Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si)) for si in range(dc.n_samples)]
+        units += [Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si), share=1 / dc.n_samples)
+                  for si in range(dc.n_samples)]
     return units
+
+
+def text_units(pi: int, p, tok, dc) -> list[Unit]:
+    """A raw text record ({"text": ...}: a pretraining corpus, FastDraft stage 1) in fixed-data mode: its tokens
+    cut into pieces of ``max_new_tokens`` labels. Piece i starts with the last label of piece i - 1 as its only
+    context, so every token after the document's first is a label exactly once. The sample index numbers the
+    pieces (n_samples does not apply: the text is kept as written)."""
+    if dc.responses != "dataset":
+        raise DraftsmithError(f"data.prompts: record {p.id} is raw text (a 'text' key, no messages): it needs "
+                              f"data.responses=dataset (there is no question for the target to answer)")
+    toks, n = encode(tok, p.text), dc.max_new_tokens
+    starts = range(0, len(toks) - 1, n)
+    return [Unit(pi, i, ChatLayout([toks[a:a + 1]], [None], [toks[a + 1:a + n + 1]]), 1, "dataset",
+                 share=1 / len(starts)) for i, a in enumerate(starts)]
 
 
 def _writer(dc, seed: int, pi: int, si: int) -> str:
@@ -285,7 +306,7 @@ def generate(recipe) -> Path:
     prod = Producer(recipe, device)
     pc = dc.prompts
     prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
-                           max_turns=pc.max_turns)
+                           max_turns=pc.max_turns, text_ok=True)
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
     starts = range(0, len(prompts), dc.shard_size)
@@ -298,7 +319,7 @@ def generate(recipe) -> Path:
     def on_batch(batch: list[Unit]) -> None:
         nonlocal new_tokens
         new_tokens += sum(sum(u.mask) for u in batch)
-        bar.update(len(batch) / dc.n_samples)
+        bar.update(min(sum(u.share for u in batch), bar.total - bar.n))  # shares of 1/k may round past the total
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
 
     for si in mine:
@@ -310,7 +331,7 @@ def generate(recipe) -> Path:
             continue
         stats = Stats()
         units = plan_units(shard_prompts, start, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
-        bar.update(len(shard_prompts) - len(units) / dc.n_samples)  # unusable prompts are done at once
+        bar.update(len(shard_prompts) - sum(u.share for u in units))  # unusable prompts are done at once
         records = prod.shard_records(units, stats, on_batch) if units else []
         counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
         entry = write_shard(path, records, {**meta, "prompt_span": span}, counts)

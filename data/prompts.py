@@ -45,6 +45,7 @@ class Prompt:
     id: str  # stable id: "<source>:<index or question_id>"
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}, ...]
     category: str | None = None  # e.g. MT-bench category "writing"; None when the source has none
+    text: str | None = None  # a raw text record ({"text": ...}, no messages): pretraining text, not a prompt
 
 
 class _BadRecord(ValueError):
@@ -261,8 +262,9 @@ def _normalize(msgs: list[dict], max_turns: int | None) -> list[dict]:
     return out if users else []
 
 
-def _to_prompt(rec, source: str, index: int, max_turns: int | None) -> Prompt | str:
-    """A Prompt, or the reason (a short string) the record is skipped."""
+def _to_prompt(rec, source: str, index: int, max_turns: int | None, text_ok: bool = False) -> Prompt | str:
+    """A Prompt, or the reason (a short string) the record is skipped. ``text_ok``: raw text records are allowed
+    (the data stage's fixed-data mode trains on them as they are)."""
     if not isinstance(rec, dict):
         raise _BadRecord(f"expected a JSON object, got {type(rec).__name__}")
     if source == "humaneval":
@@ -271,6 +273,17 @@ def _to_prompt(rec, source: str, index: int, max_turns: int | None) -> Prompt | 
         code = rec["prompt"] if rec["prompt"].endswith("\n") else rec["prompt"] + "\n"
         rec = {"id": rec.get("task_id"), "category": "coding",
                "turns": [f"Complete the following Python function:\n\n```python\n{code}```"]}
+    if "text" in rec and not any(k in rec for k in ("conversations", "turns", "messages")):
+        if not isinstance(rec["text"], str):
+            raise _BadRecord(f"'text' must be a string, not {type(rec['text']).__name__}")
+        if not text_ok:
+            raise _BadRecord("a raw text record ('text', no messages) is training text, not a prompt: use it in "
+                             "the data stage with data.responses=dataset")
+        if not rec["text"].strip():
+            return "empty text"
+        rid = next((rec[k] for k in ("id",) if rec.get(k) is not None), index)
+        cat = rec.get("category")
+        return Prompt(f"{source}:{rid}", [], None if cat is None else str(cat), text=rec["text"])
     msgs = _messages(rec)
     if msgs is None:
         return "unsupported role"
@@ -285,8 +298,11 @@ def _to_prompt(rec, source: str, index: int, max_turns: int | None) -> Prompt | 
 
 
 def load_prompts(source: str, path: str | None = None, n: int | None = None, *, shuffle: bool = False,
-                 seed: int = 0, split: str = "train", max_turns: int | None = None) -> list[Prompt]:
+                 seed: int = 0, split: str = "train", max_turns: int | None = None,
+                 text_ok: bool = False) -> list[Prompt]:
     """Load the first ``n`` usable prompts (all when None), after shuffling with ``seed`` if asked.
+    ``text_ok``: also accept raw text records ({"text": ...}, e.g. a pretraining corpus), as ``Prompt.text``;
+    elsewhere they are an error naming the file and line.
 
     ``path``: the file (source=file), the dataset name (source=hub) or, for packaged sources, an optional
     replacement for the shipped file. Unusable records (unsupported role, empty first user turn) are skipped and
@@ -306,7 +322,7 @@ def load_prompts(source: str, path: str | None = None, n: int | None = None, *, 
     try:
         if source != "hub":
             rows = iter_file(file, allow_truncated=source == "sharegpt")
-        prompts = _collect(rows, source, label, None if shuffle else n, max_turns)
+        prompts = _collect(rows, source, label, None if shuffle else n, max_turns, text_ok)
     except FileNotFoundError:
         raise DraftsmithError(f"{label}: not found") from None
     except (OSError, EOFError) as e:  # unreadable, a directory, a corrupt or cut-off .gz
@@ -318,13 +334,14 @@ def load_prompts(source: str, path: str | None = None, n: int | None = None, *, 
     return prompts[:n] if n is not None else prompts
 
 
-def _collect(rows, source: str, label: str, n: int | None, max_turns: int | None) -> list[Prompt]:
+def _collect(rows, source: str, label: str, n: int | None, max_turns: int | None,
+             text_ok: bool = False) -> list[Prompt]:
     """Convert rows until ``n`` usable prompts; skips are counted in one warning (no prompt text is logged)."""
     prompts, skipped, seen = [], Counter(), set()
     with closing(rows):  # closes the file at once when we stop early
         for index, rec, where in rows:
             try:
-                p = _to_prompt(rec, source, index, max_turns)
+                p = _to_prompt(rec, source, index, max_turns, text_ok)
             except _BadRecord as e:
                 raise DraftsmithError(f"{label} {where}: {e}") from None
             if isinstance(p, str):

@@ -28,6 +28,7 @@ from draftsmith.data.records import (
     read_manifest,
     write_shard,
 )
+from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.hf import load_llama_dir, tokenizer_hash
 from draftsmith.models.registry import save_drafter
@@ -391,6 +392,41 @@ def test_fixed_data_mode_keeps_and_scores_dataset_replies(tmp_path, run_args, ti
                                    rtol=1e-3)
         torch.testing.assert_close(r.signals["hidden_last"], target.norm(cap[target.cfg.n_layers]).float(),
                                    atol=1e-2, rtol=1e-2)
+
+
+def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_path, run_args, tiny_tokenizer,
+                                                                           target):
+    """A pretraining corpus ({"text": ...} records, FastDraft stage 1 on any text) in fixed-data mode: each document
+    becomes pieces of max_new_tokens labels whose only context is the previous piece's last token, so the pieces
+    rebuild the document and every token after its first is a label once, scored by the target like any dataset
+    reply. Elsewhere (target replies, eval prompts) such records are a one-line error."""
+    from draftsmith.data.prompts import load_prompts
+
+    docs = ["the quick brown fox jumps over the lazy dog " * 5, "hello world", {"text": "   "}, "a b c d e f g"]
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d if isinstance(d, dict) else {"text": d}) + "\n" for d in docs))
+    assert main(run_args(f"data.prompts.path={corpus}", "data.responses=dataset", "data.max_new_tokens=8",
+                         out="text")) == 0
+    manifest = read_manifest(tmp_path / "text" / "data")
+    recs = records_of(tmp_path / "text" / "data")
+    assert manifest["sequences_by_writer"]["dataset"] == len(recs) > 3
+    tok = tiny_tokenizer
+    for index, doc in ((0, docs[0]), (1, docs[1]), (2, docs[3])):  # the blank one is skipped when loading
+        pieces = sorted((r for r in recs if r.prompt_index == index), key=lambda r: r.sample_index)
+        ids = tok(doc, add_special_tokens=False)["input_ids"]
+        assert len(pieces) == -(-(len(ids) - 1) // 8)
+        rebuilt = pieces[0].input_ids[:1].tolist() + sum((r.input_ids[1:].tolist() for r in pieces), [])
+        assert rebuilt == ids
+        for r in pieces:
+            assert r.loss_mask.tolist() == [0] + [1] * (len(r.input_ids) - 1) and len(r.input_ids) <= 9
+            logits, _ = full_forward(target, r.input_ids)
+            rows = torch.log_softmax(logits[:-1], -1).float()
+            torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"],
+                                       atol=2e-3, rtol=1e-3)
+    assert main(run_args(f"data.prompts.path={corpus}", out="text-target")) == 2  # nothing to answer
+    assert not (tmp_path / "text-target" / "data" / "manifest.json").exists()
+    with pytest.raises(DraftsmithError, match=r"corpus.jsonl line 1: a raw text record"):
+        load_prompts("file", str(corpus))  # eval prompts, the quick eval: not prompts
 
 
 def test_on_policy_mixing_and_specdec_labels(tmp_path, run_args, tiny_model_dir, tiny_tokenizer, target):
