@@ -388,6 +388,10 @@ class TrainConfig(Strict):
     builder's initialisation; it must match the recipe's drafter."""
     wandb: bool = False
     tensorboard: bool = False
+    shard_target: bool = False
+    """Multi-process runs: shard the frozen target's decoder layers over the processes with FSDP2 (each keeps 1/N
+    of every layer's weights and all-gathers one layer at a time), for targets too large to replicate on every
+    device; works under every launcher. Default: every process holds the whole target. Needs eval_every=0."""
     eval_every: int = Field(0, ge=0)
     """Every N steps, decode a few eval prompts with the drafter and log measured tau next to the teacher-forced
     estimate from alpha = sum min(p, q) (0 = off)."""

@@ -201,6 +201,28 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
 
 
 @ONE_GPU_SKIP
+def test_a_sharded_target_teaches_like_a_replicated_one(train_run, tiny_model_dir, prompts_file):
+    """train.shard_target: 2 gloo processes keep half of each frozen target layer (FSDP2) and teach from the full
+    distribution (teacher: target) with the same losses and weights as one process holding the whole target;
+    with the periodic eval (rank 0 decodes alone) it is refused in one line."""
+    common = ("train.loss.teacher=target", "train.loss.kind=fkl", "train.steps=3")
+    one = train_run("one", "train.micro_batch_size=4", *common)
+    two = one.parent / "sharded"
+    shutil.copytree(one / "data", two / "data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
+           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+           f"out_dir={two}", "train.micro_batch_size=2", "train.shard_target=true", *common]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "target layers sharded over 2 processes" in res.stdout
+    _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
+    for ra, rb in zip(_rows(one), _rows(two), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+    train_run("eval-too", "train.shard_target=true", "train.eval_every=1", "train.steps=1", expect=2)
+
+
+@ONE_GPU_SKIP
 def test_two_gloo_processes_resume_each_ranks_own_sampling(data_dir, tiny_model_dir, prompts_file, tmp_path):
     """Each rank seeds its loss generator apart (TVD++ samples its own tokens), so an exact multi-process resume
     needs every rank's RNG states in the checkpoint, not rank 0's for all: resuming 2 gloo processes from

@@ -143,7 +143,10 @@ def train(recipe) -> Path:
     # A drafter may also ask for it itself (``needs_target``: the judge, acceptance heads on EAGLE).
     in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) \
         or getattr(drafter, "needs_target", False)
-    teacher = tgt.model.to(acc.device).requires_grad_(False) if in_loop else None
+    teacher = tgt.model.requires_grad_(False) if in_loop else None
+    if teacher is not None and tc.shard_target and acc.num_processes > 1:
+        _shard_frozen_target(teacher, acc)  # before the move: no device ever holds the whole target
+    teacher = teacher.to(acc.device) if teacher is not None else None
     del tgt
     signals = getattr(drafter, "signals_needed", SIGNALS_NEEDED[kind]) - (set() if stored else {"hidden_last",
                                                                                                "hidden_aux"})
@@ -218,11 +221,29 @@ def train(recipe) -> Path:
     return final
 
 
+def _shard_frozen_target(model, acc) -> None:
+    """train.shard_target: FSDP2 over the frozen target's decoder layers. Each rank keeps 1/N of every layer and
+    the forward all-gathers one layer at a time (and frees it after), so the target costs ~1/N of its layers per
+    device. Embeddings, final norm and LM head stay whole: objectives read the LM head's weight directly
+    (teacher: target). Every rank runs the teacher once per micro-batch, so the collectives line up."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(acc.device.type, (acc.num_processes,))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    if acc.is_main_process:
+        print(f"train: target layers sharded over {acc.num_processes} processes (FSDP2)")
+
+
 def _check_sharding(acc, tc) -> None:
     """Say so when a launcher config asked for FSDP / DeepSpeed and accelerate fell back (on CPU it runs DDP over
     gloo, which is correct but replicates everything), instead of letting the config be ignored silently. Refuse
     resumable checkpoints under DeepSpeed up front rather than at the first save: its optimizer keeps its own
     partitioned state layout, which train/state.py does not write."""
+    if tc.shard_target and tc.eval_every:  # the in-training decode runs on rank 0 alone: it cannot gather shards
+        raise DraftsmithError("train.shard_target: the periodic eval (train.eval_every) decodes on one process and "
+                              "needs the whole target; set train.eval_every=0 and run draftsmith eval afterwards")
     if acc.distributed_type.value == "DEEPSPEED" and tc.save_every:
         raise DraftsmithError("train.save_every: resumable checkpoints are not supported under DeepSpeed yet; use "
                               "recipes/accelerate/fsdp2.yaml (shards as well) or set train.save_every=0")
