@@ -166,7 +166,7 @@ class ConfidenceStop:
     block's draft probabilities; stop once 1 - P > threshold. ``after`` (asked once the drafter has read n drafts,
     about draft n + 1): P takes draft n + 1's top probability max q, which at T = 0 is q of the draft it would
     pick, and a stop leaves that draft out, so with ``min_len`` 0 a step whose first draft looks unsure drafts
-    nothing (with ``min_len`` m >= 1 the first m drafts are made unasked and P starts at draft m + 1).
+    nothing (with ``min_len`` >= 1 the decoder first asks once draft 1 is made, so P starts at draft 2).
     ``before_feed`` (asked right after draft n is picked): P takes q(draft n), and draft n stays in."""
 
     def __init__(self, threshold: float, min_len: int = 1, before_feed: bool = False):
