@@ -307,8 +307,8 @@ def test_deepspeed_refuses_resumable_checkpoints_up_front_and_saves_through_acce
     ds = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, device="cuda",
                          get_state_dict=lambda model: {"w": torch.ones(2)})
     with pytest.raises(DraftsmithError, match="train.save_every: .*DeepSpeed.*fsdp2.yaml"):
-        _check_sharding(ds, SimpleNamespace(save_every=100))
-    _check_sharding(ds, SimpleNamespace(save_every=0))
+        _check_sharding(ds, SimpleNamespace(save_every=100, shard_target=False, eval_every=0))
+    _check_sharding(ds, SimpleNamespace(save_every=0, shard_target=False, eval_every=0))
     model = torch.nn.Linear(2, 1)
     assert _gathered(ds, model)[0]["w"].tolist() == [1.0, 1.0]
     plain = SimpleNamespace(distributed_type=DistributedType.NO, device="cpu")
