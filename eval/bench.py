@@ -255,7 +255,7 @@ def evaluate(recipe) -> dict:
 def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     """eval.stop -> (the drafter to decode with, its info, the stop hook, the report's description). An
     acceptance-head checkpoint stands for its draft LM decoded with the SpecDec++ rule."""
-    from draftsmith.models.acceptance import AcceptanceStop, ConfidenceStop, EntropyStop
+    from draftsmith.models.acceptance import FEATURE_KINDS, AcceptanceStop, ConfidenceStop, EntropyStop
     from draftsmith.recipes.schema import StopConfig
 
     sc = ec.stop or StopConfig()
@@ -275,21 +275,24 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
     if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
-    if head is not None and info.get("kind") not in ("draft_lm", "eagle"):  # training-free rules: every drafter
-        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM or EAGLE drafter, not "
-                              f"{info.get('kind')}")
-    if head is not None and (head.cfg.dim != drafter.cfg.dim or head.cfg.draft_kind != info.get("kind")):
+    kind = info.get("kind")
+    if head is not None and kind not in ("draft_lm", "eagle", *FEATURE_KINDS):  # training-free rules: every drafter
+        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM, an EAGLE drafter or feature "
+                              f"heads, not {kind}")
+    width = (drafter.state_dim if kind in FEATURE_KINDS else drafter.cfg.dim) if head is not None else None
+    if head is not None and (head.cfg.dim != width or head.cfg.draft_kind != kind):
         raise DraftsmithError(f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
-                              f"{head.cfg.dim}-wide states; this drafter is a {info.get('kind')} with "
-                              f"{drafter.cfg.dim}")
-    if head is not None and sc.state not in (None, head.cfg.state):
+                              f"{head.cfg.dim}-wide states; this drafter is a {kind} with {width}")
+    if head is not None and sc.state not in (None, head.cfg.state) and not (sc.state == "next"
+                                                                              and head.cfg.state == "before"):
         raise DraftsmithError(f"eval.stop.state={sc.state} but the head {head_path} was trained with "
-                              f"drafter.state={head.cfg.state}")
-    prepare = drafter.head_input if info.get("kind") == "eagle" else None  # EAGLE: as in training
+                              f"drafter.state={head.cfg.state}"
+                              + (" (state=next needs a before head)" if sc.state == "next" else ""))
+    prepare = drafter.head_input if kind == "eagle" else None  # EAGLE: as in training
     training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
-    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare) if head is not None else \
-        training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
-    state = head.cfg.state if head is not None else (sc.state or "after")
+    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next") if head is not None \
+        else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
+    state = ("next" if sc.state == "next" else head.cfg.state) if head is not None else (sc.state or "after")
     desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len, "state": state,
             **({"head": str(head_path)} if head is not None else {})}
     return drafter, info, hook, desc

@@ -91,10 +91,11 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         raise DraftsmithError("--fixed needs at least one draft length to compare against")
     if min_lens and (not thresholds or any(m < 0 for m in min_lens)):
         raise DraftsmithError("--min-lens needs --thresholds and values >= 0")
-    if 0 in min_lens and (setup.stop_info or {}).get("rule") not in ("entropy", "confidence"):
-        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy or confidence (the SpecDec++ head scores "
-                              "drafted tokens)")
-    if 0 in min_lens and (setup.stop_info or {}).get("state") == "before":
+    si = setup.stop_info or {}
+    if 0 in min_lens and si.get("rule") not in ("entropy", "confidence") and si.get("state") != "next":
+        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy or confidence, or eval.stop.state=next "
+                              "(a SpecDec++ head asked after or before a draft scores drafted tokens)")
+    if 0 in min_lens and si.get("state") == "before":
         raise DraftsmithError("--min-lens 0 needs eval.stop.state=after (a before rule judges a picked draft)")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
     sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}

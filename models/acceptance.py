@@ -11,6 +11,10 @@ for the drafter's sample y (train/objectives.py):
   target scores it; the drafter reads its own y (a TTT step with y as the token, ``Eagle.forward``
   ``step_tokens``) and the head reads that state through the drafter's ``head_input``, exactly the state the
   chain decoder hands a stop rule after the first draft.
+- feature heads (``draft_kind`` medusa, hydra, mlp_speculator; ``before`` only): labels are made in the loop too.
+  The frozen heads, teacher-forced on the target's features and true tokens, draft y at every position with each
+  head k; the target scores it; the head reads the state head k drafted y from (``FeatureHeads.draft_step``), log
+  q(y), the entropy of q, and which head it was (a learned slot vector: every head has its own accuracy).
 
 Which state the head reads (``state``):
 - ``after`` (the paper): the state after the drafter has read the draft. To judge draft n the drafter must read
@@ -33,6 +37,12 @@ A rule with ``before_feed`` set is asked right after draft n is picked, with the
 it and the draft itself: ``stop(n, logits, hidden, token)``; otherwise after the drafter has read draft n:
 ``stop(n, logits, hidden)``. Both respect ``min_len``; ``eval.draft_len`` stays the cap. Neither changes the
 output (lossless either way).
+
+``AcceptanceStop(skip=True)`` (``eval.stop.state: next``) asks a ``before`` head in the second slot: once the
+drafter has read n drafts, about draft n + 1, from the state and logits that would produce it and their top token
+(the draft itself at T = 0). A stop leaves that draft out, so no verify carries a draft the head distrusts, and
+with ``min_len`` 0 a step whose first draft looks unsure drafts nothing. ``sweep --oracle``'s ``oracle-skip``
+bounds this rule (eval/sweep.py).
 """
 from __future__ import annotations
 
@@ -46,6 +56,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.medusa import ResBlock
 
 N_EXTRA = 2  # log q(y) and the entropy of q, appended to the producing state of a ``before`` head
+FEATURE_KINDS = ("medusa", "hydra", "mlp_speculator")  # drafters an acceptance head reads through draft_step
 
 
 def acceptance_features(hidden: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -66,8 +77,9 @@ class AcceptanceConfig:
     dim: int
     n_layers: int = 3
     draft: str | None = None  # the drafter checkpoint folder the head was trained on
-    draft_kind: str = "draft_lm"  # its kind: draft_lm or eagle
+    draft_kind: str = "draft_lm"  # its kind: draft_lm, eagle, or feature heads (FEATURE_KINDS)
     state: str = "after"  # after: the state after reading the draft (the paper); before: the producing state
+    n_slots: int = 0  # feature heads: one learned vector per head (which head drafted the token); 0 = none
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,23 +95,30 @@ class AcceptanceHead(nn.Module):
         self.cfg = cfg
         # before: the producing state and two scalars of the draft's own distribution (acceptance_features)
         self.inp = nn.Linear(cfg.dim + N_EXTRA, cfg.dim) if cfg.state == "before" else None
+        self.slots = nn.Embedding(cfg.n_slots, cfg.dim) if cfg.n_slots else None
         self.blocks = nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))  # separate instances
         self.out = nn.Linear(cfg.dim, 1)
         self.draft = None  # training only: the frozen draft LM whose states the head reads
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        """h (..., d), or (..., d + 2) from ``acceptance_features`` for a ``before`` head -> logit (...)."""
-        return self.out(self.blocks(h if self.inp is None else self.inp(h))).squeeze(-1)
+    def forward(self, h: torch.Tensor, slot: torch.Tensor | int | None = None) -> torch.Tensor:
+        """h (..., d), or (..., d + 2) from ``acceptance_features`` for a ``before`` head; slot (...) or an int:
+        the head that drafted the token (feature heads) -> logit (...)."""
+        x = h if self.inp is None else self.inp(h)
+        if self.slots is not None:
+            slot = torch.as_tensor(slot, device=x.device)
+            x = x + self.slots(slot).to(x.dtype)
+        return self.out(self.blocks(x)).squeeze(-1)
 
     @property
     def signals_needed(self) -> set[str]:
-        """Record signals the objective reads: stored labels for a draft LM; none for EAGLE (made in the loop)."""
-        return set() if self.cfg.draft_kind == "eagle" else {"specdec"}
+        """Record signals the objective reads: stored labels for a draft LM; none for EAGLE and feature heads
+        (labels made in the loop)."""
+        return {"specdec"} if self.cfg.draft_kind == "draft_lm" else set()
 
     @property
     def needs_target(self) -> bool:
-        """Whether the loop must run the frozen target (EAGLE: its features and its distribution)."""
-        return self.cfg.draft_kind == "eagle"
+        """Whether the loop must run the frozen target (EAGLE, feature heads: its features and distribution)."""
+        return self.cfg.draft_kind != "draft_lm"
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("draft."))
@@ -113,39 +132,55 @@ def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
     if not path:
         raise DraftsmithError("drafter.draft: the draft LM checkpoint whose acceptance the head predicts is required")
     draft, info = load_drafter(Path(path))
-    if info.get("kind") not in ("draft_lm", "eagle"):
-        raise DraftsmithError(f"drafter.draft {path!r} is a {info.get('kind')} checkpoint; the acceptance head "
-                              f"reads a standalone draft LM or an EAGLE drafter")
+    kind, state = info.get("kind"), params.get("state", "after")
+    if kind not in ("draft_lm", "eagle", *FEATURE_KINDS):
+        raise DraftsmithError(f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads a "
+                              f"standalone draft LM, an EAGLE drafter or feature heads ({', '.join(FEATURE_KINDS)})")
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise DraftsmithError(f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target "
                               f"{target.cfg.vocab_size}")
-    head = AcceptanceHead(AcceptanceConfig(dim=draft.cfg.dim, n_layers=params.get("n_layers", 3),
-                                           draft=str(path), draft_kind=info["kind"],
-                                           state=params.get("state", "after")))
+    feature = kind in FEATURE_KINDS
+    if feature and state != "before":
+        raise DraftsmithError(f"drafter.state={state}: an acceptance head on {kind} heads needs state=before (heads "
+                              f"draft from the target's state, they never read their own drafts)")
+    if getattr(draft, "target_adapter", None) is not None:
+        raise DraftsmithError(f"drafter.draft {path!r} is a Medusa-2 checkpoint (it decodes against its adapted "
+                              f"target); the acceptance head supports Medusa-1 heads")
+    head = AcceptanceHead(AcceptanceConfig(dim=draft.state_dim if feature else draft.cfg.dim,
+                                           n_layers=params.get("n_layers", 3), draft=str(path), draft_kind=kind,
+                                           state=state, n_slots=draft.max_draft_len if feature else 0))
     head.draft = draft.float().requires_grad_(False)  # frozen: only the head trains (as in the reference)
     return head
 
 
 class AcceptanceStop:
     """SpecDec++ threshold rule: stop once P(some draft of this block is rejected) = 1 - prod p_hat > threshold.
-    Asked before or after the drafter reads each draft, as the head was trained (its ``state``)."""
+    Asked before or after the drafter reads each draft, as the head was trained (its ``state``). ``skip`` (a
+    ``before`` head): asked once the drafter has read n drafts (n >= 0 with ``min_len`` 0) about draft n + 1, whose
+    estimate then joins P; a stop leaves that draft out."""
 
-    def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1, prepare=None):
-        self.head, self.threshold, self.min_len = head, threshold, min_len
+    def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1, prepare=None, skip: bool = False):
+        if skip and head.cfg.state != "before":
+            raise DraftsmithError("eval.stop.state=next needs a head trained with drafter.state=before (it judges "
+                                  "a draft from the state that produces it)")
+        self.head, self.threshold, self.min_len, self.skip = head, threshold, min_len, skip
         self.prepare = prepare  # drafter state -> head input (EAGLE: its head_input, as in training)
-        self.before_feed = head.cfg.state == "before"
+        self.before_feed = head.cfg.state == "before" and not skip
         self.p_all = 1.0
 
     def __call__(self, n: int, logits: torch.Tensor, hidden: torch.Tensor | None, token=None) -> bool:
         if hidden is None:
             raise DraftsmithError("the SpecDec++ stop rule needs a drafter that returns its hidden states")
-        if n == 1:  # a new block: the verified token's factor is 1
+        # a new block starts at the first n the decoder asks (first_stop; min_len may be set after construction)
+        if n == (0 if self.skip and self.min_len < 1 else 1):
             self.p_all = 1.0
+        judged = n + 1 if self.skip else n  # which draft of the block the estimate is about
         with torch.no_grad():
             x = self.prepare(hidden) if self.prepare is not None else hidden
-            if self.before_feed:
-                x = acceptance_features(x, logits, token.reshape(()))
-            self.p_all *= float(torch.sigmoid(self.head(x.to(self.head.out.weight.dtype))))
+            if self.head.cfg.state == "before":
+                x = acceptance_features(x, logits, (logits.argmax() if self.skip else token).reshape(()))
+            slot = judged - 1 if self.head.slots is not None else None  # feature heads: head judged - 1 drafted it
+            self.p_all *= float(torch.sigmoid(self.head(x.to(self.head.out.weight.dtype), slot)))
         return n >= self.min_len and 1.0 - self.p_all > self.threshold
 
 

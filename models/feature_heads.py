@@ -64,9 +64,20 @@ class FeatureHeads(ReducedVocab, nn.Module):
     def max_draft_len(self) -> int:
         raise NotImplementedError
 
+    def draft_step(self, h: torch.Tensor, path: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """h (D,) with path tokens (1,) -> (logits (V,), the state head len(path) - 1 read them from (S,)); or a
+        batch: h (B, D) with path tokens (B,) -> ((B, V), (B, S)). The state is what an acceptance head on these
+        heads reads (models/acceptance.py), the same one the heads' forward hands ``head_fn`` in training."""
+        raise NotImplementedError
+
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         """h (D,) with path tokens (1,) -> (V,); or a batch: h (B, D) with path tokens (B,) -> (B, V)."""
-        raise NotImplementedError
+        return self.draft_step(h, path)[0]
+
+    @property
+    def state_dim(self) -> int:
+        """Width of the states ``draft_step`` returns."""
+        return self.cfg.dim
 
     def optimize_for_inference(self) -> FeatureHeads:
         """The decoder's fast path (eval.optimize): every linear layer pre-packed for oneDNN (models/llama.py
@@ -96,18 +107,19 @@ class FeatureHeads(ReducedVocab, nn.Module):
         """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
         draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
         (adaptive draft length, eval/decoder.py ``_draft``) may end the chain after n drafts (n >= 1, or n >= 0
-        for a hook with min_len 0); a ``before_feed`` hook is asked right after draft n: stop(n, logits, None, tok)."""
+        for a hook with min_len 0); a ``before_feed`` hook is asked right after draft n: stop(n, logits, state,
+        tok). The state handed to a hook is the one the next (after) or just picked (before) draft comes from."""
         after, before = split_stop(stop)
         path, qs, first = [cur], [], first_stop(after)
         n_max = min(gamma, self.max_draft_len)
         for i in range(n_max):
-            logits = self.logits_after(h, path)
-            if after is not None and i >= first and after(i, logits, None):
+            logits, state = self.draft_step(h, path)
+            if after is not None and i >= first and after(i, logits, state):
                 break
             tok, q = pick(logits)
             path.append(tok)
             qs.append(q)
-            if before is not None and i + 1 < n_max and before(i + 1, logits, None, tok):
+            if before is not None and i + 1 < n_max and before(i + 1, logits, state, tok):
                 break
         if len(path) == 1:
             return cur.new_empty(0), None

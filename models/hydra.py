@@ -123,10 +123,10 @@ class HydraHeads(FeatureHeads):
                 outs.append(self.to_target(self.lm_heads[k](x), self.cfg.vocab_size))
         return outs if head_fn is not None else torch.stack(outs)
 
-    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+    def draft_step(self, h: torch.Tensor, path: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k = len(path) - 1
-        x = torch.cat([h, *(self.embed(t.reshape(h.shape[:-1])).to(h.dtype) for t in path)], -1)
-        return self.to_target(self.lm_heads[k](self.blocks[k](x)), self.cfg.vocab_size)
+        x = self.blocks[k](torch.cat([h, *(self.embed(t.reshape(h.shape[:-1])).to(h.dtype) for t in path)], -1))
+        return self.to_target(self.lm_heads[k](x), self.cfg.vocab_size), x
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

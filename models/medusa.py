@@ -128,9 +128,10 @@ class MedusaHeads(FeatureHeads):
         return torch.stack([self.to_target(lm(blk(h)), self.cfg.vocab_size)
                             for blk, lm in zip(self.blocks, self.lm_heads)])
 
-    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+    def draft_step(self, h: torch.Tensor, path: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k = len(path) - 1  # Medusa heads ignore the drafted tokens: head k reads only h
-        return self.to_target(self.lm_heads[k](self.blocks[k](h)), self.cfg.vocab_size)
+        x = self.blocks[k](h)
+        return self.to_target(self.lm_heads[k](x), self.cfg.vocab_size), x
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for p in self.parameters())

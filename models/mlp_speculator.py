@@ -78,11 +78,15 @@ class MLPSpeculator(FeatureHeads):
                 outs.append(self.to_target(self.head[k](state), self.cfg.vocab_size))
         return outs if head_fn is not None else torch.stack(outs)
 
-    def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
+    def draft_step(self, h: torch.Tensor, path: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         state = h
         for k, tok in enumerate(path):  # stage k reads the token after the k-th state
             state = self._stage(k, state, tok.reshape(state.shape[:-1]))
-        return self.to_target(self.head[len(path) - 1](state), self.cfg.vocab_size)
+        return self.to_target(self.head[len(path) - 1](state), self.cfg.vocab_size), state
+
+    @property
+    def state_dim(self) -> int:
+        return self.cfg.inner
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())

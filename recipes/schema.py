@@ -310,13 +310,16 @@ class AcceptanceHeadConfig(Strict):
     draft: str = Field(min_length=1)
     """The drafter checkpoint folder whose tokens the head judges; it stays frozen. A draft LM (kind draft_lm):
     the records must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint). An EAGLE
-    drafter (kind eagle): any target-written records; the loop runs the target and makes the labels."""
+    drafter (kind eagle) or feature heads (medusa, hydra, mlp_speculator; needs state=before): any target-written
+    records; the loop runs the target and makes the labels."""
     n_layers: int = Field(3, ge=0)
     """Residual blocks before the output logit."""
     state: Literal["after", "before"] = "after"
     """after (the paper): the head reads the draft's state after it has read the judged token, so a block the rule
     ends costs one more drafter forward. before: it reads the state that produced the token, plus the token's
-    log q and the entropy of q; stopping costs nothing extra (trained on the target's own text, no mixing)."""
+    log q and the entropy of q; stopping costs nothing extra (trained on the target's own text, no mixing). A
+    before head can also judge each next draft before it is drafted (eval.stop.state=next). Feature heads: before
+    only (the state is the judged head's own, plus which head it is)."""
     mixing_ratio: float = Field(0.15, ge=0, lt=1)
     """state=after: share of response positions that keep the target's token instead of the draft's sample in
     the input."""
@@ -455,17 +458,22 @@ class StopConfig(Strict):
     help."""
     head: str | None = None
     """specdecpp: the acceptance-head checkpoint; None = eval.checkpoint when that is an acceptance head."""
-    state: Literal["after", "before"] | None = None
+    state: Literal["after", "before", "next"] | None = None
     """When the rule judges draft n. after: once the drafter has read it (the next-token distribution; one more
     drafter forward per block the rule ends). before: right after it is picked, from the distribution and state
-    that produced it (no extra forward). None: the head's own (drafter.state it was trained with) for specdecpp,
-    after for entropy."""
+    that produced it (no extra forward); a stop keeps it. next (specdecpp with a drafter.state=before head): before
+    it is drafted, from the same distribution and state and the drafter's top token there; a stop leaves it out,
+    so with min_len 0 a step whose first draft looks unsure drafts nothing. None: the head's own (drafter.state it
+    was trained with) for specdecpp, after for entropy and confidence."""
 
     @model_validator(mode="after")
     def _specdecpp_needs_a_draft(self):
-        if self.rule == "specdecpp" and self.min_len < 1:  # the head predicts a draft's acceptance after reading it
-            raise ValueError("eval.stop.min_len=0 needs rule=entropy or confidence (the SpecDec++ head scores "
-                             "drafted tokens)")
+        if self.rule == "specdecpp" and self.min_len < 1 and self.state != "next":
+            raise ValueError("eval.stop.min_len=0 needs rule=entropy or confidence, or state=next (a SpecDec++ "
+                             "head asked after or before a draft scores drafted tokens)")
+        if self.state == "next" and self.rule != "specdecpp":
+            raise ValueError("eval.stop.state=next is for rule=specdecpp (entropy and confidence with state=after "
+                             "already judge the next draft before drafting it)")
         if self.state == "before" and self.min_len < 1:
             raise ValueError("eval.stop.min_len=0 needs eval.stop.state=after (a before rule judges a picked draft)")
         return self

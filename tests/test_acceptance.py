@@ -169,6 +169,11 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"
     assert main(["eval", str(recipe), f"out_dir={run}", "eval.stop.state=after", *common]) == 2
+    # the same head asked before each next draft (state=next), min_len 0: steps may draft nothing; lossless
+    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
+                 "eval.stop.state=next", "eval.stop.min_len=0", *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "next"
 
 
 def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_path):
@@ -288,3 +293,170 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
                  *common]) == 0
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"
+
+
+# ---- the skip rule (eval.stop.state=next) and acceptance heads on feature heads ------------------------------------
+
+def _slot_head(values, n_layers=1):
+    """A before head with one slot per value whose logit is that value, whatever the state."""
+    head = AcceptanceHead(AcceptanceConfig(dim=4, n_layers=n_layers, state="before", n_slots=len(values)))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.zero_()
+        head.slots.weight[:, 0] = torch.tensor(values)
+        head.out.weight[0, 0] = 1.0  # zeroed blocks are identities: logit = slot value
+    return head
+
+
+def test_skip_rule_judges_the_next_draft_with_its_heads_slot():
+    from draftsmith.errors import DraftsmithError
+
+    head = _slot_head([2.0, 0.0, -2.0])  # p_hat per head: 0.88, 0.5, 0.12
+    x, logits = torch.zeros(4), torch.zeros(8)
+    rule = AcceptanceStop(head, threshold=0.3, min_len=0, skip=True)
+    assert not rule.before_feed  # asked in the after slot, before the judged draft exists
+    # n = 0: about draft 1 (head 0): 1 - 0.88 <= 0.3; n = 1: about draft 2 (head 1): 1 - 0.44 > 0.3 -> stop at 1
+    assert [rule(0, logits, x), rule(1, logits, x)] == [False, True]
+    assert rule(0, logits, x) is False  # a new block resets the product
+    assert AcceptanceStop(head, 0.1, min_len=0, skip=True)(0, logits, x) is True  # draft nothing
+    assert AcceptanceStop(head, 0.1, min_len=1, skip=True)(1, logits, x) is True  # min_len 1: asked from n = 1
+    # before (asked right after draft n is picked, keeping it): draft n came from head n - 1
+    before = AcceptanceStop(head, threshold=0.3)
+    y = torch.tensor(0)
+    assert before.before_feed and [before(1, logits, x, y), before(2, logits, x, y)] == [False, True]
+    with pytest.raises(DraftsmithError, match="state=next needs a head trained with drafter.state=before"):
+        AcceptanceStop(AcceptanceHead(AcceptanceConfig(dim=4)), 0.5, skip=True)
+
+
+def _feature_heads(kind, tgt, counts=None):
+    from draftsmith.models.registry import build_drafter
+
+    params = {"medusa": {"n_heads": 3}, "hydra": {"n_heads": 3, "prefix_attention": True, "draft_vocab": 40},
+              "mlp_speculator": {"n_predict": 3, "inner_dim": 48}}[kind]
+    torch.manual_seed(0)
+    counts = torch.arange(tgt.cfg.vocab_size).float() if counts is None else counts  # for hydra's 40-row heads
+    heads = build_drafter(kind, params, tgt, counts=counts, eos_ids={0})
+    with torch.no_grad():  # untrained heads copy the target's head: perturb them so labels are mixed
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return heads.float().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator"])
+def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir):
+    """Row by row: the loop's input for head k at position t is what the chain decoder hands the skip rule before
+    draft k + 1 (``draft_step`` from the context state at t after the target's tokens t+1..t+k+1), and the label
+    is whether the target's greedy token at t + k + 1 is that draft."""
+    from draftsmith.eval.decoder import autoregressive_generate
+    from draftsmith.models.hf import load_model
+    from draftsmith.train.objectives import Context, heads_acceptance_inputs
+
+    tgt = load_model(str(tiny_model_dir)).model.float()
+    # the target's own greedy text (as in the records): heads that copy its LM head then agree with it sometimes
+    ids = torch.tensor([p + autoregressive_generate(tgt, torch.tensor(p), 8) for p in ([1, 5, 9, 13], [2, 7, 3, 8])])
+    heads = _feature_heads(kind, tgt, counts=torch.bincount(ids.flatten(), minlength=tgt.cfg.vocab_size).float())
+    if kind == "hydra":  # its wide first blocks start random: pass the context state through, as Medusa's do
+        with torch.no_grad():
+            for block in heads.blocks:
+                block[0].linear.weight.zero_()
+                block[0].proj.weight.zero_()
+                block[0].proj.weight[:, :tgt.cfg.dim] = torch.eye(tgt.cfg.dim)
+    pm = torch.zeros_like(ids, dtype=torch.bool)
+    pm[:, 4:11] = True  # positions 4..10 predict response tokens
+    pm[1, 9:] = False
+    x, s, slot = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm},
+                                         Context(unwrapped=heads, target=tgt, generator=torch.Generator()))
+    with torch.no_grad():
+        h = tgt(ids, return_hidden=True)  # (B, T, D)
+        ctx = heads.read_context(h)
+        rows, labels, slots = [], [], []
+        for k in range(3):
+            for b in range(2):
+                for t in range(12 - k - 1):
+                    if not (pm[b, t] and pm[b, t + k + 1]):
+                        continue
+                    path = [ids[b, t + 1 + j].view(1) for j in range(k + 1)]
+                    logits, state = heads.draft_step(ctx[b, t], path)
+                    y = logits.argmax()
+                    rows.append(acceptance_features(state, logits, y))
+                    labels.append(float(int(y) == int(tgt.lm_head(h[b, t + k + 1]).argmax())))
+                    slots.append(k)
+    assert len(rows) == len(x) and slot.tolist() == slots
+    torch.testing.assert_close(x, torch.stack(rows), rtol=1e-4, atol=1e-4)
+    assert s.tolist() == labels
+    # both classes present where the heads start near the target's own head (the label code is shared)
+    assert kind == "mlp_speculator" or 0 < sum(labels) < len(labels)
+    assert x.shape[1] == heads.state_dim + 2
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator"])
+def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny_model_dir):
+    from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+    from draftsmith.models.hf import load_model
+
+    tgt = load_model(str(tiny_model_dir)).model.float()
+    heads = _feature_heads(kind, tgt)
+    prompt = torch.tensor([1, 5, 9, 13, 17, 21])
+    ar = autoregressive_generate(tgt, prompt, 24)
+    torch.manual_seed(2)
+    head = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=1, state="before", n_slots=3,
+                                           draft_kind=kind))
+    for h, expect in ((0.5, None), (1e-6, 0), (0.999999, None)):
+        rule = AcceptanceStop(head, h, min_len=0, skip=True)
+        out, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3, stop_drafting=rule)
+        assert out == ar
+        if expect is not None:
+            assert st.drafted == expect  # every step judged draft 1 unsure: plain target steps
+    never = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=0, state="before", n_slots=3))
+    with torch.no_grad():
+        for p in never.parameters():
+            p.zero_()
+        never.out.bias.fill_(30.0)
+    _, fixed = speculative_generate(tgt, heads, prompt, 24, draft_len=3)
+    _, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3,
+                                 stop_drafting=AcceptanceStop(never, 0.5, min_len=0, skip=True))
+    assert st.drafted == fixed.drafted and st.accepted == fixed.accepted
+
+
+def test_acceptance_head_on_hydra_heads_trains_decodes_and_sweeps(specdec_run, tmp_path):
+    """The pipeline on feature heads: labels made in the loop, the head trains, its checkpoint decodes its Hydra++
+    heads with the skip rule (min_len 0) losslessly, and the sweep crosses thresholds with min_len 0 and 1."""
+    import shutil
+
+    import yaml
+
+    from draftsmith.eval import sweep
+    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+
+    root, _, common = specdec_run
+    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec["drafter"] = {"kind": "hydra", "n_heads": 3, "prefix_attention": True}
+    (tmp_path / "tiny-hydra.yaml").write_text(yaml.safe_dump(spec))
+    shutil.copytree(root / "draft" / "data", tmp_path / "hydra" / "data")
+    assert main(["train", str(tmp_path / "tiny-hydra.yaml"), f"out_dir={tmp_path / 'hydra'}", "train.steps=2",
+                 *common]) == 0
+    hydra = tmp_path / "hydra" / "checkpoints" / "final"
+    spec["drafter"] = {"kind": "acceptance_head", "draft": str(hydra), "n_layers": 1, "state": "after"}
+    recipe = tmp_path / "tiny-hydra-head.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    run = tmp_path / "head"
+    shutil.copytree(root / "draft" / "data", run / "data")
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=2", *common]) == 2  # heads: before only
+    spec["drafter"]["state"] = "before"
+    spec["eval"]["stop"] = {"rule": "specdecpp", "state": "next", "min_len": 0, "threshold": 0.5}
+    recipe.write_text(yaml.safe_dump(spec))
+    assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", *common]) == 0
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"train"' in x]
+    assert len(rows) == 3 and all(0 <= r["accept_label_head0"] <= 1 and "brier_head2" in r for r in rows)
+    cfg = json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]
+    assert cfg["draft_kind"] == "hydra" and cfg["n_slots"] == 3
+    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "next"
+    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64", "eval.draft_len=3",
+                                              *[c for c in common if c != "-q"]]), [1e-6, 0.9], [1, 3],
+                    min_lens=[0, 1], oracle=True)
+    assert r["lossless_mismatches"] == 0 and r["configs"]["stop-1e-06-m0"]["drafted_per_step"] == 0
+    c = r["configs"]  # min_len 1: draft 1 always, never draft 2 (as fixed-1; the last step may draft nothing)
+    assert c["stop-1e-06-m1"]["drafted_per_step"] == c["fixed-1"]["drafted_per_step"] > 0
+    assert main(["eval", str(recipe), f"out_dir={run}", "eval.stop.state=after", *common]) == 2

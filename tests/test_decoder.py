@@ -900,9 +900,9 @@ def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outp
     seq = prompt + ar_outputs[tuple(prompt)]
     with torch.no_grad():
         ctx_full = heads.read_context(target(torch.tensor([seq]), return_hidden=True))[0]  # (T, D)
-    seen, orig = [], heads.logits_after
+    seen, orig = [], heads.draft_step
 
-    def logits_after(h, path):
+    def draft_step(h, path):  # chains call it directly, trees through logits_after
         if len(path) == 1:
             d = (ctx_full - h).abs().amax(-1)
             r = int(d.argmin())
@@ -910,7 +910,7 @@ def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outp
             seen.append(r)
         return orig(h, path)
 
-    heads.logits_after = logits_after
+    heads.draft_step = draft_step
     for decode in (lambda: speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=3),
                    lambda: tree_speculative_generate(target, heads, torch.tensor(prompt), NEW,
                                                      tree_from_choices([[0], [1], [0, 0]]))):

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.acceptance import N_EXTRA, acceptance_features
+from draftsmith.models.acceptance import FEATURE_KINDS, N_EXTRA, acceptance_features
 from draftsmith.train import losses
 
 
@@ -252,11 +252,16 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class.
 
     A ``before`` head (models/acceptance.py) reads instead the state that produced y, on the target's own text
-    (no mixing), with log q(y) and the entropy of q: every labelled token is a training example."""
+    (no mixing), with log q(y) and the entropy of q: every labelled token is a training example. Feature heads:
+    ``heads_acceptance_inputs`` (before only), with the index of the head that drafted each token."""
     head, p = ctx.unwrapped, ctx.params
-    inputs = eagle_acceptance_inputs if head.cfg.draft_kind == "eagle" else draft_lm_acceptance_inputs
-    x, s = inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
-    logit = model(x)
+    slot = None
+    if head.cfg.draft_kind in FEATURE_KINDS:
+        x, s, slot = heads_acceptance_inputs(head.draft, batch, ctx)
+    else:
+        inputs = eagle_acceptance_inputs if head.cfg.draft_kind == "eagle" else draft_lm_acceptance_inputs
+        x, s = inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
+    logit = model(x, slot)
     w = p.get("weight_mismatch", 6.0)
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
@@ -264,6 +269,12 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     m = {"accept_label": float(s.mean()) if n else 0.0, "accept_pred": float(a.mean()) if n else 0.0,
          "brier": float(((a - s) ** 2).mean()) if n else 0.0,
          "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0}  # agreement on accept vs reject
+    if slot is not None:  # each head's own acceptance rate and how well the head tells its drafts apart
+        for k in range(head.cfg.n_slots):
+            at = slot == k
+            if at.any():
+                m[f"accept_label_head{k}"] = float(s[at].mean())
+                m[f"brier_head{k}"] = float(((a[at] - s[at]) ** 2).mean())
     return StepOutput(loss, n, m)
 
 
@@ -333,6 +344,51 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
     y_at[sel] = torch.cat(ys) if ys else y_at[sel]
     second = eagle(feats, ids, steps=2, step_tokens={1: y_at})[1][sel]  # after reading its own draft
     return eagle.head_input(second).float(), (torch.cat(ss) if ss else first.new_zeros(0)).float()
+
+
+@torch.no_grad()
+def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512):
+    """SpecDec++ labels for frozen feature heads (Medusa, Hydra, MLP speculator), made in the loop -> (head inputs
+    (N, S + 2), s (N,), slot (N,)).
+
+    Head k at position t, teacher-forced on the target's features and the true tokens t+1..t+k+1 (the heads'
+    training pass), drafts y for token t+k+2 from q; the target's distribution for that token is p at t+k+1; the
+    label is s = min(1, p(y)/q(y)) under ``label_temperature`` (0: y = argmax q, s = [argmax p == y]). Under greedy
+    verification draft k + 1 matters only when the drafts before it were accepted, i.e. when they are the target's
+    own tokens, so the true-token prefix is the exact conditional the threshold rule multiplies. The input is the
+    state head k drafted from (``draft_step``), log q(y) and the entropy of q (``acceptance_features``); slot = k."""
+    from draftsmith.data.engine import Sampling, specdec_labels
+
+    if ctx.target is None:
+        raise DraftsmithError("an acceptance head on feature heads needs the target in the loop")
+    pm, ids = batch["predict_mask"], batch["input_ids"]
+    B, T = pm.shape
+    h = ctx.target(ids, return_hidden=True)  # (B, T, D) final normed states
+    flat_h, flat = h.reshape(B * T, -1), torch.arange(B * T, device=pm.device).view(B, T)
+    selects, future = [], []
+    for k in range(heads.max_draft_len):  # head k is trained where t and t+k+1 both predict response tokens
+        s = k + 1
+        sel = torch.zeros_like(pm)
+        if s < T:
+            sel[:, :T - s] = pm[:, :T - s] & pm[:, s:]
+        selects.append(sel.flatten())
+        future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
+    dtype = next(heads.parameters()).dtype
+    outs = heads(h.to(dtype), ids, select=selects, head_fn=lambda k, x, w: (x, w))  # states and LM-head weights
+    sampling = Sampling(temperature=ctx.params.get("label_temperature", 0.0))
+    xs, ss, slots = [], [], []
+    for k, (x, w) in enumerate(outs):
+        for a in range(0, len(x), chunk):  # (n, V) logits for a chunk of rows at a time
+            xa = x[a:a + chunk].float()
+            q = heads.to_target(xa @ w.float().T, heads.cfg.vocab_size)
+            p = ctx.target.lm_head(flat_h[future[k][a:a + chunk]]).float()
+            y, s = specdec_labels(p, q, sampling, [ctx.generator] * len(q))
+            xs.append(acceptance_features(xa, q, y))
+            ss.append(s.float())
+            slots.append(torch.full_like(y, k))
+    if not xs:
+        return flat_h.new_zeros(0, heads.state_dim + N_EXTRA).float(), flat_h.new_zeros(0), pm.new_zeros(0).long()
+    return torch.cat(xs), torch.cat(ss), torch.cat(slots)
 
 
 def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
