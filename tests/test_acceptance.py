@@ -386,6 +386,21 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     assert s.tolist() == labels
     # both classes present where the heads start near the target's own head (the label code is shared)
     assert kind == "mlp_speculator" or 0 < sum(labels) < len(labels)
+    # sampled labels (label_temperature 1): y drawn from q, s = min(1, p(y)/q(y)), in the same order
+    from draftsmith.data.engine import Sampling, specdec_labels
+
+    x1, s1, _ = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
+        unwrapped=heads, target=tgt, generator=torch.Generator().manual_seed(3), params={"label_temperature": 1.0}))
+    gen, ref_s = torch.Generator().manual_seed(3), []
+    with torch.no_grad():
+        for k in range(3):
+            rows_k = [(b, t) for b in range(2) for t in range(12 - k - 1) if pm[b, t] and pm[b, t + k + 1]]
+            q = torch.stack([heads.draft_step(ctx[b, t], [ids[b, t + 1 + j].view(1) for j in range(k + 1)])[0]
+                             for b, t in rows_k])
+            p = tgt.lm_head(torch.stack([h[b, t + k + 1] for b, t in rows_k]))
+            ref_s.append(specdec_labels(p, q, Sampling(temperature=1.0), [gen] * len(q))[1])
+    torch.testing.assert_close(s1, torch.cat(ref_s), rtol=1e-4, atol=1e-5)
+    assert 0 < float(s1.min()) and float(s1.max()) <= 1  # soft labels: p(y) > 0 for every sample
     assert x.shape[1] == heads.state_dim + 2
 
 

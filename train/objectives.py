@@ -375,15 +375,27 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512):
         future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
     dtype = next(heads.parameters()).dtype
     outs = heads(h.to(dtype), ids, select=selects, head_fn=lambda k, x, w: (x, w))  # states and LM-head weights
-    sampling = Sampling(temperature=ctx.params.get("label_temperature", 0.0))
+    temperature = ctx.params.get("label_temperature", 0.0)
+    sampling, kept = Sampling(temperature=temperature), heads.head_ids  # kept: a reduced vocabulary's target ids
+    greedy = None
+    if temperature <= 0:  # greedy labels need only the target's argmax, once per position (every head shares them)
+        rows = pm.flatten().nonzero()[:, 0]
+        greedy = torch.full((B * T,), -1, dtype=torch.long, device=pm.device)
+        for a in range(0, len(rows), chunk):
+            greedy[rows[a:a + chunk]] = ctx.target.lm_head(flat_h[rows[a:a + chunk]]).argmax(-1)
     xs, ss, slots = [], [], []
     for k, (x, w) in enumerate(outs):
         for a in range(0, len(x), chunk):  # (n, V) logits for a chunk of rows at a time
-            xa = x[a:a + chunk].float()
-            q = heads.to_target(xa @ w.float().T, heads.cfg.vocab_size)
-            p = ctx.target.lm_head(flat_h[future[k][a:a + chunk]]).float()
-            y, s = specdec_labels(p, q, sampling, [ctx.generator] * len(q))
-            xs.append(acceptance_features(xa, q, y))
+            xa, at = x[a:a + chunk].float(), future[k][a:a + chunk]
+            q = xa @ w.float().T  # the heads' own (maybe reduced) vocabulary: log q(y) and the entropy are the same
+            if greedy is not None:
+                y = q.argmax(-1)
+                s = (greedy[at] == (y if kept is None else kept[y])).float()
+                xs.append(acceptance_features(xa, q, y))
+            else:  # min(1, p(y)/q(y)) on the full vocabulary (a reduced one leaves -inf rows)
+                q = heads.to_target(q, heads.cfg.vocab_size)
+                y, s = specdec_labels(ctx.target.lm_head(flat_h[at]).float(), q, sampling, [ctx.generator] * len(q))
+                xs.append(acceptance_features(xa, q, y))
             ss.append(s.float())
             slots.append(torch.full_like(y, k))
     if not xs:

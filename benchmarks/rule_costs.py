@@ -1,0 +1,74 @@
+"""What a stop rule costs per call next to the drafting it decides on, for feature heads (Hydra++, Medusa, MLP
+speculator) on this machine: one head step (``draft_step``, what the chain decoder runs per draft), the context
+layer reading one new position (Hydra++'s prefix attention; nothing for the others), and one SpecDec++ rule call
+split into its two parts (the head's input features from a target-vocabulary logit row, and the head's forward).
+Interleaved rounds, medians, one process: the ratios between the rows are the result, not the absolute times.
+
+The rule's share of a decode step is calls per step x the rule row / the step; a skip rule (eval.stop.state=next)
+is asked before every draft, so once more than the number of drafts it lets through.
+
+Usage: python benchmarks/rule_costs.py --heads runs/s20/hydra/checkpoints/final \
+           --head runs/s22/hd/checkpoints/final [--reps 200 --rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from draftsmith.models.acceptance import AcceptanceStop, acceptance_features
+from draftsmith.models.registry import load_drafter
+
+
+def per_call_ms(fn, reps: int) -> float:
+    for _ in range(10):  # warm-up: allocator and oneDNN's first-call setup
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e3
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", required=True, help="a medusa / hydra / mlp_speculator checkpoint folder")
+    ap.add_argument("--head", required=True, help="an acceptance-head checkpoint trained on those heads")
+    ap.add_argument("--reps", type=int, default=200, help="calls per timing")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
+    args = ap.parse_args(argv)
+    torch.set_grad_enabled(False)
+    heads, _ = load_drafter(args.heads)
+    heads = heads.float().optimize_for_inference()  # as the eval decoder runs them (eval.optimize)
+    head, _ = load_drafter(args.head)
+    head = head.float()
+    torch.manual_seed(0)
+    h, cur = torch.randn(heads.cfg.dim), torch.tensor([42])
+    logits, state = heads.draft_step(h, [cur])
+    rule = AcceptanceStop(head, 0.9, min_len=0, skip=True)
+    x = acceptance_features(state, logits, logits.argmax())
+    ctx = heads.new_context(4096)
+
+    def read_one():
+        if ctx is not None:
+            heads.read_context(h[None], ctx)
+            ctx.length = 100  # keep the context at a fixed length
+
+    rows = {"head step (draft 1)": lambda: heads.draft_step(h, [cur]),
+            "head step (draft 2)": lambda: heads.draft_step(h, [cur, cur]),
+            "context layer, 1 position": read_one,
+            "rule call (skip, SpecDec++)": lambda: rule(0, logits, state),
+            "  features": lambda: acceptance_features(state, logits, logits.argmax()),
+            "  head forward": lambda: head(x, 0)}
+    times = {name: [] for name in rows}
+    for _ in range(args.rounds):
+        for name, fn in rows.items():
+            times[name].append(per_call_ms(fn, args.reps))
+    print(f"per call, median of {args.rounds} rounds x {args.reps} calls ({torch.get_num_threads()} threads)")
+    for name, ts in times.items():
+        print(f"{name:30s} {statistics.median(ts):7.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
