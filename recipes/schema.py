@@ -447,10 +447,10 @@ class StopConfig(Strict):
 
     rule: Literal["specdecpp", "entropy", "confidence"] = "specdecpp"
     """specdecpp: stop once 1 - prod(predicted acceptances of this block) > threshold (a trained acceptance head
-    on a standalone draft LM or EAGLE drafter); entropy: training-free, stop once the draft's next-token entropy
-    (nats) > threshold; confidence: training-free, the specdecpp policy with the drafter's own top probability of
-    each next draft as its acceptance estimate, a distrusted draft left out (entropy and confidence work for
-    every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
+    on a standalone draft LM, EAGLE drafter or feature heads); entropy: training-free, stop once the draft's
+    next-token entropy (nats) > threshold; confidence: training-free, the specdecpp policy with the drafter's own
+    top probability of each next draft as its acceptance estimate, a distrusted draft left out (entropy and
+    confidence work for every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
     threshold: float = Field(0.3, gt=0)
     min_len: int = Field(1, ge=0)
     """Drafts always made before a rule may stop. 0 (entropy and confidence rules): when even the first draft
