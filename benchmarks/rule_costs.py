@@ -1,7 +1,8 @@
 """What a stop rule costs per call next to the drafting it decides on, for feature heads (Hydra++, Medusa, MLP
 speculator) on this machine: one head step (``draft_step``, what the chain decoder runs per draft), the context
 layer reading one new position (Hydra++'s prefix attention; nothing for the others), and one SpecDec++ rule call
-split into its two parts (the head's input features from a target-vocabulary logit row, and the head's forward).
+split into its two parts (the head's input features from a target-vocabulary logit row, and the head's forward);
+with a reduced head vocabulary, also the call as eval builds it (features from the kept rows only).
 Interleaved rounds, medians, one process: the ratios between the rows are the result, not the absolute times.
 
 The rule's share of a decode step is calls per step x the rule row / the step; a skip rule (eval.stop.state=next)
@@ -47,6 +48,7 @@ def main(argv=None) -> None:
     h, cur = torch.randn(heads.cfg.dim), torch.tensor([42])
     logits, state = heads.draft_step(h, [cur])
     rule = AcceptanceStop(head, 0.9, min_len=0, skip=True)
+    kept = AcceptanceStop(head, 0.9, min_len=0, skip=True, keep=heads.head_ids)  # what eval builds for reduced heads
     x = acceptance_features(state, logits, logits.argmax())
     ctx = heads.new_context(4096)
 
@@ -58,7 +60,8 @@ def main(argv=None) -> None:
     rows = {"head step (draft 1)": lambda: heads.draft_step(h, [cur]),
             "head step (draft 2)": lambda: heads.draft_step(h, [cur, cur]),
             "context layer, 1 position": read_one,
-            "rule call (skip, SpecDec++)": lambda: rule(0, logits, state),
+            "rule call, target-vocab row": lambda: rule(0, logits, state),
+            "rule call, kept rows only": lambda: kept(0, logits, state),
             "  features": lambda: acceptance_features(state, logits, logits.argmax()),
             "  head forward": lambda: head(x, 0)}
     times = {name: [] for name in rows}

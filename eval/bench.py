@@ -290,8 +290,9 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
                               + (" (state=next needs a before head)" if sc.state == "next" else ""))
     prepare = drafter.head_input if kind == "eagle" else None  # EAGLE: as in training
     training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
-    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next") if head is not None \
-        else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
+    keep = drafter.head_ids if kind in FEATURE_KINDS else None  # reduced heads: features from their rows only
+    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next", keep=keep) \
+        if head is not None else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
     state = ("next" if sc.state == "next" else head.cfg.state) if head is not None else (sc.state or "after")
     desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len, "state": state,
             **({"head": str(head_path)} if head is not None else {})}

@@ -427,6 +427,13 @@ def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny
         for p in never.parameters():
             p.zero_()
         never.out.bias.fill_(30.0)
+    if heads.head_ids is not None:  # a reduced vocabulary: features from the kept rows give the same estimates
+        logits, state = heads.draft_step(torch.randn(tgt.cfg.dim), [prompt[-1:]])
+        full, kept = (AcceptanceStop(head, 0.5, min_len=0, skip=True, keep=k) for k in (None, heads.head_ids))
+        full(0, logits, state), kept(0, logits, state)
+        assert kept.p_all == pytest.approx(full.p_all, rel=1e-5) and 0 < full.p_all < 1
+        rule = AcceptanceStop(head, 0.5, min_len=0, skip=True, keep=heads.head_ids)
+        assert speculative_generate(tgt, heads, prompt, 24, draft_len=3, stop_drafting=rule)[0] == ar
     _, fixed = speculative_generate(tgt, heads, prompt, 24, draft_len=3)
     _, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3,
                                  stop_drafting=AcceptanceStop(never, 0.5, min_len=0, skip=True))

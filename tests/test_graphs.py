@@ -94,17 +94,19 @@ def test_eagle_drafters_draft_through_the_static_step():
                 q.add_(torch.randn_like(q) * 0.05)
         g = graph_decoding(d, 256, graphs=False)
         assert isinstance(g, GraphedEagle) and g.capture_layers == d.capture_layers
+        trees = (tree_from_choices([[0], [1], [0, 0], [0, 0, 0]]), DynamicTree(depth=3, top_k=3, total_tokens=8))
+        eager = {k: speculative_generate(t, d, p, 40, draft_len=k) for k in (1, 4)}  # the references, once
+        eager.update({("tree", i): tree_speculative_generate(t, d, p, 40, tree) for i, tree in enumerate(trees)})
         for target in (t, GraphedLlama(_model(0), 256, graphs=False)):
             for k in (1, 4):
                 out, st = speculative_generate(target, g, p, 40, draft_len=k)
-                out_e, st_e = speculative_generate(t, d, p, 40, draft_len=k)
+                out_e, st_e = eager[k]
                 assert out == out_e == ref, params
                 assert (st.accepted, st.drafted, st.accept_counts) == (st_e.accepted, st_e.drafted,
                                                                         st_e.accept_counts), params
-            for tree in (tree_from_choices([[0], [1], [0, 0], [0, 0, 0]]), DynamicTree(depth=3, top_k=3,
-                                                                                      total_tokens=8)):
+            for i, tree in enumerate(trees):
                 out, st = tree_speculative_generate(target, g, p, 40, tree)
-                out_e, st_e = tree_speculative_generate(t, d, p, 40, tree)
+                out_e, st_e = eager["tree", i]
                 assert out == out_e == ref and st.accepted == st_e.accepted, params
         # chain drafts (1 token, last-only roots of 1..5 tokens) and tree levels (own masks and positions)
         keys = set(g._runs)  # (T, own mask, own positions, last-only)
