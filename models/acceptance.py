@@ -142,7 +142,7 @@ def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
     feature = kind in FEATURE_KINDS
     if feature and state != "before":
         raise DraftsmithError(f"drafter.state={state}: an acceptance head on {kind} heads needs state=before (heads "
-                              f"draft from the target's state, they never read their own drafts)")
+                              f"have no state after a draft: the next head's state is the one that drafts it)")
     if getattr(draft, "target_adapter", None) is not None:
         raise DraftsmithError(f"drafter.draft {path!r} is a Medusa-2 checkpoint (it decodes against its adapted "
                               f"target); the acceptance head supports Medusa-1 heads")
