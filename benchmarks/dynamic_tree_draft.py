@@ -1,4 +1,4 @@
-"""Dynamic-tree drafting: the on-device version (eval/decoder.py) against the list-based one it replaced, on a
+"""Dynamic-tree drafting: the on-device version (eval/tree_decoder.py) against the list-based one it replaced, on a
 tiny drafter where Python and host syncs, not the model, set the cost (the regime of a GPU drafter).
 
     python benchmarks/dynamic_tree_draft.py [--old-rev 4c6937a | --old-dir DIR] [--device cpu]
@@ -46,7 +46,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from test_decoder import _model
 
-    from draftsmith.eval import decoder as new
+    from draftsmith.eval import tree_decoder as new  # _draft_dynamic, and the _Drafting it imports
     from draftsmith.eval.tree import DynamicTree
 
     torch.set_num_threads(1)

@@ -32,8 +32,9 @@ import time
 import torch
 from torch import nn
 
-from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import DynamicTree, compact_cache
+from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.kernels.kv import compact_kv_reference
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.kernels.verify import verify_greedy

@@ -20,8 +20,9 @@ K/V, unrolled by TTT like the first; their output is the next state. The blocks 
 output projections: a 1-layer checkpoint grows into a deeper one unchanged) or as copies of target layers
 (``init_layers``), as the standalone draft LM's depth came from the target's layers (RESULTS.md, session 15).
 
-Decoding (eval/decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on new positions with a KV
-cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs: models/graphs.py GraphedEagle);
+Decoding (eval/decoder.py, eval/tree_decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on
+new positions with a KV cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs:
+models/graphs.py GraphedEagle);
 ``features(captured, target)`` turns a target forward's captured hidden states into f.
 """
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Decoder protocol: ``reads_target_hidden = True``; ``max_draft_len``; ``logits_after(h, path)`` = the logits of
 the token after ``path``, where h (D,) is the drafter's context state at the position that produced path[0] (the
 current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain proposal and the tree
-drafting in eval/decoder.py are built on that one method; it also takes a batch of rows (h (B, D)), which the
-data stage's batched writer uses (data/engine.py ``write_batch``).
+drafting (eval/decoder.py, eval/tree_decoder.py) are built on that one method; it also takes a batch of rows
+(h (B, D)), which the data stage's batched writer uses (data/engine.py ``write_batch``).
 
 The context state is the target's final hidden state itself, unless the drafter has a context layer (Hydra++'s
 prefix attention): then the decoder feeds every committed position's hidden state through ``read_context`` with

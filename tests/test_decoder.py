@@ -10,12 +10,8 @@ import torch
 from torch import nn
 
 from draftsmith.eval.accept import greedy_accept, rejection_accept
-from draftsmith.eval.decoder import (
-    DecodeStats,
-    autoregressive_generate,
-    speculative_generate,
-    tree_speculative_generate,
-)
+from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.sampling import process_logits
 

@@ -10,8 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
-from draftsmith.eval.decoder import speculative_generate, tree_speculative_generate
+from draftsmith.eval.decoder import speculative_generate
 from draftsmith.eval.tree import DynamicTree
+from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models import serving_formats
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import DynamicTree, tree_from_choices, tree_mask
+from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
@@ -170,7 +171,8 @@ def test_graphed_decoding_is_lossless():
 def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
     """TreeGraph (a dynamic tree with its slot offset on the device and full-width masks, captured on CUDA) against
     the eager levels it replaces, uncaptured on CPU: the same tokens, parents, mask and depths, step after step."""
-    from draftsmith.eval.decoder import TreeGraph, _Drafting, _level, _tree_levels
+    from draftsmith.eval.decoder import _Drafting
+    from draftsmith.eval.tree_decoder import TreeGraph, _level, _tree_levels
 
     gd = GraphedLlama(_model(1, n_layers=1), 256, graphs=False)
     p = torch.randint(0, 300, (12,))
@@ -193,7 +195,7 @@ def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
 def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
     """If a drafter's tree cannot be captured (an op CUDA graphs refuse), decoding stays lossless level by level
     and says so once."""
-    from draftsmith.eval.decoder import TreeGraph
+    from draftsmith.eval.tree_decoder import TreeGraph
 
     t, d = _model(0), _model(1, n_layers=1)
     gt, gd = GraphedLlama(t, 256, graphs=False), GraphedLlama(d, 256, graphs=False)

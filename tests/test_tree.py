@@ -24,7 +24,7 @@ from test_decoder import (  # noqa: F401  (fixtures shared with the chain decode
 )
 from torch import nn
 
-from draftsmith.eval.decoder import autoregressive_generate, speculative_generate, tree_speculative_generate
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import (
     DynamicTree,
     ancestor_mask,
@@ -36,6 +36,7 @@ from draftsmith.eval.tree import (
     sample_tree_accept,
     tree_from_choices,
 )
+from draftsmith.eval.tree_decoder import tree_speculative_generate
 
 BINARY3 = [[a] for a in range(2)] + [[a, b] for a in range(2) for b in range(2)] + \
     [[a, b, c] for a in range(2) for b in range(2) for c in range(2)]  # 14 nodes
