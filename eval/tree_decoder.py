@@ -233,18 +233,10 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     if getattr(drafter, "reads_target_hidden", False):
         return _head_tree(target, drafter, prompt_ids, max_new_tokens, tree, temperature, top_k, top_p, eos_ids,
                           generator, on_token)
-    dynamic = isinstance(tree, DynamicTree)
-    max_depth = tree.depth if dynamic else max(tree.depths)
-    n_nodes = _most_nodes(tree)
-    stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
+    dynamic, stats, prompt, parents, anc, depths, max_len = _tree_setup(target, prompt_ids, max_new_tokens, tree)
     if max_new_tokens <= 0:
         return [], stats
-    prompt = _prepare(target, prompt_ids)
     device = prompt.device
-    if not dynamic:
-        parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
-        anc, depths = tree_mask(parents)  # (N+1, N+1) ancestors, (N+1,) depths, root first
-    max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache = target.new_cache(1, max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
     last[:, -1] = True
@@ -302,6 +294,23 @@ def _most_nodes(tree: TreeSpec | DynamicTree) -> int:
     return len(tree)
 
 
+def _tree_setup(target, prompt_ids, max_new_tokens: int, tree: TreeSpec | DynamicTree):
+    """What both tree decoders set up before the prefill -> (dynamic, stats, prompt (1, P) or None when nothing is
+    to be generated, parents, ancestor mask, depths (static trees; None for dynamic ones), KV-cache length)."""
+    dynamic = isinstance(tree, DynamicTree)
+    max_depth = tree.depth if dynamic else max(tree.depths)
+    stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
+    if max_new_tokens <= 0:
+        return dynamic, stats, None, None, None, None, 0
+    prompt = _prepare(target, prompt_ids)
+    parents = anc = depths = None
+    if not dynamic:
+        parents = torch.tensor(tree.parents, dtype=torch.long, device=prompt.device)
+        anc, depths = tree_mask(parents)  # (N+1, N+1) ancestors, (N+1,) depths, root first
+    max_len = prompt.shape[1] + max_new_tokens + _most_nodes(tree) + max_depth + 2
+    return dynamic, stats, prompt, parents, anc, depths, max_len
+
+
 def _tree_accept(tokens, parents, logits, temperature, top_k, top_p, generator) -> tuple[list[int], int]:
     """Greedy (deepest argmax path) or point-mass sampling verification of a tree -> (accepted path, next)."""
     if temperature <= 0:
@@ -316,20 +325,13 @@ def _head_tree(target, drafter, prompt_ids, max_new_tokens, tree: TreeSpec | Dyn
     (``_draft_dynamic``), head d scoring the children of every depth-d frontier node. One target forward under the
     tree mask verifies all nodes and returns the hidden state of the last accepted node for the next step. No
     drafter cache at all (Hydra++'s prefix layer reads only committed positions)."""
-    dynamic = isinstance(tree, DynamicTree)
-    max_depth = tree.depth if dynamic else max(tree.depths)
+    max_depth = tree.depth if isinstance(tree, DynamicTree) else max(tree.depths)
     if max_depth > drafter.max_draft_len:
         raise ValueError(f"tree depth {max_depth} exceeds the drafter's {drafter.max_draft_len} heads")
-    stats = DecodeStats(accept_counts=[0] * (max_depth + 1))
+    dynamic, stats, prompt, parents, anc, depths, max_len = _tree_setup(target, prompt_ids, max_new_tokens, tree)
     if max_new_tokens <= 0:
         return [], stats
-    prompt = _prepare(target, prompt_ids)
     device = prompt.device
-    if not dynamic:
-        parents = torch.tensor(tree.parents, dtype=torch.long, device=device)
-        anc, depths = tree_mask(parents)
-    n_nodes = _most_nodes(tree)
-    max_len = prompt.shape[1] + max_new_tokens + n_nodes + max_depth + 2
     tcache, context = target.new_cache(1, max_len), drafter.new_context(max_len)
     last = torch.zeros_like(prompt, dtype=torch.bool)
     last[:, -1] = True
