@@ -2,7 +2,8 @@
 
 - ``humaneval``: the packaged HumanEval problems (or a file of the same form). The outcome is whether the
   completion passes the problem's unit tests, run in a separate, isolated Python process (``python -I`` in an
-  empty temporary folder, a minimal environment, CPU-time, memory and file-size limits, a wall-clock timeout).
+  empty temporary folder, a minimal environment, CPU-time, memory and file-size limits, a wall-clock timeout,
+  and its whole process group killed when the check ends).
   Generated code is untrusted: it never runs inside this process.
 - ``gsm8k``: a JSON-lines file of ``{"question", "answer"}`` records in GSM8K's form (the answer ends with
   ``#### <number>``). The outcome is the final number of the response.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -102,8 +104,21 @@ def _limits(cpu_s: int, mem_bytes: int):
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        os.setsid()  # its own process group: a timeout kills everything it spawned
     return apply
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the child and everything it spawned. The child leads its own session, so its process group holds its
+    descendants unless they left it on purpose; on a timeout *and* on a normal exit, a background process the
+    generated code started must not outlive the check."""
+    if os.name == "posix":
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):  # the group is already gone
+            pass
+    else:
+        proc.kill()
+    proc.wait()
 
 
 def run_tests(task: Task, text: str, timeout: float = 10.0) -> bool:
@@ -112,13 +127,17 @@ def run_tests(task: Task, text: str, timeout: float = 10.0) -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "solution.py"
         src.write_text(program)
+        # No pipes: a grandchild holding one open would keep a read (and this check) waiting past the timeout.
+        proc = subprocess.Popen([sys.executable, "-I", str(src)], cwd=tmp, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, start_new_session=True,
+                                preexec_fn=_limits(int(timeout) + 1, 1 << 30) if os.name == "posix" else None)
         try:
-            r = subprocess.run([sys.executable, "-I", str(src)], cwd=tmp, capture_output=True, timeout=timeout,
-                               env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
-                               preexec_fn=_limits(int(timeout) + 1, 1 << 30) if os.name == "posix" else None)
+            return proc.wait(timeout=timeout) == 0
         except subprocess.TimeoutExpired:
             return False
-    return r.returncode == 0
+        finally:
+            _kill_group(proc)
 
 
 def outcome(task: Task, text: str, timeout: float = 10.0) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,6 +52,33 @@ def test_task_outcomes_run_isolated_and_time_out():
     assert final_answer("so 1,234.0 apples\n#### 42") == "42" and final_answer("It is 7.") == "7"
     gsm = Task("0", "gsm8k", [], {"answer": "#### 1,000"})
     assert correct(gsm, "The answer is 1000") and not correct(gsm, "no idea")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has exited
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("passes", [True, False])
+def test_a_check_leaves_no_process_behind(tmp_path, passes):
+    """Generated code that starts a background process must not leave it running, whether the check passes or
+    times out; and a descendant holding the child's output open must not hold the check past its timeout."""
+    pid_file = tmp_path / "pid"
+    task = Task("t", "humaneval", [], {"prompt": "", "entry_point": "f", "test": "def check(f):\n    f()\n"})
+    body = "" if passes else "    while True:\n        pass\n"
+    code = (f"```python\nimport subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '60'])\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(p.pid))\n{body}    return 1\n```")
+    t0 = time.monotonic()
+    assert run_tests(task, code, timeout=2.0) is passes
+    assert time.monotonic() - t0 < 10
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5  # init reaps the orphan asynchronously
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid)
 
 
 @pytest.fixture(scope="module")
