@@ -141,7 +141,7 @@ def test_training_lowers_the_loss_and_raises_alpha(train_run):
 
 
 def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
-    common = ["train.steps=6", "train.save_every=2", "train.keep_last=2", "train.loss.kind=tvdpp",
+    common = ["train.steps=6", "train.save_every=2", "train.keep_last=1", "train.loss.kind=tvdpp",
               "train.lr=3e-3"]
     full = train_run("full", *common)
     from draftsmith.train import loop
@@ -158,7 +158,7 @@ def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
     monkeypatch.setattr(loop, "_optimizer_step", dies_in_step_5)
     train_run("resumed", *common, expect=130)  # the CLI reports the interrupt and exits 130
     ckpts = sorted(p.name for p in (full.parent / "resumed" / "checkpoints").iterdir())
-    assert ckpts == ["step-000002", "step-000004"]
+    assert ckpts == ["step-000004"]  # keep_last=1: step 4's checkpoint replaced step 2's
     monkeypatch.setattr(loop, "_optimizer_step", real)
     resumed = train_run("resumed", *common)
     _close(_weights(full / "checkpoints" / "final"), _weights(resumed / "checkpoints" / "final"), tol=1e-6)
@@ -166,8 +166,8 @@ def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]  # nothing logged twice, nothing lost
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-6, abs=1e-7)
-    # keep_last=2: the last two resumable checkpoints stay; the final one always does
-    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["final", "step-000002", "step-000004"]
+    # keep_last=1: the newest resumable checkpoint stays; the final one always does
+    assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["final", "step-000004"]
 
 
 def test_grad_accumulation_equals_one_big_batch(train_run):
