@@ -7,7 +7,8 @@ eval.judge.tasks_start for tasks) with plain AR, every fixed draft length, every
 interleaved prompt by prompt in one process so machine noise hits all configurations alike. Prints tau, drafted
 tokens wasted per verify, tokens/s, speedup vs AR and, when eval.judge.tasks is set, task accuracy, per
 configuration (speed, tau and waste also per category for the best fixed length, the best rule and the oracles);
-writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over the best fixed draft length.
+writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over the best fixed draft length. A judge
+δ is lossy, so it is picked only when task accuracy was scored and it stays within ``--max-accuracy-drop`` of AR's.
 
     python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
     python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
@@ -68,10 +69,21 @@ class OracleStop:
         return i >= len(self.want) or int(tok) != self.want[i]
 
 
+def best_rule(rules: list[str], rate: dict, accuracy: dict | None, max_drop: float) -> tuple[str | None, list[str]]:
+    """The fastest rule config, and the judge configs left out of the pick. A judge δ is lossy, so it qualifies only
+    when task accuracy was scored and it keeps AR's accuracy within ``max_drop`` (absolute); stop rules are lossless
+    and always qualify."""
+    floor = None if accuracy is None else accuracy["ar"] - max_drop - 1e-12
+    left_out = [n for n in rules if n.startswith("judge-") and (floor is None or accuracy[n] < floor)]
+    ok = [n for n in rules if n not in left_out]
+    return (max(ok, key=rate.get) if ok else None), left_out
+
+
 def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = (),
-          min_lens: list[int] = (), oracle: bool = False) -> dict:
+          min_lens: list[int] = (), oracle: bool = False, max_accuracy_drop: float = 0.0) -> dict:
     """thresholds None: the default list when the recipe has a stop rule, else none. min_lens: each threshold is
-    tried with each of these eval.stop.min_len values (empty: the recipe's). oracle: add ``OracleStop``."""
+    tried with each of these eval.stop.min_len values (empty: the recipe's). oracle: add ``OracleStop``.
+    max_accuracy_drop: the most task accuracy (absolute) a judge δ may lose against AR and still be picked."""
     ec = recipe.eval
     if oracle and ec.temperature > 0:
         raise DraftsmithError("--oracle needs eval.temperature=0 (it stops at the first draft the target's greedy "
@@ -183,7 +195,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
                       **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {})}
     best_fixed = max((f"fixed-{k}" for k in fixed), key=rate.get)
     rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
-    best = max(rules, key=rate.get) if rules else None
+    accuracy = {n: r["task_accuracy"] for n, r in results.items()} if setup.tasks else None
+    best, left_out = best_rule(rules, rate, accuracy, max_accuracy_drop)
     cats = sorted({c for c, _ in cat_secs})
 
     def per_category(c, n):  # speed vs AR on this category's prompts, tau and drafts wasted per verify
@@ -203,7 +216,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         **{f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in oracles},
         "per_category": {c: {n: per_category(c, n) for n in shown} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
-        **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas)}} if deltas else {}),
+        **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas), "max_accuracy_drop": max_accuracy_drop,
+                      "not_picked": left_out}} if deltas else {}),
         "machine": meter.machine(),
     }
     out_dir = recipe.run_dir / "eval"
@@ -223,6 +237,10 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
             f"{c}: " + ", ".join(f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
                                  for n, v in report["per_category"][c].items()) for c in cats))
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
+    if left_out:
+        why = (f"task accuracy below AR's {accuracy['ar']:.3f} - {max_accuracy_drop:g}" if accuracy is not None
+               else "no task accuracy scored (set eval.judge.tasks)")
+        print(f"sweep: not picked, {why}: {', '.join(left_out)}")
     found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
     bound = (f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
              f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)") if oracle else ""
@@ -254,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                         "fixed length bound what a stop rule can gain with this drafter here: one judging each "
                         "picked draft (SpecDec++, entropy with min_len >= 1), or one that may draft nothing "
                         "(min_len 0)")
+    p.add_argument("--max-accuracy-drop", type=float, default=0.0,
+                   help="judge δs only: the most task accuracy (absolute, e.g. 0.02) a lossy δ may lose against AR "
+                        "and still be picked as the best; δs scored without tasks are never picked (default 0)")
     args = p.parse_args(argv)
     from draftsmith.recipes.loader import load_recipe
 
@@ -264,10 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         deltas = floats(args.deltas)
         if any(not 0 < d < 1 for d in deltas):
             raise DraftsmithError(f"--deltas {args.deltas!r}: each δ must lie in (0, 1)")
+        if not 0 <= args.max_accuracy_drop <= 1:
+            raise DraftsmithError(f"--max-accuracy-drop {args.max_accuracy_drop}: must lie in [0, 1]")
         recipe = load_recipe(args.recipe, args.overrides)
         sweep(recipe, None if args.thresholds is None else floats(args.thresholds),
               [int(k) for k in args.fixed.split(",") if k.strip()], deltas,
-              [int(m) for m in args.min_lens.split(",") if m.strip()], args.oracle)
+              [int(m) for m in args.min_lens.split(",") if m.strip()], args.oracle, args.max_accuracy_drop)
     except (DraftsmithError, ValueError) as e:
         print(f"draftsmith sweep: error: {e}", file=sys.stderr)
         return 2

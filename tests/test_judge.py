@@ -54,6 +54,20 @@ def test_task_outcomes_run_isolated_and_time_out():
     assert correct(gsm, "The answer is 1000") and not correct(gsm, "no idea")
 
 
+def test_the_best_judge_delta_keeps_task_accuracy():
+    from draftsmith.eval.sweep import best_rule
+
+    rate = {"stop-0.5": 10.0, "judge-0.3": 14.0, "judge-0.5": 12.0, "judge-0.7": 11.0}
+    acc = {"ar": 0.60, "stop-0.5": 0.60, "judge-0.3": 0.40, "judge-0.5": 0.58, "judge-0.7": 0.60}
+    judges = ["judge-0.3", "judge-0.5", "judge-0.7"]
+    assert best_rule(judges, rate, acc, 0.0) == ("judge-0.7", ["judge-0.3", "judge-0.5"])  # the fastest lossless δ
+    assert best_rule(judges, rate, acc, 0.02) == ("judge-0.5", ["judge-0.3"])  # may lose 2 points
+    assert best_rule(judges, rate, acc, 0.5) == ("judge-0.3", [])
+    assert best_rule(judges, rate, None, 0.5) == (None, judges)  # accuracy not scored: no lossy pick
+    assert best_rule(["stop-0.5", *judges], rate, None, 0.0) == ("stop-0.5", judges)  # lossless rules always count
+    assert best_rule(judges, rate, {**acc, "judge-0.7": 0.5}, 0.0) == (None, judges)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has exited
@@ -181,6 +195,9 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     assert r["configs"]["judge-0.5"]["tau"] > r["configs"]["fixed-1"]["tau"]
     assert all(0 <= c["task_accuracy"] <= 1 for c in r["configs"].values()) and r["lossless_mismatches"] == 0
     assert r["lossy"]["deltas"] == [0.3, 0.5] and r["prompts"]["tasks"] == "gsm8k"
+    acc = {n: c["task_accuracy"] for n, c in r["configs"].items()}  # a δ below AR's accuracy is never the best
+    assert r["lossy"]["not_picked"] == [n for n in ("judge-0.3", "judge-0.5") if acc[n] < acc["ar"]]
+    assert r["best_stop"] not in r["lossy"]["not_picked"]
     with pytest.raises(DraftsmithError, match="--deltas needs a judge"):
         sweep.sweep(load_recipe("tiny", [o for o in overrides if not o.startswith("eval.judge")]), None, [1], [0.5])
     assert main([*ev, "eval.temperature=1.0"]) == 2  # lossy judging is greedy-only: a one-line error
