@@ -68,6 +68,36 @@ def test_the_best_judge_delta_keeps_task_accuracy():
     assert best_rule(judges, rate, {**acc, "judge-0.7": 0.5}, 0.0) == (None, judges)
 
 
+@pytest.mark.parametrize("balance", [True, False])
+def test_judge_objective_weighs_classes_by_their_batch_frequency(balance):
+    """Mined labels are skewed (most swaps change the outcome, or most do not); balanced, each class carries half
+    of the batch's weight, so the probe is not pulled to the majority class."""
+    import torch.nn.functional as F
+
+    from draftsmith.models.judge import JudgeConfig, JudgeHead
+    from draftsmith.models.llama import Llama, LlamaConfig
+    from draftsmith.train.objectives import Context, judge_objective
+
+    torch.manual_seed(0)
+    tgt = Llama(LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16,
+                            max_seq_len=32)).eval()
+    head = JudgeHead(JudgeConfig(dim=8))
+    ids = torch.randint(0, 16, (2, 7))
+    pm = torch.zeros(2, 7, dtype=torch.bool)
+    pm[0, [1, 3, 4]] = pm[1, [2, 5]] = True  # 5 what-if tokens, one label each
+    y = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])  # 2 acceptable, 3 not
+    out = judge_objective(head, {"input_ids": ids, "predict_mask": pm, "judge_label": y}, None,
+                          Context(unwrapped=head, target=tgt, params={"balance": balance}))
+    at = torch.zeros_like(pm)
+    at[:, 1:] = pm[:, :-1]
+    with torch.no_grad():
+        logit = head(tgt(ids, return_hidden=True)[at])
+    bce = F.binary_cross_entropy_with_logits(logit, y, reduction="none")
+    w = torch.where(y > 0.5, 5 / (2 * 2), 5 / (2 * 3)) if balance else torch.ones(5)
+    assert out.loss_sum.item() == pytest.approx(float((w * bce).sum()), rel=1e-5) and out.n == 5
+    assert float(w[y > 0.5].sum()) == pytest.approx(float(w[y < 0.5].sum()) if balance else 2.0)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"  # a zombie has exited
