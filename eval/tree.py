@@ -93,9 +93,9 @@ def choices_from_accuracies(acc: Sequence[Sequence[float]], n_nodes: int) -> lis
     return [list(p) for _, p in best]
 
 
-def choices_from_run(run_dir, n_nodes: int) -> list[list[int]]:
-    """Tree choices from the per-head rank accuracies a heads run logged last (``acc_head{k}_rank{r}`` in
-    metrics.jsonl), e.g. for ``eval.tree.choices``."""
+def run_accuracies(run_dir) -> list[list[float]]:
+    """``acc[k][r]``: the per-head rank accuracies a heads run logged last (``acc_head{k}_rank{r}`` in
+    metrics.jsonl)."""
     import json
     import re
     from pathlib import Path
@@ -108,8 +108,20 @@ def choices_from_run(run_dir, n_nodes: int) -> list[list[int]]:
     for key, v in last.items():
         if m := re.fullmatch(r"acc_head(\d+)_rank(\d+)", key):
             acc.setdefault(int(m.group(1)), {})[int(m.group(2))] = v
-    table = [[acc[k][r] for r in sorted(acc[k])] for k in sorted(acc)]
-    return choices_from_accuracies(table, n_nodes)
+    return [[acc[k][r] for r in sorted(acc[k])] for k in sorted(acc)]
+
+
+def choices_from_run(run_dir, n_nodes: int) -> list[list[int]]:
+    """Tree choices from the per-head rank accuracies a heads run logged last, e.g. for ``eval.tree.choices``."""
+    return choices_from_accuracies(run_accuracies(run_dir), n_nodes)
+
+
+def expected_tau(acc: Sequence[Sequence[float]], choices: Sequence[Sequence[int]]) -> float:
+    """1 + the sum of the paths' acceptance probabilities (``choices_from_accuracies``' model): the tau a tree
+    of these choices reaches if the heads are as accurate as measured and independent."""
+    import math
+
+    return 1 + sum(math.prod(acc[d][r] for d, r in enumerate(c)) for c in choices)
 
 
 def chain_tree(depth: int) -> TreeSpec:
@@ -188,3 +200,36 @@ def compact_cache(cache, start: int, keep: list[int]) -> None:
         compact_kv(kv, start, idx, check=False)  # checked above on the host list: no device sync
         cache.valid[:, start:start + len(keep)] = cache.valid[:, start + idx.long()]
     cache.length = start + len(keep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m draftsmith.eval.tree RUN_DIR --nodes 2,4,8``: a Medusa tree per node count from a heads run's
+    logged rank accuracies, with its expected tau, ready for ``eval.tree.choices``."""
+    import argparse
+    import json
+    import sys
+
+    desc = ("A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
+            "with its expected tau, printed as an eval.tree.choices override.")
+    p = argparse.ArgumentParser(prog="python -m draftsmith.eval.tree", description=desc)
+    p.add_argument("run", help="a heads run folder (medusa / hydra / mlp_speculator) with a metrics.jsonl")
+    p.add_argument("--nodes", default="2,3,4,6,8,12,16",
+                   help="comma-separated node counts (tree sizes, root excluded) to build a tree for")
+    args = p.parse_args(argv)
+    try:
+        sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"--nodes {args.nodes!r}: give node counts >= 1")
+        table = run_accuracies(args.run)
+        for n in sizes:
+            choices = choices_from_accuracies(table, n)
+            print(f"nodes {n:>3}  expected tau {expected_tau(table, choices):.3f}  "
+                  f"eval.tree.choices={json.dumps(choices, separators=(',', ':'))}")
+    except (OSError, ValueError) as e:
+        print(f"draftsmith tree: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

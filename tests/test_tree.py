@@ -4,6 +4,7 @@ oracle and always-wrong drafters over chains and branching trees (float64 tiny m
 distribution kept when sampling through a tree."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -254,3 +255,25 @@ def test_choices_from_measured_head_accuracies():
                                       if list(p) not in ch)
     tree = tree_from_choices(ch)
     assert len(tree) == 6 and max(tree.depths) <= 3
+
+
+def test_tree_cli_builds_trees_from_a_runs_logged_accuracies(tmp_path, capsys):
+    """``python -m draftsmith.eval.tree RUN --nodes ..``: the last train row's rank accuracies -> choices per size,
+    with expected tau = 1 + the sum of the kept paths' values; a run without them is a one-line error."""
+    from draftsmith.eval.tree import choices_from_accuracies, expected_tau, main
+
+    acc = [[0.5, 0.3], [0.4, 0.1]]
+    rows = [{"stage": "train", "step": 1, "acc_head0_rank0": 0.1, "acc_head0_rank1": 0.1, "acc_head1_rank0": 0.1,
+             "acc_head1_rank1": 0.1},
+            {"stage": "train", "step": 2, **{f"acc_head{k}_rank{r}": acc[k][r] for k in (0, 1) for r in (0, 1)}},
+            {"stage": "eval", "step": 2, "tau_measured": 1.3}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path), "--nodes", "1,3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and lines[0].endswith("eval.tree.choices=[[0]]") and "expected tau 1.500" in lines[0]
+    ch3 = choices_from_accuracies(acc, 3)
+    assert ch3 == [[0], [1], [0, 0]] and expected_tau(acc, ch3) == pytest.approx(1 + 0.5 + 0.3 + 0.5 * 0.4)
+    assert lines[1].endswith("eval.tree.choices=[[0],[1],[0,0]]") and "expected tau 2.000" in lines[1]
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[2]) + "\n")
+    assert main([str(tmp_path)]) == 2 and "no per-head accuracies" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing")]) == 2
