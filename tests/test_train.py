@@ -391,10 +391,33 @@ def test_teacher_from_the_target_in_the_loop(train_run):
     assert len(_rows(run)) == 3 and all(0 <= r["alpha"] <= 1 for r in _rows(run))
 
 
-def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_model_dir):
+def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_model_dir, tiny_tokenizer, tmp_path):
     run = train_run("init", f"drafter.init_from={tiny_model_dir}", "train.steps=2")
     drafter, _ = load_drafter(run / "checkpoints" / "final")
     assert drafter.cfg.n_layers == 2  # the source model's architecture, not drafter.n_layers
+    # a smaller model with the same tokenizer: its weights, exactly, with the embeddings frozen by default
+    from conftest import build_tokenizer, save_tiny_llama
+
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.draft_lm import build_draft_lm
+    from draftsmith.models.hf import load_model
+
+    small = save_tiny_llama(tmp_path / "small", tiny_tokenizer, seed=5, num_hidden_layers=1, hidden_size=32,
+                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    tgt = load_model(str(tiny_model_dir))
+    draft = build_draft_lm({"init_from": str(small)}, tgt.model, tokenizer=tgt.tokenizer)
+    want = load_model(str(small)).model.state_dict()
+    assert draft.cfg.n_layers == 1 and draft.cfg.dim == 32 and draft.state_dict().keys() == want.keys()
+    assert all(torch.equal(v, want[k]) for k, v in draft.state_dict().items())
+    assert not draft.embed_tokens.weight.requires_grad and draft.layers[0].self_attn.q_proj.weight.requires_grad
+    thawed = build_draft_lm({"init_from": str(small), "freeze_embeddings": False}, tgt.model, tokenizer=tgt.tokenizer)
+    assert thawed.embed_tokens.weight.requires_grad
+    # another tokenizer (one token more) is refused, even where the ids it shares would line up
+    other = build_tokenizer()
+    other.add_tokens(["<extra>"])
+    foreign = save_tiny_llama(tmp_path / "foreign", other)
+    with pytest.raises(DraftsmithError, match="different tokenizer"):
+        build_draft_lm({"init_from": str(foreign)}, tgt.model, tokenizer=tgt.tokenizer)
 
 
 HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3},
