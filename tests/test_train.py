@@ -510,10 +510,11 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=1e-2, atol=1e-3)  # bf16 storage
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "hydra++", "mlp_speculator", "eagle1", "eagle3"])
+@pytest.mark.parametrize("drafter", ["medusa", "medusa-2", "hydra++", "mlp_speculator", "eagle1", "eagle3"])
 def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, tiny_model_dir):
-    """Issue 6: each head kind works with every loss of the menu, from the stored top-k and from the full target
-    (teacher: target): a finite loss over the same positions, and a gradient that reaches the head's weights."""
+    """Issue 6: each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the
+    stored top-k and from the full target (teacher: target): a finite loss over the same positions, and a gradient
+    that reaches the head's weights."""
     from draftsmith.data.dataset import RecordDataset, collate
     from draftsmith.models.hf import load_model
     from draftsmith.models.registry import build_drafter
