@@ -1,11 +1,15 @@
 """Peak memory of a KD loss step: naive (full (T, V) logits, autograd end to end) vs train/losses.py head_loss
 (LM head + loss chunked over positions), with each chunk's gradient through autograd ("unfused") or from the
-in-place softmax passes of kernels/softmax.py ("chunked", the default: train.loss.fused). Each variant runs in a
-fresh subprocess so peaks do not mix; the
-result is the ratio, plus a check that both give the same loss and gradients.
+in-place softmax passes of kernels/softmax.py ("chunked", the default: train.loss.fused), and with the vocabulary
+in blocks too ("blocked": train.loss.vocab_chunk). Each variant runs in a fresh subprocess so peaks do not mix;
+the result is the ratio, plus a check that all give the same loss and gradients.
+
+--teacher topk: stored top-k + tail (train.loss.teacher=records); --teacher target: the full target distribution
+from its final hidden states (T, D) and LM head (V, D) (teacher=target), where the teacher's logits are chunked
+(and blocked) as well.
 
 Usage: python benchmarks/loss_memory.py [--tokens 2048] [--vocab 49152] [--dim 576] [--k 32] [--kind fkl]
-       [--device cuda] [--reps 10]
+       [--teacher topk|target] [--vocab-chunk 4096] [--device cuda] [--reps 10]
 On CPU one step is timed and the peak is the process's RSS; on CUDA the peak is the allocator's and the time is the
 median of --reps steps after an untimed one (Triton compiles its kernels there).
 """
@@ -41,10 +45,15 @@ def one(variant: str, a) -> dict:
     g = torch.Generator().manual_seed(0)
     h = torch.randn(a.tokens, a.dim, generator=g).to(dev).requires_grad_(True)
     w = (torch.randn(a.vocab, a.dim, generator=g) * 0.05).to(dev).requires_grad_(True)
-    # Teacher top-k built 64 rows at a time (no (T, V) teacher tensor in either variant).
-    lp, ids = map(torch.cat, zip(*(F.log_softmax(torch.randn(min(64, a.tokens - i), a.vocab, generator=g) * 2,
-                                                  -1).topk(a.k, -1) for i in range(0, a.tokens, 64))))
-    teacher = losses.Teacher(labels=ids[:, 0].to(dev), topk_ids=ids.to(dev), topk_logprobs=lp.half().to(dev))
+    if a.teacher == "target":  # the target's final hidden states and head: logits made chunk by chunk
+        h_t = torch.randn(a.tokens, a.dim, generator=g).to(dev)
+        w_t = (torch.randn(a.vocab, a.dim, generator=g) * 0.1).to(dev)
+        labels = torch.randint(0, a.vocab, (a.tokens,), generator=g).to(dev)
+        teacher = losses.Teacher(labels=labels, hidden=h_t, head=w_t)
+    else:  # Teacher top-k built 64 rows at a time (no (T, V) teacher tensor in any variant).
+        lp, ids = map(torch.cat, zip(*(F.log_softmax(torch.randn(min(64, a.tokens - i), a.vocab, generator=g) * 2,
+                                                      -1).topk(a.k, -1) for i in range(0, a.tokens, 64))))
+        teacher = losses.Teacher(labels=ids[:, 0].to(dev), topk_ids=ids.to(dev), topk_logprobs=lp.half().to(dev))
     cuda = dev.startswith("cuda")
 
     def step():
@@ -56,7 +65,8 @@ def one(variant: str, a) -> dict:
             else:
                 loss = losses.DIVERGENCES[a.kind](*teacher.log_pair(logits)).mean()
         else:
-            spec = losses.LossSpec(kind=a.kind, chunk=a.chunk, fused=variant == "chunked")
+            spec = losses.LossSpec(kind=a.kind, chunk=a.chunk, fused=variant != "unfused",
+                                   vocab_chunk=a.vocab_chunk if variant == "blocked" else 0)
             loss = losses.head_loss(h, w, teacher, spec)
         loss.backward()
         return loss
@@ -95,6 +105,9 @@ def main() -> None:
     ap.add_argument("--kind", default="fkl", choices=["ce", "fkl", "rkl", "jsd", "tvd", "neg_log_alpha", "lk",
                                                       "tvdpp_full"], help="loss kind (train.loss.kind)")
     ap.add_argument("--chunk", type=int, default=256, help="positions per chunk for head_loss")
+    ap.add_argument("--teacher", default="topk", choices=["topk", "target"],
+                    help="stored top-k + tail, or the full target distribution from hidden states + head")
+    ap.add_argument("--vocab-chunk", type=int, default=4096, help="vocabulary block of the 'blocked' variant")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=10, help="timed steps on CUDA (median; after one untimed step)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
@@ -103,9 +116,9 @@ def main() -> None:
         print(json.dumps(one(a.variant, a)))
         return
     res = {}
-    for v in ("naive", "unfused", "chunked"):
-        keys = ("tokens", "vocab", "dim", "k", "kind", "chunk", "device", "reps")
-        cmd = [sys.executable, __file__, "--variant", v] + [f"--{k}={getattr(a, k)}" for k in keys]
+    for v in ("naive", "unfused", "chunked", "blocked"):
+        keys = ("tokens", "vocab", "dim", "k", "kind", "chunk", "teacher", "vocab_chunk", "device", "reps")
+        cmd = [sys.executable, __file__, "--variant", v] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in keys]
         # glibc keeps freed heap memory resident, which would hide later allocations from RSS; a fixed, low
         # mmap threshold makes every large tensor its own mapping, returned on free, so RSS tracks live tensors.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
@@ -113,12 +126,16 @@ def main() -> None:
         res[v] = json.loads(out)
         print(f"{v:8s}  peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
               f"|grad h| {res[v]['grad_h_norm']:.6f}  |grad W| {res[v]['grad_w_norm']:.6f}")
-    n, u, c = res["naive"], res["unfused"], res["chunked"]
-    print(f"T={a.tokens} V={a.vocab} D={a.dim} k={a.k} kind={a.kind} chunk={a.chunk} device={a.device}: "
+    n, u, c, b = res["naive"], res["unfused"], res["chunked"], res["blocked"]
+    print(f"T={a.tokens} V={a.vocab} D={a.dim} k={a.k} kind={a.kind} teacher={a.teacher} chunk={a.chunk} "
+          f"device={a.device}: "
           f"peak memory chunked/naive = {c['peak_mb'] / n['peak_mb']:.3f}, time chunked/naive = "
           f"{c['seconds'] / n['seconds']:.2f}, loss rel diff {abs(c['loss'] - n['loss']) / abs(n['loss']):.1e}")
     print(f"fused vs unfused chunks: peak memory {c['peak_mb'] / u['peak_mb']:.3f}, time "
           f"{c['seconds'] / u['seconds']:.2f}, loss rel diff {abs(c['loss'] - u['loss']) / abs(u['loss']):.1e}")
+    print(f"vocabulary blocks of {a.vocab_chunk} vs chunks: peak memory {b['peak_mb'] / c['peak_mb']:.3f} "
+          f"({b['peak_mb'] / n['peak_mb']:.3f} of naive), time {b['seconds'] / c['seconds']:.2f}, "
+          f"loss rel diff {abs(b['loss'] - c['loss']) / abs(c['loss']):.1e}")
 
 
 if __name__ == "__main__":

@@ -95,18 +95,21 @@ def choices_from_accuracies(acc: Sequence[Sequence[float]], n_nodes: int) -> lis
 
 def run_accuracies(run_dir) -> list[list[float]]:
     """``acc[k][r]``: the per-head rank accuracies a heads run logged last (``acc_head{k}_rank{r}`` in
-    metrics.jsonl)."""
+    metrics.jsonl), or an EAGLE run's per-TTT-step ones (``acc_step{k}_rank{r}``: step k's accuracy after k
+    teacher-forced-by-its-own-drafts steps, so a path's product treats depth k like head k)."""
     import json
     import re
     from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    last = next((r for r in reversed(rows) if r.get("stage") == "train" and "acc_head0_rank0" in r), None)
+    last = next((r for r in reversed(rows) if r.get("stage") == "train"
+                 and ("acc_head0_rank0" in r or "acc_step0_rank0" in r)), None)
     if last is None:
-        raise ValueError(f"{run_dir}: no per-head accuracies logged (train a medusa / hydra / mlp_speculator first)")
+        raise ValueError(f"{run_dir}: no per-head or per-step accuracies logged (train a medusa / hydra / "
+                         f"mlp_speculator / eagle first)")
     acc: dict[int, dict[int, float]] = {}
     for key, v in last.items():
-        if m := re.fullmatch(r"acc_head(\d+)_rank(\d+)", key):
+        if m := re.fullmatch(r"acc_(?:head|step)(\d+)_rank(\d+)", key):
             acc.setdefault(int(m.group(1)), {})[int(m.group(2))] = v
     return [[acc[k][r] for r in sorted(acc[k])] for k in sorted(acc)]
 

@@ -353,6 +353,12 @@ class LossConfig(Strict):
     fused: bool = True
     """CE and stored top-k teachers: take the gradient from a logsumexp pass and one in-place softmax pass over
     each chunk's logits (Triton kernels on GPU) instead of autograd through log-softmax; false = autograd (A/B)."""
+    vocab_chunk: int = Field(0, ge=0)
+    """0 = each position chunk takes the whole vocabulary at once (fastest). > 0 = also split the vocabulary into
+    blocks of this many columns: peak memory chunk x vocab_chunk instead of chunk x vocab, for large vocabularies
+    (Llama-3 128k, Qwen 152k) or a large chunk; costs one recomputed head matmul pass (CE, top-k, tvdpp) or two
+    (divergences against teacher: target). Same loss and gradients (tested); the gradient is always the manual
+    one, so `fused` does not apply."""
 
 
 class TrainConfig(Strict):

@@ -163,7 +163,8 @@ def _teachers(t_logits, h_t, w_t, k):
 @pytest.mark.parametrize("fused", [True, False])
 def test_head_loss_chunked_equals_unchunked_reference(kind, form, fused):
     """head_loss over chunks of 1, 7 and all positions = the naive full-logits computation, value and grads, on
-    the fused path (CE and top-k teachers: in-place softmax gradient) and through autograd."""
+    the fused path (CE and top-k teachers: in-place softmax gradient) and through autograd; and with the
+    vocabulary in blocks of 1, 4 and 13 of 31 (a ragged last block), where every loss takes the blocked path."""
     torch.manual_seed(0)
     N, D, V = 23, 8, 31
     h = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
@@ -171,8 +172,9 @@ def test_head_loss_chunked_equals_unchunked_reference(kind, form, fused):
     h_t, w_t = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
     teacher = _teachers(h_t @ w_t.t(), h_t, w_t, 5)[form]
     results = []
-    for chunk in (1, 7, N):
-        spec = losses.LossSpec(kind=kind, chunk=chunk, beta=0.4, fused=fused)
+    blocked = [(7, 4), (N, 13), (5, 1)] if fused else []  # the blocked path ignores `fused`
+    for chunk, vocab_chunk in [(1, 0), (7, 0), (N, 0), *blocked]:
+        spec = losses.LossSpec(kind=kind, chunk=chunk, beta=0.4, fused=fused, vocab_chunk=vocab_chunk)
         gen = torch.Generator().manual_seed(3)
         h.grad = w.grad = None
         loss = losses.head_loss(h, w, teacher, spec, gen)
@@ -197,10 +199,27 @@ def test_head_loss_chunked_equals_unchunked_reference(kind, form, fused):
         torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("form", ["topk", "logits", "hidden"])
+def test_head_metrics_with_the_vocabulary_in_blocks_are_unchanged(form):
+    torch.manual_seed(2)
+    N, D, V = 17, 8, 29
+    h, w = torch.randn(N, D), torch.randn(V, D)
+    h_t, w_t = torch.randn(N, D), torch.randn(V, D)
+    teacher = _teachers(h_t @ w_t.t(), h_t, w_t, 5)[form]
+    teacher.labels = (h @ w.t()).topk(3, -1).indices[torch.arange(N), torch.arange(N) % 3]  # ranks 0, 1, 2 all hit
+    ref = losses.head_metrics(h, w, teacher, chunk=6, ranks=3)
+    assert min(ref["rank_acc"]) > 0.25 and 0 < ref["alpha"] < 1
+    for vocab_chunk in (1, 5, 28):
+        got = losses.head_metrics(h, w, teacher, chunk=6, ranks=3, vocab_chunk=vocab_chunk)
+        assert got.keys() == ref.keys() and got["top1"] == ref["top1"] and got["rank_acc"] == ref["rank_acc"]
+        assert got["alpha"] == pytest.approx(ref["alpha"], rel=1e-5)
+
+
 @pytest.mark.parametrize("kind", list(losses.LOSS_KINDS))
 def test_fused_path_equals_autograd_with_ids_outside_the_vocabulary_and_in_bf16(kind):
-    """Teacher ids of -1 (outside a reduced student vocabulary) on the fused path; and a bf16 head, where the
-    fused path never upcasts the chunk: both match autograd through log-softmax."""
+    """Teacher ids of -1 (outside a reduced student vocabulary) on the fused path and with the vocabulary in
+    blocks; and a bf16 head, where the fused path never upcasts the chunk: all match autograd through
+    log-softmax."""
     torch.manual_seed(1)
     N, D, V, K = 19, 8, 40, 6
     h, w = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
@@ -210,14 +229,15 @@ def test_fused_path_equals_autograd_with_ids_outside_the_vocabulary_and_in_bf16(
     assert (ids < 0).any()
     for dtype, tol in ((torch.float64, 1e-6), (torch.bfloat16, 3e-2)):
         out = []
-        for fused in (True, False):
+        for fused, vocab_chunk in ((False, 0), (True, 0), (True, 7)):
             hh, ww = h.to(dtype).clone().requires_grad_(), w.to(dtype).clone().requires_grad_()
-            loss = losses.head_loss(hh, ww, teacher, losses.LossSpec(kind=kind, chunk=7, fused=fused),
-                                    torch.Generator().manual_seed(5))
+            spec = losses.LossSpec(kind=kind, chunk=7, fused=fused, vocab_chunk=vocab_chunk)
+            loss = losses.head_loss(hh, ww, teacher, spec, torch.Generator().manual_seed(5))
             loss.backward()
             out.append((loss.detach().double(), hh.grad.double(), ww.grad.double()))
-        for a, b in zip(*out):
-            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        for other in out[1:]:
+            for a, b in zip(out[0], other):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_reduced_vocabulary_teacher_mass_goes_to_the_tail():

@@ -274,6 +274,11 @@ def test_tree_cli_builds_trees_from_a_runs_logged_accuracies(tmp_path, capsys):
     ch3 = choices_from_accuracies(acc, 3)
     assert ch3 == [[0], [1], [0, 0]] and expected_tau(acc, ch3) == pytest.approx(1 + 0.5 + 0.3 + 0.5 * 0.4)
     assert lines[1].endswith("eval.tree.choices=[[0],[1],[0,0]]") and "expected tau 2.000" in lines[1]
+    # an EAGLE run logs per-TTT-step accuracies instead: depth k reads step k
+    steps = {"stage": "train", "step": 3, **{f"acc_step{k}_rank{r}": acc[k][r] for k in (0, 1) for r in (0, 1)}}
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(steps) + "\n")
+    assert main([str(tmp_path), "--nodes", "3"]) == 0
+    assert capsys.readouterr().out.strip().endswith("eval.tree.choices=[[0],[1],[0,0]]")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[2]) + "\n")
-    assert main([str(tmp_path)]) == 2 and "no per-head accuracies" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2 and "no per-head or per-step accuracies" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")]) == 2

@@ -35,7 +35,11 @@ class Context:
 
 def _spec(cfg) -> losses.LossSpec:
     return losses.LossSpec(kind=cfg.kind, beta=cfg.beta, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
-                           chunk=cfg.chunk, fused=cfg.fused)
+                           chunk=cfg.chunk, fused=cfg.fused, vocab_chunk=cfg.vocab_chunk)
+
+
+def _metrics(h, head, teacher: losses.Teacher, cfg, ranks: int = 0) -> dict:
+    return losses.head_metrics(h.detach(), head.detach(), teacher, cfg.chunk, ranks, cfg.vocab_chunk)
 
 
 def draft_lm_teacher(batch: dict, cfg, ctx: Context) -> losses.Teacher:
@@ -86,7 +90,7 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
                                            topk_ids=None if t.topk_ids is None else t.topk_ids[keep],
                                            topk_logprobs=None if t.topk_logprobs is None else t.topk_logprobs[keep])
         loss = losses.head_loss(h, head, t, _spec(cfg), ctx.generator) * h.shape[0]
-        return loss, h.shape[0], losses.head_metrics(h.detach(), head.detach(), t, cfg.chunk)
+        return loss, h.shape[0], _metrics(h, head, t, cfg)
 
     loss, n, m = model(batch["input_ids"], logits_at=batch["predict_mask"], head_fn=head_fn)
     return StepOutput(loss, n, m)
@@ -181,7 +185,7 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         t, weight = (base_teacher, 1.0) if k < 0 else (teachers[k], coef * decay ** k)
         n = x.shape[0]
         loss = losses.head_loss(x, w, t, _spec(cfg), ctx.generator) * n if n else x.sum() * 0
-        return loss * weight, n, losses.head_metrics(x.detach(), w.detach(), t, cfg.chunk, ranks=3)
+        return loss * weight, n, _metrics(x, w, t, cfg, ranks=3)
 
     extra = {"base_select": batch["predict_mask"].flatten()} if joint else {}
     outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn, **extra)
@@ -235,11 +239,11 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     def head_fn(s, x, w, out):  # inside the drafter's forward (see Eagle.forward)
         n = x.shape[0]
         if not n:
-            return x.sum() * 0, 0, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
+            return x.sum() * 0, 0, _metrics(x, w, teachers[s], cfg, ranks=3)
         loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
         if w_feat:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
-        return loss * decay ** s, n, losses.head_metrics(x.detach(), w.detach(), teachers[s], cfg.chunk, ranks=3)
+        return loss * decay ** s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
     outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn)
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
