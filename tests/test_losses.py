@@ -116,6 +116,19 @@ def test_divergences_match_brute_force(kind):
         assert same.abs().max() < 1e-9 and (got >= -1e-12).all()
 
 
+def test_tvdpp_samples_follow_q():
+    """tvdpp_rewards' inverse-CDF draws (one uniform per row, shared with the vocabulary-blocked driver) have the
+    frequencies of q, and the reward is 1[p(x) > q(x)]."""
+    q = torch.tensor([0.5, 0.0, 0.2, 0.25, 0.05])
+    p = torch.tensor([0.1, 0.3, 0.3, 0.25, 0.05])
+    n = 40000
+    x, r = losses.tvdpp_rewards(p.log().expand(n, -1), q.log().expand(n, -1), torch.Generator().manual_seed(0))
+    freq = torch.bincount(x, minlength=5).float() / n
+    torch.testing.assert_close(freq, q, atol=0.01, rtol=0)
+    assert freq[1] == 0  # never a token q gives no mass
+    torch.testing.assert_close(r, (p[x] > q[x]).float())
+
+
 def test_tvd_gradient_is_the_policy_gradient():
     """A3.2: grad TVD = -E_{x~q}[1[p(x) > q(x)] grad log q(x)], checked exactly by enumerating x."""
     torch.manual_seed(0)

@@ -11,7 +11,9 @@ Gradients flow through the student (q) only; p is a constant.
 over positions, with the gradient of each chunk taken immediately (as Liger's fused linear cross-entropy does):
 peak memory is O(chunk x V) instead of O(N x V) (benchmarks/loss_memory.py). For CE and top-k teachers the
 chunk's gradient skips autograd over (chunk, V) altogether (``_fused_chunk``: two in-place softmax passes, Triton
-kernels on GPU).
+kernels on GPU). With ``LossSpec.vocab_chunk`` the vocabulary is taken in blocks too (``_Blocks``): every loss is
+a function of per-row sums over the vocabulary, so peak memory is O(chunk x block), for the student and a full
+target teacher alike, at the price of recomputed head matmuls.
 """
 from __future__ import annotations
 
@@ -159,7 +161,7 @@ tvdpp_full = Divergence(_tvdpp_full_terms, _tvdpp_full_combine)
 
 def alpha(logp, logq) -> torch.Tensor:
     """Acceptance probability sum min(p, q) per position."""
-    return torch.minimum(logp.exp(), logq.exp()).sum(-1)
+    return _min_terms(logp, logq, 0.5)[0].sum(-1)
 
 
 def ce(student_logits, labels):
