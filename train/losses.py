@@ -348,10 +348,12 @@ def _blocked_gather(spec: LossSpec, B: _Blocks, sample, gh, grad_w):
     with torch.enable_grad():
         loss = _gathered_loss(spec, zk - lse[:, None], ids, B.t, sample)
     if need:
+        from draftsmith.kernels.softmax import softmax_scale_
+
         (gk,) = torch.autograd.grad(loss, zk)
-        gsum = gk.sum(-1, keepdim=True)
+        neg_gsum = -gk.sum(-1)
         for v0, v1 in B.spans:
-            g = (B.student(v0, v1) - lse[:, None]).exp_().mul_(-gsum)
+            g = softmax_scale_(B.student(v0, v1), lse, neg_gsum)  # the fused path's in-place pass, per block
             inside = (ids >= v0) & (ids < v1)
             g.scatter_add_(-1, (ids - v0).clamp(0, v1 - v0 - 1), torch.where(inside, gk, 0))
             B.add_grads(g, v0, v1, gh, grad_w)
