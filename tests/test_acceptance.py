@@ -364,12 +364,12 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     pm = torch.zeros_like(ids, dtype=torch.bool)
     pm[:, 4:11] = True  # positions 4..10 predict response tokens
     pm[1, 9:] = False
-    x, s, slot = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm},
-                                         Context(unwrapped=heads, target=tgt, generator=torch.Generator()))
+    x, s, slot, start = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
+        unwrapped=heads, target=tgt, generator=torch.Generator()), positions=True)
     with torch.no_grad():
         h = tgt(ids, return_hidden=True)  # (B, T, D)
         ctx = heads.read_context(h)
-        rows, labels, slots = [], [], []
+        rows, labels, slots, starts = [], [], [], []
         for k in range(3):
             for b in range(2):
                 for t in range(12 - k - 1):
@@ -381,7 +381,8 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
                     rows.append(acceptance_features(state, logits, y))
                     labels.append(float(int(y) == int(tgt.lm_head(h[b, t + k + 1]).argmax())))
                     slots.append(k)
-    assert len(rows) == len(x) and slot.tolist() == slots
+                    starts.append(b * ids.shape[1] + t)
+    assert len(rows) == len(x) and slot.tolist() == slots and start.tolist() == starts  # same rows, same order
     torch.testing.assert_close(x, torch.stack(rows), rtol=1e-4, atol=1e-4)
     assert s.tolist() == labels
     # both classes present where the heads start near the target's own head (the label code is shared)

@@ -351,9 +351,10 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
 
 
 @torch.no_grad()
-def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512):
+def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, positions: bool = False):
     """SpecDec++ labels for frozen feature heads (Medusa, Hydra, MLP speculator), made in the loop -> (head inputs
-    (N, S + 2), s (N,), slot (N,)).
+    (N, S + 2), s (N,), slot (N,)), and with ``positions`` the flat index b * T + t of each row's t (where the
+    block starts: the target state the heads read) for studies of other features (benchmarks/skip_features.py).
 
     Head k at position t, teacher-forced on the target's features and the true tokens t+1..t+k+1 (the heads'
     training pass), drafts y for token t+k+2 from q; the target's distribution for that token is p at t+k+1; the
@@ -388,6 +389,7 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512):
         for a in range(0, len(rows), chunk):
             greedy[rows[a:a + chunk]] = ctx.target.lm_head(flat_h[rows[a:a + chunk]]).argmax(-1)
     xs, ss, slots = [], [], []
+    starts = [f - (k + 1) for k, f in enumerate(future)]
     for k, (x, w) in enumerate(outs):
         for a in range(0, len(x), chunk):  # (n, V) logits for a chunk of rows at a time
             xa, at = x[a:a + chunk].float(), future[k][a:a + chunk]
@@ -403,8 +405,10 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512):
             ss.append(s.float())
             slots.append(torch.full_like(y, k))
     if not xs:
-        return flat_h.new_zeros(0, heads.state_dim + N_EXTRA).float(), flat_h.new_zeros(0), pm.new_zeros(0).long()
-    return torch.cat(xs), torch.cat(ss), torch.cat(slots)
+        out = flat_h.new_zeros(0, heads.state_dim + N_EXTRA).float(), flat_h.new_zeros(0), pm.new_zeros(0).long()
+    else:
+        out = torch.cat(xs), torch.cat(ss), torch.cat(slots)
+    return (*out, torch.cat(starts)) if positions else out
 
 
 def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
