@@ -9,12 +9,17 @@ draft can be distilled on the target's top-k distribution. This script runs both
 2. For each stage-1 loss (default ce, fkl): the same 2-layer draft (same init, same records, same steps).
 3. Each stage-1 draft is fine-tuned with the same loss on the same target-written records (fastdraft-finetune),
    same steps: an all-CE pipeline against an all-KD one.
-4. Every draft is evaluated in the bundled decoder (chain, gamma = 5, T = 0, MT-bench), before and after stage 2.
+4. Every draft is evaluated in the bundled decoder (chain, gamma = 5, MT-bench) at each --temperatures, before and
+   after stage 2.
 
 Prints a markdown table of tau, per-position acceptance and speedup vs the own AR decoder; runs stay under --root.
+--train-args changes the draft for every arm alike, e.g. a 16-layer draft from the target's first and last 8 layers:
+  --train-args drafter.n_layers=16 "drafter.init_layers=[0,1,2,3,4,5,6,7,22,23,24,25,26,27,28,29]" train.lr=3e-4
+               train.precision=bf16
 
 Usage: python benchmarks/fixed_data_kd.py [--prompts 1500] [--topk 32] [--losses ce fkl] [--steps 300]
-                                          [--finetune-steps 250] [--eval-n 16]
+                                          [--finetune-steps 250] [--eval-n 16] [--temperatures 0 1]
+                                          [--train-args KEY=VALUE ...]
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="stage-1 steps per loss (same budget for all)")
     ap.add_argument("--finetune-steps", type=int, default=250, help="stage-2 steps (0 = stage 1 only)")
     ap.add_argument("--eval-n", type=int, default=16, help="MT-bench prompts in each eval")
+    ap.add_argument("--temperatures", nargs="+", type=float, default=[0.0], help="eval.temperature values")
+    ap.add_argument("--train-args", nargs="*", default=[], help="recipe overrides for every arm's training")
     ap.add_argument("--root", default="runs/fdkd", help="where the runs go")
     a = ap.parse_args()
     root = Path(a.root)
@@ -49,23 +56,30 @@ def main() -> None:
         if not (s1 / "data").exists():
             shutil.copytree(scored / "data", s1 / "data")
         sh("train", "fastdraft-pretrain", f"out_dir={s1}", f"train.loss.kind={loss}", f"train.steps={a.steps}",
-           "-q")
+           *a.train_args, "-q")
         runs = [(f"{loss} (stage 1)", s1, [f"eval.checkpoint={s1 / 'checkpoints' / 'final'}"])]
         if a.finetune_steps:
             s2 = root / f"{loss}-ft"
             if not (s2 / "data").exists():
                 shutil.copytree(Path("runs/fastdraft-finetune/data"), s2 / "data")
             sh("train", "fastdraft-finetune", f"out_dir={s2}", f"drafter.init_from={s1 / 'checkpoints' / 'final'}",
-               f"train.loss.kind={loss}", f"train.steps={a.finetune_steps}", "-q")
+               f"train.loss.kind={loss}", f"train.steps={a.finetune_steps}", *a.train_args, "-q")
             runs.append((f"{loss}, then {loss} fine-tune", s2, []))
         for label, out, extra in runs:
-            sh("eval", "fastdraft-finetune", f"out_dir={out}", f"eval.prompts.n={a.eval_n}", *extra, "-q")
-            r = json.loads((out / "eval" / "report.json").read_text())
-            rows.append((label, r["tau"], r["per_position_acceptance"], r["speedup"].get("vs_ar"),
-                         r["lossless_match"]))
-    print("\n| stage-1 loss | tau | per-position acceptance | speedup vs own AR | lossless |\n|---|---|---|---|---|")
-    for label, tau, pos, sp, ll in rows:
-        print(f"| {label} | {tau:.2f} | {' '.join(f'{p:.2f}' for p in pos)} | {sp:.2f}x | {ll:.2f} |")
+            for temp in a.temperatures:
+                sh("eval", "fastdraft-finetune", f"out_dir={out}", f"eval.prompts.n={a.eval_n}",
+                   f"eval.temperature={temp}", *extra, "-q")
+                ev = out / f"eval-t{temp:g}"  # eval writes <run>/eval: keep one copy per temperature
+                shutil.rmtree(ev, ignore_errors=True)
+                shutil.copytree(out / "eval", ev)
+                r = json.loads((ev / "report.json").read_text())
+                rows.append((label, temp, r["tau"], r["per_position_acceptance"], r["speedup"].get("vs_ar"),
+                             r["lossless_match"]))
+    print("\n| stage-1 loss | T | tau | per-position acceptance | speedup vs own AR | lossless |\n"
+          "|---|---|---|---|---|---|")
+    for label, temp, tau, pos, sp, ll in rows:
+        ll = "-" if ll is None else f"{ll:.2f}"  # sampled runs have no greedy reference to match
+        print(f"| {label} | {temp:g} | {tau:.2f} | {' '.join(f'{p:.2f}' for p in pos)} | {sp:.2f}x | {ll} |")
 
 
 if __name__ == "__main__":
