@@ -143,6 +143,13 @@ def _export(args, recipe) -> None:
             print(f"  {'would upload' if dry else 'uploaded'} {name} ({size:,} bytes) -> {repo}")
 
 
+def _leave_process_group(ok: bool = True) -> None:
+    if "torch.distributed" in sys.modules:  # only a stage that imported torch can have joined a process group
+        from draftsmith.runtime import shutdown_distributed
+
+        shutdown_distributed(ok)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
@@ -178,8 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             dispatch(args.command, recipe)
     except DraftsmithError as e:
         print(f"draftsmith: error: {e}", file=sys.stderr)
+        _leave_process_group(ok=False)
         return 2
     except KeyboardInterrupt:
         print("draftsmith: interrupted (finished shards and checkpoints are kept; rerun to resume)", file=sys.stderr)
+        _leave_process_group(ok=False)
         return 130
+    _leave_process_group()
     return 0

@@ -41,3 +41,19 @@ def barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
+
+
+def shutdown_distributed(ok: bool = True) -> None:
+    """Leave the process group before the interpreter tears down. Without it gloo's worker threads can outlive
+    Python and abort the process at exit ("terminate called without an active exception", SIGABRT) after the
+    work itself succeeded, so a launcher reports a failed run. On success ranks first meet, so no rank leaves
+    while another still talks to it; after an error they leave at once (a peer may never arrive)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    try:
+        if ok:
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -69,3 +69,17 @@ def test_python_dash_m_and_console_script_agree(tmp_path):
     res = run_cli("show", "tiny", f"out_dir={tmp_path}")
     assert res.returncode == 0 and "name: tiny" in res.stdout
     json.dumps(res.stdout)  # printable
+
+
+def test_a_run_leaves_its_process_group_before_exit(tmp_path):
+    """A gloo group still alive at interpreter exit can abort a finished run (SIGABRT, "terminate called without
+    an active exception"), and the launcher then reports failure: main() must leave the group itself."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert main(["show", "tiny"]) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
