@@ -1,5 +1,5 @@
 """`python -m draftsmith ...` and `accelerate launch -m draftsmith train RECIPE` both land here."""
-from draftsmith.cli import main
+from draftsmith.cli import entry
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    entry()

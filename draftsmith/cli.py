@@ -143,11 +143,29 @@ def _export(args, recipe) -> None:
             print(f"  {'would upload' if dry else 'uploaded'} {name} ({size:,} bytes) -> {repo}")
 
 
+_LEFT_A_GROUP = False
+
+
 def _leave_process_group(ok: bool = True) -> None:
+    global _LEFT_A_GROUP
     if "torch.distributed" in sys.modules:  # only a stage that imported torch can have joined a process group
         from draftsmith.runtime import shutdown_distributed
 
-        shutdown_distributed(ok)
+        _LEFT_A_GROUP = shutdown_distributed(ok) or _LEFT_A_GROUP
+
+
+def entry() -> None:
+    """The console script and ``python -m draftsmith``. A rank of a multi-process run exits without the
+    interpreter's teardown: its work is written and its process group left, and gloo threads still referenced by
+    the wrapped model can abort that teardown (SIGABRT), which the launcher would report as a failed run (seen
+    in about 1 of 20 loaded two-process runs; pytorch/pytorch#179291 describes the cause)."""
+    code = main()
+    if _LEFT_A_GROUP:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

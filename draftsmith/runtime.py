@@ -43,17 +43,19 @@ def barrier() -> None:
         dist.barrier()
 
 
-def shutdown_distributed(ok: bool = True) -> None:
-    """Leave the process group before the interpreter tears down. Without it gloo's worker threads can outlive
-    Python and abort the process at exit ("terminate called without an active exception", SIGABRT) after the
-    work itself succeeded, so a launcher reports a failed run. On success ranks first meet, so no rank leaves
-    while another still talks to it; after an error they leave at once (a peer may never arrive)."""
+def shutdown_distributed(ok: bool = True) -> bool:
+    """Leave the process group, if this process joined one (returns whether it had). On success ranks first
+    meet, so no rank leaves while another still talks to it; after an error they leave at once (a peer may never
+    arrive). Leaving is not enough on its own: DDP / FSDP2 objects still hold the group, and gloo's worker threads
+    can abort the interpreter's teardown ("terminate called without an active exception", SIGABRT, after the work
+    succeeded), so the command-line entry also skips that teardown (``draftsmith.cli.entry``)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        return
+        return False
     try:
         if ok:
             dist.barrier()
     finally:
         dist.destroy_process_group()
+    return True

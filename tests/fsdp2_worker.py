@@ -5,6 +5,7 @@ train/state.py's ``gather`` + models/registry.py's ``save_drafter`` / ``write_st
 agree with each other. Prints OK on rank 0."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -85,6 +86,9 @@ def main(folder: Path) -> None:
         print("OK")
     dist.barrier()
     dist.destroy_process_group()
+    # The sharded models still hold the group; skip the teardown its gloo threads can abort (draftsmith.cli.entry).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
