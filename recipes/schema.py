@@ -348,6 +348,10 @@ class LossConfig(Strict):
     teacher: Literal["records", "target"] = "records"
     """records = stored top-k log-probs (+ tail); target = run the frozen target inside the loop for the full
     distribution (more compute and memory, exact divergences)."""
+    teacher_temperature: float = Field(1.0, gt=0, le=1)
+    """Divergences train against the teacher at this temperature, p^(1/t) renormalised; < 1 sharpens it towards
+    its argmax, the token a greedy (T = 0) verifier accepts. Exact for teacher: target; for stored top-k the tail
+    keeps an upper bound on its sharpened mass. Metrics (alpha) always use the true teacher. Not used by ce."""
     chunk: int = Field(256, gt=0)
     """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab."""
     fused: bool = True

@@ -270,3 +270,62 @@ def test_reduced_vocabulary_teacher_mass_goes_to_the_tail():
 def test_hidden_regression_is_smooth_l1():
     a, b = torch.randn(5, 7), torch.randn(5, 7)
     torch.testing.assert_close(losses.hidden_regression(a, b), F.smooth_l1_loss(a, b, reduction="none").mean(-1))
+
+
+@pytest.mark.parametrize("t", [0.25, 0.5, 0.9])
+def test_sharpened_teacher_matches_brute_force(t):
+    """Teacher.sharpened(t) = softmax(logits / t): exactly for full logits and hidden states, and for stored top-k
+    with no tail; with a tail, the top-k probabilities are lower bounds on the exact ones and the implied tail
+    mass an upper bound, and both get closer as K grows."""
+    torch.manual_seed(1)
+    N, D, V = 9, 6, 40
+    h_t, w_t = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
+    logits = 2 * h_t @ w_t.t()
+    exact = F.log_softmax(logits / t, -1)
+    student = torch.randn(N, V, dtype=torch.float64)
+    full = _teachers(logits, 2 * h_t, w_t, 5)
+    assert full["logits"].sharpened(1.0) is full["logits"]
+    for form in ("logits", "hidden"):
+        logp, _ = full[form].sharpened(t).log_pair(student)
+        torch.testing.assert_close(logp, exact.float())
+    ids, lp = _topk(logits, V)  # every id stored: no tail, so the sharpening is exact
+    sharp = losses.Teacher(topk_ids=ids, topk_logprobs=lp).sharpened(t).topk_logprobs
+    torch.testing.assert_close(sharp, exact.gather(-1, ids).float())
+    gaps = []
+    for k in (4, 12, 30):
+        ids, lp = _topk(logits, k)
+        sharp = losses.Teacher(topk_ids=ids, topk_logprobs=lp).sharpened(t).topk_logprobs.double()
+        ref = exact.gather(-1, ids)
+        assert (sharp.exp() <= ref.exp() + 1e-6).all()  # the tail bound over-counts the tail, never the top-k
+        assert (sharp.exp().sum(-1) <= 1 + 1e-6).all()
+        gaps.append((ref.exp().sum(-1) - sharp.exp().sum(-1)).max().item())
+        if k == 4:  # the bound is the point of it: sharper than leaving the tail's mass as it was
+            naive = lp / t - torch.logaddexp((lp / t).logsumexp(-1, keepdim=True),
+                                             (1 - lp.exp().sum(-1, keepdim=True)).log())
+            assert (sharp >= naive - 1e-9).all() and (sharp > naive + 1e-6).any()
+    assert gaps[0] >= gaps[1] >= gaps[2] >= 0
+
+
+def test_teacher_temperature_applies_to_the_loss_only():
+    """LossSpec.teacher_temperature trains against the sharpened teacher (same value and gradient as passing it
+    sharpened); head_metrics' alpha is measured against the true teacher; CE ignores it."""
+    torch.manual_seed(2)
+    N, D, V = 17, 8, 29
+    h = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, D, dtype=torch.float64)
+    ids, lp = _topk(torch.randn(N, V, dtype=torch.float64) * 3, 6)
+    teacher = losses.Teacher(labels=ids[:, 0], topk_ids=ids, topk_logprobs=lp)
+    for kind in ("fkl", "tvd", "ce"):
+        a = losses.head_loss(h, w, teacher, losses.LossSpec(kind=kind, teacher_temperature=0.5))
+        ga, = torch.autograd.grad(a, h)
+        ref_teacher = teacher if kind == "ce" else teacher.sharpened(0.5)
+        b = losses.head_loss(h, w, ref_teacher, losses.LossSpec(kind=kind))
+        gb, = torch.autograd.grad(b, h)
+        torch.testing.assert_close((a, ga), (b, gb))
+        if kind == "fkl":
+            c = losses.head_loss(h, w, teacher, losses.LossSpec(kind=kind))
+            assert not torch.allclose(a, c)
+    alpha = losses.head_metrics(h.detach(), w, teacher)["alpha"]
+    logp, logq = teacher.log_pair(h.detach() @ w.t())
+    true_alpha = torch.minimum(logp.exp(), logq.exp())[:, :-1].sum(-1).mean().item()  # top-k buckets, no tail
+    assert alpha == pytest.approx(true_alpha, rel=1e-5)

@@ -55,6 +55,7 @@ def test_overrides_are_typed_and_revalidated():
     ("train.steps", "expected dotted.key=value"),
     ("train.steps.x=1", "train.steps is not a section"),
     ("eval.stop.min_len=0", "eval.stop.min_len=0 needs rule=entropy"),
+    ("train.loss.teacher_temperature=2", "train.loss.teacher_temperature: Input should be less than or equal to 1"),
 ])
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(DraftsmithError, match=message.replace("(", r"\(").replace("[", r"\[")):

@@ -44,6 +44,27 @@ class Teacher:
         return replace(self, **{f.name: getattr(self, f.name)[s:e] for f in fields(self)
                                 if f.name != "head" and getattr(self, f.name) is not None})
 
+    def sharpened(self, temperature: float) -> Teacher:
+        """The teacher at ``temperature`` (p^(1/t), renormalised; t < 1 sharpens it towards its argmax, the token
+        a greedy verifier accepts). Full teachers are exact (logits / t; hidden / t, since the head is linear).
+        Stored top-k: each tail token has p <= p_min (the k-th largest), so its sharpened weight p^(1/t) is at
+        most p * p_min^(1/t - 1): the tail keeps that bound, m * p_min^(1/t - 1), and the top-k are renormalised
+        with it. For t <= 1 the top-k probabilities are then a lower bound on the exact ones (tested)."""
+        if temperature == 1.0:
+            return self
+        if self.topk_ids is not None:
+            lp = self.topk_logprobs.float()
+            tail = (1 - lp.exp().sum(-1, keepdim=True)).clamp_min(0)
+            s = lp / temperature
+            tail_w = tail * (lp.min(-1, keepdim=True).values * (1 / temperature - 1)).exp()
+            logz = torch.logaddexp(s.logsumexp(-1, keepdim=True), tail_w.clamp_min(1e-30).log())
+            return replace(self, topk_logprobs=s - logz)
+        if self.logits is not None:
+            return replace(self, logits=self.logits / temperature)
+        if self.hidden is not None:
+            return replace(self, hidden=self.hidden / temperature)
+        return self
+
     def log_pair(self, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p, log q) on a common support, float32."""
         logq = F.log_softmax(student_logits.float(), dim=-1)
@@ -211,6 +232,7 @@ class LossSpec:
     chunk: int = 256
     fused: bool = True  # CE and stored top-k teachers: the gradient from two in-place softmax passes (below)
     vocab_chunk: int = 0  # > 0: also block the vocabulary (``_Blocks``): peak O(chunk x vocab_chunk), not chunk x V
+    teacher_temperature: float = 1.0  # the loss sees Teacher.sharpened(t); metrics (alpha) keep the true teacher
 
 
 def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torch.Tensor:
@@ -501,6 +523,7 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: Los
     TVD++ first draws x ~ q and standardises the rewards over all N positions (a no-grad pass), then takes the
     policy-gradient step on the same samples.
     """
+    teacher = teacher.sharpened(spec.teacher_temperature) if spec.kind != "ce" else teacher
     samples = None
     if spec.kind == "tvdpp":
         xs, rs = [], []

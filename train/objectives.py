@@ -35,7 +35,8 @@ class Context:
 
 def _spec(cfg) -> losses.LossSpec:
     return losses.LossSpec(kind=cfg.kind, beta=cfg.beta, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
-                           chunk=cfg.chunk, fused=cfg.fused, vocab_chunk=cfg.vocab_chunk)
+                           chunk=cfg.chunk, fused=cfg.fused, vocab_chunk=cfg.vocab_chunk,
+                           teacher_temperature=cfg.teacher_temperature)
 
 
 def _metrics(h, head, teacher: losses.Teacher, cfg, ranks: int = 0) -> dict:
