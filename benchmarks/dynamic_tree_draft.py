@@ -87,11 +87,11 @@ def main() -> None:
 
 def profile(mod, drafter, prompt, cur, spec, device: str, n: int = 10) -> None:
     """Where a tree's time goes: operator and launch counts per tree, device time against wall time, for the
-    drafter as is (eager) and wrapped for CUDA-graph replay (models/graphs.py), as the eval decoder runs it."""
+    drafter as is (eager) and wrapped for CUDA-graph replay (eval/graphs.py), as the eval decoder runs it."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    from draftsmith.models.graphs import graph_decoding
+    from draftsmith.eval.graphs import graph_decoding
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     for name, d in (("eager drafter", drafter), ("graphed drafter", graph_decoding(drafter, 1024))):

@@ -2,7 +2,7 @@
 
 Session 18 decoded EAGLE-3 at 0.035x own AR on an H100: its verifies ran eagerly (they return the target's layer
 features) and its draft steps cost 1.7 ms in fp32 and 14 ms in bf16. Both now replay from CUDA graphs
-(models/graphs.py GraphedLlama with captured layers, GraphedEagle). This script measures, side by side in one
+(eval/graphs.py GraphedLlama with captured layers, GraphedEagle). This script measures, side by side in one
 process, for a SmolLM2-135M-shaped target (random weights: only costs matter here) and an EAGLE-3 drafter built
 from it (one layer, 32k-row reduced head, as the shipped recipe):
 

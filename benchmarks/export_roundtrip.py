@@ -15,8 +15,8 @@ import torch
 
 from draftsmith.data.prompts import load_prompts
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.export import export, load_export
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids
+from draftsmith.export.writer import export, load_export
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
 
 

@@ -12,7 +12,7 @@ import torch
 
 from draftsmith.data.engine import Capture, Sampling, decode_batch
 from draftsmith.data.prompts import load_prompts
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 
 
 def main() -> None:

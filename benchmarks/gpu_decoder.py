@@ -7,7 +7,7 @@ Measured side by side in one process (ratios are the result):
     mask and KV compaction);
   * end-to-end chain speculative decoding vs our own AR decoder: τ, speedup, and efficiency = speedup / τ;
 each for the plain eager modules and for the eval decoder's CUDA path (fused matmuls + CUDA graphs,
-models/graphs.py). Speedups are against the faster of the two AR decoders.
+eval/graphs.py). Speedups are against the faster of the two AR decoders.
 
 Random weights accept nothing from a real drafter, so acceptance is scripted and only the *cost* of drafting is
 real: the target's LM head is tied to a permutation π of its input embeddings (random otherwise), which makes its
@@ -38,7 +38,7 @@ from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.kernels.kv import compact_kv_reference
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.kernels.verify import verify_greedy
-from draftsmith.models.graphs import GraphedLlama, graph_decoding
+from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
 LLAMA_1B = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,
@@ -144,7 +144,7 @@ def hf_step_latency(model: Llama, ctx: int, device, new: int) -> float | None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from draftsmith.models.hf import config_to_hf, own_to_hf_key
+        from draftsmith.models.loading import config_to_hf, own_to_hf_key
     except ImportError:
         return None
     d = config_to_hf(model.cfg)
@@ -268,7 +268,7 @@ def main() -> None:
         res["e2e"] = end_to_end(target, draft, perm, prompt, a, dev, "eager", t_ar_eager, ref, configs[-1:],
                                 res["eager"])
 
-    # --- the eval decoder on CUDA: fused matmuls + CUDA graphs (models/graphs.py) --------------------------
+    # --- the eval decoder on CUDA: fused matmuls + CUDA graphs (eval/graphs.py) --------------------------
     label = "eager" if a.no_graphs else "graphs"
     if not a.no_graphs:
         max_len = max(a.ctx + a.tree_nodes + 2, a.prompt_len + a.new_tokens + max(a.e2e_gammas) + 2)

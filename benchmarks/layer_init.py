@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.records import load_shard, read_manifest
-from draftsmith.models.hf import load_model
+from draftsmith.models.loading import load_model
 from draftsmith.models.llama import Llama
 
 

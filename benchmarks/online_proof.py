@@ -22,11 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-from draftsmith.data.traffic import TrafficBuffer
+from draftsmith.serving.traffic import TrafficBuffer
 
 
 def humaneval_prompts() -> list[list[dict]]:
-    from draftsmith.eval.tasks import load_tasks
+    from draftsmith.data.tasks import load_tasks
 
     return [t.messages for t in load_tasks("humaneval")]
 

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from draftsmith.models.hf import load_model
+from draftsmith.models.loading import load_model
 from draftsmith.models.llama import fuse_for_inference
 
 

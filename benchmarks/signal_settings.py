@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.generate import generate
-from draftsmith.models.hf import load_model, tokenizer_hash
+from draftsmith.models.loading import load_model, tokenizer_hash
 from draftsmith.models.registry import build_drafter, save_drafter
 from draftsmith.recipes.loader import load_recipe
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data.dataset import RecordDataset, collate
-from draftsmith.models.hf import load_model
+from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter
 from draftsmith.train.objectives import Context, heads_acceptance_inputs
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from draftsmith.models.hf import load_model
+from draftsmith.models.loading import load_model
 from draftsmith.models.llama import FusedLinear
 from draftsmith.models.registry import load_drafter
 

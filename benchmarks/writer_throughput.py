@@ -16,7 +16,7 @@ import torch
 from draftsmith.data.engine import Sampling, decode_batch, write_batch
 from draftsmith.data.prompts import load_prompts
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
 
 

@@ -40,7 +40,7 @@ from draftsmith.data.records import (
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import reads_target
 from draftsmith.models.eagle import default_aux_layers
-from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
+from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.sampling import row_generator
 from draftsmith.runlog import RunLog

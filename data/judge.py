@@ -1,6 +1,6 @@
 """Judge labels without humans (algorithms.md A8, AutoJudge-style): ``draftsmith generate`` with data.judge_labels.
 
-For each task (eval/tasks.py: HumanEval unit tests, GSM8K-style final answers):
+For each task (data/tasks.py: HumanEval unit tests, GSM8K-style final answers):
 1. the target answers greedily; its outcome O is recorded (pass/fail, or the final answer);
 2. the draft LM reads the target's answer teacher-forced; where its argmax differs from the target's token
    (a draft/target mismatch a lossless verifier would reject), up to ``max_swaps`` positions per task:
@@ -38,8 +38,8 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
-from draftsmith.eval.tasks import load_tasks, outcome, outcome_correct
-from draftsmith.models.hf import encode_chat, load_model, stop_ids, tokenizer_hash
+from draftsmith.data.tasks import load_tasks, outcome, outcome_correct
+from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype

@@ -1,4 +1,4 @@
-"""The one CLI: ``draftsmith {run,generate,train,eval,export,serve,online,show} RECIPE [a.b=c ...]``.
+"""The one CLI: ``draftsmith {run,generate,train,eval,export,serve,online,show,sweep,tree} RECIPE [a.b=c ...]``.
 
 Also ``python -m draftsmith ...`` and, for multi-GPU training, ``accelerate launch -m draftsmith train RECIPE``.
 Every user error is one line on stderr and exit code 2; no tracebacks for bad input.
@@ -34,6 +34,14 @@ STAGES = {
               "the drafter with the train loop, publishes a new version only if its measured tau on held-out "
               "requests is higher, exports it. --rollback [VERSION] points the current version back.",
     "show": "Print the fully resolved recipe (after overrides) and the stages `run` would execute; runs nothing.",
+    "sweep": "Pick a decoding threshold on held-out prompts: decodes the recipe's eval prompts with plain AR, every "
+             "fixed draft length (--fixed), every stop-rule threshold (--thresholds, --min-lens) and every judge "
+             "delta (--deltas, lossy), interleaved prompt by prompt; prints tau, waste, tokens/s and speedup per "
+             "configuration and writes <out_dir>/eval/sweep.json with the best threshold. --oracle adds two "
+             "oracle stop rules that bound what any stop rule can gain with this drafter.",
+    "tree": "Medusa trees per node count (--nodes) from a heads or EAGLE run's logged per-position rank "
+            "accuracies (its metrics.jsonl), with the expected tau of each, printed as eval.tree.choices "
+            "overrides. RECIPE may also be a run folder.",
 }
 
 EPILOG = """\
@@ -57,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help="dotted recipe overrides, e.g. train.steps=100 (re-validated)")
         sp.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
+        if name == "sweep":
+            from draftsmith.eval.sweep import add_arguments
+
+            add_arguments(sp)
+        if name == "tree":
+            from draftsmith.eval.tree import add_arguments
+
+            add_arguments(sp)
         if name == "online":
             sp.add_argument("--rollback", nargs="?", const="", default=None, metavar="VERSION",
                             help="make VERSION (default: the previous one) current and exit; a running server "
@@ -105,7 +121,7 @@ def dispatch(command: str, recipe) -> None:
 
         evaluate(recipe)
     if command == "run" and recipe.export.enabled:
-        from draftsmith.models.export import run_export_stage
+        from draftsmith.export.writer import run_export_stage
 
         for out in run_export_stage(recipe):
             print(f"export: {out}")
@@ -123,7 +139,7 @@ def _save_resolved(recipe) -> None:
 
 def _export(args, recipe) -> None:
     """`draftsmith export`: a recipe's checkpoint (or a checkpoint folder when recipe is None) in each format."""
-    from draftsmith.models.export import checkpoint_of, export, push_to_hub
+    from draftsmith.export.writer import checkpoint_of, export, push_to_hub
 
     ec = recipe.export if recipe is not None else None
     ckpt = Path(args.recipe) if recipe is None else checkpoint_of(recipe)
@@ -141,6 +157,15 @@ def _export(args, recipe) -> None:
         files = push_to_hub(outs[0], repo, dry_run=dry)
         for name, size in files:
             print(f"  {'would upload' if dry else 'uploaded'} {name} ({size:,} bytes) -> {repo}")
+
+
+def _tree(args, run_dir: Path) -> None:
+    from draftsmith.eval.tree import run_cli
+
+    try:
+        run_cli(args, run_dir)
+    except (OSError, ValueError) as e:
+        raise DraftsmithError(str(e)) from None
 
 
 _LEFT_A_GROUP = False
@@ -186,19 +211,30 @@ def main(argv: list[str] | None = None) -> int:
                 raise DraftsmithError("overrides apply to recipes; a checkpoint folder takes none")
             _export(args, None)  # a checkpoint folder: no recipe needed
             return 0
+        if args.command == "tree" and (Path(args.recipe) / "metrics.jsonl").is_file():
+            if args.overrides:
+                raise DraftsmithError("overrides apply to recipes; a run folder takes none")
+            _tree(args, Path(args.recipe))
+            return 0
         from draftsmith.recipes.loader import load_recipe
 
         recipe = load_recipe(args.recipe, args.overrides)
         if args.command == "export":  # reads the run folder; leaves its recipe.yaml as the run wrote it
             _export(args, recipe)
         elif args.command == "serve":
-            from draftsmith.eval.serve import serve
+            from draftsmith.serving.server import serve
 
             serve(recipe)
         elif args.command == "online":
-            from draftsmith.train.online import online
+            from draftsmith.serving.online import online
 
             online(recipe, rollback=args.rollback)
+        elif args.command == "sweep":
+            from draftsmith.eval.sweep import run_cli
+
+            run_cli(args, recipe)
+        elif args.command == "tree":
+            _tree(args, recipe.run_dir)
         else:
             dispatch(args.command, recipe)
     except DraftsmithError as e:

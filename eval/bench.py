@@ -21,11 +21,11 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
-from draftsmith.eval.tasks import correct, load_tasks
+from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
-from draftsmith.models.graphs import graph_decoding
-from draftsmith.models.hf import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
+from draftsmith.eval.graphs import graph_decoding
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.judge import Judge
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
@@ -76,7 +76,7 @@ def _timed(fn, device: str):
 @dataclass
 class EvalSetup:
     """What every decode of an eval needs, loaded once (``load_for_eval``)."""
-    tgt: object  # models.hf.Loaded: model, tokenizer, path
+    tgt: object  # models.loading.Loaded: model, tokenizer, path
     drafter: torch.nn.Module
     info: dict
     ckpt: Path
@@ -88,7 +88,7 @@ class EvalSetup:
     stop_drafting: object = None  # adaptive draft-length hook (eval.stop)
     stop_info: dict | None = None
     judge: object = None  # lossy judge verification (eval.judge): models.judge.Judge
-    tasks: list | None = None  # eval/tasks.py Task per encoded prompt, when task accuracy is scored
+    tasks: list | None = None  # data/tasks.py Task per encoded prompt, when task accuracy is scored
 
 
 def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:

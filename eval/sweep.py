@@ -10,11 +10,11 @@ configuration (speed, tau and waste also per category for the best fixed length,
 writes ``<out_dir>/eval/sweep.json`` with the best threshold and its gain over the best fixed draft length. A judge
 δ is lossy, so it is picked only when task accuracy was scored and it stays within ``--max-accuracy-drop`` of AR's.
 
-    python -m draftsmith.eval.sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
-    python -m draftsmith.eval.sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
-    python -m draftsmith.eval.sweep RECIPE eval.stop.rule=entropy --thresholds 1,2,3 --min-lens 0,1   # any drafter
-    python -m draftsmith.eval.sweep RECIPE eval.stop.rule=confidence --thresholds 0.5,0.7,0.9 --min-lens 0 --oracle
-    python -m draftsmith.eval.sweep RECIPE --oracle --fixed 1,2,3 eval.draft_len=6   # the headroom of any stop rule
+    draftsmith sweep RECIPE --thresholds 0.1,0.3,0.5,0.7 --fixed 1,2,3,4,6 [a.b=c ...]
+    draftsmith sweep RECIPE --deltas 0.5,0.7,0.9 --fixed 2     # a judge recipe
+    draftsmith sweep RECIPE eval.stop.rule=entropy --thresholds 1,2,3 --min-lens 0,1   # any drafter
+    draftsmith sweep RECIPE eval.stop.rule=confidence --thresholds 0.5,0.7,0.9 --min-lens 0 --oracle
+    draftsmith sweep RECIPE --oracle --fixed 1,2,3 eval.draft_len=6   # the headroom of any stop rule
 
 ``--oracle`` (greedy only) adds two configs no real rule can match. Both know the target's greedy output (the AR
 config's, decoded just before them on the same prompt) and accept exactly what the cap accepts (same tau):
@@ -28,9 +28,7 @@ Their gains are reported apart from the real rules, never as the best rule.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import time
 from collections import defaultdict
 
@@ -42,7 +40,7 @@ from draftsmith.eval.bench import load_for_eval
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.report import shared_warning
-from draftsmith.eval.tasks import correct
+from draftsmith.data.tasks import correct
 from draftsmith.models.judge import Judge
 
 DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]
@@ -248,11 +246,8 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m draftsmith.eval.sweep", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("recipe", help="recipe name or YAML path (its eval section and checkpoint are used)")
-    p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. eval.prompts.seed=7")
+def add_arguments(p) -> None:
+    """The options of ``draftsmith sweep`` (draftsmith/cli.py adds RECIPE, the overrides and -q)."""
     p.add_argument("--thresholds", default=None,
                    help="comma-separated stop thresholds (specdecpp, confidence: probability in (0, 1); entropy: "
                         f"nats); default {','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule "
@@ -275,27 +270,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-accuracy-drop", type=float, default=0.0,
                    help="judge δs only: the most task accuracy (absolute, e.g. 0.02) a lossy δ may lose against AR "
                         "and still be picked as the best; δs scored without tasks are never picked (default 0)")
-    args = p.parse_args(argv)
-    from draftsmith.recipes.loader import load_recipe
 
-    def floats(text):
-        return [float(t) for t in text.split(",") if t.strip()]
 
+def run_cli(args, recipe) -> dict:
+    """``draftsmith sweep RECIPE [options]``: the parsed options -> ``sweep``; bad values are DraftsmithErrors."""
+
+    def numbers(text, kind, flag):
+        try:
+            return [kind(t) for t in text.split(",") if t.strip()]
+        except ValueError:
+            raise DraftsmithError(f"{flag} {text!r}: expected comma-separated numbers") from None
+
+    deltas = numbers(args.deltas, float, "--deltas")
+    if any(not 0 < d < 1 for d in deltas):
+        raise DraftsmithError(f"--deltas {args.deltas!r}: each δ must lie in (0, 1)")
+    if not 0 <= args.max_accuracy_drop <= 1:
+        raise DraftsmithError(f"--max-accuracy-drop {args.max_accuracy_drop}: must lie in [0, 1]")
+    thresholds = None if args.thresholds is None else numbers(args.thresholds, float, "--thresholds")
     try:
-        deltas = floats(args.deltas)
-        if any(not 0 < d < 1 for d in deltas):
-            raise DraftsmithError(f"--deltas {args.deltas!r}: each δ must lie in (0, 1)")
-        if not 0 <= args.max_accuracy_drop <= 1:
-            raise DraftsmithError(f"--max-accuracy-drop {args.max_accuracy_drop}: must lie in [0, 1]")
-        recipe = load_recipe(args.recipe, args.overrides)
-        sweep(recipe, None if args.thresholds is None else floats(args.thresholds),
-              [int(k) for k in args.fixed.split(",") if k.strip()], deltas,
-              [int(m) for m in args.min_lens.split(",") if m.strip()], args.oracle, args.max_accuracy_drop)
-    except (DraftsmithError, ValueError) as e:
-        print(f"draftsmith sweep: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return sweep(recipe, thresholds, numbers(args.fixed, int, "--fixed"), deltas,
+                     numbers(args.min_lens, int, "--min-lens"), args.oracle, args.max_accuracy_drop)
+    except ValueError as e:
+        raise DraftsmithError(str(e)) from None

@@ -205,34 +205,31 @@ def compact_cache(cache, start: int, keep: list[int]) -> None:
     cache.length = start + len(keep)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m draftsmith.eval.tree RUN_DIR --nodes 2,4,8``: a Medusa tree per node count from a heads run's
-    logged rank accuracies, with its expected tau, ready for ``eval.tree.choices``."""
-    import argparse
-    import json
-    import sys
+TREE_HELP = ("A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
+             "with its expected tau, printed as an eval.tree.choices override.")
 
-    desc = ("A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
-            "with its expected tau, printed as an eval.tree.choices override.")
-    p = argparse.ArgumentParser(prog="python -m draftsmith.eval.tree", description=desc)
-    p.add_argument("run", help="a heads run folder (medusa / hydra / mlp_speculator) with a metrics.jsonl")
+
+def add_arguments(p) -> None:
+    """The options of ``draftsmith tree`` (draftsmith/cli.py adds RUN)."""
     p.add_argument("--nodes", default="2,3,4,6,8,12,16",
                    help="comma-separated node counts (tree sizes, root excluded) to build a tree for")
-    args = p.parse_args(argv)
+
+
+def run_cli(args, run_dir) -> list[str]:
+    """``draftsmith tree RECIPE|RUN_DIR --nodes 2,4,8``: one line per node count -> the printed lines."""
+    import json
+
     try:
         sizes = [int(n) for n in args.nodes.split(",") if n.strip()]
-        if not sizes or min(sizes) < 1:
-            raise ValueError(f"--nodes {args.nodes!r}: give node counts >= 1")
-        table = run_accuracies(args.run)
-        for n in sizes:
-            choices = choices_from_accuracies(table, n)
-            print(f"nodes {n:>3}  expected tau {expected_tau(table, choices):.3f}  "
-                  f"eval.tree.choices={json.dumps(choices, separators=(',', ':'))}")
-    except (OSError, ValueError) as e:
-        print(f"draftsmith tree: error: {e}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--nodes {args.nodes!r}: give node counts >= 1")
+    table = run_accuracies(run_dir)
+    lines = []
+    for n in sizes:
+        choices = choices_from_accuracies(table, n)
+        lines.append(f"nodes {n:>3}  expected tau {expected_tau(table, choices):.3f}  "
+                     f"eval.tree.choices={json.dumps(choices, separators=(',', ':'))}")
+        print(lines[-1])
+    return lines

@@ -31,7 +31,7 @@ from draftsmith.eval.tree import (
     sample_tree_accept,
 )
 from draftsmith.kernels.tree import tree_mask
-from draftsmith.models.graphs import GraphedLlama
+from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.models.sampling import process_logits
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _draft_dynamic(run: _Drafting, cur: torch.Tensor, spec: DynamicTree):
     frontier. Finally keep the ``total_tokens`` best of all recorded nodes. Every shape is fixed by (k, depth), so
     the whole step stays on the device with no host sync: node ids are assigned level by level (children after
     their parents), an ancestor matrix grows with them, and a stable sort by score ranks them. A draft LM wrapped
-    for CUDA graphs (models/graphs.py) drafts every level after the root from one captured graph (``TreeGraph``).
+    for CUDA graphs (eval/graphs.py) drafts every level after the root from one captured graph (``TreeGraph``).
     """
     root_logits, root_state = run.root(cur)
     base = run.cache.length  # the root (current token) sits at slot base - 1; slot index == position

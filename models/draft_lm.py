@@ -45,7 +45,7 @@ def select_vocab(counts: torch.Tensor, n: int, always: set[int]) -> torch.Tensor
 def _init_from(path: str, target: Llama, tokenizer) -> Llama:
     """The draft's starting point: a draftsmith draft_lm checkpoint (e.g. FastDraft's pretraining stage), or an
     existing small model with the target's tokenizer (HF folder or alias)."""
-    from draftsmith.models.hf import load_model, tokenizer_hash
+    from draftsmith.models.loading import load_model, tokenizer_hash
     from draftsmith.models.registry import load_drafter
 
     if (Path(path) / "drafter.json").is_file():

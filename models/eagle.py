@@ -22,7 +22,7 @@ output projections: a 1-layer checkpoint grows into a deeper one unchanged) or a
 
 Decoding (eval/decoder.py, eval/tree_decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on
 new positions with a KV cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs:
-models/graphs.py GraphedEagle);
+eval/graphs.py GraphedEagle);
 ``features(captured, target)`` turns a target forward's captured hidden states into f.
 """
 from __future__ import annotations
@@ -179,7 +179,7 @@ class Eagle(ReducedVocab, nn.Module):
         pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed_tokens(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
-        mask, static = step_mask(cache, T, valid, attn_mask)  # static: under models/graphs.py GraphedEagle
+        mask, static = step_mask(cache, T, valid, attn_mask)  # static: under eval/graphs.py GraphedEagle
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
         for j, block in enumerate(self.extra):

@@ -60,7 +60,7 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.padded = False  # set once any row wrote an invalid (padding) slot; never cleared
-        # Static-shape mode (models/graphs.py, CUDA graphs): new K/V go to these slots (a (T,) device tensor),
+        # Static-shape mode (eval/graphs.py, CUDA graphs): new K/V go to these slots (a (T,) device tensor),
         # attention reads the whole buffer under the caller's full-width mask, and ``length`` is the caller's job.
         self.slots: torch.Tensor | None = None
 
@@ -113,7 +113,7 @@ def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask:
 
 
 def step_mask(cache: KVCache | None, T: int, valid: torch.Tensor | None, attn_mask: torch.Tensor | None):
-    """-> (attention mask for T new tokens, static). Static-shape mode (models/graphs.py sets ``cache.slots``): the
+    """-> (attention mask for T new tokens, static). Static-shape mode (eval/graphs.py sets ``cache.slots``): the
     wrapper passes the (B, T, max_len) mask over the whole buffer and keeps ``cache.length`` itself."""
     if cache is None:
         return None, False

@@ -510,7 +510,7 @@ class EvalConfig(Strict):
     """Fuse q/k/v and gate/up matmuls and pre-pack weights for the decoder (target and drafter); false runs the
     plain modules, for A/B timing."""
     cuda_graphs: bool = True
-    """On CUDA, replay the target's and a draft LM's decode/verify forwards from CUDA graphs (models/graphs.py):
+    """On CUDA, replay the target's and a draft LM's decode/verify forwards from CUDA graphs (eval/graphs.py):
     at batch 1 they are launch-bound otherwise. Ignored on CPU."""
     checkpoint: str | None = None
     """Drafter checkpoint folder; None = <out_dir>/checkpoints/final."""

@@ -92,7 +92,7 @@ def specdec_run(tmp_path_factory, tiny_model_dir, prompts_file):
 
 def test_acceptance_objective_is_weighted_soft_bce(specdec_run, tiny_model_dir):
     from draftsmith.data.dataset import RecordDataset, collate
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.schema import LossConfig
     from draftsmith.train.objectives import Context, acceptance_objective
@@ -127,7 +127,7 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     import yaml
 
     from draftsmith.data.dataset import RecordDataset, collate
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.loader import RECIPE_DIR
     from draftsmith.recipes.schema import LossConfig
@@ -348,7 +348,7 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     draft k + 1 (``draft_step`` from the context state at t after the target's tokens t+1..t+k+1), and the label
     is whether the target's greedy token at t + k + 1 is that draft."""
     from draftsmith.eval.decoder import autoregressive_generate
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.train.objectives import Context, heads_acceptance_inputs
 
     tgt = load_model(str(tiny_model_dir)).model.float()
@@ -408,7 +408,7 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
 @pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator"])
 def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny_model_dir):
     from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
 
     tgt = load_model(str(tiny_model_dir)).model.float()
     heads = _feature_heads(kind, tgt)

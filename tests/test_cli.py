@@ -24,6 +24,17 @@ def test_help_explains_every_subcommand(command, capsys):
     assert "RECIPE" in out and "KEY=VALUE" in out and "--quiet" in out and STAGES[command][:30] in out
 
 
+@pytest.mark.parametrize("args, fragment", [
+    (["--deltas", "1.5"], "--deltas '1.5': each δ must lie in (0, 1)"),
+    (["--fixed", "two"], "--fixed 'two': expected comma-separated numbers"),
+    (["--max-accuracy-drop", "2"], "--max-accuracy-drop 2.0: must lie in [0, 1]"),
+])
+def test_sweep_subcommand_refuses_bad_options_in_one_line(args, fragment, capsys):
+    assert main(["sweep", "tiny", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("draftsmith: error:") and fragment in err[0], err
+
+
 def test_show_prints_resolved_recipe(capsys):
     assert main(["show", "quickstart", "train.steps=3"]) == 0
     out = capsys.readouterr().out

@@ -30,7 +30,7 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import build_draft_lm
-from draftsmith.models.hf import load_llama_dir, tokenizer_hash
+from draftsmith.models.loading import load_llama_dir, tokenizer_hash
 from draftsmith.models.registry import save_drafter
 from draftsmith.models.sampling import process_logits, row_generator
 

@@ -1,4 +1,4 @@
-"""Export (models/export.py, models/serving_formats.py): every format's key/config contract, the round trip back
+"""Export (draftsmith/export/writer.py, draftsmith/export/formats.py): every format's key/config contract, the round trip back
 into draftsmith's decoder (same greedy output and τ), atomic writes, the model card, hub push (dry run, offline,
 token never shown) and the CLI."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ from draftsmith.cli import main
 from draftsmith.eval.decoder import speculative_generate
 from draftsmith.eval.tree import DynamicTree
 from draftsmith.eval.tree_decoder import tree_speculative_generate
-from draftsmith.models import serving_formats
+from draftsmith.export import formats
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle
-from draftsmith.models.export import export, load_export, model_card, push_to_hub
-from draftsmith.models.hf import load_model
+from draftsmith.export.writer import export, load_export, model_card, push_to_hub
+from draftsmith.models.loading import load_model
 from draftsmith.models.hydra import build_hydra
 from draftsmith.models.medusa import build_medusa
 from draftsmith.models.mlp_speculator import build_mlp_speculator
@@ -186,7 +186,7 @@ def test_wrong_format_for_a_kind_is_a_one_line_error(checkpoints, tmp_path, caps
 def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
-    monkeypatch.setattr("draftsmith.models.export.save_file", boom)
+    monkeypatch.setattr("draftsmith.export.writer.save_file", boom)
     with pytest.raises(RuntimeError):
         export(checkpoints["draft_lm"], "hf", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
@@ -269,6 +269,6 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
 
 
 def test_serving_format_names_are_documented():
-    assert serving_formats.weights_file("medusa") == "medusa_lm_head.safetensors"
+    assert formats.weights_file("medusa") == "medusa_lm_head.safetensors"
     for fmt in ("hf", "vllm", "sglang", "medusa"):
-        assert serving_formats.usage(fmt, "eagle", "org/m")
+        assert formats.usage(fmt, "eagle", "org/m")

@@ -1,4 +1,4 @@
-"""GraphedLlama (models/graphs.py): the static-shape forward equals the eager one, and decoding through it stays
+"""GraphedLlama (eval/graphs.py): the static-shape forward equals the eager one, and decoding through it stays
 lossless for AR, chain, static and dynamic trees. On CPU the static path runs uncaptured; the `gpu` test
 captures and replays real CUDA graphs."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import DynamicTree, tree_from_choices, tree_mask
 from draftsmith.eval.tree_decoder import tree_speculative_generate
-from draftsmith.models.graphs import GraphedLlama, graph_decoding
+from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
@@ -82,7 +82,7 @@ def test_eagle_drafters_draft_through_the_static_step():
     give the eager drafter's tokens and acceptance, over an eager or a graphed target; EAGLE-1, EAGLE-3 and a
     deeper EAGLE-3 whose extra block reads the same static cache."""
     from draftsmith.models.eagle import build_eagle
-    from draftsmith.models.graphs import GraphedEagle
+    from draftsmith.eval.graphs import GraphedEagle
 
     t = _model(0)
     p = torch.randint(0, 300, (12,))
@@ -140,7 +140,7 @@ def test_a_failed_forward_capture_runs_uncaptured(monkeypatch, caplog):
     monkeypatch.setattr(g, "_capture", refuse)
     p = torch.randint(0, 300, (12,))
     ref = autoregressive_generate(_model(0), p, 20)
-    with caplog.at_level("WARNING", logger="draftsmith.models.graphs"):
+    with caplog.at_level("WARNING", logger="draftsmith.eval.graphs"):
         assert autoregressive_generate(g, p, 20) == ref
         assert autoregressive_generate(g, p, 20) == ref
     assert [r.getMessage() for r in caplog.records] == [

@@ -13,7 +13,7 @@ import torch
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import judge_accept
-from draftsmith.eval.tasks import Task, correct, final_answer, load_tasks, run_tests
+from draftsmith.data.tasks import Task, correct, final_answer, load_tasks, run_tests
 
 GSM = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
        {"question": "Count to five.", "answer": "#### 5"},
@@ -142,7 +142,7 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
 
     from draftsmith.data import judge as judge_data_mod
     from draftsmith.data.dataset import RecordDataset
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import load_drafter
     from draftsmith.recipes.loader import RECIPE_DIR
 

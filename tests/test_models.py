@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.hf import config_from_hf, config_to_hf, load_llama_dir, load_model, resolve_model_path
+from draftsmith.models.loading import config_from_hf, config_to_hf, load_llama_dir, load_model, resolve_model_path
 from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.registry import build_drafter, load_drafter, save_drafter
 
@@ -170,7 +170,7 @@ def test_unknown_targets_are_clear_errors(tmp_path):
 def test_concurrent_alias_caches_publish_once(tmp_path):
     """Two ranks de-quantising the packaged model at once: the second finished folder finds the first already in
     place and is dropped instead of crashing the run; a missing target is still an error."""
-    from draftsmith.models.hf import _publish
+    from draftsmith.models.loading import _publish
 
     out = tmp_path / "cache" / "alias"
     for pid in (1, 2):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.hf import encode_chat, load_model, stop_ids
+from draftsmith.models.loading import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import build_drafter
 
 pytestmark = pytest.mark.slow

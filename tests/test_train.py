@@ -116,7 +116,7 @@ def test_a_draft_of_any_size_from_scratch(train_run, tiny_model_dir, prompts_fil
     """A Llama-style draft of its own shape (narrower than the target, 3 layers, GQA), randomly initialised
     (init_from_target=false): it trains, checkpoints its shape, decodes losslessly; copying the target's
     embeddings into a narrower draft is refused in one line."""
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
 
     shape = ["drafter.init_from_target=false", "drafter.init_layers=null", "drafter.dim=32", "drafter.n_layers=3",
              "drafter.n_heads=4", "drafter.n_kv_heads=2", "drafter.hidden_dim=48"]
@@ -405,7 +405,7 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
 
     from draftsmith.errors import DraftsmithError
     from draftsmith.models.draft_lm import build_draft_lm
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
 
     small = save_tiny_llama(tmp_path / "small", tiny_tokenizer, seed=5, num_hidden_layers=1, hidden_size=32,
                             intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
@@ -459,7 +459,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     import yaml
 
     from draftsmith.data.dataset import RecordDataset, collate, token_counts
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.loader import RECIPE_DIR
     from draftsmith.train import objectives
@@ -521,7 +521,7 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
     stored top-k and from the full target (teacher: target): a finite loss over the same positions, and a gradient
     that reaches the head's weights."""
     from draftsmith.data.dataset import RecordDataset, collate
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.schema import EagleDrafterConfig
     from draftsmith.train import objectives
@@ -612,7 +612,7 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     import yaml
 
     from draftsmith.data.dataset import RecordDataset, collate, token_counts
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.loader import RECIPE_DIR
     from draftsmith.recipes.schema import EagleDrafterConfig
@@ -662,7 +662,7 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
 def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_path):
     """Medusa-2's LoRA: the merged target equals the peft-adapted one; a checkpoint round-trips the adapters
     (resume) and serves them merged (eval), without saving the target itself."""
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.medusa import ADAPTER_FILE, merge_adapter
     from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
 
@@ -693,7 +693,7 @@ def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_p
 def test_medusa2_adapters_train_at_their_own_learning_rate(tiny_model_dir):
     """The optimizer gives Medusa-2's adapters lr x lora_lr_ratio and its heads lr; the schedule scales both and
     every trainable parameter is in exactly one group."""
-    from draftsmith.models.hf import load_model
+    from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
     from draftsmith.recipes.schema import TrainConfig
     from draftsmith.train.loop import build_optimizer

@@ -258,9 +258,13 @@ def test_choices_from_measured_head_accuracies():
 
 
 def test_tree_cli_builds_trees_from_a_runs_logged_accuracies(tmp_path, capsys):
-    """``python -m draftsmith.eval.tree RUN --nodes ..``: the last train row's rank accuracies -> choices per size,
+    """``draftsmith tree RUN --nodes ..``: the last train row's rank accuracies -> choices per size,
     with expected tau = 1 + the sum of the kept paths' values; a run without them is a one-line error."""
-    from draftsmith.eval.tree import choices_from_accuracies, expected_tau, main
+    from draftsmith.cli import main as cli_main
+    from draftsmith.eval.tree import choices_from_accuracies, expected_tau
+
+    def main(argv):
+        return cli_main(["tree", *argv])
 
     acc = [[0.5, 0.3], [0.4, 0.1]]
     rows = [{"stage": "train", "step": 1, "acc_head0_rank0": 0.1, "acc_head0_rank1": 0.1, "acc_head1_rank0": 0.1,

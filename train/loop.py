@@ -19,7 +19,7 @@ from draftsmith.data.dataset import RecordDataset, collate, token_counts
 from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.quick import tau_from_alpha
-from draftsmith.models.hf import load_model, stop_ids, tokenizer_hash
+from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog
@@ -88,7 +88,7 @@ def _quick_eval_setup(recipe, tgt, acc):
     eval.draft_len at eval.temperature (see eval/quick.py)."""
     from draftsmith.data.prompts import load_prompts
     from draftsmith.eval.quick import quick_eval
-    from draftsmith.models.hf import encode_chat, first_turn
+    from draftsmith.models.loading import encode_chat, first_turn
 
     tc, ec = recipe.train, recipe.eval
     pc = ec.prompts

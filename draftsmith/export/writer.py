@@ -1,7 +1,7 @@
 """Export a trained drafter for hubs and serving engines: ``draftsmith export RECIPE|CHECKPOINT --format F``, or a
 recipe's ``export:`` section at the end of ``draftsmith run``.
 
-Formats (their tensor-name contracts live in models/serving_formats.py):
+Formats (their tensor-name contracts live in draftsmith/export/formats.py):
 - ``hf``: a self-contained folder (config.json, model.safetensors, tokenizer files, the resolved recipe,
   drafter.json and a model card with the eval table). A draft LM is a plain ``LlamaForCausalLM`` (transformers,
   vLLM's and SGLang's draft-model paths); other kinds keep draftsmith's tensor names.
@@ -25,8 +25,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models import serving_formats as sf
-from draftsmith.models.hf import ALIASES, resolve_model_path
+from draftsmith.export import formats as sf
+from draftsmith.models.loading import ALIASES, resolve_model_path
 from draftsmith.models.registry import load_drafter
 
 log = logging.getLogger("draftsmith.export")

@@ -1,5 +1,5 @@
 """`draftsmith serve RECIPE`: an OpenAI-compatible HTTP server on the bundled speculative decoder that records its
-traffic and keeps the drafter learning from it (online distillation, train/online.py).
+traffic and keeps the drafter learning from it (online distillation, draftsmith/serving/online.py).
 
 Endpoints:
 - POST /v1/chat/completions, POST /v1/completions, with ``"stream": true`` as server-sent events;
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.traffic import TrafficBuffer
+from draftsmith.serving.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import fast_model
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.hf import encode_chat, load_model, stop_ids
+from draftsmith.models.loading import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
-from draftsmith.train.online import Learner, Versions, online_dir
+from draftsmith.serving.online import Learner, Versions, online_dir
 
 log = logging.getLogger("draftsmith.serve")
 

@@ -1,4 +1,4 @@
-"""Tensor-name and config contracts of the formats serving engines load, both ways (models/export.py writes,
+"""Tensor-name and config contracts of the formats serving engines load, both ways (draftsmith/export/writer.py writes,
 ``load_export`` reads back for the round-trip test).
 
 - **speculators / vLLM** (EAGLE-3): config.json with ``speculators_model_type: eagle3`` and ``speculators_config``
@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.hf import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
+from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
 
