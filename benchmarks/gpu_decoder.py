@@ -33,12 +33,12 @@ import torch
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.eval.tree import DynamicTree, compact_cache
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.kernels.kv import compact_kv_reference
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.kernels.verify import verify_greedy
-from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
 LLAMA_1B = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,

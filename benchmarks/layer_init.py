@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.records import load_shard, read_manifest
-from draftsmith.models.loading import load_model
 from draftsmith.models.llama import Llama
+from draftsmith.models.loading import load_model
 
 
 def parse_layers(spec: str) -> list[int]:

@@ -11,8 +11,8 @@ import time
 
 import torch
 
-from draftsmith.models.loading import load_model
 from draftsmith.models.llama import fuse_for_inference
+from draftsmith.models.loading import load_model
 
 
 def step(model, T: int, ctx: int = 256, reps: int = 15) -> tuple[float, torch.Tensor]:

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from draftsmith.models.loading import load_model
 from draftsmith.models.llama import FusedLinear
+from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter
 
 

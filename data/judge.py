@@ -36,9 +36,9 @@ from draftsmith.data.records import (
     write_manifest,
     write_shard,
 )
+from draftsmith.data.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
-from draftsmith.data.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog

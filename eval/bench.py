@@ -17,16 +17,16 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.prompts import Prompt, load_prompts
+from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.graphs import graph_decoding
 from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
-from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
-from draftsmith.eval.graphs import graph_decoding
-from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.judge import Judge
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog

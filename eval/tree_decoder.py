@@ -22,6 +22,7 @@ from draftsmith.eval.decoder import (
     _target_pass,
     _with_hidden,
 )
+from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.tree import (
     DynamicTree,
     TreeSpec,
@@ -31,7 +32,6 @@ from draftsmith.eval.tree import (
     sample_tree_accept,
 )
 from draftsmith.kernels.tree import tree_mask
-from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.models.sampling import process_logits
 
 log = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""Export (draftsmith/export/writer.py, draftsmith/export/formats.py): every format's key/config contract, the round trip back
+"""Export (draftsmith/export/): every format's key/config contract, the round trip back
 into draftsmith's decoder (same greedy output and τ), atomic writes, the model card, hub push (dry run, offline,
 token never shown) and the CLI."""
 from __future__ import annotations
@@ -14,11 +14,11 @@ from draftsmith.eval.decoder import speculative_generate
 from draftsmith.eval.tree import DynamicTree
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.export import formats
+from draftsmith.export.writer import export, load_export, model_card, push_to_hub
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.eagle import build_eagle
-from draftsmith.export.writer import export, load_export, model_card, push_to_hub
-from draftsmith.models.loading import load_model
 from draftsmith.models.hydra import build_hydra
+from draftsmith.models.loading import load_model
 from draftsmith.models.medusa import build_medusa
 from draftsmith.models.mlp_speculator import build_mlp_speculator
 from draftsmith.models.registry import save_drafter

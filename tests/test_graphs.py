@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.eval.tree import DynamicTree, tree_from_choices, tree_mask
 from draftsmith.eval.tree_decoder import tree_speculative_generate
-from draftsmith.eval.graphs import GraphedLlama, graph_decoding
 from draftsmith.models.llama import Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=128)
@@ -81,8 +81,8 @@ def test_eagle_drafters_draft_through_the_static_step():
     """GraphedEagle: an EAGLE drafter's steps through the static-shape path (chains, a static and a dynamic tree)
     give the eager drafter's tokens and acceptance, over an eager or a graphed target; EAGLE-1, EAGLE-3 and a
     deeper EAGLE-3 whose extra block reads the same static cache."""
-    from draftsmith.models.eagle import build_eagle
     from draftsmith.eval.graphs import GraphedEagle
+    from draftsmith.models.eagle import build_eagle
 
     t = _model(0)
     p = torch.randint(0, 300, (12,))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from draftsmith.cli import main
+from draftsmith.data.tasks import Task, correct, final_answer, load_tasks, run_tests
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import judge_accept
-from draftsmith.data.tasks import Task, correct, final_answer, load_tasks, run_tests
 
 GSM = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
        {"question": "Count to five.", "answer": "#### 5"},

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.loading import config_from_hf, config_to_hf, load_llama_dir, load_model, resolve_model_path
 from draftsmith.models.llama import Llama, LlamaConfig
+from draftsmith.models.loading import config_from_hf, config_to_hf, load_llama_dir, load_model, resolve_model_path
 from draftsmith.models.registry import build_drafter, load_drafter, save_drafter
 
 TINY = LlamaConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, max_seq_len=256)

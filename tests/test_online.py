@@ -1,4 +1,4 @@
-"""Online distillation (draftsmith/serving/traffic.py, draftsmith/serving/online.py, draftsmith/serving/server.py): the crash-safe bounded traffic buffer,
+"""Online distillation (draftsmith/serving/): the crash-safe bounded traffic buffer,
 versions and rollback, a learner round that publishes only a better drafter, the log follower, and the
 OpenAI-compatible server (completions, streaming, limits, metrics, hot swap without dropping requests, and a
 kill -9 mid-update that loses no recorded traffic and restarts on the last good drafter)."""
@@ -18,7 +18,6 @@ import urllib.request
 import pytest
 import torch
 
-from draftsmith.serving.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
 from draftsmith.models.draft_lm import build_draft_lm
@@ -26,6 +25,7 @@ from draftsmith.models.loading import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import save_drafter
 from draftsmith.recipes.loader import load_recipe
 from draftsmith.serving.online import Learner, LogFollower, Versions
+from draftsmith.serving.traffic import TrafficBuffer
 
 
 def test_buffer_is_durable_bounded_and_skips_a_cut_line(tmp_path):

@@ -3,7 +3,7 @@
 - ``Versions``: ``<online dir>/versions/vNNNN`` drafter checkpoints and ``current.json`` ({version, history}),
   both written by rename, so a kill at any point leaves the last good version current. v0000 is the recipe's
   trained drafter. ``rollback`` steps ``current`` back; servers pick the change up between requests.
-- ``Learner.round``: the recorded traffic (draftsmith/serving/traffic.py) minus a held-out window of the newest requests becomes
+- ``Learner.round``: the recorded traffic (traffic.py) minus a held-out window of the newest requests becomes
   a data folder in the data stage's record format (the target's top-k teacher signals); the one train loop
   (train/loop.py) fine-tunes the current version on it; the candidate and the current version then decode the
   held-out prompts with the real decoder, and the candidate is published only if its measured τ is higher.
@@ -25,12 +25,12 @@ import torch
 
 from draftsmith.data.engine import Capture, score_batch
 from draftsmith.data.records import FORMAT, Record, shard_name, write_json_atomic, write_manifest, write_shard
-from draftsmith.serving.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import speculative_generate
 from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
+from draftsmith.serving.traffic import TrafficBuffer
 
 log = logging.getLogger("draftsmith.online")
 

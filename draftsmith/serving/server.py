@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.serving.traffic import TrafficBuffer
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import fast_model
 from draftsmith.eval.decoder import speculative_generate
@@ -37,6 +36,7 @@ from draftsmith.models.loading import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.serving.online import Learner, Versions, online_dir
+from draftsmith.serving.traffic import TrafficBuffer
 
 log = logging.getLogger("draftsmith.serve")
 
