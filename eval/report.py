@@ -66,7 +66,7 @@ def shared_warning(report: dict) -> str | None:
 def rounding_note(report: dict) -> str | None:
     """Why a greedy eval in 16-bit can differ from the target's own output without a bug: a γ+1-token verify and a
     one-token AR step take different kernels, which round differently, so near-tied argmaxes can flip (measured:
-    the target drafting for itself is exact in fp32 and not in bf16, benchmarks/RESULTS.md session 18)."""
+    the target drafting for itself is exact in fp32 and not in bf16, benchmarks/RESULTS.md, 2026-11-24)."""
     m = report.get("lossless_match")
     if report.get("lossy") or m is None or m >= 1 or report.get("dtype") not in ("bfloat16", "float16"):
         return None
