@@ -82,8 +82,9 @@ class Timings(dict):
 def machine(device: str | torch.device = "cpu") -> str:
     """One line naming the machine that runs on ``device``: accelerator, CPU count, torch version and threads."""
     device = torch.device(device)
-    host = f"{os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, " \
-           f"{torch.get_num_threads()} torch threads"
+    threads = torch.get_num_threads()
+    host = (f"{os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
+            f"{threads} torch thread{'' if threads == 1 else 's'}")
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}), {host}"
     return f"{device.type}, {host}"
