@@ -7,8 +7,9 @@ them round by round. ``Timings.note`` says which machine ran them and how much o
 took meanwhile (eval/contention.py ``CpuShare``).
 
     t = interleave({"eager": lambda: model(x), "fused": lambda: fast(x)}, warmup=2, repeats=10, device="cuda")
-    print(t["fused"], t.ratio("eager", "fused"))  # "1.23 ms (min 1.20, max 1.31, 10 repeats)", 1.8
-    print(t.note)  # "machine: cuda (NVIDIA H100 ...), torch 2.5.1, 16 CPUs; other processes took 3% of the CPUs"
+    print(t["fused"], t.ratio("eager", "fused"))  # 1.230 ms (min 1.200, max 1.310, 10 repeats) 1.8
+    print(t.note)  # machine: cuda (NVIDIA H100 ..., CUDA 12.4), 16 CPUs (x86_64), torch 2.5.1, 16 torch threads;
+                   # other processes took 3% of the CPUs' time while timing
 
 ``time_call(fn, ...)`` is the same for one callable. ``measure`` replaces the wall clock by a duration the call
 reports itself (e.g. ``lambda out: out[1].draft_time_s``): the repeats, order and statistics stay the same.
