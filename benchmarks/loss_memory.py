@@ -1,8 +1,14 @@
-"""Peak memory of a KD loss step: naive (full (T, V) logits, autograd end to end) vs train/losses.py head_loss
-(LM head + loss chunked over positions), with each chunk's gradient through autograd ("unfused") or from the
-in-place softmax passes of kernels/softmax.py ("chunked", the default: train.loss.fused), and with the vocabulary
-in blocks too ("blocked": train.loss.vocab_chunk). Each variant runs in a fresh subprocess so peaks do not mix;
-the result is the ratio, plus a check that all give the same loss and gradients.
+"""Peak memory and time of one KD loss step (forward + backward through the LM head), four ways on the same
+random inputs: naive (full (T, V) logits, autograd end to end) vs train/losses.py head_loss (LM head + loss
+chunked over positions), with each chunk's gradient through autograd ("unfused") or from the in-place softmax
+passes of kernels/softmax.py ("chunked", the default: train.loss.fused), and with the vocabulary in blocks too
+("blocked": train.loss.vocab_chunk). Each variant runs in a fresh subprocess, one after the other, so peaks do
+not mix.
+
+Reading the output: one line per variant (peak memory above the inputs, seconds, loss, gradient norms), then the
+ratios: peak memory and time of chunked / naive, fused / unfused chunks, and vocabulary blocks / chunks, with the
+loss's relative difference for each pair (all variants compute the same loss and gradients, to rounding). The
+last line names the machine and the largest share of its CPU other processes took while a variant was timed.
 
 --teacher topk: stored top-k + tail (train.loss.teacher=records); --teacher target: the full target distribution
 from its final hidden states (T, D) and LM head (V, D) (teacher=target), where the teacher's logits are chunked
@@ -11,7 +17,7 @@ from its final hidden states (T, D) and LM head (V, D) (teacher=target), where t
 Usage: python benchmarks/loss_memory.py [--tokens 2048] [--vocab 49152] [--dim 576] [--k 32] [--kind fkl]
        [--teacher topk|target] [--vocab-chunk 4096] [--device cuda] [--reps 10]
 On CPU one step is timed and the peak is the process's RSS; on CUDA the peak is the allocator's and the time is the
-median of --reps steps after an untimed one (Triton compiles its kernels there).
+median of --reps steps after an untimed one (Triton compiles its kernels there; eval/timing.py).
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import json
 import os
 import subprocess
 import sys
-import time
+
+from draftsmith.eval.contention import CpuShare
+from draftsmith.eval.timing import machine_note, time_call
 
 
 def _status_mb(key: str) -> float:
@@ -78,22 +86,17 @@ def one(variant: str, a) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated() / 2**20
-        times = []
-        for _ in range(a.reps):
-            t0 = time.perf_counter()
-            loss = step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        seconds = sorted(times)[len(times) // 2]
+        with CpuShare() as meter:
+            t = time_call(step, warmup=0, repeats=a.reps, device=dev)
         peak = torch.cuda.max_memory_allocated() / 2**20
-    else:
+    else:  # one step: a second one would start from the first one's freed memory
         base = _reset_peak()
-        t0 = time.perf_counter()
-        loss = step()
-        seconds = time.perf_counter() - t0
+        with CpuShare() as meter:
+            t = time_call(step, warmup=0, repeats=1)
         peak = _status_mb("VmHWM")
-    return {"variant": variant, "peak_mb": peak - base, "seconds": seconds, "loss": float(loss),
-            "grad_h_norm": float(h.grad.norm()), "grad_w_norm": float(w.grad.norm())}
+    loss, seconds = t.last, t.median
+    return {"variant": variant, "peak_mb": peak - base, "seconds": seconds, "other_cpu": meter.other,
+            "loss": float(loss), "grad_h_norm": float(h.grad.norm()), "grad_w_norm": float(w.grad.norm())}
 
 
 def main() -> None:
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--teacher", default="topk", choices=["topk", "target"],
                     help="stored top-k + tail, or the full target distribution from hidden states + head")
     ap.add_argument("--vocab-chunk", type=int, default=4096, help="vocabulary block of the 'blocked' variant")
-    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=10, help="timed steps on CUDA (median; after one untimed step)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -136,6 +139,8 @@ def main() -> None:
     print(f"vocabulary blocks of {a.vocab_chunk} vs chunks: peak memory {b['peak_mb'] / c['peak_mb']:.3f} "
           f"({b['peak_mb'] / n['peak_mb']:.3f} of naive), time {b['seconds'] / c['seconds']:.2f}, "
           f"loss rel diff {abs(b['loss'] - c['loss']) / abs(c['loss']):.1e}")
+    others = [r["other_cpu"] for r in res.values() if r["other_cpu"] is not None]
+    print(machine_note(a.device, max(others) if others else None) + " (the most of any variant)")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Online distillation proof (issue 9) on the real SmolLM2 target.
+"""Online distillation on the real SmolLM2 target: does τ rise while serving a shifted distribution, and does
+learning survive a crash in the middle of an update?
 
 1. `draftsmith serve RECIPE` starts with the recipe's trained drafter (the quickstart one saw ShareGPT chat) and
    learning on.
@@ -8,6 +9,14 @@
    per window of requests and per version: τ over time must rise.
 4. While the learner is in the middle of an update, the server is killed with SIGKILL. Every answered request
    must be in the buffer, and a restarted server must serve the last published version and keep learning.
+
+Reading the output: a table of τ (mean per request) per window of --window requests with the drafter versions
+that served them, then one row per learner round (its train records, held-out τ of the serving drafter against
+the candidate, and the version published if the candidate won), and "τ last window / first window", measured on
+the same server in one run (> 1: serving got faster). The kill line says how many answered requests the traffic
+buffer kept (all of them) and which version was serving. The last line names the machine and how much of its CPU
+other processes took during the run (the server and learner are this script's children, so their CPU time counts
+as other processes').
 
     python benchmarks/online_proof.py [--recipe quickstart] [--requests 96] [--window 16]
 """
@@ -22,6 +31,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from draftsmith.eval.contention import CpuShare
+from draftsmith.eval.timing import machine_note
 from draftsmith.serving.traffic import TrafficBuffer
 
 
@@ -43,22 +56,27 @@ def start(args: list[str], log) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="quickstart")
-    ap.add_argument("--out", default="runs/online-proof")
+    ap.add_argument("--recipe", default="quickstart",
+                    help="recipe served (its trained drafter: the run's checkpoints/final or eval.checkpoint)")
+    ap.add_argument("--out", default="runs/online-proof", help="the server's online.dir (traffic, rounds, versions)")
     ap.add_argument("--requests", type=int, default=96, help="requests before the kill; as many again after")
     ap.add_argument("--window", type=int, default=16, help="requests per τ window in the printout")
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--update-every", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=60, help="train steps per update")
+    ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of every request (online.max_tokens)")
+    ap.add_argument("--update-every", type=int, default=16,
+                    help="requests between learner updates (online.update_every_requests and online.min_records)")
+    ap.add_argument("--steps", type=int, default=60, help="train steps per update (online.steps_per_update)")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more recipe overrides for the server")
     a = ap.parse_args()
     from openai import OpenAI
 
     root = Path(a.out)
     args = [a.recipe, f"online.dir={root}", "online.port=0", f"online.max_tokens={a.max_tokens}",
             f"online.update_every_requests={a.update_every}", f"online.min_records={a.update_every}",
-            "online.holdout=6", f"online.steps_per_update={a.steps}", "online.eval_tokens=64", "eval.draft_len=3"]
+            "online.holdout=6", f"online.steps_per_update={a.steps}", "online.eval_tokens=64", "eval.draft_len=3",
+            *a.set]
     prompts = humaneval_prompts()
     log = open(root.parent / f"{root.name}-server.log", "a") if root.parent.exists() else None
+    meter = CpuShare().start()
     p, url = start(args, log)
     answered = 0
 
@@ -104,11 +122,12 @@ def main() -> None:
     print(f"\n{len(recs)} requests recorded in {time.time() - t0:.0f}s")
     print("| requests | τ (mean per request) | drafter versions serving |")
     print("|---|---|---|")
+    taus = []
     for i in range(0, len(recs), a.window):
         w = [r for r in recs[i:i + a.window] if r.get("tau")]
         if w:
-            print(f"| {i + 1}–{i + len(w)} | {sum(r['tau'] for r in w) / len(w):.3f} | "
-                  f"{', '.join(sorted({r['version'] for r in w}))} |")
+            taus.append(sum(r["tau"] for r in w) / len(w))
+            print(f"| {i + 1}–{i + len(w)} | {taus[-1]:.3f} | {', '.join(sorted({r['version'] for r in w}))} |")
     metrics = root / "metrics.jsonl"
     if metrics.is_file():
         print("\n| round | train records | held-out τ current → candidate | published |")
@@ -118,6 +137,9 @@ def main() -> None:
             if "round" in m:
                 print(f"| {m['round']} | {m['records']} | {m['tau_current']:.3f} → {m['tau_candidate']:.3f} | "
                       f"{m['version'] if m['swapped'] else '—'} |")
+    if len(taus) > 1:
+        print(f"\nτ last window / first window: {taus[-1] / taus[0]:.3f}")
+    print(machine_note("cuda" if torch.cuda.is_available() else "cpu", meter.stop()))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@
    round (DistillSpec): the FKL drafter writes a fraction of the responses, the target scores them, train again.
 Prints a markdown table of tau, acceptance and speedup vs the own AR decoder; every run stays under runs/kd/.
 
-Usage: python benchmarks/kd_losses.py [--losses ce fkl tvdpp] [--steps 400] [--on-policy 0.5] [--eval-n 16]
+Usage: python benchmarks/experiments/kd_losses.py [--losses ce fkl tvdpp] [--steps 400] [--on-policy 0.5] [--eval-n 16]
        [--init runs/fdkd-fkl-L8/checkpoints/final --root runs/kd-L8]
        [--data runs/fd-big/data --set train.precision=bf16 train.warmup_steps=40]
 """
@@ -42,8 +42,9 @@ def main() -> None:
     ap.add_argument("--root", default="runs/kd", help="where the per-loss runs go")
     ap.add_argument("--skip-pretrain", action="store_true", help="reuse runs/fastdraft-pretrain as it is")
     ap.add_argument("--pretrain-steps", type=int, help="override fastdraft-pretrain's train.steps")
-    ap.add_argument("--init", help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's "
-                                   "(e.g. a deeper draft from benchmarks/fixed_data_kd.py); implies --skip-pretrain")
+    ap.add_argument("--init", help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's (e.g. a "
+                                   "deeper draft from benchmarks/experiments/fixed_data_kd.py); implies "
+                                   "--skip-pretrain")
     ap.add_argument("--data", help="target-written records to fine-tune on instead of generating "
                                    "runs/fastdraft-finetune (e.g. a larger set grown with data.prompts.n)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",

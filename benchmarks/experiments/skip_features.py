@@ -1,6 +1,7 @@
-"""Would a skip rule for feature heads (issue 7) predict acceptance better with more inputs? An offline study.
+"""Would a skip rule for feature heads (SpecDec++-style stop rule) predict acceptance better with more inputs?
+An offline study.
 
-The trained skip head (``eval.stop.state: next``, session 22) reads the state a head drafts from, log q(y), the
+The trained skip head (``eval.stop.state: next``) reads the state a head drafts from, log q(y), the
 entropy of q and which head it is. Two cheap signals it does not read are known in the decoder when the rule is
 asked: the target's own confidence where the block starts (log max p and the entropy of the distribution the
 current token came from) and whether the drafter got the current token right (head 0 one position earlier).
@@ -10,8 +11,8 @@ signals, and fits small logistic models (linear and a 32-unit MLP) on 70% of the
 (split by record): Brier score, its share of the base rate's (R2), log loss and AUC. The trained head's own logit
 is one of the inputs (it saw every record in training, so its rows flatter it).
 
-Usage: python benchmarks/skip_features.py --heads runs/s20/hydra/checkpoints/final \
-           --head runs/s22/hd/checkpoints/final --data runs/s22/hd/data
+Usage: python benchmarks/experiments/skip_features.py --heads runs/hydra/checkpoints/final \
+           --head runs/skip-head/checkpoints/final --data runs/skip-head/data
 """
 from __future__ import annotations
 

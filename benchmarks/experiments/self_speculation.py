@@ -1,9 +1,10 @@
 """Exactness by dtype: the target drafts for itself, so in exact arithmetic every draft is accepted and the
 speculative output is the AR output token for token. Whatever differs is rounding: a (γ+1)-token verify and
 one-token AR steps go through different kernels. Prints, per dtype, how many prompts match AR exactly and the
-share of its own drafts the target accepted (benchmarks/RESULTS.md, session 18).
+share of its own drafts the target accepted.
 
-    python benchmarks/self_speculation.py [--prompts 6] [--new-tokens 96] [--draft-len 4] [--dtypes float32 bfloat16]
+    python benchmarks/experiments/self_speculation.py [--prompts 6] [--new-tokens 96] [--draft-len 4]
+                                                      [--dtypes float32 bfloat16]
 """
 from __future__ import annotations
 

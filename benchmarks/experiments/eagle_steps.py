@@ -1,10 +1,10 @@
-"""Where an EAGLE decode's time goes (issues 4, 6): each step eager vs the eval decoder's fast path, per dtype.
+"""Where an EAGLE decode's time goes: each step eager vs the eval decoder's fast path, per dtype.
 
-Session 18 decoded EAGLE-3 at 0.035x own AR on an H100: its verifies ran eagerly (they return the target's layer
-features) and its draft steps cost 1.7 ms in fp32 and 14 ms in bf16. Both now replay from CUDA graphs
-(eval/graphs.py GraphedLlama with captured layers, GraphedEagle). This script measures, side by side in one
-process, for a SmolLM2-135M-shaped target (random weights: only costs matter here) and an EAGLE-3 drafter built
-from it (one layer, 32k-row reduced head, as the shipped recipe):
+An EAGLE decode runs verifies that also return the target's layer features and draft steps of the EAGLE drafter;
+the eval decoder replays both from CUDA graphs (eval/graphs.py GraphedLlama with captured layers, GraphedEagle).
+This script measures, round-robin in one process (eval/timing.py), for a SmolLM2-135M-shaped target (random weights:
+only costs matter here) and an EAGLE-3 drafter built from it (one layer, 32k-row reduced head, as the shipped
+recipe):
 
   * target: a decode step (T = 1), a verify of γ + 1 tokens, the same verify returning EAGLE's feature layers;
   * EAGLE: a root step (3 accepted tokens with their features, last position's logits), one chain draft step,
@@ -12,10 +12,13 @@ from it (one layer, 32k-row reduced head, as the shipped recipe):
 
 each eager (plain modules) and fast (`eval.optimize` fused matmuls, plus CUDA graphs on CUDA: what `draftsmith eval`
 runs), as milliseconds and as multiples of the fast target decode step. ``--profile`` adds the top ops of eager
-draft steps per dtype (the bf16 question).
+draft steps per dtype (where a bf16 draft step spends its time next to an fp32 one).
 
-    python benchmarks/eagle_steps.py                                 # CUDA if present, fp32 and bf16
-    python benchmarks/eagle_steps.py --device cpu --dtypes float32 --reps 20
+    python benchmarks/experiments/eagle_steps.py                        # CUDA if present, fp32 and bf16
+    python benchmarks/experiments/eagle_steps.py --device cpu --dtypes float32 --reps 20
+
+It calls the chain decoder's private drafting pieces (eval/decoder.py ``_Drafting``, ``_draft_chain``, ``_pick``)
+to time one draft block on its own.
 """
 from __future__ import annotations
 
@@ -25,10 +28,10 @@ import json
 from types import SimpleNamespace
 
 import torch
-from gpu_decoder import sync, timed  # same folder: this script runs as `python benchmarks/eagle_steps.py`
 
 from draftsmith.eval.bench import fast_model
 from draftsmith.eval.decoder import _draft_chain, _Drafting, _pick
+from draftsmith.eval.timing import interleave, sync
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.llama import Llama, LlamaConfig
 
@@ -46,15 +49,15 @@ def build(shape: dict, device: str, dtype, draft_vocab: int):
     return target, drafter.requires_grad_(False)
 
 
-def costs(target, drafter, args, device: str) -> dict:
-    """Median seconds of each step for one (target, drafter) pair, eager or already made fast."""
+def step_jobs(target, drafter, args, device: str) -> dict:
+    """One callable per step for one (target, drafter) pair, eager or already made fast; run under no_grad."""
     g, ctx, dev = args.gamma, args.ctx, device
-    max_len = ctx + args.reps * (g + 2) + 64
+    max_len = cache_len(args)
 
     def ids(t):
         return torch.randint(0, 1000, (1, t), device=dev)
 
-    out = {}
+    jobs = {}
     with torch.no_grad():
         tcache = target.new_cache(1, max_len)
         target(ids(ctx), cache=tcache)  # the prompt (prefills run eagerly either way)
@@ -65,7 +68,7 @@ def costs(target, drafter, args, device: str) -> dict:
             def step(x=x, kw=kw):
                 tcache.length = ctx
                 target(x, cache=tcache, **kw)
-            out[name] = timed(step, dev, args.reps)
+            jobs[name] = step
         dcache = drafter.new_cache(1, max_len)
         d, dt = drafter.cfg.dim, drafter.fc.weight.dtype
         drafter.step(torch.randn(1, ctx, d, device=dev, dtype=dt), ids(ctx), cache=dcache)
@@ -75,7 +78,7 @@ def costs(target, drafter, args, device: str) -> dict:
             def dstep(st=st, x=x, last=last):
                 dcache.length = ctx
                 drafter.step(st, x, cache=dcache, last_only=last)
-            out[name] = timed(dstep, dev, args.reps)
+            jobs[name] = dstep
         # A whole block as the decoder drafts it: root over the accepted token, γ - 1 fed drafts, greedy picks.
         prompt = ids(ctx)[0]
         feats = torch.randn(ctx, drafter.cfg.feature_dim, device=dev, dtype=dt)
@@ -85,8 +88,13 @@ def costs(target, drafter, args, device: str) -> dict:
         def block():
             _draft_chain(run, cur, g, lambda row: _pick(row, 0.0, 0, 1.0, None))
             run.commit(cur.new_empty(0), feats[:1])  # nothing accepted: the next root reads one pair
-        out[f"chain block γ={g}"] = timed(block, dev, args.reps)
-    return out
+        jobs[f"chain block γ={g}"] = block
+    return jobs
+
+
+def cache_len(args) -> int:
+    """Room for the prompt and every (warm-up and timed) chain block's commits."""
+    return args.ctx + (args.reps + 3) * (args.gamma + 2) + 64
 
 
 def profile_drafts(drafter, device: str, n: int = 20) -> str:
@@ -125,28 +133,34 @@ def main() -> None:
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {dev_name}, torch {torch.__version__}, target {'tiny' if args.tiny else 'SmolLM2-135M'}-shaped, "
           f"ctx {args.ctx}, γ {args.gamma}, median of {args.reps}")
-    results = {}
+    results, notes = {}, []
     for dt in args.dtypes:
         dtype = getattr(torch, dt)
         target, drafter = build(shape, args.device, dtype, min(args.draft_vocab, shape["vocab_size"] // 2))
         if args.profile:
             print(f"\n--- eager EAGLE draft steps, {dt} ---\n{profile_drafts(drafter, args.device)}")
-        eager = costs(target, drafter, args, args.device)
-        max_len = args.ctx + args.reps * (args.gamma + 2) + 64
+        max_len = cache_len(args)
         fast_t = fast_model(copy.deepcopy(target), ec, args.device, max_len)
         fast_d = fast_model(copy.deepcopy(drafter), ec, args.device, max_len)
-        fast = costs(fast_t, fast_d, args, args.device)
-        unit = fast["decode"]
+        # Every step, eager and fast, in every round (3 warm-up rounds, then --reps), round-robin.
+        jobs = {f"eager {k}": fn for k, fn in step_jobs(target, drafter, args, args.device).items()}
+        jobs.update({f"fast {k}": fn for k, fn in step_jobs(fast_t, fast_d, args, args.device).items()})
+        with torch.no_grad():
+            times = interleave(jobs, warmup=3, repeats=args.reps, device=args.device)
+        eager = {k.split(" ", 1)[1]: t.median for k, t in times.items() if k.startswith("eager ")}
+        fast = {k.split(" ", 1)[1]: t.median for k, t in times.items() if k.startswith("fast ")}
+        notes.append(f"{dt}: {times.note}")
         print(f"\n{dt}: {'step':28s} {'eager ms':>9s} {'fast ms':>8s} {'eager/fast':>10s} {'fast, decode steps':>18s}")
         for k in eager:
-            print(f"{'':{len(dt) + 2}s}{k:28s} {eager[k] * 1e3:9.3f} {fast[k] * 1e3:8.3f} {eager[k] / fast[k]:10.2f}"
-                  f" {fast[k] / unit:18.3f}")
+            print(f"{'':{len(dt) + 2}s}{k:28s} {eager[k] * 1e3:9.3f} {fast[k] * 1e3:8.3f} "
+                  f"{times.ratio(f'eager {k}', f'fast {k}'):10.2f} {times.ratio(f'fast {k}', 'fast decode'):18.3f}")
         results[dt] = {"eager_s": eager, "fast_s": fast}
     if len(results) == 2:
         a, b = (results[d] for d in args.dtypes)
         print(f"\n{args.dtypes[1]} / {args.dtypes[0]}, per step (eager; fast):")
         for k in a["eager_s"]:
             print(f"  {k:28s} {b['eager_s'][k] / a['eager_s'][k]:6.2f}  {b['fast_s'][k] / a['fast_s'][k]:6.2f}")
+    print("\n".join(notes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": dev_name, "torch": torch.__version__, "args": vars(args), **results}, f, indent=1)

@@ -3,33 +3,24 @@ speculator) on this machine: one head step (``draft_step``, what the chain decod
 layer reading one new position (Hydra++'s prefix attention; nothing for the others), and one SpecDec++ rule call
 split into its two parts (the head's input features from a target-vocabulary logit row, and the head's forward);
 with a reduced head vocabulary, also the call as eval builds it (features from the kept rows only).
-Interleaved rounds, medians, one process: the ratios between the rows are the result, not the absolute times.
+Round-robin rounds in one process (eval/timing.py), medians: the ratios between the rows are the result, not the
+absolute times.
 
 The rule's share of a decode step is calls per step x the rule row / the step; a skip rule (eval.stop.state=next)
 is asked before every draft, so once more than the number of drafts it lets through.
 
-Usage: python benchmarks/rule_costs.py --heads runs/s20/hydra/checkpoints/final \
-           --head runs/s22/hd/checkpoints/final [--reps 200 --rounds 3]
+Usage: python benchmarks/experiments/rule_costs.py --heads runs/hydra/checkpoints/final \
+           --head runs/skip-head/checkpoints/final [--reps 200 --rounds 3]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from draftsmith.eval.timing import interleave
 from draftsmith.models.acceptance import AcceptanceStop, acceptance_features
 from draftsmith.models.registry import load_drafter
-
-
-def per_call_ms(fn, reps: int) -> float:
-    for _ in range(10):  # warm-up: allocator and oneDNN's first-call setup
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def main(argv=None) -> None:
@@ -37,7 +28,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", required=True, help="a medusa / hydra / mlp_speculator checkpoint folder")
     ap.add_argument("--head", required=True, help="an acceptance-head checkpoint trained on those heads")
     ap.add_argument("--reps", type=int, default=200, help="calls per timing")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is printed")
+    ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds; the median is printed")
     args = ap.parse_args(argv)
     torch.set_grad_enabled(False)
     heads, _ = load_drafter(args.heads)
@@ -64,13 +55,12 @@ def main(argv=None) -> None:
             "rule call, kept rows only": lambda: kept(0, logits, state),
             "  features": lambda: acceptance_features(state, logits, logits.argmax()),
             "  head forward": lambda: head(x, 0)}
-    times = {name: [] for name in rows}
-    for _ in range(args.rounds):
-        for name, fn in rows.items():
-            times[name].append(per_call_ms(fn, args.reps))
-    print(f"per call, median of {args.rounds} rounds x {args.reps} calls ({torch.get_num_threads()} threads)")
-    for name, ts in times.items():
-        print(f"{name:30s} {statistics.median(ts):7.3f} ms")
+    # one warm-up round (allocator and oneDNN first-call setup), then the timed rounds
+    times = interleave(rows, warmup=1, repeats=args.rounds, number=args.reps)
+    print(f"per call, median of {args.rounds} rounds x {args.reps} calls; share of a head step (draft 1)")
+    for name, t in times.items():
+        print(f"{name:30s} {t.median * 1e3:7.3f} ms  {times.ratio(name, 'head step (draft 1)'):6.2f}")
+    print(times.note)
 
 
 if __name__ == "__main__":

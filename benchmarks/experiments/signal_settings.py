@@ -3,7 +3,7 @@ run on the same prompts (the full `draftsmith generate` stage: batching, capture
 
 Prints one row per setting: response tokens/s, its ratio to the tokens-only run, and the stored bytes per token
 (all tokens) and per response token, total and per signal group. Usage:
-python benchmarks/signal_settings.py [--n 32] [--max-new 64] [--target smollm2-135m-instruct]
+python benchmarks/experiments/signal_settings.py [--n 32] [--max-new 64] [--target smollm2-135m-instruct]
 """
 from __future__ import annotations
 

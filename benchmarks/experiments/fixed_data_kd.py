@@ -17,18 +17,24 @@ Prints a markdown table of tau, per-position acceptance and speedup vs the own A
   --train-args drafter.n_layers=16 "drafter.init_layers=[0,1,2,3,4,5,6,7,22,23,24,25,26,27,28,29]" train.lr=3e-4
                train.precision=bf16
 
-Usage: python benchmarks/fixed_data_kd.py [--prompts 1500] [--topk 32] [--losses ce fkl] [--steps 300]
-                                          [--finetune-steps 250] [--eval-n 16] [--temperatures 0 1]
-                                          [--train-args KEY=VALUE ...]
+Usage: python benchmarks/experiments/fixed_data_kd.py [--prompts 1500] [--topk 32] [--losses ce fkl] [--steps 300]
+                                                      [--finetune-steps 250] [--eval-n 16] [--temperatures 0 1]
+                                                      [--train-args KEY=VALUE ...]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
-from kd_losses import sh  # benchmarks/ runs as scripts: the sibling module is on sys.path
+
+def sh(*args: str) -> None:
+    """Run ``draftsmith ARGS`` in a child process (echoed first); stop on failure."""
+    print("$ draftsmith " + " ".join(args), flush=True)
+    subprocess.run([sys.executable, "-m", "draftsmith", *args], check=True)
 
 
 def main() -> None:

@@ -6,8 +6,8 @@ on target-written records: at every response position, does the draft's argmax e
 greedy acceptance rate of the first draft, with no training. It tells whether a layer-skip draft can be used as
 is (self-speculation style) or only as a starting point for training.
 
-Usage: python benchmarks/layer_init.py --data runs/fd-big/data [--records 24] [--target smollm2-135m-instruct]
-       [--subset first8last8=0-7,22-29 ...]
+Usage: python benchmarks/experiments/layer_init.py --data runs/fd-big/data [--records 24]
+       [--target smollm2-135m-instruct] [--subset first8last8=0-7,22-29 ...]
 """
 from __future__ import annotations
 
