@@ -2,8 +2,8 @@
 
 Multi-GPU: ``accelerate launch -m draftsmith train RECIPE``. The drafter is built from the target (registry);
 what differs between kinds comes from the kind's spec (models/spec.py): its objective (train/objectives.py), the
-record signals it reads and whether the frozen target runs in the loop. Nothing else here knows about drafter
-kinds.
+record signals it reads, whether the frozen target runs in the loop, and what FSDP wraps. Nothing else here knows
+about drafter kinds.
 """
 from __future__ import annotations
 
@@ -166,6 +166,7 @@ def train(recipe) -> Path:
         load_weights_into(Path(tc.init_checkpoint), drafter, grow=True)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper would step it once per
     # process, which changes the schedule with the process count.
+    _fsdp_wrap(acc, spec, drafter)
     drafter, opt = acc.prepare(drafter, opt)
     if resume_from is not None:
         counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
@@ -235,6 +236,21 @@ def _shard_frozen_target(model, acc) -> None:
         fully_shard(layer, mesh=mesh)
     if acc.is_main_process:
         print(f"train: target layers sharded over {acc.num_processes} processes (FSDP2)")
+
+
+def fsdp_wrap_names(spec, drafter) -> list[str]:
+    """Class names of the spec's FSDP units that this drafter has (an optional block, e.g. Hydra++'s prefix layer
+    or a deeper EAGLE's blocks, may be absent; accelerate refuses a name it cannot find)."""
+    present = {type(m) for m in drafter.modules()}
+    return [c.__name__ for c in spec.fsdp_wrap if c in present]
+
+
+def _fsdp_wrap(acc, spec, drafter) -> None:
+    """Under FSDP, wrap the drafter kind's own blocks (``DrafterSpec.fsdp_wrap``) as sharding units, whatever the
+    launcher config names (recipes/accelerate/fsdp2.yaml leaves it to the spec); the rest shards with the root."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if acc.distributed_type.value == "FSDP" and plugin is not None:
+        plugin.transformer_cls_names_to_wrap = fsdp_wrap_names(spec, drafter)
 
 
 def _check_sharding(acc, tc) -> None:
