@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -68,7 +68,7 @@ class DrafterSpec:
             raise ValueError(f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, "
                              f"got {self.interface!r}")
         field = self.config.model_fields.get("kind")
-        if field is None or getattr(field.annotation, "__args__", None) != (self.kind,):
+        if field is None or get_args(field.annotation) != (self.kind,):
             raise ValueError(f"DrafterSpec {self.kind!r}: {self.config.__name__} needs a field "
                              f"kind: Literal[{self.kind!r}] = {self.kind!r}")
 
