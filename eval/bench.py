@@ -251,7 +251,8 @@ def evaluate(recipe) -> dict:
 def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     """eval.stop -> (the drafter to decode with, its info, the stop hook, the report's description). An
     acceptance-head checkpoint stands for its draft LM decoded with the SpecDec++ rule."""
-    from draftsmith.models.acceptance import FEATURE_KINDS, AcceptanceStop, ConfidenceStop, EntropyStop
+    from draftsmith.models.acceptance import AcceptanceStop, ConfidenceStop, EntropyStop
+    from draftsmith.models.registry import DRAFTERS
     from draftsmith.recipes.schema import StopConfig
 
     sc = ec.stop or StopConfig()
@@ -272,10 +273,11 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
     kind = info.get("kind")
-    if head is not None and kind not in ("draft_lm", "eagle", *FEATURE_KINDS):  # training-free rules: every drafter
+    heads = DRAFTERS[kind].interface == "heads"  # feature heads, read through draft_step (load_drafter knows kind)
+    if head is not None and kind not in ("draft_lm", "eagle") and not heads:  # training-free rules: every drafter
         raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM, an EAGLE drafter or feature "
                               f"heads, not {kind}")
-    width = (drafter.state_dim if kind in FEATURE_KINDS else drafter.cfg.dim) if head is not None else None
+    width = (drafter.state_dim if heads else drafter.cfg.dim) if head is not None else None
     if head is not None and (head.cfg.dim != width or head.cfg.draft_kind != kind):
         raise DraftsmithError(f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
                               f"{head.cfg.dim}-wide states; this drafter is a {kind} with {width}")
@@ -286,7 +288,7 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
                               + (" (state=next needs a before head)" if sc.state == "next" else ""))
     prepare = drafter.head_input if kind == "eagle" else None  # EAGLE: as in training
     training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
-    keep = drafter.head_ids if kind in FEATURE_KINDS else None  # reduced heads: features from their rows only
+    keep = drafter.head_ids if heads else None  # reduced heads: features from their rows only
     hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next", keep=keep) \
         if head is not None else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
     state = ("next" if sc.state == "next" else head.cfg.state) if head is not None else (sc.state or "after")

@@ -48,15 +48,45 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.medusa import ResBlock
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 N_EXTRA = 2  # log q(y) and the entropy of q, appended to the producing state of a ``before`` head
-FEATURE_KINDS = ("medusa", "hydra", "mlp_speculator")  # drafters an acceptance head reads through draft_step
+
+
+class AcceptanceHeadConfig(Strict):
+    """SpecDec++ acceptance predictor (algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
+    whether each drafted token will be accepted; the decoder then stops drafting adaptively (eval.stop)."""
+
+    kind: Literal["acceptance_head"] = "acceptance_head"
+    draft: str = Field(min_length=1)
+    """The drafter checkpoint folder whose tokens the head judges; it stays frozen. A draft LM (kind draft_lm):
+    the records must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint). An EAGLE
+    drafter (kind eagle) or feature heads (medusa, hydra, mlp_speculator; needs state=before): any target-written
+    records; the loop runs the target and makes the labels."""
+    n_layers: int = Field(3, ge=0)
+    """Residual blocks before the output logit."""
+    state: Literal["after", "before"] = "after"
+    """after (the paper): the head reads the draft's state after it has read the judged token, so a block the rule
+    ends costs one more drafter forward. before: it reads the state that produced the token, plus the token's
+    log q and the entropy of q; stopping costs nothing extra (trained on the target's own text, no mixing). A
+    before head can also judge each next draft before it is drafted (eval.stop.state=next). Feature heads: before
+    only (the state is the judged head's own, plus which head it is)."""
+    mixing_ratio: float = Field(0.15, ge=0, lt=1)
+    """state=after: share of response positions that keep the target's token instead of the draft's sample in
+    the input."""
+    weight_mismatch: float = Field(6.0, gt=0)
+    """Loss weight of the rejected class (acceptance is the common case)."""
+    label_temperature: float = Field(0.0, ge=0)
+    """EAGLE drafters: the temperature of the labels made in the loop (0: greedy, y = argmax q, label 1 iff the
+    target's argmax agrees). Draft LMs take theirs from data.specdec_labels.temperature."""
 
 
 def acceptance_features(hidden: torch.Tensor, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -77,7 +107,7 @@ class AcceptanceConfig:
     dim: int
     n_layers: int = 3
     draft: str | None = None  # the drafter checkpoint folder the head was trained on
-    draft_kind: str = "draft_lm"  # its kind: draft_lm, eagle, or feature heads (FEATURE_KINDS)
+    draft_kind: str = "draft_lm"  # its kind: draft_lm, eagle, or feature heads (medusa, hydra, mlp_speculator)
     state: str = "after"  # after: the state after reading the draft (the paper); before: the producing state
     n_slots: int = 0  # feature heads: one learned vector per head (which head drafted the token); 0 = none
 
@@ -124,22 +154,22 @@ class AcceptanceHead(nn.Module):
         return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("draft."))
 
 
-def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
-    """A fresh head on the frozen drafter ``params['draft']`` (a draftsmith draft_lm or eagle checkpoint)."""
-    from draftsmith.models.registry import load_drafter
+def build_acceptance_head(cfg: AcceptanceHeadConfig | dict, target, **_) -> AcceptanceHead:
+    """A fresh head on the frozen drafter ``cfg.draft`` (a draftsmith draft LM, EAGLE or heads checkpoint)."""
+    from draftsmith.models.registry import DRAFTERS, kinds, load_drafter
 
-    path = params.get("draft")
-    if not path:
-        raise DraftsmithError("drafter.draft: the draft LM checkpoint whose acceptance the head predicts is required")
+    cfg = as_section(AcceptanceHeadConfig, cfg)
+    path = cfg.draft
     draft, info = load_drafter(Path(path))
-    kind, state = info.get("kind"), params.get("state", "after")
-    if kind not in ("draft_lm", "eagle", *FEATURE_KINDS):
+    kind, state = info.get("kind"), cfg.state
+    feature = DRAFTERS[kind].interface == "heads"  # any heads kind: read through FeatureHeads.draft_step
+    if not feature and kind not in ("draft_lm", "eagle"):
         raise DraftsmithError(f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads a "
-                              f"standalone draft LM, an EAGLE drafter or feature heads ({', '.join(FEATURE_KINDS)})")
+                              f"standalone draft LM, an EAGLE drafter or feature heads "
+                              f"({', '.join(kinds(interface='heads'))})")
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise DraftsmithError(f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target "
                               f"{target.cfg.vocab_size}")
-    feature = kind in FEATURE_KINDS
     if feature and state != "before":
         raise DraftsmithError(f"drafter.state={state}: an acceptance head on {kind} heads needs state=before (heads "
                               f"have no state after a draft: the next head's state is the one that drafts it)")
@@ -147,7 +177,7 @@ def build_acceptance_head(params: dict, target, **_) -> AcceptanceHead:
         raise DraftsmithError(f"drafter.draft {path!r} is a Medusa-2 checkpoint (it decodes against its adapted "
                               f"target); the acceptance head supports Medusa-1 heads")
     head = AcceptanceHead(AcceptanceConfig(dim=draft.state_dim if feature else draft.cfg.dim,
-                                           n_layers=params.get("n_layers", 3), draft=str(path), draft_kind=kind,
+                                           n_layers=cfg.n_layers, draft=str(path), draft_kind=kind,
                                            state=state, n_slots=draft.max_draft_len if feature else 0))
     head.draft = draft.float().requires_grad_(False)  # frozen: only the head trains (as in the reference)
     return head
@@ -223,3 +253,11 @@ class ConfidenceStop:
         probs = torch.softmax(logits.float(), -1)
         self.p_all *= float(probs[int(token)] if self.before_feed else probs.max())
         return n >= self.min_len and 1.0 - self.p_all > self.threshold
+
+
+SPEC = DrafterSpec(
+    kind="acceptance_head", config=AcceptanceHeadConfig, build=build_acceptance_head,
+    from_config=lambda c: AcceptanceHead(AcceptanceConfig(**c)), interface=None,
+    objective="draftsmith.train.objectives:acceptance_objective",
+    # Labels: stored with the records for a draft LM, made in the loop (with the target) for EAGLE and heads.
+    signals=lambda head: head.signals_needed, needs_target=lambda head: head.needs_target)

@@ -8,27 +8,55 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import Field
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.llama import Llama, LlamaConfig
+from draftsmith.models.llama import Block, Llama, LlamaConfig
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
-def draft_lm_config(params: dict, target_cfg: LlamaConfig) -> LlamaConfig:
+class DraftLMConfig(Strict):
+    """A standalone small Llama-style draft LM sharing the target's tokenizer (FastDraft / DistillSpec)."""
+
+    kind: Literal["draft_lm"] = "draft_lm"
+    n_layers: int = Field(2, gt=0)
+    dim: int | None = Field(None, gt=0)
+    """Hidden size; None = the target's (needed to copy its embeddings)."""
+    n_heads: int | None = Field(None, gt=0)
+    n_kv_heads: int | None = Field(None, gt=0)
+    hidden_dim: int | None = Field(None, gt=0)
+    """MLP width; None = the target's."""
+    init_from_target: bool = True
+    """Copy the target's token embeddings, final norm and LM head (requires dim == target dim)."""
+    init_layers: list[int] | None = None
+    """Target layer indices copied into the draft's layers (len == n_layers). None = random init."""
+    freeze_embeddings: bool = True
+    """Keep the copied embeddings / LM head frozen (they dominate the parameter count of small drafters)."""
+    init_from: str | None = None
+    """Start from an existing small model with the target's tokenizer (HF folder of safetensors, or alias);
+    its architecture replaces n_layers / dim / n_heads / hidden_dim."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Keep only the N most frequent tokens of the training responses in the draft's LM head (VocabTrim /
+    FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
+
+
+def draft_lm_config(cfg: DraftLMConfig, target_cfg: LlamaConfig) -> LlamaConfig:
     """Fill None sizes from the target; the vocabulary is always the target's."""
     t = target_cfg
-    dim = params.get("dim") or t.dim
-    n_heads = params.get("n_heads") or (t.n_heads if dim == t.dim else max(1, dim // 64))
-    n_kv = params.get("n_kv_heads") or (t.n_kv_heads if dim == t.dim else n_heads)
+    dim = cfg.dim or t.dim
+    n_heads = cfg.n_heads or (t.n_heads if dim == t.dim else max(1, dim // 64))
+    n_kv = cfg.n_kv_heads or (t.n_kv_heads if dim == t.dim else n_heads)
     return replace(
         t,
         dim=dim,
-        n_layers=params.get("n_layers", 2),
+        n_layers=cfg.n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=t.hd if dim == t.dim and n_heads == t.n_heads else None,
-        hidden_dim=params.get("hidden_dim") or t.hidden_dim,
+        hidden_dim=cfg.hidden_dim or t.hidden_dim,
     )
 
 
@@ -65,17 +93,18 @@ def _init_from(path: str, target: Llama, tokenizer) -> Llama:
     return model
 
 
-def build_draft_lm(params: dict, target: Llama, counts: torch.Tensor | None = None, tokenizer=None,
+def build_draft_lm(cfg: DraftLMConfig | dict, target: Llama, counts: torch.Tensor | None = None, tokenizer=None,
                    eos_ids: set[int] = frozenset()) -> Llama:
     """counts: token frequencies of the training responses (needed for draft_vocab)."""
-    if params.get("init_from"):
-        draft = _init_from(params["init_from"], target, tokenizer)
-        if params.get("freeze_embeddings", True):
+    cfg = as_section(DraftLMConfig, cfg)
+    if cfg.init_from:
+        draft = _init_from(cfg.init_from, target, tokenizer)
+        if cfg.freeze_embeddings:
             draft.embed_tokens.weight.requires_grad_(False)
             draft.lm_head.weight.requires_grad_(False)
     else:
-        draft = _build_from_target(params, target)
-    n_vocab = params.get("draft_vocab")
+        draft = _build_from_target(cfg, target)
+    n_vocab = cfg.draft_vocab
     if n_vocab and draft.cfg.head_vocab_size not in (None, n_vocab):
         raise DraftsmithError(f"drafter.draft_vocab={n_vocab} but drafter.init_from already has a "
                               f"{draft.cfg.head_vocab_size}-token head")
@@ -83,7 +112,7 @@ def build_draft_lm(params: dict, target: Llama, counts: torch.Tensor | None = No
         if counts is None:
             raise DraftsmithError("drafter.draft_vocab needs training records to count token frequencies")
         draft = _reduce_head(draft, select_vocab(counts, n_vocab, eos_ids))
-        if params.get("freeze_embeddings", True) and (params.get("init_from_target", True) or params.get("init_from")):
+        if cfg.freeze_embeddings and (cfg.init_from_target or cfg.init_from):
             draft.lm_head.weight.requires_grad_(False)
     return draft
 
@@ -101,14 +130,14 @@ def _reduce_head(draft: Llama, keep: torch.Tensor) -> Llama:
     return small
 
 
-def _build_from_target(params: dict, target: Llama) -> Llama:
-    cfg = draft_lm_config(params, target.cfg)
+def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
+    cfg = draft_lm_config(section, target.cfg)
     if cfg.n_heads % cfg.n_kv_heads:
         raise DraftsmithError(f"drafter: n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.n_kv_heads}")
     dtype = target.embed_tokens.weight.dtype
     draft = Llama(cfg).to(dtype)
     tsd = target.state_dict()
-    if params.get("init_from_target", True):
+    if section.init_from_target:
         if cfg.dim != target.cfg.dim:
             raise DraftsmithError(f"drafter.dim {cfg.dim} != target dim {target.cfg.dim}: set "
                                   f"drafter.init_from_target=false or drop drafter.dim")
@@ -117,7 +146,7 @@ def _build_from_target(params: dict, target: Llama) -> Llama:
             draft.norm.weight.copy_(tsd["norm.weight"])
             if not cfg.tie_embeddings:
                 draft.lm_head.weight.copy_(tsd["lm_head.weight"])
-    layers = params.get("init_layers")
+    layers = section.init_layers
     if layers is not None:
         if cfg != replace(target.cfg, n_layers=cfg.n_layers):
             raise DraftsmithError("drafter.init_layers needs the draft's layer shape to equal the target's")
@@ -126,9 +155,15 @@ def _build_from_target(params: dict, target: Llama) -> Llama:
                 raise DraftsmithError(f"drafter.init_layers[{i}] = {src} is outside the target's "
                                       f"{target.cfg.n_layers} layers")
             draft.layers[i].load_state_dict(target.layers[src].state_dict())
-    if params.get("freeze_embeddings", True) and params.get("init_from_target", True):
+    if section.freeze_embeddings and section.init_from_target:
         # Frozen copies of the target's big vocab matrices: cheaper steps and no drift of the shared space.
         draft.embed_tokens.weight.requires_grad_(False)
         draft.lm_head.weight.requires_grad_(False)
         draft.norm.weight.requires_grad_(True)
     return draft
+
+
+SPEC = DrafterSpec(
+    kind="draft_lm", config=DraftLMConfig, build=build_draft_lm, from_config=lambda c: Llama(LlamaConfig(**c)),
+    interface="tokens", objective="draftsmith.train.objectives:draft_lm_objective", signals=frozenset({"topk"}),
+    fsdp_wrap=(Block,))

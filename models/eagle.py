@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
 
 import torch
+from pydantic import Field, model_validator
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
@@ -50,6 +52,59 @@ from draftsmith.models.llama import (
     rope_inv_freq,
     step_mask,
 )
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
+
+
+class EagleDrafterConfig(Strict):
+    """EAGLE-1 / EAGLE-3 (algorithms.md A6): one decoder layer that autoregresses on the target's features, trained
+    with training-time test (TTT); decodes as a chain or an EAGLE-2 dynamic tree."""
+
+    kind: Literal["eagle"] = "eagle"
+    version: Literal[1, 3] = 3
+    """1 = EAGLE-1 (final feature, frozen target LM head, feature regression); 3 = EAGLE-3 (fused low/mid/high
+    features, draft-owned LM head, token loss only)."""
+    aux_layers: list[int] | None = None
+    """EAGLE-3: 0-indexed target layers whose outputs are fused; None = [1, L/2-1, L-4]."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """The draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full. EAGLE-3 trains
+    those rows; EAGLE-1 keeps them frozen, a slice of the target's head (FR-Spec, algorithms.md A10)."""
+    ttt_steps: int | None = Field(None, gt=0, le=16)
+    """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of TTT step s is head_decay**s."""
+    hidden_dim: int | None = Field(None, gt=0)
+    """MLP width of the layer; None = the target's."""
+    token_loss_weight: float | None = Field(None, ge=0)
+    """Weight of the token loss (train.loss.kind); None = 0.1 for EAGLE-1 (p_w), 1.0 for EAGLE-3."""
+    feature_loss_weight: float | None = Field(None, ge=0)
+    """EAGLE-1: weight of SmoothL1(predicted feature, target feature); None = 1.0 (v_w)."""
+    feature_noise: float = Field(0.0, ge=0)
+    """Uniform noise in [-a, a] added to the input features while training (EAGLE-1's augmentation)."""
+    freeze_lm_head: bool = False
+    """EAGLE-3: keep the draft LM head at its start (the target's rows) and train only the layer."""
+    n_layers: int = Field(1, gt=0, le=32)
+    """Depth: the EAGLE layer plus n_layers - 1 plain Llama blocks (each with its own KV cache in decoding). The
+    blocks start as the identity, so train.init_checkpoint may name a shallower EAGLE checkpoint to grow from, or
+    as copies of target layers (init_layers). vLLM / SGLang load one layer: export a deeper one with --format hf."""
+    init_layers: list[int] | None = None
+    """Target layers (0-indexed) copied into the n_layers - 1 added blocks; None = identity blocks."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults(cls, data):
+        if not isinstance(data, dict):
+            return data
+        v1 = data.get("version", 3) == 1
+        if v1 and data.get("aux_layers") is not None:
+            raise ValueError("drafter.aux_layers needs drafter.version=3")
+        if not v1 and data.get("feature_loss_weight"):
+            raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
+        if data.get("init_layers") is not None and len(data["init_layers"]) != data.get("n_layers", 1) - 1:
+            raise ValueError(f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
+                             f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks")
+        defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,
+                    "feature_loss_weight": 1.0 if v1 else 0.0}
+        return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
 
 @dataclass(frozen=True)
@@ -263,28 +318,28 @@ def default_aux_layers(n_layers: int) -> tuple[int, ...]:
     return (1, n_layers // 2 - 1, n_layers - 4) if n_layers >= 5 else tuple(range(min(3, n_layers)))
 
 
-def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(),
-                **_) -> Eagle:
+def build_eagle(cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | None = None,
+                eos_ids: set[int] = frozenset(), **_) -> Eagle:
     """A fresh EAGLE drafter shaped like one target layer; embeddings (and EAGLE-1's LM head) copied frozen from
     the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains. With
     ``draft_vocab``, EAGLE-1's frozen head is the target's rows of the kept vocabulary (FR-Spec): a draft step
     no longer pays for the whole vocabulary."""
     from draftsmith.models.draft_lm import select_vocab
 
-    t, version = target.cfg, params.get("version", 3)
-    aux = tuple(params.get("aux_layers") or default_aux_layers(t.n_layers)) if version == 3 else ()
+    p = as_section(EagleDrafterConfig, cfg)
+    t, version = target.cfg, p.version
+    aux = tuple(p.aux_layers or default_aux_layers(t.n_layers)) if version == 3 else ()
     for i in aux:
         if not 0 <= i < t.n_layers:
             raise DraftsmithError(f"drafter.aux_layers: layer {i} is outside the target's {t.n_layers} layers")
-    n_vocab = params.get("draft_vocab")
+    n_vocab = p.draft_vocab
     cfg = EagleConfig(version=version, dim=t.dim, vocab_size=t.vocab_size, n_heads=t.n_heads,
-                      n_kv_heads=t.n_kv_heads, hidden_dim=params.get("hidden_dim") or t.hidden_dim,
+                      n_kv_heads=t.n_kv_heads, hidden_dim=p.hidden_dim or t.hidden_dim,
                       target_layers=t.n_layers, head_dim=t.head_dim, aux_layers=aux, rope_theta=t.rope_theta,
                       rope_scaling=t.rope_scaling, norm_eps=t.norm_eps, attention_bias=t.attention_bias,
                       qk_norm=t.qk_norm, head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
-                      ttt_steps=params.get("ttt_steps", 7 if version == 3 else 1),
-                      n_layers=params.get("n_layers") or 1)
-    layers = params.get("init_layers") or []
+                      ttt_steps=p.ttt_steps, n_layers=p.n_layers)
+    layers = p.init_layers or []
     if len(layers) not in (0, cfg.n_layers - 1):
         raise DraftsmithError(f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
                               f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)")
@@ -312,10 +367,16 @@ def build_eagle(params: dict, target, counts: torch.Tensor | None = None, eos_id
                 nn.init.zeros_(block.self_attn.o_proj.weight)
                 nn.init.zeros_(block.mlp.down_proj.weight)
     # EAGLE-1 reads tokens through the target's LM head (or a slice of it), frozen; EAGLE-3's head is its own.
-    model.lm_head.weight.requires_grad_(version == 3 and not params.get("freeze_lm_head", False))
+    model.lm_head.weight.requires_grad_(version == 3 and not p.freeze_lm_head)
     return model
 
 
 def eagle_from_config(cfg: dict) -> Eagle:
     return Eagle(EagleConfig(**cfg))
 
+
+
+SPEC = DrafterSpec(
+    kind="eagle", config=EagleDrafterConfig, build=build_eagle, from_config=eagle_from_config,
+    interface="features", objective="draftsmith.train.objectives:eagle_objective",
+    signals=frozenset({"topk", "hidden_last", "hidden_aux"}), fsdp_wrap=(Block,))  # Block: the layers after the first

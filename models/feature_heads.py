@@ -23,9 +23,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+from pydantic import Field
 from torch import nn
 
 from draftsmith.models.llama import ReducedVocab
+from draftsmith.models.spec import Strict
+
+
+class HeadsSection(Strict):
+    """Recipe fields shared by Medusa and Hydra heads (their drafter sections subclass it)."""
+
+    n_heads: int = Field(4, gt=0)
+    """K heads; head k predicts the token k+2 positions ahead (the draft length is at most K)."""
+    n_layers: int = Field(1, ge=0)
+    """Residual blocks per head (separate weights per block)."""
+    freeze_lm_heads: bool = False
+    """Keep each head's LM head (a copy of the target's) frozen and train only the blocks."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of head k is head_decay**k."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Every head's LM head keeps only the N most frequent response tokens (rows of the target's LM head, d2t /
+    t2d maps, EOS always kept; algorithms.md A10): each head step gets ~V/N times cheaper. None = full vocabulary."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +63,10 @@ class FeatureHeads(ReducedVocab, nn.Module):
     """Reduced vocabularies reuse the draft LMs' and EAGLE's d2t / t2d machinery (models/llama.py ReducedVocab:
     subclasses call ``_init_vocab_maps`` when cfg.head_vocab_size is set, builders ``set_head_vocab``)."""
     reads_target_hidden = True
+
+    def __init__(self):
+        super().__init__()
+        self.base = None  # Medusa-2 training: the LoRA-adapted copy of the target the heads read (models/medusa.py)
 
     @property
     def head_ids(self) -> torch.Tensor | None:
@@ -150,12 +172,12 @@ def copy_target_head(lm_heads: nn.ModuleList, target, freeze: bool, keep: torch.
         lm.weight.requires_grad_(not freeze)
 
 
-def head_vocab(params: dict, target, counts: torch.Tensor | None, eos_ids) -> torch.Tensor | None:
-    """drafter.draft_vocab -> the kept target ids (the N most frequent response tokens, EOS forced in), or None."""
+def head_vocab(n: int | None, target, counts: torch.Tensor | None, eos_ids) -> torch.Tensor | None:
+    """drafter.draft_vocab = n -> the kept target ids (the N most frequent response tokens, EOS forced in), or
+    None."""
     from draftsmith.errors import DraftsmithError
     from draftsmith.models.draft_lm import select_vocab
 
-    n = params.get("draft_vocab")
     if not n or n >= target.cfg.vocab_size:
         return None
     if counts is None:

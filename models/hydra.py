@@ -16,14 +16,28 @@ keeps its own KV cache over the committed positions (``new_context`` / ``read_co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head, head_vocab
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
 from draftsmith.models.llama import Block, KVCache, LlamaConfig, prepare_cache, rope_cos_sin, rope_inv_freq
+from draftsmith.models.spec import DrafterSpec, as_section
+
+
+class HydraDrafterConfig(HeadsSection):
+    """Hydra heads: Medusa-style heads that also read the embeddings of the tokens drafted before them (the
+    first block narrows (k+2)*d to d; n_layers >= 1). Hydra weighs heads equally: head_decay 1.0."""
+
+    kind: Literal["hydra"] = "hydra"
+    n_layers: int = Field(1, gt=0)
+    head_decay: float = Field(1.0, gt=0, le=1)
+    prefix_attention: bool = False
+    """Hydra++: one extra decoder layer (the target's shapes, its own KV cache in decoding) runs causally over the
+    target's hidden states and the heads read its output, so they see the context, not one position."""
 
 
 @dataclass(frozen=True)
@@ -133,20 +147,25 @@ class HydraHeads(FeatureHeads):
         return n - self.embed.weight.numel() if exclude_embeddings else n
 
 
-def build_hydra(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_) -> HydraHeads:
-    tcfg = target.cfg
-    if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 1:
-        raise DraftsmithError("drafter.n_heads and drafter.n_layers must be >= 1 for hydra")
+def build_hydra(cfg: HydraDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
+                **_) -> HydraHeads:
+    cfg, tcfg = as_section(HydraDrafterConfig, cfg), target.cfg
     prefix = None
-    if params.get("prefix_attention"):  # Hydra++: one decoder layer shaped like the target's
+    if cfg.prefix_attention:  # Hydra++: one decoder layer shaped like the target's
         prefix = {**tcfg.to_dict(), "n_layers": 1, "head_vocab_size": None}
-    keep = head_vocab(params, target, counts, eos_ids)
-    heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                   n_layers=params.get("n_layers", 1), prefix=prefix,
+    keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
+    heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=cfg.n_heads,
+                                   n_layers=cfg.n_layers, prefix=prefix,
                                    head_vocab_size=None if keep is None else len(keep)))
     if keep is not None:
         heads.set_head_vocab(keep)
     with torch.no_grad():
         heads.embed.weight.copy_(target.embed_tokens.weight)
-    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False), keep)
+    copy_target_head(heads.lm_heads, target, cfg.freeze_lm_heads, keep)
     return heads.to(target.embed_tokens.weight.dtype)
+
+
+SPEC = DrafterSpec(
+    kind="hydra", config=HydraDrafterConfig, build=build_hydra, from_config=lambda c: HydraHeads(HydraConfig(**c)),
+    interface="heads", objective="draftsmith.train.objectives:heads_objective",
+    signals=frozenset({"topk", "hidden_last"}), fsdp_wrap=(WideResBlock, Block))  # Block: Hydra++'s prefix layer

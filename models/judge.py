@@ -13,9 +13,24 @@ target's token follows as usual (eval/decoder.py). Labels come from automatic wh
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
+from pydantic import Field
 from torch import nn
+
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
+
+
+class JudgeDrafterConfig(Strict):
+    """Judge Decoding's judge (algorithms.md A8): a linear probe (or tiny MLP) on the frozen target's final states
+    at drafted tokens, trained on mined what-if labels (data.judge_labels) with class-balanced BCE."""
+
+    kind: Literal["judge"] = "judge"
+    hidden: int = Field(0, ge=0)
+    """0 = linear probe (the paper's); > 0 = one hidden layer of this width."""
+    balance: bool = True
+    """Weigh the classes inversely to their frequency in each batch."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +43,6 @@ class JudgeConfig:
 
 
 class JudgeHead(nn.Module):
-    needs_target = True  # train/loop.py runs the frozen target: the judge reads its states at what-if tokens
-
     def __init__(self, cfg: JudgeConfig):
         super().__init__()
         self.cfg = cfg
@@ -46,9 +59,9 @@ class JudgeHead(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_judge(params: dict, target, **_) -> JudgeHead:
-    return JudgeHead(JudgeConfig(dim=target.cfg.dim, hidden=params.get("hidden", 0))).to(
-        target.embed_tokens.weight.dtype)
+def build_judge(cfg: JudgeDrafterConfig | dict, target, **_) -> JudgeHead:
+    cfg = as_section(JudgeDrafterConfig, cfg)
+    return JudgeHead(JudgeConfig(dim=target.cfg.dim, hidden=cfg.hidden)).to(target.embed_tokens.weight.dtype)
 
 
 class Judge:
@@ -60,3 +73,10 @@ class Judge:
     @torch.no_grad()
     def accepts(self, states: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.head(states)) > self.delta
+
+
+# needs_target: the loop runs the frozen target, whose states at the what-if tokens the judge reads.
+SPEC = DrafterSpec(
+    kind="judge", config=JudgeDrafterConfig, build=build_judge, from_config=lambda c: JudgeHead(JudgeConfig(**c)),
+    interface=None, objective="draftsmith.train.objectives:judge_objective", signals=frozenset({"judge"}),
+    needs_target=True)

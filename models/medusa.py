@@ -19,16 +19,39 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, copy_target_head, head_vocab
+from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
+from draftsmith.models.llama import Block
+from draftsmith.models.spec import DrafterSpec, as_section
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILE = "target_adapter.safetensors"
+
+
+class MedusaDrafterConfig(HeadsSection):
+    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8. With
+    lora_r > 0, Medusa-2 (A5.3): joint training with LoRA adapters on the target."""
+
+    kind: Literal["medusa"] = "medusa"
+    lora_r: int = Field(0, ge=0)
+    """Medusa-2: LoRA rank of the adapters trained on (a copy of) the target together with the heads; 0 =
+    Medusa-1 (frozen target). The eval serves the target with the adapters merged."""
+    lora_alpha: float = Field(16.0, gt=0)
+    """LoRA scale numerator: the update is (lora_alpha / lora_r) B A."""
+    lora_modules: list[str] | None = None
+    """Target linear layers that get adapters; None = q/k/v/o and gate/up/down projections."""
+    lora_lr_ratio: float = Field(0.25, gt=0)
+    """Medusa-2: the adapters train at train.lr x this (the heads at train.lr). A5.3 gives the heads 4x the
+    backbone's rate; a higher ratio lets the adapted target drift further from the original."""
+    heads_coefficient: float = Field(0.2, gt=0)
+    """Medusa-2: loss = target loss (self-distillation to the original target) + this x sum_k decay^k head_k."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +113,7 @@ class MedusaHeads(FeatureHeads):
         self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, n_out, bias=False) for _ in range(cfg.n_heads))
         if cfg.head_vocab_size:
             self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
-        self.base = None  # Medusa-2 training: the LoRA-adapted copy of the target (never saved whole)
+        # self.base (FeatureHeads), Medusa-2 training: the LoRA-adapted copy of the target (never saved whole)
         self.target_adapter = None  # a loaded Medusa-2 checkpoint: the LoRA tensors to merge into the target
 
     checkpoint_exclude = ("base.",)  # the adapted target is saved as its adapters only (ADAPTER_FILE)
@@ -137,23 +160,28 @@ class MedusaHeads(FeatureHeads):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_medusa(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_) -> MedusaHeads:
-    tcfg = target.cfg
-    if params.get("n_heads", 4) < 1 or params.get("n_layers", 1) < 0:
-        raise DraftsmithError("drafter.n_heads must be >= 1 and drafter.n_layers >= 0")
+def build_medusa(cfg: MedusaDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
+                 **_) -> MedusaHeads:
+    cfg, tcfg = as_section(MedusaDrafterConfig, cfg), target.cfg
     lora = None
-    if params.get("lora_r", 0) > 0:
-        lora = {"r": params["lora_r"], "alpha": params.get("lora_alpha", 16.0),
-                "modules": list(params.get("lora_modules") or LORA_MODULES),
-                "lr_ratio": params.get("lora_lr_ratio", 0.25)}
-    keep = head_vocab(params, target, counts, eos_ids)
-    heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=params.get("n_heads", 4),
-                                     n_layers=params.get("n_layers", 1), lora=lora,
+    if cfg.lora_r > 0:
+        lora = {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "modules": list(cfg.lora_modules or LORA_MODULES),
+                "lr_ratio": cfg.lora_lr_ratio}
+    keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
+    heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=cfg.n_heads,
+                                     n_layers=cfg.n_layers, lora=lora,
                                      head_vocab_size=None if keep is None else len(keep)))
     if keep is not None:
         heads.set_head_vocab(keep)
-    copy_target_head(heads.lm_heads, target, params.get("freeze_lm_heads", False), keep)
+    copy_target_head(heads.lm_heads, target, cfg.freeze_lm_heads, keep)
     heads = heads.to(target.embed_tokens.weight.dtype)
     if lora is not None:  # a copy: the loop's frozen teacher (if any) must stay the original target
         heads.base = attach_lora(copy.deepcopy(target), lora)
     return heads
+
+
+SPEC = DrafterSpec(
+    kind="medusa", config=MedusaDrafterConfig, build=build_medusa,
+    from_config=lambda c: MedusaHeads(MedusaConfig(**c)), interface="heads",
+    objective="draftsmith.train.objectives:heads_objective", signals=frozenset({"topk", "hidden_last"}),
+    fsdp_wrap=(ResBlock, Block))  # Block: Medusa-2's adapted target

@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch import nn
 
-from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_heads import FeatureHeads, head_vocab
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
+
+
+class MLPSpeculatorDrafterConfig(Strict):
+    """IBM-style MLP speculator: recurrent MLP stages over the target's final hidden state and the previous
+    token's embedding."""
+
+    kind: Literal["mlp_speculator"] = "mlp_speculator"
+    n_predict: int = Field(3, gt=0)
+    """Stages; stage k predicts the token k+2 positions ahead (the draft length is at most n_predict)."""
+    inner_dim: int | None = Field(None, gt=0)
+    """Stage width; None = the target's (then the heads and embeddings start as the target's)."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of stage k is head_decay**k."""
+    draft_vocab: int | None = Field(None, gt=1)
+    """Every stage's LM head keeps only the N most frequent response tokens (as for Medusa / Hydra heads)."""
 
 
 @dataclass(frozen=True)
@@ -93,15 +110,12 @@ class MLPSpeculator(FeatureHeads):
         return n - sum(e.weight.numel() for e in self.emb) if exclude_embeddings else n
 
 
-def build_mlp_speculator(params: dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
-                         **_) -> MLPSpeculator:
-    tcfg = target.cfg
-    if params.get("n_predict", 3) < 1:
-        raise DraftsmithError("drafter.n_predict must be >= 1")
-    keep = head_vocab(params, target, counts, eos_ids)
-    model = MLPSpeculator(MLPSpeculatorConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size,
-                                              n_predict=params.get("n_predict", 3),
-                                              inner_dim=params.get("inner_dim"),
+def build_mlp_speculator(cfg: MLPSpeculatorDrafterConfig | dict, target, counts: torch.Tensor | None = None,
+                         eos_ids=frozenset(), **_) -> MLPSpeculator:
+    cfg, tcfg = as_section(MLPSpeculatorDrafterConfig, cfg), target.cfg
+    keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
+    model = MLPSpeculator(MLPSpeculatorConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_predict=cfg.n_predict,
+                                              inner_dim=cfg.inner_dim,
                                               head_vocab_size=None if keep is None else len(keep)))
     if keep is not None:
         model.set_head_vocab(keep)
@@ -111,3 +125,10 @@ def build_mlp_speculator(params: dict, target, counts: torch.Tensor | None = Non
                 model.head[k].weight.copy_(target.lm_head.weight if keep is None else target.lm_head.weight[keep])
                 model.emb[k].weight.copy_(target.embed_tokens.weight)
     return model.to(target.embed_tokens.weight.dtype)
+
+
+# No block to wrap: the stages are loose linears, embeddings and norms (FSDP shards the whole speculator as one unit).
+SPEC = DrafterSpec(
+    kind="mlp_speculator", config=MLPSpeculatorDrafterConfig, build=build_mlp_speculator,
+    from_config=lambda c: MLPSpeculator(MLPSpeculatorConfig(**c)), interface="heads",
+    objective="draftsmith.train.objectives:heads_objective", signals=frozenset({"topk", "hidden_last"}))

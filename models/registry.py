@@ -1,6 +1,9 @@
-"""Drafter plug-ins: a dict literal from ``kind`` to its builder, plus save/load of drafter checkpoints.
+"""Drafter plug-ins: ``DRAFTERS``, one ``DrafterSpec`` per kind (models/spec.py), plus save/load of drafter checkpoints.
 
-Adding a drafter = a model file, a builder entry here, a schema section and an objective in train/.
+Adding a drafter = a model file that ends with ``SPEC = DrafterSpec(...)``, its module in ``KIND_MODULES`` below and,
+if no existing objective fits, an objective in train/objectives.py (docs/adding-a-drafter.md). Code outside the
+package (tests, experiments) may ``register_drafter`` a spec instead. The recipe schema's ``drafter`` union follows
+this dict.
 A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``drafter.json`` (kind, config, meta).
 """
 from __future__ import annotations
@@ -8,48 +11,67 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, build_acceptance_head
-from draftsmith.models.draft_lm import build_draft_lm
-from draftsmith.models.eagle import build_eagle, eagle_from_config
-from draftsmith.models.hydra import HydraConfig, HydraHeads, build_hydra
-from draftsmith.models.judge import JudgeConfig, JudgeHead, build_judge
-from draftsmith.models.llama import Llama, LlamaConfig
-from draftsmith.models.medusa import ADAPTER_FILE, MedusaConfig, MedusaHeads, adapter_state, build_medusa
-from draftsmith.models.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, build_mlp_speculator
+from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator
+from draftsmith.models.llama import Llama
+from draftsmith.models.medusa import ADAPTER_FILE, adapter_state
+from draftsmith.models.spec import DrafterSpec, Strict
 
-DRAFTERS = {
-    "draft_lm": build_draft_lm,
-    "medusa": build_medusa,
-    "mlp_speculator": build_mlp_speculator,
-    "hydra": build_hydra,
-    "eagle": build_eagle,
-    "acceptance_head": build_acceptance_head,
-    "judge": build_judge,
-}
-# How to rebuild each kind from the config stored in drafter.json.
-_FROM_CONFIG = {
-    "draft_lm": lambda cfg: Llama(LlamaConfig(**cfg)),
-    "medusa": lambda cfg: MedusaHeads(MedusaConfig(**cfg)),
-    "mlp_speculator": lambda cfg: MLPSpeculator(MLPSpeculatorConfig(**cfg)),
-    "hydra": lambda cfg: HydraHeads(HydraConfig(**cfg)),
-    "eagle": eagle_from_config,
-    "acceptance_head": lambda cfg: AcceptanceHead(AcceptanceConfig(**cfg)),
-    "judge": lambda cfg: JudgeHead(JudgeConfig(**cfg)),
-}
+KIND_MODULES = (draft_lm, medusa, mlp_speculator, hydra, eagle, acceptance, judge)
+DRAFTERS: dict[str, DrafterSpec] = {m.SPEC.kind: m.SPEC for m in KIND_MODULES}
+_listeners: list[Callable[[], None]] = []  # called after DRAFTERS changes (the recipe schema rebuilds its union)
 
 
-def build_drafter(kind: str, params: dict, target: Llama, **data) -> torch.nn.Module:
-    """data: optional keyword facts about the training data some builders use (counts = token frequencies of
-    the responses, tokenizer, eos_ids)."""
+def register_drafter(spec: DrafterSpec) -> DrafterSpec:
+    """Add a drafter kind from outside the package (a plug-in, a test); the recipe schema accepts it from now on.
+    Undo with ``unregister_drafter(spec.kind)``."""
+    if not isinstance(spec, DrafterSpec):
+        raise TypeError(f"register_drafter takes a DrafterSpec, got {type(spec).__name__}")
+    if spec.kind in DRAFTERS:
+        raise DraftsmithError(f"drafter.kind {spec.kind!r} is already registered")
+    DRAFTERS[spec.kind] = spec
+    _changed()
+    return spec
+
+
+def unregister_drafter(kind: str) -> None:
+    if DRAFTERS.pop(kind, None) is not None:
+        _changed()
+
+
+def on_change(fn: Callable[[], None]) -> None:
+    """Call ``fn()`` whenever a kind is registered or unregistered."""
+    _listeners.append(fn)
+
+
+def _changed() -> None:
+    for fn in _listeners:
+        fn()
+
+
+def drafter_spec(kind: str) -> DrafterSpec:
     if kind not in DRAFTERS:
         raise DraftsmithError(f"drafter.kind {kind!r} unknown (known: {', '.join(DRAFTERS)})")
-    return DRAFTERS[kind](params, target, **data)
+    return DRAFTERS[kind]
+
+
+def kinds(**fields) -> list[str]:
+    """Registered kinds whose spec fields equal ``fields``, e.g. ``kinds(interface="heads")``."""
+    return [k for k, s in DRAFTERS.items() if all(getattr(s, f) == v for f, v in fields.items())]
+
+
+def build_drafter(kind: str, cfg: Strict | dict, target: Llama, **data) -> torch.nn.Module:
+    """A fresh drafter of ``kind`` from its recipe section (or a dict of the section's fields, defaults filled in
+    by the schema). data: optional keyword facts about the training data some builders use (counts = token
+    frequencies of the responses, tokenizer, eos_ids)."""
+    spec = drafter_spec(kind)
+    return spec.build(spec.section(cfg), target, **data)
 
 
 def checkpoint_tensors(model: torch.nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
@@ -122,9 +144,9 @@ def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> t
     """Rebuild the drafter drafter.json describes and load ``sd`` (our tensor names) into it, strictly; a Medusa-2
     folder's LoRA tensors are attached for the caller (eval) to merge into the target."""
     kind = info.get("kind")
-    if kind not in _FROM_CONFIG:
+    if kind not in DRAFTERS:
         raise DraftsmithError(f"{path / 'drafter.json'}: unknown drafter kind {kind!r}")
-    model = _FROM_CONFIG[kind](info["config"])
+    model = DRAFTERS[kind].from_config(info["config"])
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:

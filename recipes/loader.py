@@ -10,10 +10,10 @@ import yaml
 from pydantic import ValidationError
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.registry import DRAFTERS
 from draftsmith.recipes.schema import Recipe
 
 RECIPE_DIR = Path(__file__).parent
-DRAFTER_KINDS = ("draft_lm",)
 
 
 def shipped_recipes() -> list[str]:
@@ -76,7 +76,7 @@ def apply_overrides(doc: dict, overrides: list[str]) -> dict:
 def _format_error(err: dict) -> str:
     loc = [str(x) for x in err["loc"]]
     # Discriminated unions put the chosen tag into the path (drafter.draft_lm.x): drop it.
-    if len(loc) > 1 and loc[0] == "drafter" and loc[1] in DRAFTER_KINDS:
+    if len(loc) > 1 and loc[0] == "drafter" and loc[1] in DRAFTERS:
         loc.pop(1)
     key = ".".join(loc)
     if err["type"] == "extra_forbidden":

@@ -5,13 +5,15 @@ CLI only ever sees a validated, frozen ``Recipe``.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from draftsmith.models import registry
+from draftsmith.models.draft_lm import DraftLMConfig
+from draftsmith.models.spec import Strict
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True)
+__all__ = ["Recipe", "Strict", "DrafterConfig", "DraftLMConfig"]  # + every kind's section, by its class name
 
 
 class TargetConfig(Strict):
@@ -154,184 +156,13 @@ class DataConfig(Strict):
         return self
 
 
-class DraftLMConfig(Strict):
-    """A standalone small Llama-style draft LM sharing the target's tokenizer (FastDraft / DistillSpec)."""
-
-    kind: Literal["draft_lm"] = "draft_lm"
-    n_layers: int = Field(2, gt=0)
-    dim: int | None = Field(None, gt=0)
-    """Hidden size; None = the target's (needed to copy its embeddings)."""
-    n_heads: int | None = Field(None, gt=0)
-    n_kv_heads: int | None = Field(None, gt=0)
-    hidden_dim: int | None = Field(None, gt=0)
-    """MLP width; None = the target's."""
-    init_from_target: bool = True
-    """Copy the target's token embeddings, final norm and LM head (requires dim == target dim)."""
-    init_layers: list[int] | None = None
-    """Target layer indices copied into the draft's layers (len == n_layers). None = random init."""
-    freeze_embeddings: bool = True
-    """Keep the copied embeddings / LM head frozen (they dominate the parameter count of small drafters)."""
-    init_from: str | None = None
-    """Start from an existing small model with the target's tokenizer (HF folder of safetensors, or alias);
-    its architecture replaces n_layers / dim / n_heads / hidden_dim."""
-    draft_vocab: int | None = Field(None, gt=1)
-    """Keep only the N most frequent tokens of the training responses in the draft's LM head (VocabTrim /
-    FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
+def drafter_union():
+    """The ``drafter`` section: one typed section per registered kind (models/registry.py), told apart by ``kind``."""
+    return Annotated[Union[tuple(spec.config for spec in registry.DRAFTERS.values())],  # noqa: UP007
+                     Field(discriminator="kind")]
 
 
-class _HeadsSection(Strict):
-    n_heads: int = Field(4, gt=0)
-    """K heads; head k predicts the token k+2 positions ahead (the draft length is at most K)."""
-    n_layers: int = Field(1, ge=0)
-    """Residual blocks per head (separate weights per block)."""
-    freeze_lm_heads: bool = False
-    """Keep each head's LM head (a copy of the target's) frozen and train only the blocks."""
-    head_decay: float = Field(0.8, gt=0, le=1)
-    """Loss weight of head k is head_decay**k."""
-    draft_vocab: int | None = Field(None, gt=1)
-    """Every head's LM head keeps only the N most frequent response tokens (rows of the target's LM head, d2t /
-    t2d maps, EOS always kept; algorithms.md A10): each head step gets ~V/N times cheaper. None = full vocabulary."""
-
-
-class MedusaDrafterConfig(_HeadsSection):
-    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8. With
-    lora_r > 0, Medusa-2 (A5.3): joint training with LoRA adapters on the target."""
-
-    kind: Literal["medusa"] = "medusa"
-    lora_r: int = Field(0, ge=0)
-    """Medusa-2: LoRA rank of the adapters trained on (a copy of) the target together with the heads; 0 =
-    Medusa-1 (frozen target). The eval serves the target with the adapters merged."""
-    lora_alpha: float = Field(16.0, gt=0)
-    """LoRA scale numerator: the update is (lora_alpha / lora_r) B A."""
-    lora_modules: list[str] | None = None
-    """Target linear layers that get adapters; None = q/k/v/o and gate/up/down projections."""
-    lora_lr_ratio: float = Field(0.25, gt=0)
-    """Medusa-2: the adapters train at train.lr x this (the heads at train.lr). A5.3 gives the heads 4x the
-    backbone's rate; a higher ratio lets the adapted target drift further from the original."""
-    heads_coefficient: float = Field(0.2, gt=0)
-    """Medusa-2: loss = target loss (self-distillation to the original target) + this x sum_k decay^k head_k."""
-
-
-class MLPSpeculatorDrafterConfig(Strict):
-    """IBM-style MLP speculator: recurrent MLP stages over the target's final hidden state and the previous
-    token's embedding."""
-
-    kind: Literal["mlp_speculator"] = "mlp_speculator"
-    n_predict: int = Field(3, gt=0)
-    """Stages; stage k predicts the token k+2 positions ahead (the draft length is at most n_predict)."""
-    inner_dim: int | None = Field(None, gt=0)
-    """Stage width; None = the target's (then the heads and embeddings start as the target's)."""
-    head_decay: float = Field(0.8, gt=0, le=1)
-    """Loss weight of stage k is head_decay**k."""
-    draft_vocab: int | None = Field(None, gt=1)
-    """Every stage's LM head keeps only the N most frequent response tokens (as for Medusa / Hydra heads)."""
-
-
-class HydraDrafterConfig(_HeadsSection):
-    """Hydra heads: Medusa-style heads that also read the embeddings of the tokens drafted before them (the
-    first block narrows (k+2)*d to d; n_layers >= 1). Hydra weighs heads equally: head_decay 1.0."""
-
-    kind: Literal["hydra"] = "hydra"
-    n_layers: int = Field(1, gt=0)
-    head_decay: float = Field(1.0, gt=0, le=1)
-    prefix_attention: bool = False
-    """Hydra++: one extra decoder layer (the target's shapes, its own KV cache in decoding) runs causally over the
-    target's hidden states and the heads read its output, so they see the context, not one position."""
-
-
-class EagleDrafterConfig(Strict):
-    """EAGLE-1 / EAGLE-3 (algorithms.md A6): one decoder layer that autoregresses on the target's features, trained
-    with training-time test (TTT); decodes as a chain or an EAGLE-2 dynamic tree."""
-
-    kind: Literal["eagle"] = "eagle"
-    version: Literal[1, 3] = 3
-    """1 = EAGLE-1 (final feature, frozen target LM head, feature regression); 3 = EAGLE-3 (fused low/mid/high
-    features, draft-owned LM head, token loss only)."""
-    aux_layers: list[int] | None = None
-    """EAGLE-3: 0-indexed target layers whose outputs are fused; None = [1, L/2-1, L-4]."""
-    draft_vocab: int | None = Field(None, gt=1)
-    """The draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full. EAGLE-3 trains
-    those rows; EAGLE-1 keeps them frozen, a slice of the target's head (FR-Spec, algorithms.md A10)."""
-    ttt_steps: int | None = Field(None, gt=0, le=16)
-    """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
-    head_decay: float = Field(0.8, gt=0, le=1)
-    """Loss weight of TTT step s is head_decay**s."""
-    hidden_dim: int | None = Field(None, gt=0)
-    """MLP width of the layer; None = the target's."""
-    token_loss_weight: float | None = Field(None, ge=0)
-    """Weight of the token loss (train.loss.kind); None = 0.1 for EAGLE-1 (p_w), 1.0 for EAGLE-3."""
-    feature_loss_weight: float | None = Field(None, ge=0)
-    """EAGLE-1: weight of SmoothL1(predicted feature, target feature); None = 1.0 (v_w)."""
-    feature_noise: float = Field(0.0, ge=0)
-    """Uniform noise in [-a, a] added to the input features while training (EAGLE-1's augmentation)."""
-    freeze_lm_head: bool = False
-    """EAGLE-3: keep the draft LM head at its start (the target's rows) and train only the layer."""
-    n_layers: int = Field(1, gt=0, le=32)
-    """Depth: the EAGLE layer plus n_layers - 1 plain Llama blocks (each with its own KV cache in decoding). The
-    blocks start as the identity, so train.init_checkpoint may name a shallower EAGLE checkpoint to grow from, or
-    as copies of target layers (init_layers). vLLM / SGLang load one layer: export a deeper one with --format hf."""
-    init_layers: list[int] | None = None
-    """Target layers (0-indexed) copied into the n_layers - 1 added blocks; None = identity blocks."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults(cls, data):
-        if not isinstance(data, dict):
-            return data
-        v1 = data.get("version", 3) == 1
-        if v1 and data.get("aux_layers") is not None:
-            raise ValueError("drafter.aux_layers needs drafter.version=3")
-        if not v1 and data.get("feature_loss_weight"):
-            raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
-        if data.get("init_layers") is not None and len(data["init_layers"]) != data.get("n_layers", 1) - 1:
-            raise ValueError(f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
-                             f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks")
-        defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,
-                    "feature_loss_weight": 1.0 if v1 else 0.0}
-        return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
-
-
-class JudgeConfig(Strict):
-    """Judge Decoding's judge (algorithms.md A8): a linear probe (or tiny MLP) on the frozen target's final states
-    at drafted tokens, trained on mined what-if labels (data.judge_labels) with class-balanced BCE."""
-
-    kind: Literal["judge"] = "judge"
-    hidden: int = Field(0, ge=0)
-    """0 = linear probe (the paper's); > 0 = one hidden layer of this width."""
-    balance: bool = True
-    """Weigh the classes inversely to their frequency in each batch."""
-
-
-class AcceptanceHeadConfig(Strict):
-    """SpecDec++ acceptance predictor (algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
-    whether each drafted token will be accepted; the decoder then stops drafting adaptively (eval.stop)."""
-
-    kind: Literal["acceptance_head"] = "acceptance_head"
-    draft: str = Field(min_length=1)
-    """The drafter checkpoint folder whose tokens the head judges; it stays frozen. A draft LM (kind draft_lm):
-    the records must carry SpecDec++ labels made with the same draft (data.specdec_labels.checkpoint). An EAGLE
-    drafter (kind eagle) or feature heads (medusa, hydra, mlp_speculator; needs state=before): any target-written
-    records; the loop runs the target and makes the labels."""
-    n_layers: int = Field(3, ge=0)
-    """Residual blocks before the output logit."""
-    state: Literal["after", "before"] = "after"
-    """after (the paper): the head reads the draft's state after it has read the judged token, so a block the rule
-    ends costs one more drafter forward. before: it reads the state that produced the token, plus the token's
-    log q and the entropy of q; stopping costs nothing extra (trained on the target's own text, no mixing). A
-    before head can also judge each next draft before it is drafted (eval.stop.state=next). Feature heads: before
-    only (the state is the judged head's own, plus which head it is)."""
-    mixing_ratio: float = Field(0.15, ge=0, lt=1)
-    """state=after: share of response positions that keep the target's token instead of the draft's sample in
-    the input."""
-    weight_mismatch: float = Field(6.0, gt=0)
-    """Loss weight of the rejected class (acceptance is the common case)."""
-    label_temperature: float = Field(0.0, ge=0)
-    """EAGLE drafters: the temperature of the labels made in the loop (0: greedy, y = argmax q, label 1 iff the
-    target's argmax agrees). Draft LMs take theirs from data.specdec_labels.temperature."""
-
-
-DrafterConfig = Annotated[DraftLMConfig | MedusaDrafterConfig | MLPSpeculatorDrafterConfig | HydraDrafterConfig
-                          | EagleDrafterConfig | AcceptanceHeadConfig | JudgeConfig, Field(discriminator="kind")]
+DrafterConfig = drafter_union()
 
 
 class LossConfig(Strict):
@@ -630,3 +461,24 @@ class Recipe(Strict):
             raise ValueError("export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
                              "which the Medusa layout cannot express: drop one of them (hf exports either)")
         return self
+
+
+def _drafters_changed() -> None:
+    """A kind was registered or unregistered: rebuild the ``drafter`` union and the Recipe model around it."""
+    global DrafterConfig
+    DrafterConfig = drafter_union()
+    field = Recipe.model_fields["drafter"]
+    field.annotation = Union[tuple(spec.config for spec in registry.DRAFTERS.values())]  # noqa: UP007
+    Recipe.model_rebuild(force=True)
+
+
+registry.on_change(_drafters_changed)
+
+
+def __getattr__(name: str):
+    """Every kind's section under its class name (``from draftsmith.recipes.schema import EagleDrafterConfig``); the
+    classes live with their models (models/<kind>.py)."""
+    for spec in registry.DRAFTERS.values():
+        if spec.config.__name__ == name:
+            return spec.config
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

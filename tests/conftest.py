@@ -108,3 +108,61 @@ def shard_tensors(data_dir) -> dict:
         shard = load_shard(p)
         out[p.name] = {k: shard.tensor(k) for k in shard.keys()}
     return out
+
+
+# ---- Drafter kinds: tests parametrise over the registry (models/registry.py), so a new kind joins them by existing.
+
+# Small recipe sections of the shipped kinds for the tiny targets built here; any other kind (a new one) is built
+# with its schema defaults, which suit a tiny target too.
+SMALL_SECTIONS = {
+    "draft_lm": {"n_layers": 1},
+    "medusa": {"n_heads": 3},
+    "mlp_speculator": {"n_predict": 3},
+    "hydra": {"n_heads": 3},
+    "eagle": {"version": 3, "ttt_steps": 2},
+}
+
+
+def drafter_kinds(**fields) -> list[str]:
+    """Registered kinds whose spec fields equal ``fields``, e.g. ``drafter_kinds(interface="heads")``."""
+    from draftsmith.models.registry import kinds
+
+    return kinds(**fields)
+
+
+def small_section(kind: str, **fields):
+    """The typed recipe section of ``kind``: SMALL_SECTIONS[kind] (or the schema's defaults) updated with fields."""
+    from draftsmith.models.registry import drafter_spec
+
+    return drafter_spec(kind).section({**SMALL_SECTIONS.get(kind, {}), **fields})
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory, tiny_model_dir, prompts_file):
+    """Records of the tiny recipe generated once per module (8 prompts, 2 samples each, top-8 signals); tests copy
+    them into their own run folders (``train_run``)."""
+    from draftsmith.cli import main
+
+    out = tmp_path_factory.mktemp("train-data")
+    args = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={out}",
+            "data.n_samples=2", "data.temperature=1.0", "-q"]
+    assert main(["generate", "tiny", *args]) == 0
+    return out / "data"
+
+
+@pytest.fixture
+def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
+    """train_run(name, *overrides) -> run folder, after `draftsmith train` returned 0 on a copy of the records."""
+    import shutil
+
+    from draftsmith.cli import main
+
+    def run(name: str, *overrides: str, expect: int = 0, recipe: str = "tiny"):
+        out = tmp_path / name
+        if not (out / "data").exists():
+            shutil.copytree(data_dir, out / "data")
+        args = ["train", recipe, f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+                f"out_dir={out}", "-q", *overrides]
+        assert main(args) == expect
+        return out
+    return run

@@ -7,11 +7,13 @@ import json
 
 import pytest
 import torch
+from conftest import drafter_kinds
 
 from draftsmith.cli import main
 from draftsmith.models.acceptance import (
     AcceptanceConfig,
     AcceptanceHead,
+    AcceptanceHeadConfig,
     AcceptanceStop,
     ConfidenceStop,
     EntropyStop,
@@ -102,7 +104,7 @@ def test_acceptance_objective_is_weighted_soft_bce(specdec_run, tiny_model_dir):
     head = build_drafter("acceptance_head", {"draft": str(draft), "n_layers": 1}, tgt)
     assert not any(p.requires_grad for p in head.draft.parameters())
     batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
-    params = {"mixing_ratio": 0.0, "weight_mismatch": 6.0}
+    params = AcceptanceHeadConfig(draft=str(draft), n_layers=1, mixing_ratio=0.0, weight_mismatch=6.0)
     out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(unwrapped=head, params=params,
                                                                            generator=torch.Generator()))
     assert out.n == len(batch["spec_accept"])  # mixing 0: every response token is replaced by the draft's sample
@@ -135,10 +137,11 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
 
     root, draft, common = specdec_run
     tgt = load_model(str(tiny_model_dir)).model
-    head = build_drafter("acceptance_head", {"draft": str(draft), "n_layers": 1, "state": "before"}, tgt)
+    params = AcceptanceHeadConfig(draft=str(draft), n_layers=1, state="before", weight_mismatch=6.0)
+    head = build_drafter("acceptance_head", params, tgt)
     batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
     out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(
-        unwrapped=head, params={"weight_mismatch": 6.0}, generator=torch.Generator()))
+        unwrapped=head, params=params, generator=torch.Generator()))
     s, y = batch["spec_accept"].float(), batch["spec_token"].long()
     assert out.n == len(s)
     pm = batch["predict_mask"]
@@ -332,7 +335,7 @@ def _feature_heads(kind, tgt, counts=None):
     from draftsmith.models.registry import build_drafter
 
     params = {"medusa": {"n_heads": 3}, "hydra": {"n_heads": 3, "prefix_attention": True, "draft_vocab": 40},
-              "mlp_speculator": {"n_predict": 3, "inner_dim": 48}}[kind]
+              "mlp_speculator": {"n_predict": 3, "inner_dim": 48}}.get(kind, {})  # another kind: its defaults
     torch.manual_seed(0)
     counts = torch.arange(tgt.cfg.vocab_size).float() if counts is None else counts  # for hydra's 40-row heads
     heads = build_drafter(kind, params, tgt, counts=counts, eos_ids={0})
@@ -342,7 +345,7 @@ def _feature_heads(kind, tgt, counts=None):
     return heads.float().requires_grad_(False)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator"])
+@pytest.mark.parametrize("kind", drafter_kinds(interface="heads"))
 def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir):
     """Row by row: the loop's input for head k at position t is what the chain decoder hands the skip rule before
     draft k + 1 (``draft_step`` from the context state at t after the target's tokens t+1..t+k+1), and the label
@@ -365,12 +368,13 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     pm[:, 4:11] = True  # positions 4..10 predict response tokens
     pm[1, 9:] = False
     x, s, slot, start = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
-        unwrapped=heads, target=tgt, generator=torch.Generator()), positions=True)
+        unwrapped=heads, target=tgt, generator=torch.Generator(), params=AcceptanceHeadConfig(draft="-")),
+        positions=True)
     with torch.no_grad():
         h = tgt(ids, return_hidden=True)  # (B, T, D)
         ctx = heads.read_context(h)
         rows, labels, slots, starts = [], [], [], []
-        for k in range(3):
+        for k in range(heads.max_draft_len):
             for b in range(2):
                 for t in range(12 - k - 1):
                     if not (pm[b, t] and pm[b, t + k + 1]):
@@ -386,15 +390,16 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     torch.testing.assert_close(x, torch.stack(rows), rtol=1e-4, atol=1e-4)
     assert s.tolist() == labels
     # both classes present where the heads start near the target's own head (the label code is shared)
-    assert kind == "mlp_speculator" or 0 < sum(labels) < len(labels)
+    assert kind not in ("medusa", "hydra") or 0 < sum(labels) < len(labels)
     # sampled labels (label_temperature 1): y drawn from q, s = min(1, p(y)/q(y)), in the same order
     from draftsmith.data.engine import Sampling, specdec_labels
 
     x1, s1, _ = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
-        unwrapped=heads, target=tgt, generator=torch.Generator().manual_seed(3), params={"label_temperature": 1.0}))
+        unwrapped=heads, target=tgt, generator=torch.Generator().manual_seed(3),
+        params=AcceptanceHeadConfig(draft="-", label_temperature=1.0)))
     gen, ref_s = torch.Generator().manual_seed(3), []
     with torch.no_grad():
-        for k in range(3):
+        for k in range(heads.max_draft_len):
             rows_k = [(b, t) for b in range(2) for t in range(12 - k - 1) if pm[b, t] and pm[b, t + k + 1]]
             q = torch.stack([heads.draft_step(ctx[b, t], [ids[b, t + 1 + j].view(1) for j in range(k + 1)])[0]
                              for b, t in rows_k])
@@ -405,7 +410,7 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     assert x.shape[1] == heads.state_dim + 2
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "mlp_speculator"])
+@pytest.mark.parametrize("kind", drafter_kinds(interface="heads"))
 def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny_model_dir):
     from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
     from draftsmith.models.loading import load_model
@@ -415,15 +420,16 @@ def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny
     prompt = torch.tensor([1, 5, 9, 13, 17, 21])
     ar = autoregressive_generate(tgt, prompt, 24)
     torch.manual_seed(2)
-    head = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=1, state="before", n_slots=3,
-                                           draft_kind=kind))
+    head = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=1, state="before",
+                                           n_slots=heads.max_draft_len, draft_kind=kind))
     for h, expect in ((0.5, None), (1e-6, 0), (0.999999, None)):
         rule = AcceptanceStop(head, h, min_len=0, skip=True)
         out, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3, stop_drafting=rule)
         assert out == ar
         if expect is not None:
             assert st.drafted == expect  # every step judged draft 1 unsure: plain target steps
-    never = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=0, state="before", n_slots=3))
+    never = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=0, state="before",
+                                           n_slots=heads.max_draft_len))
     with torch.no_grad():
         for p in never.parameters():
             p.zero_()

@@ -123,7 +123,7 @@ def test_a_deeper_eagle_starts_as_the_one_layer_one_or_from_target_layers(target
 def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, version):
     """SpecDec++ on EAGLE: per selected position t, the label is [draft == target argmax at t+1] (greedy) and the
     head input is the state the decoder reaches after reading the real pairs 0..t and then its own first draft."""
-    from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead
+    from draftsmith.models.acceptance import AcceptanceConfig, AcceptanceHead, AcceptanceHeadConfig
     from draftsmith.train.objectives import Context, eagle_acceptance_inputs
 
     torch.manual_seed(2)
@@ -133,7 +133,8 @@ def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, ver
     pm[:, 3:9] = True  # positions 3..8 predict response tokens
     head = AcceptanceHead(AcceptanceConfig(dim=CFG.dim, n_layers=1, draft_kind="eagle"))
     assert head.needs_target and head.signals_needed == set()
-    x, s = eagle_acceptance_inputs(e, {"input_ids": ids, "predict_mask": pm}, Context(unwrapped=head, target=target),
+    ctx = Context(unwrapped=head, target=target, params=AcceptanceHeadConfig(draft="-", n_layers=1))
+    x, s = eagle_acceptance_inputs(e, {"input_ids": ids, "predict_mask": pm}, ctx,
                                    chunk=3)  # chunks of 3 rows: 10 selected rows cross chunk boundaries
     assert x.shape == (10, CFG.dim) and s.shape == (10,)
     _, cap = target(ids, capture_layers=e.capture_layers)

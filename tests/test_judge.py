@@ -74,7 +74,7 @@ def test_judge_objective_weighs_classes_by_their_batch_frequency(balance):
     of the batch's weight, so the probe is not pulled to the majority class."""
     import torch.nn.functional as F
 
-    from draftsmith.models.judge import JudgeConfig, JudgeHead
+    from draftsmith.models.judge import JudgeConfig, JudgeDrafterConfig, JudgeHead
     from draftsmith.models.llama import Llama, LlamaConfig
     from draftsmith.train.objectives import Context, judge_objective
 
@@ -87,7 +87,7 @@ def test_judge_objective_weighs_classes_by_their_batch_frequency(balance):
     pm[0, [1, 3, 4]] = pm[1, [2, 5]] = True  # 5 what-if tokens, one label each
     y = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])  # 2 acceptable, 3 not
     out = judge_objective(head, {"input_ids": ids, "predict_mask": pm, "judge_label": y}, None,
-                          Context(unwrapped=head, target=tgt, params={"balance": balance}))
+                          Context(unwrapped=head, target=tgt, params=JudgeDrafterConfig(balance=balance)))
     at = torch.zeros_like(pm)
     at[:, 1:] = pm[:, :-1]
     with torch.no_grad():

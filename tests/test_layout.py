@@ -34,3 +34,10 @@ def test_kernels_import_no_other_stage():
     bad = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "kernels").rglob("*.py") for m in _imports(p)
            if m.startswith("draftsmith.") and not m.startswith(("draftsmith.kernels", "draftsmith.errors"))}
     assert not bad, sorted(bad)
+
+
+def test_models_import_no_training_code():
+    """Drafter specs name their objectives lazily ("draftsmith.train.objectives:..."): models sit below train."""
+    bad = {f"{p.relative_to(ROOT)}: {m}" for p in (ROOT / "models").rglob("*.py") for m in _imports(p)
+           if m.startswith(("draftsmith.train", "draftsmith.recipes"))}
+    assert not bad, sorted(bad)

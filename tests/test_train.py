@@ -12,37 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import SMALL_SECTIONS, drafter_kinds, small_section
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import drafter_spec, load_drafter
 from draftsmith.recipes.schema import LossConfig
 
-KINDS = LossConfig.model_fields["kind"].annotation.__args__
+KINDS = LossConfig.model_fields["kind"].annotation.__args__  # loss kinds (drafter kinds: the registry)
 
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory, tiny_model_dir, prompts_file):
-    """Records generated once (8 prompts, top-8 signals); each test copies them into its own run folder."""
-    out = tmp_path_factory.mktemp("train-data")
-    args = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={out}",
-            "data.n_samples=2", "data.temperature=1.0", "-q"]
-    assert main(["generate", "tiny", *args]) == 0
-    return out / "data"
-
-
-@pytest.fixture
-def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
-    """train_run(name, *overrides) -> run folder, after `draftsmith train` returned 0 on a copy of the records."""
-    def run(name: str, *overrides: str, expect: int = 0, recipe: str = "tiny"):
-        out = tmp_path / name
-        if not (out / "data").exists():
-            shutil.copytree(data_dir, out / "data")
-        args = ["train", recipe, f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-                f"out_dir={out}", "-q", *overrides]
-        assert main(args) == expect
-        return out
-    return run
 
 # Two processes need two devices: on a one-GPU machine both ranks would share it (NCCL refuses) and the
 # one-process run would use the GPU while a CPU fallback would not. CPU-only machines (CI) and 2+ GPUs run it.
@@ -425,11 +403,19 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
         build_draft_lm({"init_from": str(foreign)}, tgt.model, tokenizer=tgt.tokenizer)
 
 
-HEADS = {"medusa": {"n_heads": 3}, "mlp_speculator": {"n_predict": 3}, "hydra": {"n_heads": 3},
-         "hydra++": {"n_heads": 3, "prefix_attention": True}, "medusa-2": {"n_heads": 3, "lora_r": 4},
-         "hydra-vocab": {"n_heads": 3, "draft_vocab": 64},
-         "medusa-2-vocab": {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}}
-KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra", "medusa-2-vocab": "medusa"}  # -> drafter.kind
+# Every registered heads kind (its small section, tests/conftest.py), then variants of the shipped ones.
+VARIANTS = {"hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
+            "medusa-2": ("medusa", {"n_heads": 3, "lora_r": 4}),
+            "hydra-vocab": ("hydra", {"n_heads": 3, "draft_vocab": 64}),
+            "medusa-2-vocab": ("medusa", {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}),
+            "eagle1": ("eagle", {"version": 1, "ttt_steps": 2})}
+HEADS = [*drafter_kinds(interface="heads"), "hydra++", "medusa-2", "hydra-vocab", "medusa-2-vocab"]
+
+
+def _case(name: str):
+    """A test case name -> (drafter.kind, its typed section)."""
+    kind, fields = VARIANTS.get(name, (name, {}))
+    return kind, small_section(kind, **fields)
 
 
 def _check_written(data_dir, tgt, drafter):
@@ -450,7 +436,7 @@ def _check_written(data_dir, tgt, drafter):
         assert resp == speculative_generate(tgt, drafter, ctx, len(resp), write=True)[0]
 
 
-@pytest.mark.parametrize("kind", list(HEADS))
+@pytest.mark.parametrize("kind", HEADS)
 def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(kind, train_run, tiny_model_dir,
                                                                                    prompts_file, tmp_path):
     """Medusa-1 and the MLP speculator are plug-ins of the same loop: features from the frozen target in the
@@ -464,20 +450,22 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     from draftsmith.recipes.loader import RECIPE_DIR
     from draftsmith.train import objectives
 
+    drafter_kind, section = _case(kind)
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
-    spec["drafter"] = {"kind": KIND.get(kind, kind), **HEADS[kind]}
+    spec["drafter"] = section.model_dump(exclude_defaults=True) | {"kind": drafter_kind}
     recipe = tmp_path / f"tiny-{kind}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
     run = train_run(kind, "train.steps=3", "train.loss.kind=fkl", recipe=str(recipe))
     rows = _rows(run)
-    assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", "alpha_head2", "tau_estimate",
-                                                            "acc_head2_rank2"))
+    drafter, info = load_drafter(run / "checkpoints" / "final")
+    n = drafter.max_draft_len  # the checkpoint keeps the number of heads
+    assert info["kind"] == drafter_kind and (n == 3 or drafter_kind not in SMALL_SECTIONS)
+    assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", f"alpha_head{n - 1}", "tau_estimate",
+                                                            f"acc_head{n - 1}_rank2"))
     from draftsmith.eval.tree import choices_from_run, tree_from_choices
 
     choices = choices_from_run(run, 5)  # a Medusa tree from the measured per-head rank accuracies
     assert len(choices) == 5 and len(tree_from_choices(choices)) == 5
-    drafter, info = load_drafter(run / "checkpoints" / "final")
-    assert info["kind"] == KIND.get(kind, kind) and drafter.max_draft_len == 3
     assert (drafter.new_context(4) is not None) == (kind == "hydra++")
     medusa2 = kind.startswith("medusa-2")
     assert (getattr(drafter, "target_adapter", None) is not None and "top1_target" in rows[-1]) == medusa2
@@ -486,10 +474,10 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     assert main(args) == 0
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     dyn = ["eval.strategy=dynamic_tree", "eval.tree.top_k=2", "eval.tree.total_tokens=5", "eval.tree.choices=null"]
-    assert main(args + dyn + ["eval.tree.depth=3"]) == 0  # one level per head
+    assert main(args + dyn + [f"eval.tree.depth={n}"]) == 0  # one level per head
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["kind"] == "dynamic_tree"
-    assert main(args + dyn + ["eval.tree.depth=4"]) == 2  # deeper than the heads: refused in one line
+    assert main(args + dyn + [f"eval.tree.depth={n + 1}"]) == 2  # deeper than the heads: refused in one line
     # the same batch, features stored vs computed, on on-policy records half written by these heads
     stored = tmp_path / "stored"
     gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
@@ -501,21 +489,23 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     else:
         assert main(gen + on_policy) == 0
         _check_written(stored / "data", tgt, drafter)
-    facts = {"counts": token_counts(stored / "data", tgt.cfg.vocab_size)} if "draft_vocab" in HEADS[kind] else {}
-    heads = build_drafter(KIND.get(kind, kind), HEADS[kind], tgt, **facts)
+    facts = {"counts": token_counts(stored / "data", tgt.cfg.vocab_size)} if section.draft_vocab else {}
+    heads = build_drafter(drafter_kind, section, tgt, **facts)
     if facts:  # a reduced head vocabulary: 64 target rows, and target-vocabulary logits outside them are -inf
         assert heads.lm_heads[0].weight.shape[0] == 64 == int((drafter.t2d >= 0).sum())
         torch.testing.assert_close(heads.lm_heads[0].weight, tgt.lm_head.weight[heads.head_ids])
     batch = collate([RecordDataset(stored / "data", 128, signals={"topk", "hidden_last"})[i] for i in range(4)])
     cfg = __import__("draftsmith.recipes.schema", fromlist=["LossConfig"]).LossConfig(kind="fkl")
-    with_stored = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads))
+    objective = objectives.objective_for(drafter_kind)
+    with_stored = objective(heads, batch, cfg, objectives.Context(unwrapped=heads, params=section))
     del batch["hidden_last"]
-    in_loop = objectives.heads_objective(heads, batch, cfg, objectives.Context(unwrapped=heads, target=tgt))
+    in_loop = objective(heads, batch, cfg, objectives.Context(unwrapped=heads, target=tgt, params=section))
     assert with_stored.n == in_loop.n > 0
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=1e-2, atol=1e-3)  # bf16 storage
 
 
-@pytest.mark.parametrize("drafter", ["medusa", "medusa-2", "hydra++", "mlp_speculator", "eagle1", "eagle3"])
+@pytest.mark.parametrize("drafter", [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"),
+                                     "medusa-2", "hydra++", "eagle1"])
 def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, tiny_model_dir):
     """Issue 6: each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the
     stored top-k and from the full target (teacher: target): a finite loss over the same positions, and a gradient
@@ -523,16 +513,11 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
     from draftsmith.data.dataset import RecordDataset, collate
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
-    from draftsmith.recipes.schema import EagleDrafterConfig
     from draftsmith.train import objectives
 
     torch.manual_seed(0)  # the drafter's init: the same whatever ran before
     tgt = load_model(str(tiny_model_dir)).model
-    if drafter.startswith("eagle"):
-        kind, params = "eagle", EagleDrafterConfig(kind="eagle", version=int(drafter[-1]),
-                                                   ttt_steps=2).model_dump(exclude={"kind"})
-    else:
-        kind, params = KIND.get(drafter, drafter), HEADS[drafter]
+    kind, params = _case(drafter)
     model = build_drafter(kind, params, tgt).float().train()
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # off the zero-initialised start, where TVD++'s standardised rewards can all tie
@@ -544,8 +529,8 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
         for teacher in ("records", "target"):
             cfg = LossConfig(kind=loss_kind, teacher=teacher)
             model.zero_grad()
-            out = objectives.OBJECTIVES[kind](model, batch, cfg, objectives.Context(unwrapped=model, target=tgt,
-                                                                                    generator=gen, params=params))
+            out = objectives.objective_for(kind)(model, batch, cfg, objectives.Context(
+                unwrapped=model, target=tgt, generator=gen, params=params))
             assert torch.isfinite(out.loss_sum) and out.n > 0, (loss_kind, teacher)
             out.loss_sum.backward()
             grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
@@ -644,9 +629,9 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
     _check_written(stored / "data", tgt, model)
-    params = EagleDrafterConfig(**drafter).model_dump(exclude={"kind"})
+    params = EagleDrafterConfig(**drafter)
     eagle = build_drafter("eagle", params, tgt, counts=token_counts(stored / "data", tgt.cfg.vocab_size))
-    ds = RecordDataset(stored / "data", 128, signals=objectives.SIGNALS_NEEDED["eagle"])
+    ds = RecordDataset(stored / "data", 128, signals=drafter_spec("eagle").signals_for(eagle))
     assert objectives.features_stored(eagle, json.loads((stored / "data" / "manifest.json").read_text())["signals"])
     batch = collate([ds[i] for i in range(4)])
     cfg = LossConfig(kind="fkl")

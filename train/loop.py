@@ -1,7 +1,9 @@
 """`draftsmith train`: the one training loop for every drafter kind (accelerate: CPU, DDP, FSDP, DeepSpeed).
 
-Multi-GPU: ``accelerate launch -m draftsmith train RECIPE``. The drafter is built from the target (registry),
-the per-kind objective comes from train/objectives.py; nothing else here knows about drafter kinds.
+Multi-GPU: ``accelerate launch -m draftsmith train RECIPE``. The drafter is built from the target (registry);
+what differs between kinds comes from the kind's spec (models/spec.py): its objective (train/objectives.py), the
+record signals it reads, whether the frozen target runs in the loop, and what FSDP wraps. Nothing else here knows
+about drafter kinds.
 """
 from __future__ import annotations
 
@@ -20,11 +22,11 @@ from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.quick import tau_from_alpha
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
-from draftsmith.models.registry import build_drafter, load_weights_into, save_drafter
+from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device
-from draftsmith.train.objectives import OBJECTIVES, READS_FEATURES, SIGNALS_NEEDED, Context, features_stored
+from draftsmith.train.objectives import Context, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -131,25 +133,24 @@ def train(recipe) -> Path:
     if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
         raise DraftsmithError(f"{data_dir}: records were made with a different tokenizer than target "
                               f"{recipe.target.model!r}")
-    kind, params = recipe.drafter.kind, recipe.drafter.model_dump(exclude={"kind"})
+    kind, params = recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
+    spec = drafter_spec(kind)
     facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
-    if params.get("draft_vocab"):
+    if getattr(params, "draft_vocab", None):  # (a field of the kinds that can reduce their vocabulary)
         facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
     drafter = build_drafter(kind, params, tgt.model, **facts).float().train()
     quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
     # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
     # states when the records do not store them.
-    stored = kind in READS_FEATURES and features_stored(drafter, manifest["signals"])
-    # A drafter may also ask for it itself (``needs_target``: the judge, acceptance heads on EAGLE).
-    in_loop = tc.loss.teacher == "target" or (kind in READS_FEATURES and not stored) \
-        or getattr(drafter, "needs_target", False)
+    stored = spec.reads_features and features_stored(drafter, manifest["signals"])
+    # A kind may also ask for it itself (``needs_target``: the judge, acceptance heads on EAGLE and heads).
+    in_loop = tc.loss.teacher == "target" or (spec.reads_features and not stored) or spec.needs_target_for(drafter)
     teacher = tgt.model.requires_grad_(False) if in_loop else None
     if teacher is not None and tc.shard_target and acc.num_processes > 1:
         _shard_frozen_target(teacher, acc)  # before the move: no device ever holds the whole target
     teacher = teacher.to(acc.device) if teacher is not None else None
     del tgt
-    signals = getattr(drafter, "signals_needed", SIGNALS_NEEDED[kind]) - (set() if stored else {"hidden_last",
-                                                                                               "hidden_aux"})
+    signals = spec.signals_for(drafter) - (set() if stored else {"hidden_last", "hidden_aux"})
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals)
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
@@ -165,13 +166,14 @@ def train(recipe) -> Path:
         load_weights_into(Path(tc.init_checkpoint), drafter, grow=True)
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper would step it once per
     # process, which changes the schedule with the process count.
+    _fsdp_wrap(acc, spec, drafter)
     drafter, opt = acc.prepare(drafter, opt)
     if resume_from is not None:
         counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
     sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed,
                             start=counters["batches"])
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
-    objective = OBJECTIVES[kind]
+    objective = objective_for(kind)
     ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
     runlog = RunLog(run, "train", wandb=tc.wandb, tensorboard=tc.tensorboard,
                     config=recipe.model_dump(mode="json"), enabled=acc.is_main_process)
@@ -234,6 +236,21 @@ def _shard_frozen_target(model, acc) -> None:
         fully_shard(layer, mesh=mesh)
     if acc.is_main_process:
         print(f"train: target layers sharded over {acc.num_processes} processes (FSDP2)")
+
+
+def fsdp_wrap_names(spec, drafter) -> list[str]:
+    """Class names of the spec's FSDP units that this drafter has (an optional block, e.g. Hydra++'s prefix layer
+    or a deeper EAGLE's blocks, may be absent; accelerate refuses a name it cannot find)."""
+    present = {type(m) for m in drafter.modules()}
+    return [c.__name__ for c in spec.fsdp_wrap if c in present]
+
+
+def _fsdp_wrap(acc, spec, drafter) -> None:
+    """Under FSDP, wrap the drafter kind's own blocks (``DrafterSpec.fsdp_wrap``) as sharding units, whatever the
+    launcher config names (recipes/accelerate/fsdp2.yaml leaves it to the spec); the rest shards with the root."""
+    plugin = getattr(acc.state, "fsdp_plugin", None)
+    if acc.distributed_type.value == "FSDP" and plugin is not None:
+        plugin.transformer_cls_names_to_wrap = fsdp_wrap_names(spec, drafter)
 
 
 def _check_sharding(acc, tc) -> None:

@@ -1,19 +1,26 @@
-"""One objective per drafter kind: (model, batch, loss config, context) -> StepOutput(loss sum, metrics).
+"""Objectives: (model, batch, loss config, context) -> StepOutput(loss sum, metrics), one per drafter kind.
 
-The train loop is shared; only this function differs between drafters. Objectives return the loss *summed* over
+The train loop is shared; only this function differs between drafters. Each kind's spec names its objective
+(models/spec.py ``DrafterSpec.objective``; ``objective_for`` resolves it). Objectives return the loss *summed* over
 trained positions plus the count, so the loop can normalise by the global token count of the optimizer step
 (exact under gradient accumulation and data parallelism, whatever the per-rank token counts).
 """
 from __future__ import annotations
 
+import importlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.acceptance import FEATURE_KINDS, N_EXTRA, acceptance_features
+from draftsmith.models.acceptance import N_EXTRA, acceptance_features
+from draftsmith.models.eagle import Eagle
+from draftsmith.models.feature_heads import FeatureHeads
+from draftsmith.models.registry import DRAFTERS, drafter_spec
 from draftsmith.train import losses
 
 
@@ -30,7 +37,21 @@ class Context:
     unwrapped: torch.nn.Module  # the drafter without DDP/FSDP wrappers (its config and vocabulary maps)
     target: torch.nn.Module | None = None  # frozen target, for loss.teacher = target
     generator: torch.Generator | None = None  # sampling inside losses (TVD++), checkpointed with the run
-    params: dict = field(default_factory=dict)  # the recipe's drafter section
+    params: BaseModel | None = None  # the recipe's drafter section (the kind's typed config, models/spec.py)
+
+    def __post_init__(self):
+        if isinstance(self.params, dict):
+            raise TypeError("Context.params is the drafter's typed section (e.g. EagleDrafterConfig(...)), not a "
+                            "dict: build it with draftsmith.models.registry.drafter_spec(kind).section(fields)")
+
+
+def objective_for(kind: str) -> Callable:
+    """The training objective of ``kind``: its spec's function, imported when the spec names it as a string."""
+    obj = drafter_spec(kind).objective
+    if isinstance(obj, str):
+        module, _, name = obj.partition(":")
+        obj = getattr(importlib.import_module(module), name)
+    return obj
 
 
 def _spec(cfg) -> losses.LossSpec:
@@ -46,7 +67,7 @@ def _metrics(h, head, teacher: losses.Teacher, cfg, ranks: int = 0) -> dict:
 def draft_lm_teacher(batch: dict, cfg, ctx: Context) -> losses.Teacher:
     """Labels and teacher distribution at the trained positions, mapped into the draft's head vocabulary (t2d:
     (V_target,) draft index or -1, for a reduced draft vocabulary)."""
-    return records_teacher(batch, cfg, ctx, getattr(ctx.unwrapped, "t2d", None))
+    return records_teacher(batch, cfg, ctx, getattr(ctx.unwrapped, "t2d", None))  # t2d: reduced vocabularies only
 
 
 def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) -> losses.Teacher:
@@ -169,16 +190,16 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     target predicts at position t+k+1 (``shifted_teachers``). Loss = sum_k decay^k * loss_k, any loss kind (CE on
     the target's tokens, or a divergence to the target's distribution at t+k+1). Sequential heads also read the
     true tokens t+1..t+k+1 (teacher forcing)."""
-    joint = getattr(ctx.unwrapped, "base", None) is not None  # Medusa-2: the adapted target runs in forward
+    joint = ctx.unwrapped.base is not None  # Medusa-2: the adapted target runs in forward
     # The original target's states: the heads' input, or (Medusa-2) only a full-distribution teacher.
     h = target_features(batch, ctx) if not joint or cfg.teacher == "target" else None  # (B, T, D)
-    t2d, kept = getattr(ctx.unwrapped, "t2d", None), getattr(ctx.unwrapped, "head_ids", None)  # reduced vocab
+    t2d, kept = getattr(ctx.unwrapped, "t2d", None), ctx.unwrapped.head_ids  # reduced vocab (None: full)
     kept_head = ctx.target.lm_head.weight[kept] if kept is not None and cfg.teacher == "target" else None
     selects, teachers, _ = shifted_teachers(batch, cfg, ctx, ctx.unwrapped.max_draft_len, h, t2d, kept_head)
-    decay = ctx.params.get("head_decay", 0.8)
+    decay = ctx.params.head_decay
     # Medusa-2: L = L_target + heads_coefficient * sum_k decay^k L_k, where L_target keeps the adapted target close
     # to the original (self-distillation: its own records' teacher at every predicted position).
-    coef = ctx.params.get("heads_coefficient", 0.2) if joint else 1.0
+    coef = ctx.params.heads_coefficient if joint else 1.0
     # The adapted target keeps the full LM head: its teacher stays in target ids even when the heads are reduced.
     base_teacher = records_teacher(batch, cfg, ctx, None) if joint else None
 
@@ -222,17 +243,17 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     t+s+1 (weight feature_loss_weight)."""
     eagle, p = ctx.unwrapped, ctx.params
     feats, last = eagle_features(batch, ctx)
-    steps = p.get("ttt_steps") or eagle.cfg.ttt_steps
+    steps = p.ttt_steps or eagle.cfg.ttt_steps
     reduced = eagle.cfg.head_vocab_size is not None
     kept_head = None
     if reduced and cfg.teacher == "target":  # EAGLE-3's p~: target logits restricted to the draft vocabulary
         kept_head = ctx.target.lm_head.weight[eagle.lm_head.target_ids]
     selects, teachers, future = shifted_teachers(batch, cfg, ctx, steps, last, eagle.t2d if reduced else None,
                                                  kept_head)
-    decay, w_tok = p.get("head_decay", 0.8), p.get("token_loss_weight", 1.0)
-    w_feat = p.get("feature_loss_weight", 0.0) if eagle.cfg.version == 1 else 0.0
+    decay, w_tok = p.head_decay, p.token_loss_weight
+    w_feat = p.feature_loss_weight if eagle.cfg.version == 1 else 0.0
     target_feats = last.reshape(-1, last.shape[-1]) if w_feat else None
-    noise = p.get("feature_noise", 0.0)
+    noise = p.feature_noise
     if noise and model.training:  # EAGLE-1's augmentation: uniform noise on the input features
         u = torch.rand(feats.shape, generator=ctx.generator, device=feats.device)
         feats = feats + noise * (2 * u - 1)
@@ -261,13 +282,13 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     ``heads_acceptance_inputs`` (before only), with the index of the head that drafted each token."""
     head, p = ctx.unwrapped, ctx.params
     slot = None
-    if head.cfg.draft_kind in FEATURE_KINDS:
+    if DRAFTERS[head.cfg.draft_kind].interface == "heads":
         x, s, slot = heads_acceptance_inputs(head.draft, batch, ctx)
     else:
         inputs = eagle_acceptance_inputs if head.cfg.draft_kind == "eagle" else draft_lm_acceptance_inputs
         x, s = inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
     logit = model(x, slot)
-    w = p.get("weight_mismatch", 6.0)
+    w = p.weight_mismatch
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
     n = len(s)
@@ -303,7 +324,7 @@ def draft_lm_acceptance_inputs(draft, batch: dict, ctx: Context, chunk: int = 51
         x = torch.cat([acceptance_features(h[a:a + chunk], draft.lm_head(h[a:a + chunk]), y[a:a + chunk])
                        for a in range(0, len(h), chunk)]) if len(h) else h.new_zeros(0, h.shape[-1] + N_EXTRA)
         return x, s
-    swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= ctx.params.get("mixing_ratio", 0.15)
+    swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= ctx.params.mixing_ratio
     z = ids.clone()
     z[label_pos] = torch.where(swap, y, ids[label_pos])
     h = draft(z, return_hidden=True)  # (B, T, D) final normed states of the frozen draft
@@ -332,7 +353,7 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
     feats = eagle.features(cap, ctx.target).to(eagle.embed_tokens.weight.dtype)
     first = eagle.head_input(eagle(feats, ids, steps=1)[0][sel])  # (N, d): drafts x_{t+2}
     h_next = h[:, 1:][sel[:, :T - 1]]  # (N, D): the target's states at t+1
-    sampling = Sampling(temperature=ctx.params.get("label_temperature", 0.0))
+    sampling = Sampling(temperature=ctx.params.label_temperature)
     ys, ss, xs = [], [], []
     for a in range(0, len(first), chunk):  # (n, V) logits for a chunk of rows at a time
         q = eagle.lm_head(first[a:a + chunk])
@@ -381,7 +402,7 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, 
         future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
     dtype = next(heads.parameters()).dtype
     outs = heads(h.to(dtype), ids, select=selects, head_fn=lambda k, x, w: (x, w))  # states and LM-head weights
-    temperature = ctx.params.get("label_temperature", 0.0)
+    temperature = ctx.params.label_temperature
     sampling, kept = Sampling(temperature=temperature), heads.head_ids  # kept: a reduced vocabulary's target ids
     greedy = None
     if temperature <= 0:  # greedy labels need only the target's argmax, once per position (every head shares them)
@@ -428,7 +449,7 @@ def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     y = batch["judge_label"].float()
     logit = model(h)
     w = torch.ones_like(y)
-    if ctx.params.get("balance", True):
+    if ctx.params.balance:
         pos, neg = float(y.sum()), float((1 - y).sum())
         if pos and neg:  # each class carries half the batch's weight
             w = torch.where(y > 0.5, len(y) / (2 * pos), len(y) / (2 * neg))
@@ -441,34 +462,11 @@ def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(loss, len(y), m)
 
 
-OBJECTIVES = {
-    "draft_lm": draft_lm_objective,
-    "medusa": heads_objective,
-    "mlp_speculator": heads_objective,
-    "hydra": heads_objective,
-    "eagle": eagle_objective,
-    "acceptance_head": acceptance_objective,
-    "judge": judge_objective,
-}
-# Signal groups each kind reads from the records (the rest is never read from disk). Kinds in READS_FEATURES
-# train on the target's final hidden states: from the records if stored, else from the target in the loop.
-SIGNALS_NEEDED = {
-    "draft_lm": {"topk"},
-    "medusa": {"topk", "hidden_last"},
-    "mlp_speculator": {"topk", "hidden_last"},
-    "hydra": {"topk", "hidden_last"},
-    "eagle": {"topk", "hidden_last", "hidden_aux"},
-    "acceptance_head": {"specdec"},
-    "judge": {"judge"},
-}
-READS_FEATURES = {"medusa", "mlp_speculator", "hydra", "eagle"}
-
-
 def features_stored(drafter, signals: dict) -> bool:
     """Whether records with these signals (the manifest's) hold the features this drafter reads (a Medusa-2
     drafter computes its own with the adapted target)."""
-    if getattr(drafter, "base", None) is not None:
+    if isinstance(drafter, FeatureHeads) and drafter.base is not None:
         return True
-    if getattr(drafter, "reads_target_features", False) and drafter.cfg.version == 3:
+    if isinstance(drafter, Eagle) and drafter.cfg.version == 3:
         return list(signals.get("hidden_aux", {}).get("layers", [])) == list(drafter.cfg.aux_layers)
     return "hidden_last" in signals

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import formats as sf
 from draftsmith.models.loading import ALIASES, resolve_model_path
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import DRAFTERS, load_drafter
 
 log = logging.getLogger("draftsmith.export")
 FORMATS = ("hf", "vllm", "sglang", "medusa")
@@ -45,7 +45,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         raise DraftsmithError(f"export: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     ckpt, out = Path(ckpt), Path(out)
     model, info = load_drafter(ckpt)
-    if info.get("kind") in ("acceptance_head", "judge"):
+    if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
         raise DraftsmithError(f"export: a {info['kind']} is not a drafter a serving engine runs; export its draft")
     if getattr(model, "target_adapter", None) is not None and fmt != "hf":
         raise DraftsmithError(f"export: {ckpt} is Medusa-2 (LoRA-adapted target); engines need the merged target "

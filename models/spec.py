@@ -1,0 +1,107 @@
+"""The seam between a drafter kind and the rest of draftsmith: one ``DrafterSpec`` per kind.
+
+Each ``models/<kind>.py`` ends with ``SPEC = DrafterSpec(...)``; models/registry.py collects them into ``DRAFTERS``,
+from which the recipe schema builds its ``drafter`` union (recipes/schema.py), the train loop picks the objective,
+the record signals, whether the frozen target runs in the loop and what FSDP wraps (train/loop.py), and checkpoints
+are rebuilt (``from_config``). docs/adding-a-drafter.md walks through the fields.
+
+``Strict`` (the frozen, unknown-keys-are-errors pydantic base of every recipe section) lives here so that a kind's
+recipe section can sit next to its model without models importing recipes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from draftsmith.errors import DraftsmithError
+
+Interface = Literal["tokens", "heads", "features"]
+INTERFACES = ("tokens", "heads", "features")
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """What draftsmith needs to know about one drafter kind.
+
+    kind: the ``drafter.kind`` value, also written to drafter.json.
+    config: the recipe's drafter section for this kind, a ``Strict`` model with ``kind: Literal[<kind>]``; the one
+        source of the kind's defaults. Builders and objectives receive an instance of it.
+    build: ``build(cfg, target, **data) -> nn.Module``: a fresh drafter from its section and the target; data are
+        optional facts about the training records (counts: response token frequencies, tokenizer, eos_ids).
+    from_config: ``from_config(config dict) -> nn.Module``: an (untrained) drafter of the shape drafter.json's
+        ``config`` describes (what ``model.cfg.to_dict()`` wrote); registry.load_drafter loads the weights into it.
+    interface: how the decoder drives it. "tokens": a Llama-like token drafter (``drafter(ids, cache=...)`` and
+        ``new_cache``); "heads": heads on the target's final hidden state (``reads_target_hidden``,
+        models/feature_heads.py); "features": an EAGLE-style feature drafter (``reads_target_features``,
+        models/eagle.py); None: not a proposer (an acceptance head, the judge).
+    objective: the training loss, ``objective(model, batch, loss_cfg, ctx) -> StepOutput``
+        (train/objectives.py), or its dotted name ``"package.module:function"``, imported when the loop needs it
+        (models never import train/).
+    signals: record signal groups the objective reads (data/records.py: topk, hidden_last, hidden_aux, specdec,
+        judge); a callable of the built drafter when they depend on it. Feature signals are dropped when the loop
+        computes the features itself.
+    needs_target: the loop must run the frozen target even for a records teacher (a callable of the built drafter
+        when it depends on it); drafters that read target features get it anyway when the records lack them.
+    fsdp_wrap: module classes FSDP (recipes/accelerate/fsdp2.yaml) shards as units; those absent from a built
+        drafter (an optional block) are skipped.
+    """
+
+    kind: str
+    config: type[Strict]
+    build: Callable
+    from_config: Callable
+    interface: Interface | None
+    objective: str | Callable
+    signals: frozenset[str] | Callable = frozenset({"topk"})
+    needs_target: bool | Callable = False
+    fsdp_wrap: tuple[type, ...] = ()
+
+    def __post_init__(self):
+        if self.interface not in (*INTERFACES, None):
+            raise ValueError(f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, "
+                             f"got {self.interface!r}")
+        field = self.config.model_fields.get("kind")
+        if field is None or get_args(field.annotation) != (self.kind,):
+            raise ValueError(f"DrafterSpec {self.kind!r}: {self.config.__name__} needs a field "
+                             f"kind: Literal[{self.kind!r}] = {self.kind!r}")
+
+    @property
+    def reads_features(self) -> bool:
+        """Trains on the target's final hidden states: from the records when stored, else the target runs in the
+        loop (heads and feature drafters)."""
+        return self.interface in ("heads", "features")
+
+    def section(self, cfg) -> Strict:
+        """``cfg`` as this kind's typed section: a section passes through; a dict of its fields (without or with
+        ``kind``) is validated, with the section's defaults filled in."""
+        return as_section(self.config, cfg)
+
+    def signals_for(self, drafter) -> set[str]:
+        return set(self.signals(drafter) if callable(self.signals) else self.signals)
+
+    def needs_target_for(self, drafter) -> bool:
+        return bool(self.needs_target(drafter) if callable(self.needs_target) else self.needs_target)
+
+
+def as_section(config: type[Strict], cfg) -> Strict:
+    """A drafter section from itself or from a dict of its fields; invalid fields are one DraftsmithError."""
+    if isinstance(cfg, config):
+        return cfg
+    if isinstance(cfg, BaseModel):
+        raise DraftsmithError(f"drafter: expected a {config.__name__}, got a {type(cfg).__name__}")
+    try:
+        return config.model_validate(dict(cfg))
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors()[:3]:
+            key = ".".join(["drafter", *map(str, err["loc"])])
+            msg = err["msg"].removeprefix("Value error, ")
+            msgs.append(f"unknown key {key}" if err["type"] == "extra_forbidden" else f"{key}: {msg}")
+        raise DraftsmithError("; ".join(msgs)) from None

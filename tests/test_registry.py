@@ -1,0 +1,139 @@
+"""The drafter registry (models/registry.py): one DrafterSpec per kind, and everything that reads it agrees with it:
+the recipe schema's drafter union, the objectives, the decoder attributes of each interface, drafter.json round
+trips, FSDP's wrap classes. Every test runs over the registered kinds, so a new kind is checked by existing."""
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+import torch
+from conftest import drafter_kinds, small_section
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import Llama, LlamaConfig
+from draftsmith.models.registry import DRAFTERS, build_drafter, drafter_spec, load_drafter, save_drafter
+
+CFG = LlamaConfig(vocab_size=96, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=64)
+# What the decoders (eval/decoder.py, eval/tree_decoder.py) call on a drafter of each interface.
+PROTOCOL = {
+    "tokens": ("new_cache",),
+    "heads": ("reads_target_hidden", "max_draft_len", "logits_after", "propose", "new_context", "read_context"),
+    "features": ("reads_target_features", "capture_layers", "features", "project", "step"),
+}
+
+
+@pytest.fixture(scope="module")
+def target():
+    torch.manual_seed(0)
+    return Llama(CFG).eval()
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory, target):
+    """A draft LM checkpoint, for kinds that are built on one (the acceptance head)."""
+    return save_drafter(tmp_path_factory.mktemp("draft") / "final", build_drafter("draft_lm", {"n_layers": 1}, target),
+                        "draft_lm", {})
+
+
+def _build(kind, target, draft_checkpoint, **fields):
+    fields = {"draft": str(draft_checkpoint)} if kind == "acceptance_head" and not fields else fields
+    torch.manual_seed(0)
+    return build_drafter(kind, small_section(kind, **fields), target)
+
+
+def test_registry_objectives_and_schema_name_the_same_kinds():
+    from draftsmith.recipes.loader import validate
+    from draftsmith.recipes.schema import Recipe
+    from draftsmith.train.objectives import objective_for
+
+    schema = {c.model_fields["kind"].default for c in get_args(Recipe.model_fields["drafter"].annotation)}
+    objectives = {k for k in DRAFTERS if callable(objective_for(k))}
+    assert schema == objectives == set(DRAFTERS) and len(DRAFTERS) >= 7
+    for kind, spec in DRAFTERS.items():
+        assert spec.kind == kind and spec.config.model_fields["kind"].default == kind
+    with pytest.raises(DraftsmithError, match="does not match any of the expected tags: " +
+                       ", ".join(f"'{k}'" for k in DRAFTERS)):
+        validate({"name": "x", "drafter": {"kind": "nope"}}, "test")
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_each_kind_builds_to_its_interface_and_round_trips_through_drafter_json(kind, target, draft_checkpoint,
+                                                                                tmp_path):
+    spec = drafter_spec(kind)
+    model = _build(kind, target, draft_checkpoint)
+    assert getattr(model, "reads_target_hidden", False) == (spec.interface == "heads")
+    assert getattr(model, "reads_target_features", False) == (spec.interface == "features")
+    assert spec.reads_features == (spec.interface in ("heads", "features"))
+    missing = [a for a in PROTOCOL.get(spec.interface, ()) if not hasattr(model, a)]
+    assert not missing, f"{kind} ({spec.interface}) lacks {missing}"
+    assert isinstance(spec.signals_for(model), set) and isinstance(spec.needs_target_for(model), bool)
+    ckpt = save_drafter(tmp_path / kind, model, kind, {"step": 1})
+    loaded, info = load_drafter(ckpt)
+    assert info["kind"] == kind and info["config"] == model.cfg.to_dict()
+    want = model.state_dict()
+    for k, v in loaded.state_dict().items():
+        if k in want:
+            torch.testing.assert_close(v, want[k], msg=k)
+
+
+@pytest.mark.parametrize("kind", drafter_kinds(interface="heads") + drafter_kinds(interface="tokens"))
+def test_builders_take_the_section_or_a_dict_of_its_fields(kind, target):
+    """The schema is the one source of defaults: a dict is validated through the kind's section, so both build the
+    same drafter; a bad field is one error naming it."""
+    fields = small_section(kind).model_dump(exclude_defaults=True)
+    torch.manual_seed(0)
+    a = build_drafter(kind, fields, target)
+    torch.manual_seed(0)
+    b = build_drafter(kind, small_section(kind), target)
+    assert a.cfg == b.cfg and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    with pytest.raises(DraftsmithError, match="unknown key drafter.no_such_field"):
+        build_drafter(kind, {**fields, "no_such_field": 1}, target)
+
+
+def test_hydra_trains_with_the_schema_head_decay():
+    """The recipe default every hydra run used (the schema's 1.0, equal head weights), now the only one."""
+    assert small_section("hydra").head_decay == 1.0
+    assert small_section("medusa").head_decay == small_section("mlp_speculator").head_decay == 0.8
+
+
+@pytest.mark.parametrize("kind,fields,wrapped", [
+    ("draft_lm", {}, ["Block"]),
+    ("medusa", {}, ["ResBlock"]),
+    ("medusa", {"lora_r": 2}, ["ResBlock", "Block"]),  # Medusa-2: the adapted target's layers too
+    ("hydra", {"prefix_attention": True}, ["WideResBlock", "Block"]),
+    ("mlp_speculator", {}, []),
+    ("eagle", {}, []),  # one layer: no block
+    ("eagle", {"n_layers": 2}, ["Block"]),
+    ("judge", {}, []),
+])
+def test_fsdp_wraps_each_kinds_own_blocks(kind, fields, wrapped, target, draft_checkpoint):
+    """Under FSDP the loop hands accelerate the spec's wrap classes that the built drafter has (the shipped
+    fsdp2.yaml names none); accelerate's own policy then finds every such module. (FSDP itself needs GPUs: a
+    stand-in accelerator.)"""
+    from types import SimpleNamespace
+
+    import yaml
+    from accelerate.utils import DistributedType
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.train.loop import _fsdp_wrap, fsdp_wrap_names
+
+    if kind == "medusa" and fields.get("lora_r"):
+        pytest.importorskip("peft")
+    model = _build(kind, target, draft_checkpoint, **fields)
+    spec = drafter_spec(kind)
+    assert fsdp_wrap_names(spec, model) == wrapped
+    plugin = SimpleNamespace(transformer_cls_names_to_wrap=None, auto_wrap_policy=transformer_auto_wrap_policy)
+    acc = SimpleNamespace(distributed_type=DistributedType.FSDP, state=SimpleNamespace(fsdp_plugin=plugin))
+    _fsdp_wrap(acc, spec, model)
+    assert plugin.transformer_cls_names_to_wrap == wrapped
+    try:
+        from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
+    except ImportError:  # an older accelerate: the names are all it reads
+        return
+    policy = fsdp2_prepare_auto_wrap_policy(plugin, model)
+    units = {type(m).__name__ for m in model.modules() if policy(m)}
+    assert units == set(wrapped)
+    cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]
+    assert "fsdp_transformer_layer_cls_to_wrap" not in cfg and cfg["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
