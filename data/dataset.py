@@ -43,7 +43,7 @@ class RecordDataset(Dataset):
 
 def token_counts(data_dir: Path, vocab_size: int) -> torch.Tensor:
     """How often each token id occurs among the response (loss) tokens of a data folder (V,) int64: the
-    frequency statistic a reduced draft vocabulary is chosen from (algorithms.md A10)."""
+    frequency statistic a reduced draft vocabulary is chosen from (docs/algorithms.md A10)."""
     data_dir = Path(data_dir)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for e in read_manifest(data_dir)["shards"]:

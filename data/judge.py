@@ -1,4 +1,4 @@
-"""Judge labels without humans (algorithms.md A8, AutoJudge-style): ``draftsmith generate`` with data.judge_labels.
+"""Judge labels without humans (docs/algorithms.md A8, AutoJudge-style): ``draftsmith generate`` with data.judge_labels.
 
 For each task (data/tasks.py: HumanEval unit tests, GSM8K-style final answers):
 1. the target answers greedily; its outcome O is recorded (pass/fail, or the final answer);

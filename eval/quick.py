@@ -1,5 +1,5 @@
 """A quick decoder eval for use during training: measured tau on a few held-out prompts next to the
-teacher-forced estimate of tau from the per-position acceptance alpha = sum_x min(p, q) (algorithms.md A1.2-A1.3).
+teacher-forced estimate of tau from the per-position acceptance alpha = sum_x min(p, q) (docs/algorithms.md A1.2-A1.3).
 
 The gap between the two says how far the i.i.d.-acceptance model is from the real decoder (acceptance falls with
 depth, and drafts condition on the drafter's own earlier drafts, which teacher forcing never shows it).

@@ -1,4 +1,4 @@
-"""Pick a decoding threshold on held-out prompts: SpecDec++'s stop threshold (algorithms.md A7) or the judge's δ
+"""Pick a decoding threshold on held-out prompts: SpecDec++'s stop threshold (docs/algorithms.md A7) or the judge's δ
 (Judge Decoding, A8).
 
 Decodes the recipe's eval prompts (choose a held-out set with eval.prompts.seed / split / source, or

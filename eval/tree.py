@@ -1,4 +1,4 @@
-"""Draft trees for speculative decoding (algorithms.md A11): static trees from a Medusa-style choices list, the
+"""Draft trees for speculative decoding (docs/algorithms.md A11): static trees from a Medusa-style choices list, the
 tree attention mask and positions from parent pointers, greedy acceptance over a tree, and KV-cache compaction of
 the accepted path.
 
@@ -37,7 +37,7 @@ class TreeSpec:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """EAGLE-2-style dynamic tree (algorithms.md A6.2): per step, expand the ``top_k`` best frontier nodes by
+    """EAGLE-2-style dynamic tree (docs/algorithms.md A6.2): per step, expand the ``top_k`` best frontier nodes by
     cumulative draft log-prob for ``depth`` levels, then keep the ``total_tokens`` best nodes overall."""
 
     top_k: int = 8
@@ -171,7 +171,7 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torc
 
 def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
                        generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Lossless sampling over a tree of deterministic (top-k) children (algorithms.md A11.4, point-mass rule).
+    """Lossless sampling over a tree of deterministic (top-k) children (docs/algorithms.md A11.4, point-mass rule).
 
     probs (N+1, V): the target's processed distribution at the root and at each node. From the root: draw
     y ~ p(node); if a child of the node carries y, descend into it and repeat; otherwise emit y and stop. Every

@@ -1,4 +1,4 @@
-"""KV-cache compaction after a tree verify (algorithms.md A11.3): keep the accepted path's K/V slots and move
+"""KV-cache compaction after a tree verify (docs/algorithms.md A11.3): keep the accepted path's K/V slots and move
 them to consecutive slots, in place, in every layer.
 
 Slots ``start + keep[j]`` move to ``start + j`` with ``keep`` ascending, so keep[j] >= j: walking j upwards

@@ -1,4 +1,4 @@
-"""SpecDec++ acceptance predictor (algorithms.md A7) and the adaptive draft-length rules that use it.
+"""SpecDec++ acceptance predictor (docs/algorithms.md A7) and the adaptive draft-length rules that use it.
 
 The head reads a frozen drafter's state at the position of a just-drafted token and predicts the probability
 that speculative sampling accepts that token: ``ResBlock^L -> Linear(d -> 1)`` (one logit instead of the
@@ -62,7 +62,7 @@ N_EXTRA = 2  # log q(y) and the entropy of q, appended to the producing state of
 
 
 class AcceptanceHeadConfig(Strict):
-    """SpecDec++ acceptance predictor (algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
+    """SpecDec++ acceptance predictor (docs/algorithms.md A7): a head on a frozen draft LM's hidden state that predicts
     whether each drafted token will be accepted; the decoder then stops drafting adaptively (eval.stop)."""
 
     kind: Literal["acceptance_head"] = "acceptance_head"

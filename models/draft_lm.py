@@ -23,10 +23,13 @@ class DraftLMConfig(Strict):
 
     kind: Literal["draft_lm"] = "draft_lm"
     n_layers: int = Field(2, gt=0)
+    """Transformer blocks of the draft."""
     dim: int | None = Field(None, gt=0)
     """Hidden size; None = the target's (needed to copy its embeddings)."""
     n_heads: int | None = Field(None, gt=0)
+    """Attention heads; None = the target's when dim is the target's, else dim // 64."""
     n_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); None = the target's when dim is the target's, else n_heads."""
     hidden_dim: int | None = Field(None, gt=0)
     """MLP width; None = the target's."""
     init_from_target: bool = True
@@ -40,7 +43,7 @@ class DraftLMConfig(Strict):
     its architecture replaces n_layers / dim / n_heads / hidden_dim."""
     draft_vocab: int | None = Field(None, gt=1)
     """Keep only the N most frequent tokens of the training responses in the draft's LM head (VocabTrim /
-    FR-Spec, algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
+    FR-Spec, docs/algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
 
 
 def draft_lm_config(cfg: DraftLMConfig, target_cfg: LlamaConfig) -> LlamaConfig:

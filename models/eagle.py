@@ -1,4 +1,4 @@
-"""EAGLE-1 and EAGLE-3 drafters (algorithms.md A6): a decoder layer that autoregresses on the target's features.
+"""EAGLE-1 and EAGLE-3 drafters (docs/algorithms.md A6): a decoder layer that autoregresses on the target's features.
 
 Both read, at position i, a *state* (the target's feature f_i, or the drafter's own output once it drafts past the
 verified prefix) and the embedding of the next token x_{i+1}, and predict x_{i+2}:
@@ -56,7 +56,7 @@ from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
 class EagleDrafterConfig(Strict):
-    """EAGLE-1 / EAGLE-3 (algorithms.md A6): one decoder layer that autoregresses on the target's features, trained
+    """EAGLE-1 / EAGLE-3 (docs/algorithms.md A6): one decoder layer that autoregresses on the target's features, trained
     with training-time test (TTT); decodes as a chain or an EAGLE-2 dynamic tree."""
 
     kind: Literal["eagle"] = "eagle"
@@ -67,7 +67,7 @@ class EagleDrafterConfig(Strict):
     """EAGLE-3: 0-indexed target layers whose outputs are fused; None = [1, L/2-1, L-4]."""
     draft_vocab: int | None = Field(None, gt=1)
     """The draft LM head keeps the N most frequent response tokens (d2t / t2d maps); None = full. EAGLE-3 trains
-    those rows; EAGLE-1 keeps them frozen, a slice of the target's head (FR-Spec, algorithms.md A10)."""
+    those rows; EAGLE-1 keeps them frozen, a slice of the target's head (FR-Spec, docs/algorithms.md A10)."""
     ttt_steps: int | None = Field(None, gt=0, le=16)
     """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
     head_decay: float = Field(0.8, gt=0, le=1)

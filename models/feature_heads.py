@@ -10,7 +10,7 @@ The context state is the target's final hidden state itself, unless the drafter 
 prefix attention): then the decoder feeds every committed position's hidden state through ``read_context`` with
 the cache from ``new_context`` and drafts from the last output.
 
-Reduced draft vocabulary (``head_vocab_size``, algorithms.md A10): every head's LM head keeps only the N most
+Reduced draft vocabulary (``head_vocab_size``, docs/algorithms.md A10): every head's LM head keeps only the N most
 frequent response tokens (rows copied from the target's LM head), with EAGLE-3's d2t / t2d maps as checkpointed
 buffers. On a 2-core CPU a head step with SmolLM2's full 49k-row LM head costs 0.125 of a target step, so four
 heads cost half a step per block; 8,192 rows cut that ~10x (benchmarks/step_costs.py). ``logits_after`` still
@@ -43,7 +43,8 @@ class HeadsSection(Strict):
     """Loss weight of head k is head_decay**k."""
     draft_vocab: int | None = Field(None, gt=1)
     """Every head's LM head keeps only the N most frequent response tokens (rows of the target's LM head, d2t /
-    t2d maps, EOS always kept; algorithms.md A10): each head step gets ~V/N times cheaper. None = full vocabulary."""
+    t2d maps, EOS always kept; docs/algorithms.md A10): each head step gets ~V/N times cheaper. None = full
+    vocabulary."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Hydra heads (algorithms.md A5.5): sequentially dependent Medusa-style heads. Head k reads the target's final
+"""Hydra heads (docs/algorithms.md A5.5): sequentially dependent Medusa-style heads. Head k reads the target's final
 hidden state h_t *and* the embeddings of the tokens before the one it predicts:
 
     input_k = concat[h_t, e(x_{t+1}), ..., e(x_{t+k+1})]        ((k+2) d wide)
@@ -34,7 +34,9 @@ class HydraDrafterConfig(HeadsSection):
 
     kind: Literal["hydra"] = "hydra"
     n_layers: int = Field(1, gt=0)
+    """Blocks per head (>= 1: the first narrows the concatenated inputs to the model width)."""
     head_decay: float = Field(1.0, gt=0, le=1)
+    """Loss weight of head k is head_decay**k (Hydra weighs heads equally)."""
     prefix_attention: bool = False
     """Hydra++: one extra decoder layer (the target's shapes, its own KV cache in decoding) runs causally over the
     target's hidden states and the heads read its output, so they see the context, not one position."""

@@ -1,4 +1,4 @@
-"""Judge module (Judge Decoding, algorithms.md A8): a tiny head on the *target's* final hidden states at drafted
+"""Judge module (Judge Decoding, docs/algorithms.md A8): a tiny head on the *target's* final hidden states at drafted
 tokens that predicts whether a draft token is an acceptable continuation even where it differs from the target's
 own choice.
 
@@ -23,7 +23,7 @@ from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
 class JudgeDrafterConfig(Strict):
-    """Judge Decoding's judge (algorithms.md A8): a linear probe (or tiny MLP) on the frozen target's final states
+    """Judge Decoding's judge (docs/algorithms.md A8): a linear probe (or tiny MLP) on the frozen target's final states
     at drafted tokens, trained on mined what-if labels (data.judge_labels) with class-balanced BCE."""
 
     kind: Literal["judge"] = "judge"

@@ -269,7 +269,7 @@ class FusedLinear(nn.Module):
 
 
 class ReducedHead(nn.Linear):
-    """LM head over a reduced draft vocabulary (algorithms.md A10) whose output is in the *target's* vocabulary:
+    """LM head over a reduced draft vocabulary (docs/algorithms.md A10) whose output is in the *target's* vocabulary:
     the kept rows' logits scattered into a -inf row, so every consumer (decoder, on-policy writer, SpecDec++
     labeller) sees target ids. Training reads ``weight`` directly (draft index space, train/losses.py)."""
 

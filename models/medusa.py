@@ -1,4 +1,4 @@
-"""Medusa-1 heads (algorithms.md A5.1-A5.2): K heads on the frozen target's final hidden state h_t (after its
+"""Medusa-1 heads (docs/algorithms.md A5.1-A5.2): K heads on the frozen target's final hidden state h_t (after its
 final norm). Head k (0-based) predicts token t+k+2 (the target's own LM head predicts t+1).
 
 Head k = ResBlock^L then its own LM head. ResBlock(x) = x + SiLU(W x + b) with W zero-initialised, so every
@@ -36,7 +36,7 @@ ADAPTER_FILE = "target_adapter.safetensors"
 
 
 class MedusaDrafterConfig(HeadsSection):
-    """Medusa-1 heads on the frozen target's final hidden state (algorithms.md A5.1-A5.2); decay 0.8. With
+    """Medusa-1 heads on the frozen target's final hidden state (docs/algorithms.md A5.1-A5.2); decay 0.8. With
     lora_r > 0, Medusa-2 (A5.3): joint training with LoRA adapters on the target."""
 
     kind: Literal["medusa"] = "medusa"

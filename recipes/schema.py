@@ -39,7 +39,9 @@ class PromptsConfig(Strict):
     n: int | None = Field(None, gt=0)
     """Use the first n usable prompts (after shuffling, if on). None = all."""
     shuffle: bool = False
+    """Shuffle the prompt set (with seed) before taking the first n."""
     seed: int = 0
+    """Shuffle seed."""
     max_turns: int | None = Field(1, gt=0)
     """Keep at most this many user turns of each conversation. None = all."""
 
@@ -56,6 +58,7 @@ class SignalsConfig(Strict):
     topk: int = Field(32, ge=0)
     """Top-k target log-probs per response token (the tail mass is implied: 1 - sum). 0 = tokens only."""
     topk_dtype: Literal["float16", "bfloat16"] = "float16"
+    """Storage dtype of the top-k log-probs."""
     hidden_last: bool = False
     """The target's last hidden state (post final norm, what the LM head reads) at every position."""
     hidden_layers: list[int] | Literal["eagle3"] | None = None
@@ -82,8 +85,11 @@ class SpecDecLabelsConfig(Strict):
     checkpoint: str
     """Drafter checkpoint folder (a standalone draft LM with the target's tokenizer)."""
     temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature of the drafter's y (and of p and q in the label)."""
     top_k: int = Field(0, ge=0)
+    """Top-k applied to both distributions before sampling and labelling (0 = off)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus (top-p) applied to both distributions before sampling and labelling (1.0 = off)."""
 
 
 class JudgeLabelsConfig(Strict):
@@ -112,6 +118,7 @@ class JudgeLabelsConfig(Strict):
 
 class DataConfig(Strict):
     enabled: bool = True
+    """Whether `draftsmith run` runs this stage (`draftsmith generate` always does)."""
     prompts: PromptsConfig = PromptsConfig(source="sharegpt", n=256)
     responses: Literal["target", "dataset"] = "target"
     """target = the target regenerates every assistant turn; dataset = keep the dataset's replies, score them."""
@@ -126,12 +133,16 @@ class DataConfig(Strict):
     max_prompt_tokens: int = Field(512, gt=0)
     """Context before an assistant turn; first turns longer than this follow too_long, later turns end the chat."""
     too_long: Literal["truncate", "skip"] = "skip"
+    """A first turn longer than max_prompt_tokens: skip the conversation, or truncate it to its last
+    max_prompt_tokens tokens."""
     max_new_tokens: int = Field(256, gt=0)
     """Longest response per turn (stops earlier at EOS); dataset replies are cut to it."""
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy target responses; > 0 samples them (with top_k / top_p)."""
     top_k: int = Field(0, ge=0)
+    """Top-k of sampled target responses (0 = off)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus (top-p) of sampled target responses (1.0 = off)."""
     n_samples: int = Field(1, gt=0)
     """Responses generated per prompt (needs temperature > 0)."""
     batch_size: int = Field(16, gt=0)
@@ -176,6 +187,7 @@ class LossConfig(Strict):
     kl_scale: float = Field(1.0, ge=0)
     """lk: lambda = kl_scale * exp(-kl_decay * alpha)."""
     kl_decay: float = Field(1.0, ge=0)
+    """lk: lambda = kl_scale * exp(-kl_decay * alpha)."""
     teacher: Literal["records", "target"] = "records"
     """records = stored top-k log-probs (+ tail); target = run the frozen target inside the loop for the full
     distribution (more compute and memory, exact divergences)."""
@@ -198,14 +210,21 @@ class LossConfig(Strict):
 
 class TrainConfig(Strict):
     enabled: bool = True
+    """Whether `draftsmith run` runs this stage (`draftsmith train` always does)."""
     steps: int = Field(200, gt=0)
     """Optimizer steps."""
     lr: float = Field(3e-4, gt=0)
+    """Peak learning rate (AdamW)."""
     warmup_steps: int = Field(10, ge=0)
+    """Linear warmup from 0 to lr over this many optimizer steps."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     micro_batch_size: int = Field(4, gt=0)
+    """Sequences per forward on each process."""
     grad_accum: int = Field(1, gt=0)
+    """Micro-batches accumulated per optimizer step (global batch = micro_batch_size x grad_accum x processes)."""
     grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
     max_seq_len: int = Field(1024, gt=1)
     """Training sequences are cut to this many tokens."""
     precision: Literal["no", "bf16", "fp16"] = "no"
@@ -218,8 +237,10 @@ class TrainConfig(Strict):
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """After linear warmup: cosine or linear decay to min_lr_ratio x lr, or constant."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Where cosine and linear schedules end, as a fraction of lr."""
     loss: LossConfig = LossConfig()
     log_every: int = Field(10, gt=0)
+    """Log training metrics (progress bar, metrics.jsonl, wandb / tensorboard) every N steps."""
     save_every: int = Field(0, ge=0)
     """Save a resumable checkpoint (drafter + optimizer, scheduler, RNG and data position) every N steps
     (0 = only the final one). A rerun of the same recipe resumes from the newest one."""
@@ -231,7 +252,9 @@ class TrainConfig(Strict):
     """Start from this drafter checkpoint's weights (fine-tuning, online distillation rounds) instead of the
     builder's initialisation; it must match the recipe's drafter."""
     wandb: bool = False
+    """Also log to Weights & Biases, project draftsmith (pip install draftsmith[wandb]; WANDB_* variables apply)."""
     tensorboard: bool = False
+    """Also write TensorBoard event files under <out_dir>/tensorboard/<stage> (pip install draftsmith[tensorboard])."""
     shard_target: bool = False
     """Multi-process runs: shard the frozen target's decoder layers over the processes with FSDP2 (each keeps 1/N
     of every layer's weights and all-gathers one layer at a time), for targets too large to replicate on every
@@ -242,6 +265,7 @@ class TrainConfig(Strict):
     eval_prompts: int = Field(4, gt=0)
     """Prompts (the first of eval.prompts) used by eval_every; each decodes eval_max_new_tokens tokens."""
     eval_max_new_tokens: int = Field(48, gt=0)
+    """New tokens per prompt of the in-training eval (eval_every)."""
 
 
 class TreeConfig(Strict):
@@ -278,6 +302,7 @@ class JudgeVerifyConfig(Strict):
     """Also score task accuracy of every output on these tasks (the eval prompts are then the tasks: eval.prompts.n
     of them from tasks_start)."""
     tasks_path: str | None = None
+    """Task file (JSONL); needed for gsm8k, default for humaneval: the packaged HumanEval."""
     tasks_start: int = Field(0, ge=0)
     """Index of the first task evaluated (held out from data.judge_labels' range)."""
 
@@ -293,6 +318,7 @@ class StopConfig(Strict):
     top probability of each next draft as its acceptance estimate, a distrusted draft left out (entropy and
     confidence work for every chain drafter: draft LMs, EAGLE, Medusa / Hydra heads, MLP speculator)."""
     threshold: float = Field(0.3, gt=0)
+    """The rule's threshold: specdecpp and confidence stop below this probability, entropy above this many nats."""
     min_len: int = Field(1, ge=0)
     """Drafts always made before a rule may stop. 0 (entropy and confidence rules): when even the first draft
     looks unsure, draft nothing and take a plain target step, so a weak drafter costs little where it cannot
@@ -322,8 +348,10 @@ class StopConfig(Strict):
 
 class EvalConfig(Strict):
     enabled: bool = True
+    """Whether `draftsmith run` runs this stage (`draftsmith eval` always does)."""
     prompts: PromptsConfig = PromptsConfig(source="mt_bench", n=20)
     max_new_tokens: int = Field(128, gt=0)
+    """Longest output per prompt (stops earlier at EOS)."""
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy (output must equal the target's); > 0 = lossless rejection sampling."""
     top_k: int = Field(0, ge=0)
@@ -372,7 +400,7 @@ class ExportConfig(Strict):
 
 class OnlineConfig(Strict):
     """`draftsmith serve` (OpenAI-compatible server on the bundled decoder) and `draftsmith online` (the learner
-    fed by request logs): online distillation from live traffic (algorithms.md A9)."""
+    fed by request logs): online distillation from live traffic (docs/algorithms.md A9)."""
     dir: str | None = None
     """Folder for traffic, versions and rounds; None = <out_dir>/online."""
     host: str = "127.0.0.1"
@@ -405,7 +433,7 @@ class OnlineConfig(Strict):
     """Teacher top-k stored for each update's records (0 when train.loss.teacher is target)."""
     positions: Literal["all", "wrong"] = "all"
     """Response positions trained on: all, or only where the target overruled the serving drafter (OSD's mask,
-    algorithms.md A9)."""
+    docs/algorithms.md A9)."""
     eval_tokens: int = Field(64, gt=0)
     """Tokens decoded per held-out request when comparing versions."""
     logs: list[str] = Field(default_factory=list)
@@ -419,9 +447,11 @@ class OnlineConfig(Strict):
 
 class Recipe(Strict):
     name: str = Field(min_length=1)
+    """Run name; also the default run folder runs/<name>."""
     out_dir: str | None = None
     """Run folder; None = runs/<name>."""
     seed: int = 0
+    """Seeds data sampling, training and eval sampling."""
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     drafter: DrafterConfig = DraftLMConfig()

@@ -98,3 +98,23 @@ def test_yaml_errors_name_the_line(tmp_path):
         load_recipe(str(p))
     with pytest.raises(DraftsmithError, match="recipe not found: nope.yaml"):
         load_recipe("nope.yaml")
+
+
+def test_recipe_reference_page_is_generated_from_the_schema_and_documents_every_key():
+    """docs/recipes.md equals what the schema renders (regenerate it after a schema change, see
+    recipes/reference.py), and every key of every section and drafter kind has its docstring."""
+    from pathlib import Path
+
+    from draftsmith.recipes.reference import render
+
+    page = render()
+    committed = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
+    assert committed == page, ("docs/recipes.md is out of date: run "
+                               "python -c \"from draftsmith.recipes.reference import write; write()\"")
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    undocumented = [row.split("|")[1].strip() for row in rows if row.rstrip().endswith("|  |")]
+    assert rows and not undocumented, undocumented
+    from draftsmith.models.registry import DRAFTERS
+
+    for kind in DRAFTERS:
+        assert f"`drafter` with `kind: {kind}`" in page

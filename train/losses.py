@@ -1,4 +1,4 @@
-"""Distillation losses, each defined once (algorithms.md A2.2, A3, A3.4), and one chunked LM-head driver.
+"""Distillation losses, each defined once (docs/algorithms.md A2.2, A3, A3.4), and one chunked LM-head driver.
 
 Every divergence is a function of (log p, log q) over a common support, per position -> (N,):
 - with full target logits the support is the vocabulary;
@@ -158,7 +158,7 @@ def _lk_combine(s, kl_scale=1.0, kl_decay=1.0, **_):
 def _tvdpp_full_terms(logp, logq, beta):
     """TVD++, full-support variant: reward r(v) = 1[p(v) > q(v)] standardised over the support per position,
     loss = -mean_v r_hat(v) log q(v). Weights every outcome equally, not by q: a different estimator from the
-    sampled one (algorithms.md A3.3 b)."""
+    sampled one (docs/algorithms.md A3.3 b)."""
     r = (logp > logq).to(logq.dtype)
     return r, r * logq, logq, torch.ones_like(logq)
 

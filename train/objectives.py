@@ -272,7 +272,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
 
 def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
-    """SpecDec++ acceptance head (algorithms.md A7): the frozen draft reads Z, the response with each token
+    """SpecDec++ acceptance head (docs/algorithms.md A7): the frozen draft reads Z, the response with each token
     replaced by the draft's own sample y with probability 1 - mixing_ratio; at every replaced position the head
     predicts the acceptance of y from the draft's state there. Weighted soft-label BCE on s = min(1, p(y)/q(y)):
     w (1 - s) (-log(1 - a)) + s (-log a), w = weight_mismatch on the rejected class.
@@ -434,7 +434,7 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, 
 
 
 def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
-    """Judge head (algorithms.md A8): the frozen target's final state at each what-if draft token (the record's
+    """Judge head (docs/algorithms.md A8): the frozen target's final state at each what-if draft token (the record's
     only loss position) -> P(acceptable); BCE against the mined label, classes weighted inversely to their
     frequency in the batch when ``balance``."""
     if "judge_label" not in batch:

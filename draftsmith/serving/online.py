@@ -1,4 +1,4 @@
-"""Online distillation (algorithms.md A9): keep the drafter learning from recorded traffic, with versioned swaps.
+"""Online distillation (docs/algorithms.md A9): keep the drafter learning from recorded traffic, with versioned swaps.
 
 - ``Versions``: ``<online dir>/versions/vNNNN`` drafter checkpoints and ``current.json`` ({version, history}),
   both written by rename, so a kill at any point leaves the last good version current. v0000 is the recipe's

@@ -1,4 +1,4 @@
-"""Recorded serving traffic for online distillation (algorithms.md A9): a bounded, crash-safe journal.
+"""Recorded serving traffic for online distillation (docs/algorithms.md A9): a bounded, crash-safe journal.
 
 Each finished request is one JSON line (prompt and response token ids, the drafter version that served it and
 its acceptance counts) appended to the newest segment file and fsync'd before the request is acknowledged as
