@@ -203,7 +203,8 @@ class Producer:
         lc = dc.specdec_labels
         self.label_sampling = Sampling(lc.temperature, lc.top_k, lc.top_p) if lc else None
         self._vllm = None
-        if dc.optimize:  # inference only from here on: fused, pre-packed matmuls (RESULTS.md, session 19)
+        if dc.optimize:  # inference only from here on: fused, pre-packed matmuls
+            # (benchmarks/journal/2026-11-24-quickstart-avx2-host.md)
             for m in (self.tgt.model, self.drafter, self.labeller):
                 if m is not None and hasattr(m, "optimize_for_inference"):
                     m.optimize_for_inference()

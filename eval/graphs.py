@@ -8,12 +8,12 @@ at slot indices held in a tensor and attention reads the whole cache buffer unde
 the forward depends on a Python integer. Each (T, mask kind, captured layers) is captured once into a CUDA graph
 and replayed: a verify that also returns hidden states (EAGLE's features, a head's last state) is one more shape,
 not an eager forward (eager, an EAGLE verify of the packaged SmolLM2 took 33-47 ms on an H100 against 2.6 ms for a
-graphed decode step, benchmarks/RESULTS.md session 18). Prefills (writes at slot 0), padded batches, ``logits_at``
-and ``head_fn`` calls run eagerly on the same cache.
+graphed decode step, benchmarks/journal/2026-11-24-h100-deepspeed-eagle3.md). Prefills (writes at slot 0), padded
+batches, ``logits_at`` and ``head_fn`` calls run eagerly on the same cache.
 
 ``GraphedEagle`` does the same for an EAGLE drafter's ``step(state, ids, ...)``: the state is one more static
 input, and each (T, mask kind, last-only) is a graph. An eager EAGLE draft step cost 1.7 ms in fp32 on the H100
-(session 18), most of a graphed 30-layer verify, for a one-layer model: launch overhead again.
+(2026-11-24), most of a graphed 30-layer verify, for a one-layer model: launch overhead again.
 
 With ``graphs=False`` (any device) the same static-shape forward runs without capture: the tests use it on CPU to
 check that the static path equals the eager one.

@@ -198,7 +198,7 @@ class AcceptanceStop:
         self.prepare = prepare  # drafter state -> head input (EAGLE: its head_input, as in training)
         self.before_feed = head.cfg.state == "before" and not skip
         # A reduced draft vocabulary's target ids (sorted): log q(y) and the entropy read only those logits (the
-        # rest are -inf), a sixth of the work with 8,192 of 49k rows (benchmarks/rule_costs.py).
+        # rest are -inf), a sixth of the work with 8,192 of 49k rows (benchmarks/experiments/rule_costs.py).
         self.keep = keep
         self.p_all = 1.0
 

@@ -18,7 +18,8 @@ verified prefix) and the embedding of the next token x_{i+1}, and predict x_{i+2
 **Deeper stacks** (``n_layers`` > 1, both versions): plain Llama blocks after that first layer, each with its own
 K/V, unrolled by TTT like the first; their output is the next state. The blocks start as the identity (zeroed
 output projections: a 1-layer checkpoint grows into a deeper one unchanged) or as copies of target layers
-(``init_layers``), as the standalone draft LM's depth came from the target's layers (RESULTS.md, session 15).
+(``init_layers``), as the standalone draft LM's depth came from the target's layers
+(benchmarks/journal/2026-11-24-deep-draft-lm.md).
 
 Decoding (eval/decoder.py, eval/tree_decoder.py): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on
 new positions with a KV cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs:

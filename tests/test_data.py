@@ -1,4 +1,4 @@
-"""The data stage (issue 3) on a tiny random Llama: record round-trip, multi-turn loss masks, teacher signals
+"""The data stage on a tiny random Llama: record round-trip, multi-turn loss masks, teacher signals
 (top-k, hidden states, SpecDec++ labels) against separate full forwards, sampling, fixed-data and on-policy
 modes, resume after a crash, 2 ranks == 1 rank, the vLLM adapter and bad input."""
 from __future__ import annotations

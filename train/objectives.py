@@ -376,7 +376,8 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
 def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, positions: bool = False):
     """SpecDec++ labels for frozen feature heads (Medusa, Hydra, MLP speculator), made in the loop -> (head inputs
     (N, S + 2), s (N,), slot (N,)), and with ``positions`` the flat index b * T + t of each row's t (where the
-    block starts: the target state the heads read) for studies of other features (benchmarks/skip_features.py).
+    block starts: the target state the heads read) for studies of other features
+    (benchmarks/experiments/skip_features.py).
 
     Head k at position t, teacher-forced on the target's features and the true tokens t+1..t+k+1 (the heads'
     training pass), drafts y for token t+k+2 from q; the target's distribution for that token is p at t+k+1; the

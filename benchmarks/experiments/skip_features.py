@@ -24,15 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from draftsmith.data.dataset import RecordDataset, collate
+from draftsmith.models.acceptance import AcceptanceHeadConfig
 from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter
 from draftsmith.train.objectives import Context, heads_acceptance_inputs
 
 
-def rows(heads, head, target, data: Path, batch_size: int, max_len: int) -> dict[str, torch.Tensor]:
+def rows(heads, head, target, data: Path, batch_size: int, max_len: int, heads_dir: str) -> dict[str, torch.Tensor]:
     """One row per (head k, position t) as the head's training sees them, with the extra signals."""
     ds = RecordDataset(data, max_len, signals=set())
-    ctx = Context(unwrapped=head, target=target, params={"label_temperature": 0.0})
+    ctx = Context(unwrapped=head, target=target, params=AcceptanceHeadConfig(draft=heads_dir, label_temperature=0.0))
     cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("record", "slot", "label", "logq", "entropy",
                                                           "target_logp", "target_entropy", "prev", "head")}
     t0 = time.time()
@@ -96,7 +97,7 @@ def main(argv=None) -> None:
         target = load_model(args.target).model.float().eval()
         heads, _ = load_drafter(Path(args.heads))
         head, _ = load_drafter(Path(args.head))
-        c = rows(heads, head, target, Path(args.data), args.batch_size, args.max_len)
+        c = rows(heads, head, target, Path(args.data), args.batch_size, args.max_len, args.heads)
     y, slot = c["label"], F.one_hot(c["slot"].long(), heads.max_draft_len).float()
     recs = c["record"].unique()
     test = torch.isin(c["record"], recs[torch.randperm(len(recs))[:len(recs) * 3 // 10]])
