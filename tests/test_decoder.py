@@ -916,11 +916,11 @@ def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outp
         assert seen == sorted(seen) and seen[0] == len(prompt) - 1
 
 
-# ---- write mode: heads and EAGLE write on-policy data (the data stage's data.on_policy) -----------------------------
+# ---- the data stage's writer: heads and EAGLE write on-policy data (data.on_policy, data/engine.py write_one) ------
 
 class _WritingOracleHeads(_AlignedOracleHeads):
     """Writes the target's greedy continuation one token per step, checking it is handed the state whose LM-head
-    output is ``cur``: write mode reproduces AR iff every step lines up."""
+    output is ``cur``: the writer reproduces AR iff every step lines up."""
 
     def propose(self, h, cur, gamma, pick):
         assert gamma == 1 and int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
@@ -930,36 +930,40 @@ class _WritingOracleHeads(_AlignedOracleHeads):
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra++", "eagle1", "eagle3"])
-def test_write_mode_lets_feature_drafters_write(target, ar_outputs, kind):
+def test_write_one_lets_feature_drafters_write(target, ar_outputs, kind):
+    from draftsmith.data.engine import write_one
+
     eagle = kind.startswith("eagle")
     drafter = _eagle(int(kind[-1]), target, 0.05) if eagle else _heads(kind, target, 4, 0.05)
     differs = 0
     for prompt in PROMPTS:
         want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
         oracle = _EagleOracle(target, prompt, want) if eagle else _WritingOracleHeads(target, want)
-        out, st = speculative_generate(target, oracle, x, NEW, write=True)
+        out, st = write_one(target, oracle, x, NEW)
         assert out == want and oracle.checked >= len(want) - 2
         assert st.target_forwards == st.drafted == len(out) - 1 and st.accepted == 0  # one token, one forward
         # a real drafter writes its own first drafts: deterministic when greedy, seeded when sampling
-        out, _ = speculative_generate(target, drafter, x, NEW, write=True)
-        assert len(out) == NEW and out == speculative_generate(target, drafter, x, NEW, write=True)[0]
+        out, _ = write_one(target, drafter, x, NEW)
+        assert len(out) == NEW and out == write_one(target, drafter, x, NEW)[0]
         differs += out != want
-        sampled = [speculative_generate(target, drafter, x, NEW, write=True, temperature=1.0,
-                                        generator=torch.Generator().manual_seed(s))[0] for s in (7, 7, 8)]
+        sampled = [write_one(target, drafter, x, NEW, temperature=1.0, generator=torch.Generator().manual_seed(s))[0]
+                   for s in (7, 7, 8)]
         assert sampled[0] == sampled[1] != sampled[2]
     assert differs > 0  # the drafter's text, not the target's
-    with pytest.raises(ValueError, match="write mode"):
-        speculative_generate(target, _model(1), torch.tensor(PROMPTS[0]), 4, write=True)
-    with pytest.raises(ValueError, match="write mode"):
-        speculative_generate(target, drafter, torch.tensor(PROMPTS[0]), 4, write=True, stop_drafting=lambda *a: True)
+    with pytest.raises(ValueError, match="write mode"):  # a draft LM writes through the batched generator
+        write_one(target, _model(1), torch.tensor(PROMPTS[0]), 4)
+    with pytest.raises(TypeError, match="stop_drafting"):  # one draft per step: no stop hook (nor judge) to take
+        write_one(target, drafter, torch.tensor(PROMPTS[0]), 4, stop_drafting=lambda *a: True)
+    with pytest.raises(TypeError, match="write"):  # the decoder proposes only; writing is the data stage's
+        speculative_generate(target, drafter, torch.tensor(PROMPTS[0]), 4, write=True)
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++", "eagle1", "eagle3"])
-def test_batched_writer_equals_write_mode_row_by_row(target, kind):
+def test_batched_writer_equals_write_one_row_by_row(target, kind):
     """The data stage's batched writer (left-padded rows, one target cache, one drafter cache) writes exactly
-    what the decoder's write mode writes for each row alone: greedy and seeded sampling, with rows ending at EOS
-    at different steps, whatever the batch order."""
-    from draftsmith.data.engine import Sampling, write_batch
+    what ``write_one`` writes for each row alone: greedy and seeded sampling, with rows ending at EOS at
+    different steps, whatever the batch order."""
+    from draftsmith.data.engine import Sampling, write_batch, write_one
 
     torch.manual_seed(0)  # the drafter's draws must not depend on test order: some make no sampled row reach EOS
     eagle = kind.startswith("eagle")
@@ -968,8 +972,8 @@ def test_batched_writer_equals_write_mode_row_by_row(target, kind):
     prompts = PROMPTS + [[7, 7, 1, 2]]
 
     def row(p, eos, temperature=0.0, seed=0):
-        return speculative_generate(target, drafter, torch.tensor(p), NEW, write=True, eos_ids=eos,
-                                    temperature=temperature, generator=torch.Generator().manual_seed(seed))[0]
+        return write_one(target, drafter, torch.tensor(p), NEW, eos_ids=eos, temperature=temperature,
+                         generator=torch.Generator().manual_seed(seed))[0]
 
     free = [row(p, None) for p in prompts]
     eos = {free[1][len(free[1]) // 2]}  # a token one row writes mid-way: rows stop at different steps
