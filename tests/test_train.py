@@ -434,7 +434,7 @@ KIND = {"hydra++": "hydra", "medusa-2": "medusa", "hydra-vocab": "hydra", "medus
 
 def _check_written(data_dir, tgt, drafter):
     """On-policy records by a drafter that reads the target's states: the drafter-written responses are exactly
-    what the one-row writer gives row by row (greedy; tests/test_decoder.py shows it writes the drafter's
+    what the one-row writer gives row by row (greedy; tests/test_data_writer.py shows it writes the drafter's
     text, and that the data stage's batched writer equals it)."""
     from draftsmith.data.dataset import RecordDataset
     from draftsmith.data.engine import write_one
