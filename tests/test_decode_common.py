@@ -12,6 +12,7 @@ import torch
 from conftest import (
     DECODE_PROMPTS,
     NEW,
+    PROPOSER_KINDS,
     TINY_CFG,
     TINY_CFG8,
     AntiDrafter,
@@ -24,6 +25,7 @@ from conftest import (
 
 from draftsmith.eval.accept import greedy_accept, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
+from draftsmith.eval.tree import DynamicTree, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.sampling import process_logits
 
@@ -433,3 +435,56 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
     with pytest.raises(DraftsmithError, match="tree attention"):
         tree_speculative_generate(tgt, tiny_model(1), prompt, 8, DynamicTree(top_k=2, depth=2, total_tokens=4))
 
+
+# ---- every proposer kind on every shape; the judge hook ---------------------------------------------------------
+
+SHAPES = {"chain": None, "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+          "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
+def test_every_proposer_kind_is_lossless_on_every_shape(target, ar_outputs, kind, shape):
+    """The one loop, greedy: for every drafter kind (conftest PROPOSER_KINDS) and every shape the output equals the
+    target's own greedy output token for token, and the stats are one consistent histogram."""
+    drafter = tiny_drafter(kind, target)
+    for prompt in DECODE_PROMPTS:
+        out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=3, tree=SHAPES[shape])
+        assert out == ar_outputs[tuple(prompt)], (kind, shape, len(prompt))
+        assert st.new_tokens == NEW and st.accepted <= st.drafted
+        check_tau_consistency(st)
+
+
+class _FixedJudge:
+    """The decoder's view of a judge (models/judge.py ``Judge``): accepts(target states (γ, D)) -> (γ,) bool."""
+
+    def __init__(self, ok: bool):
+        self.ok, self.seen = ok, []
+
+    def accepts(self, states):
+        self.seen.append(tuple(states.shape))
+        return torch.full(states.shape[:1], self.ok)
+
+
+def test_judge_hook_keeps_what_it_accepts_and_is_refused_where_not_implemented(target, ar_outputs):
+    """Lossy judge verification (greedy chains of a draft LM): a judge that accepts nothing is plain greedy
+    verification (the target's own output, the same steps, nothing judged); one that accepts everything keeps every
+    draft, counting those the target would not have chosen. It reads the target's final states at the drafts.
+    Sampling, feature drafters and trees are refused, as are stop hooks on trees."""
+    drafter, x = noisy_copy(target), torch.tensor(DECODE_PROMPTS[1])
+    want = ar_outputs[tuple(DECODE_PROMPTS[1])]
+    none, every = _FixedJudge(False), _FixedJudge(True)
+    _, plain = speculative_generate(target, drafter, x, NEW, draft_len=3)
+    out, st = speculative_generate(target, drafter, x, NEW, draft_len=3, judge=none)
+    assert out == want and st.judge_accepted == 0 and st.accept_counts == plain.accept_counts
+    assert none.seen and all(s[1:] == (TINY_CFG.dim,) for s in none.seen)
+    out, st = speculative_generate(target, drafter, x, NEW, draft_len=3, judge=every)
+    assert len(out) == NEW and out != want  # the drafter's text where the target disagreed
+    assert st.acceptance_rate == 1.0 and 0 < st.judge_accepted <= st.accepted
+    for kw in ({"temperature": 1.0}, {"tree": DynamicTree(2, 2, 4)}):
+        with pytest.raises(ValueError, match="judge"):
+            speculative_generate(target, drafter, x, 4, judge=every, **kw)
+    with pytest.raises(ValueError, match="judge"):
+        speculative_generate(target, tiny_drafter("medusa", target), x, 4, judge=every)
+    with pytest.raises(ValueError, match="stop_drafting"):
+        speculative_generate(target, drafter, x, 4, tree=DynamicTree(2, 2, 4), stop_drafting=lambda *a: True)
