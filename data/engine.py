@@ -3,8 +3,8 @@
 - ``decode_batch``: left-padded batched generation with one KV cache. Teacher signals are captured while the
   target generates (top-k log-probs at each new token, hidden states at every position, SpecDec++ labels from a
   drafter run in lock-step), so the target never runs twice over its own responses.
-- ``write_batch``: on-policy responses written by a drafter that reads the target's states (heads, EAGLE), the
-  batched form of the decoder's write mode.
+- ``write_batch``: on-policy responses written by a drafter that reads the target's states (heads, EAGLE);
+  ``write_one`` is its one-row reference, on the decoder's proposers (eval/proposers.py).
 - ``score_batch``: one teacher-forced forward over finished sequences (dataset responses, drafter-written or
   vLLM-written responses) giving the same signals.
 
@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.eval.accept import Sampler
+from draftsmith.eval.decoder import DecodeStats, emit, prepare_prompt, target_pass
+from draftsmith.eval.proposers import proposer_for
 from draftsmith.models.llama import Llama
 from draftsmith.models.sampling import process_logits, sample_rows
 
@@ -170,15 +173,14 @@ def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, e
 @torch.no_grad()
 def write_batch(model: Llama, drafter, contexts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
                 sampling: Sampling, gens: list[torch.Generator]) -> list[Generated]:
-    """On-policy responses written by a drafter that reads the target's states (heads, EAGLE): the decoder's
-    write mode (eval/decoder.py ``speculative_generate(write=True)``) for a left-padded batch, with one target KV
-    cache and one drafter cache.
+    """On-policy responses written by a drafter that reads the target's states (heads, EAGLE): ``write_one`` for
+    a left-padded batch, with one target KV cache and one drafter cache.
 
     The first token is the target's; every later one is the drafter's first draft after the last token. The
     target only runs one step behind, over the token just written, for the state the drafter reads next: its
     final hidden state (heads, through Hydra++'s prefix layer when there is one) or the captured feature layers
     (EAGLE, read in (feature, next token) pairs). Row b draws only from gens[b] and stops drawing at its EOS, so
-    its text does not depend on its batch-mates: it equals the one-row write mode's.
+    its text does not depend on its batch-mates: it equals ``write_one``'s.
     """
     if max_new_tokens <= 0:
         return [Generated([]) for _ in contexts]
@@ -230,6 +232,46 @@ def write_batch(model: Llama, drafter, contexts: list[list[int]], max_new_tokens
         k = next((j + 1 for j, x in enumerate(row) if x in eos_ids), len(row))  # keep EOS, drop what follows
         out.append(Generated(row[:k]))
     return out
+
+
+@torch.no_grad()
+def write_one(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+              top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
+              generator: torch.Generator | None = None):
+    """One row written by a drafter that reads the target's states (heads, EAGLE): the reference ``write_batch``
+    is tested equal to, built on the decoder's proposers. prompt_ids (T,) -> (tokens, EOS included if hit; stats).
+
+    The first token is the target's; every later one is the drafter's first draft after the last token (a chain
+    of one, picked with the given sampling settings), committed unverified. The target runs once per token only
+    to give the drafter the states it reads next. Not lossless, by design: it makes training data, never an eval.
+    A standalone draft LM writes through the batched generator (``decode_batch``) instead. The stats count the
+    steps (one target forward and one draft per token after the first), not their time.
+    """
+    proposer = proposer_for(drafter)(target, drafter)
+    if not proposer.reads_target:
+        raise ValueError("write mode is for drafters that read the target's states; a standalone draft LM writes "
+                         "through the batched generator (data/engine.py decode_batch)")
+    stats = DecodeStats(accept_counts=[0, 0])
+    if max_new_tokens <= 0:
+        return [], stats
+    sampler = Sampler(temperature, top_k, top_p, generator)
+    prompt = prepare_prompt(target, prompt_ids)
+    max_len = prompt.shape[1] + max_new_tokens + 2
+    cache = target.new_cache(1, max_len)
+    logits, captured = target_pass(target, prompt, cache, proposer.layers, last_only=True)
+    cur, _ = sampler.pick(logits)
+    proposer.prefill(prompt, captured, max_len)
+    out: list[int] = []
+    done = emit(out, [int(cur)], eos_ids, max_new_tokens)
+    while not done:
+        draft = proposer.chain(cur, 1, sampler.pick)
+        _, captured = target_pass(target, cur.view(1, 1), cache, proposer.layers)  # the states at cur, one behind
+        proposer.commit(draft, draft.tokens[:0], [0], captured)  # nothing of the verify is kept but cur's state
+        cur = draft.tokens
+        done = emit(out, [int(cur)], eos_ids, max_new_tokens)
+        stats.step(1, 0, 0.0, 0.0)
+    stats.new_tokens = len(out)
+    return out, stats
 
 
 def _split_rows(contexts, L, toks, eos_ids, rows, hidden) -> list[Generated]:

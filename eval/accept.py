@@ -1,12 +1,40 @@
 """Acceptance rules for chain speculative decoding (batch 1): greedy prefix matching and Leviathan/Chen rejection
-sampling (docs/algorithms.md A1, C7); the logits processing they rely on lives in models/sampling.py.
-Letters follow the docs: p = target, q = draft.
+sampling (docs/algorithms.md A1, C7), and the ``Sampler`` that drafts, target tokens and these rules share; the
+logits processing they rely on lives in models/sampling.py. Letters follow the docs: p = target, q = draft.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
 from draftsmith.kernels.verify import verify_greedy
+from draftsmith.models.sampling import process_logits
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """One decode's sampling settings. Drafts and the target's own tokens are drawn with ``pick``; the acceptance
+    rules process the target's logits with ``probs``, the same processing as the drafts' q (C7.2)."""
+
+    temperature: float = 0.0  # <= 0: greedy
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+    greedy: bool = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "greedy", self.temperature <= 0)
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (..., V) -> the processed distribution (..., V), fp32."""
+        return process_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def pick(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits (V,) -> (token (1,) long, probs (V,) it was drawn from, or None when greedy)."""
+        if self.greedy:
+            return logits.argmax(-1, keepdim=True), None
+        probs = self.probs(logits)
+        return torch.multinomial(probs, 1, generator=self.generator), probs
 
 
 def _accepted_prefix(ok: torch.Tensor) -> int:

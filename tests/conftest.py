@@ -166,3 +166,239 @@ def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
         assert main(args) == expect
         return out
     return run
+
+
+# ---- decoding: tiny float64 targets and drafters of every proposer kind (tests/test_decode_*.py, test_tree.py) -----
+# float64 so rounding cannot flip an argmax; the fixtures are module-scoped, like the models they build.
+
+from draftsmith.models.llama import LlamaConfig  # noqa: E402  (after the environment above, as every import here)
+
+TINY_CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
+TINY_CFG8 = LlamaConfig(vocab_size=8, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, max_seq_len=64)
+DECODE_PROMPTS = [[5], [3, 14, 15, 92, 65], list(range(10, 40))]
+NEW = 48  # new tokens per decode
+
+# The drafter kinds the lossless tests cover, one per way of decoding: every registered kind that proposes
+# (models/registry.py, spec interface set), with the variants that decode differently: a reduced draft vocabulary,
+# Hydra++'s prefix layer, EAGLE-1 and EAGLE-3. ``tiny_drafter`` builds each; a new kind needs no entry here.
+VARIANTS = {"draft_lm": ("draft_lm", "draft_lm-vocab"), "hydra": ("hydra", "hydra++"),
+            "eagle": ("eagle1", "eagle3", "eagle3-vocab")}
+
+
+def proposer_kinds() -> tuple[str, ...]:
+    from draftsmith.models.registry import DRAFTERS
+
+    return tuple(v for kind, spec in DRAFTERS.items() if spec.interface is not None for v in VARIANTS.get(kind, (kind,)))
+
+
+PROPOSER_KINDS = proposer_kinds()
+
+
+def tiny_model(seed: int, cfg: LlamaConfig = TINY_CFG, logit_scale: float = 1.0):
+    from draftsmith.models.llama import Llama
+
+    torch.manual_seed(seed)
+    m = Llama(cfg).double().eval()
+    with torch.no_grad():
+        m.lm_head.weight.mul_(logit_scale)  # sharper distributions: fewer effective outcomes, less sampling noise
+    return m
+
+
+def noisy_copy(model, scale: float = 0.25, seed: int = 2):
+    """The model with Gaussian noise on every weight: a mediocre drafter that accepts some drafts, not all."""
+    m = tiny_model(0, model.cfg)
+    m.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
+    return m
+
+
+class AntiDrafter(torch.nn.Module):
+    """Llama-like drafter whose argmax is always the target's argmin, so every greedy draft is rejected."""
+
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def new_cache(self, batch: int, max_len: int):
+        return self.target.new_cache(batch, max_len)
+
+    def forward(self, ids, **kw):  # any call the target takes (cache, pos, tree attn_mask)
+        return -self.target(ids, **kw)
+
+
+def tiny_heads(kind: str, target, k: int, noise: float):
+    """Medusa, MLP speculator, Hydra or Hydra++ heads (k of them) with noise on every weight (global RNG)."""
+    from draftsmith.models.registry import build_drafter
+
+    params = {"n_predict": k} if kind == "mlp_speculator" else {"n_heads": k}
+    if kind == "hydra++":
+        kind, params = "hydra", {**params, "prefix_attention": True}
+    heads = build_drafter(kind, params, target)
+    with torch.no_grad():  # non-trivial heads, not the identity start
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return heads
+
+
+def tiny_eagle(version: int, target, noise: float, **params):
+    from draftsmith.models.eagle import build_eagle
+
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)  # draft_vocab keeps the highest ids (+ EOS 2)
+    e = build_eagle({"version": version, **params}, target, counts=counts, eos_ids={2}).double().eval()
+    with torch.no_grad():  # a non-trivial random drafter
+        for p in e.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return e
+
+
+def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05):
+    """A tiny drafter of one of ``PROPOSER_KINDS`` for ``target``, good enough to accept some drafts, not all."""
+    if kind == "draft_lm":
+        return noisy_copy(target)
+    if kind == "draft_lm-vocab":  # the noisy copy's layers, its head cut to the 48 most frequent (here: highest) ids
+        from draftsmith.models.registry import build_drafter
+
+        counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)
+        small = build_drafter("draft_lm", {"n_layers": target.cfg.n_layers, "draft_vocab": 48}, target,
+                              counts=counts, eos_ids={2}).eval()
+        small.layers.load_state_dict(noisy_copy(target).layers.state_dict())
+        return small
+    if kind.startswith("eagle"):
+        return tiny_eagle(int(kind[5]), target, noise, **({"draft_vocab": 24} if kind.endswith("vocab") else {}))
+    if kind in ("medusa", "mlp_speculator", "hydra", "hydra++"):
+        return tiny_heads(kind, target, heads, noise)
+    from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise
+
+    drafter = build_drafter(kind, small_section(kind), target).to(target.lm_head.weight.dtype).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    # Tiny models: intra-op threads only add sync overhead, and on a busy small box they can cost 10x.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target):
+    """The target's own greedy output for every decode prompt: what every lossless decode must reproduce."""
+    from draftsmith.eval.decoder import autoregressive_generate
+
+    return {tuple(p): autoregressive_generate(target, torch.tensor(p), NEW) for p in DECODE_PROMPTS}
+
+
+def check_tau_consistency(st):
+    # tau = 1 + sum_k prod_{j<=k} alpha_j holds exactly when both come from the same histogram (A1.3).
+    import math
+
+    assert sum(st.accept_counts) == st.target_forwards
+    assert sum(k * c for k, c in enumerate(st.accept_counts)) == st.accepted
+    ppa = st.per_position_acceptance()
+    assert st.tau == pytest.approx(1 + sum(math.prod(ppa[:k]) for k in range(1, len(ppa) + 1)))
+
+
+def tv(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a.double() - b.double()).abs().sum())
+
+
+def exact_joint(model, prompt: list[int], depth: int) -> torch.Tensor:
+    """P(t1..t_depth | prompt) at temperature 1 by enumerating all V**depth continuations (no cache)."""
+    from draftsmith.models.sampling import process_logits
+
+    V = model.cfg.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * depth).view(-1, depth)  # (V**depth, depth)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
+    with torch.no_grad():
+        probs = process_logits(model(ids)[:, len(prompt) - 1:], 1.0)  # (V**depth, depth, V)
+    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).view(*[V] * depth)
+
+
+def sampled_joint(decode, target, prompt, depth: int, N: int):
+    """Run ``decode(prompt_tensor) -> (tokens, stats)`` N times. Returns the empirical joint of the first ``depth``
+    new tokens, the exact joint under the target, and the merged stats."""
+    from draftsmith.eval.decoder import DecodeStats
+
+    joint = exact_joint(target, prompt, depth)  # (V,) * depth
+    counts = torch.zeros_like(joint)
+    st = DecodeStats()
+    for _ in range(N):
+        out, s = decode(torch.tensor(prompt))
+        counts[tuple(out[:depth])] += 1
+        st.merge(s)
+    return counts / N, joint, st
+
+
+class AlignedOracleHeads:
+    """A feature drafter that checks the decoder hands it the right hidden state (the target's LM head on it gives
+    back ``cur``) and proposes the known greedy continuation ``ar``: full acceptance iff everything lines up."""
+    reads_target_hidden = True
+    max_draft_len = 4
+
+    def __init__(self, target, ar):
+        self.target, self.ar, self.k, self.checked = target, ar, 0, 0
+
+    def new_context(self, max_len):
+        return None
+
+    def read_context(self, hs, cache=None):
+        return hs
+
+    def propose(self, h, cur, gamma, pick):
+        assert int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
+        drafts = self.ar[self.k + 1:self.k + 1 + gamma]
+        self.k += len(drafts) + 1  # all accepted, then one bonus token
+        self.checked += 1
+        return torch.tensor(drafts, dtype=torch.long), None
+
+
+class EagleOracle:
+    """An EAGLE-protocol drafter that checks every committed pair (f_i, x_{i+1}) it is handed is aligned (the
+    target's LM head on f_i gives x_{i+1}, for generated positions) and proposes the known greedy continuation:
+    full acceptance iff the decoder's features, tokens and positions all line up."""
+    reads_target_features = True
+
+    def __init__(self, target, prompt, ar):
+        self.target, self.seq, self.P = target, list(prompt) + list(ar), len(prompt)
+        self.capture_layers, self.checked, self._real = (target.cfg.n_layers,), 0, False
+
+    def features(self, cap, target):
+        return target.norm(cap[target.cfg.n_layers])
+
+    def project(self, f):
+        self._real = True  # only the root call reads target features
+        return f
+
+    def new_cache(self, batch, max_len):
+        return type("Cache", (), {"length": 0})()
+
+    def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only=False):
+        T = ids.shape[1]
+        pos = torch.arange(cache.length, cache.length + T) if pos is None else pos[0]
+        cache.length += T
+        if self._real:  # pair at position i: feature f_i, token x_{i+1}
+            self._real = False
+            for j in range(T):
+                assert int(ids[0, j]) == self.seq[int(pos[j]) + 1]
+                if pos[j] >= self.P - 1:
+                    assert int(self.target.lm_head(state[0, j]).argmax()) == int(ids[0, j])
+                    self.checked += 1
+        V = self.target.cfg.vocab_size
+        logits = torch.full((1, T, V), -10.0, dtype=torch.float64)
+        for j in range(T):
+            nxt = int(pos[j]) + 2
+            logits[0, j, self.seq[nxt] if nxt < len(self.seq) else 0] = 10.0
+        return (logits[:, -1:] if last_only else logits), state

@@ -171,31 +171,33 @@ def test_graphed_decoding_is_lossless():
 def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
     """TreeGraph (a dynamic tree with its slot offset on the device and full-width masks, captured on CUDA) against
     the eager levels it replaces, uncaptured on CPU: the same tokens, parents, mask and depths, step after step."""
-    from draftsmith.eval.decoder import _Drafting
-    from draftsmith.eval.tree_decoder import TreeGraph, _level, _tree_levels
+    from draftsmith.eval.proposers import TokenProposer, TreeGraph
+    from draftsmith.eval.shapes import Draft, feed_level, tree_levels
 
     gd = GraphedLlama(_model(1, n_layers=1), 256, graphs=False)
     p = torch.randint(0, 300, (12,))
     for spec in (DynamicTree(depth=3, top_k=3, total_tokens=8), DynamicTree(depth=5, top_k=4, total_tokens=30)):
-        run = _Drafting(gd, 256, p, None)
+        run = TokenProposer(None, gd)
+        run.prefill(p.view(1, -1), {}, 256)  # as trees do: the prompt is read with the first root
         assert run.cache is gd._cache
         cur = torch.tensor([5])
         with torch.no_grad():
             for accepted in ([], [7, 9], [11]):  # three steps: the tree's first slot moves on
                 logits, _ = run.root(cur)
                 base = run.cache.length
-                want = _tree_levels(run, logits, None, base, spec, _level)
+                want = tree_levels(run, logits, None, base, spec, feed_level)
                 got = TreeGraph.of(gd, spec)(logits, base)
                 for w, g in zip(want, got, strict=True):
                     assert torch.equal(w, g)
-                run.commit(torch.tensor(accepted, dtype=torch.long), None)
+                kept = torch.tensor(accepted, dtype=torch.long)
+                run.commit(Draft(cur, want[0]), kept, list(range(len(accepted) + 1)), {})
     assert len(gd._tree_graphs) == 2
 
 
 def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
     """If a drafter's tree cannot be captured (an op CUDA graphs refuse), decoding stays lossless level by level
     and says so once."""
-    from draftsmith.eval.tree_decoder import TreeGraph
+    from draftsmith.eval.proposers import TreeGraph
 
     t, d = _model(0), _model(1, n_layers=1)
     gt, gd = GraphedLlama(t, 256, graphs=False), GraphedLlama(d, 256, graphs=False)
@@ -207,7 +209,7 @@ def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
     monkeypatch.setattr(gd, "capture", refuse)
     p = torch.randint(0, 300, (12,))
     ref = autoregressive_generate(t, p, 30)
-    with caplog.at_level("WARNING", logger="draftsmith.eval.decoder"):
+    with caplog.at_level("WARNING", logger="draftsmith.eval.proposers"):
         assert tree_speculative_generate(gt, gd, p, 30, spec)[0] == ref
         assert tree_speculative_generate(gt, gd, p, 30, spec)[0] == ref
     assert not gd._tree_graphs[spec].usable

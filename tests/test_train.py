@@ -420,11 +420,11 @@ def _case(name: str):
 
 def _check_written(data_dir, tgt, drafter):
     """On-policy records by a drafter that reads the target's states: the drafter-written responses are exactly
-    what the decoder's write mode gives row by row (greedy; tests/test_decoder.py shows that mode writes the
-    drafter's text, and that the data stage's batched writer equals it)."""
+    what the one-row writer gives row by row (greedy; tests/test_data_writer.py shows it writes the drafter's
+    text, and that the data stage's batched writer equals it)."""
     from draftsmith.data.dataset import RecordDataset
+    from draftsmith.data.engine import write_one
     from draftsmith.data.records import SOURCES
-    from draftsmith.eval.decoder import speculative_generate
 
     ds = RecordDataset(data_dir, 10_000)
     recs = [ds[i] for i in range(len(ds))]
@@ -433,7 +433,7 @@ def _check_written(data_dir, tgt, drafter):
     for r in written:
         start = int(r.loss_mask.nonzero()[0])  # one turn: the context, then the response
         ctx, resp = r.input_ids[:start], r.input_ids[start:][r.loss_mask[start:]].tolist()
-        assert resp == speculative_generate(tgt, drafter, ctx, len(resp), write=True)[0]
+        assert resp == write_one(tgt, drafter, ctx, len(resp))[0]
 
 
 @pytest.mark.parametrize("kind", HEADS)

@@ -9,20 +9,7 @@ import math
 
 import pytest
 import torch
-from test_decoder import (  # noqa: F401  (fixtures shared with the chain decoder tests)
-    CFG,
-    CFG8,
-    NEW,
-    PROMPTS,
-    AntiDrafter,
-    _model,
-    _noisy_copy,
-    _one_thread,
-    _tv,
-    ar_outputs,
-    sampled_joint,
-    target,
-)
+from conftest import DECODE_PROMPTS, NEW, TINY_CFG, TINY_CFG8, AntiDrafter, noisy_copy, sampled_joint, tiny_model, tv
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
@@ -38,6 +25,8 @@ from draftsmith.eval.tree import (
     tree_from_choices,
 )
 from draftsmith.eval.tree_decoder import tree_speculative_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
 BINARY3 = [[a] for a in range(2)] + [[a, b] for a in range(2) for b in range(2)] + \
     [[a, b, c] for a in range(2) for b in range(2) for c in range(2)]  # 14 nodes
@@ -96,11 +85,11 @@ def test_compact_cache_moves_the_kept_slots(target):
 @pytest.mark.parametrize("tree", list(TREES), ids=str)
 @pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
 def test_tree_greedy_lossless(target, ar_outputs, kind, tree):
-    drafter = {"bad": lambda: _model(1), "noisy": lambda: _noisy_copy(target), "oracle": lambda: target,
+    drafter = {"bad": lambda: tiny_model(1), "noisy": lambda: noisy_copy(target), "oracle": lambda: target,
                "anti": lambda: AntiDrafter(target)}[kind]()
     spec = TREES[tree]
     depth = spec.depth if isinstance(spec, DynamicTree) else max(spec.depths)
-    for prompt in PROMPTS:
+    for prompt in DECODE_PROMPTS:
         out, stats = tree_speculative_generate(target, drafter, torch.tensor(prompt), NEW, spec)
         assert out == ar_outputs[tuple(prompt)], (kind, tree, len(prompt))
         assert stats.new_tokens == NEW and sum(stats.accept_counts) == stats.target_forwards
@@ -114,8 +103,8 @@ def test_tree_greedy_lossless(target, ar_outputs, kind, tree):
 
 def test_tree_beats_chain_acceptance_with_a_noisy_drafter(target):
     """A branching tree of the same depth accepts at least as much as the chain it contains (same drafter)."""
-    drafter = _noisy_copy(target, scale=0.6)
-    prompt = torch.tensor(PROMPTS[1])
+    drafter = noisy_copy(target, scale=0.6)
+    prompt = torch.tensor(DECODE_PROMPTS[1])
     _, chain = tree_speculative_generate(target, drafter, prompt, NEW, chain_tree(3))
     _, wide = tree_speculative_generate(target, drafter, prompt, NEW, tree_from_choices(BINARY3))
     assert wide.tau >= chain.tau
@@ -126,15 +115,15 @@ def test_tree_beats_chain_acceptance_with_a_noisy_drafter(target):
 
 def test_tree_sampling_matches_target_end_to_end():
     """Sampling through a branching tree keeps the target's distribution: joint of the first 3 new tokens."""
-    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen, N = torch.Generator().manual_seed(0), 3000
     spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]])
     emp, joint, st = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, spec, temperature=1.0,
                                                                        generator=gen), target, [1, 2, 3, 4], 3, N)
     assert 0.1 * N < st.accepted < 2 * N  # some steps accept, some reject
     for dims in [(1, 2), (0, 2), (0, 1)]:
-        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
-    assert _tv(emp.sum(2), joint.sum(2)) < 0.05
+        assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert tv(emp.sum(2), joint.sum(2)) < 0.05
 
 
 def test_sample_tree_accept_descends_only_into_matching_children():
@@ -173,20 +162,20 @@ def test_best_nodes_are_ancestor_closed_parent_first_and_fixed_size():
 
 
 def test_dynamic_tree_sampling_matches_target_end_to_end():
-    target, drafter = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen = torch.Generator().manual_seed(1)
     emp, joint, _ = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, DynamicTree(2, 3, 5),
                                                                       temperature=1.0, generator=gen),
                                   target, [1, 2, 3, 4], 3, 2000)
     for dims in [(1, 2), (0, 2), (0, 1)]:
-        assert _tv(emp.sum(dims), joint.sum(dims)) < 0.035, dims
+        assert tv(emp.sum(dims), joint.sum(dims)) < 0.035, dims
 
 
 def test_dynamic_tree_follows_a_confident_drafter_to_full_depth():
     """With a sharp target as its own drafter, the top-1 path outscores every sibling, so reranking keeps it to
     the full depth and every step accepts `depth` drafts."""
-    target = _model(0, logit_scale=30.0)
-    prompt = torch.tensor(PROMPTS[1])
+    target = tiny_model(0, logit_scale=30.0)
+    prompt = torch.tensor(DECODE_PROMPTS[1])
     ref = autoregressive_generate(target, prompt, NEW)
     out, stats = tree_speculative_generate(target, target, prompt, NEW, DynamicTree(top_k=3, depth=4,
                                                                                      total_tokens=10))
@@ -211,10 +200,10 @@ class ReducedVocabDrafter(nn.Module):
 
 @pytest.mark.parametrize("tree", ["chain", "binary3", "dynamic"])
 def test_reduced_draft_vocabulary_is_lossless_and_maps_ids(target, ar_outputs, tree):
-    prompt = PROMPTS[1]
+    prompt = DECODE_PROMPTS[1]
     ref = ar_outputs[tuple(prompt)]
-    covering = sorted(set(ref) | set(range(0, CFG.vocab_size, 3)))  # every target argmax is draftable
-    partial = list(range(0, CFG.vocab_size, 2))  # many target tokens are not
+    covering = sorted(set(ref) | set(range(0, TINY_CFG.vocab_size, 3)))  # every target argmax is draftable
+    partial = list(range(0, TINY_CFG.vocab_size, 2))  # many target tokens are not
     for used, oracle in ((covering, True), (partial, False)):
         drafter = ReducedVocabDrafter(target, used)
         if tree == "chain":
@@ -232,12 +221,12 @@ def test_reduced_draft_vocabulary_is_lossless_and_maps_ids(target, ar_outputs, t
 
 
 def test_reduced_draft_vocabulary_sampling_keeps_the_target_distribution():
-    target, base = _model(0, CFG8, logit_scale=3.0), _model(1, CFG8, logit_scale=3.0)
+    target, base = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     drafter = ReducedVocabDrafter(base, [0, 2, 3, 5, 7])
     gen = torch.Generator().manual_seed(5)
     emp, joint, _ = sampled_joint(lambda x: speculative_generate(target, drafter, x, 3, draft_len=2, temperature=1.0,
                                                                  generator=gen), target, [1, 2, 3, 4], 2, 2500)
-    assert _tv(emp.sum(1), joint.sum(1)) < 0.03 and _tv(emp.sum(0), joint.sum(0)) < 0.035
+    assert tv(emp.sum(1), joint.sum(1)) < 0.03 and tv(emp.sum(0), joint.sum(0)) < 0.035
 
 
 def test_choices_from_measured_head_accuracies():
