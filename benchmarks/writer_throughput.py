@@ -1,6 +1,6 @@
 """On-policy writing by drafters that read the target's states (heads, EAGLE): the data stage's batched writer
 (draftsmith.data.engine.write_batch) against the decoder's write mode one row at a time
-(``speculative_generate(..., write=True)``), on the same prompts, target and checkpoints, side by side in one
+(``write_one``), on the same prompts, target and checkpoints, side by side in one
 process. The target's own batched generation (decode_batch) runs alongside as the reference for what a batch of
 rows costs.
 
@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.engine import Sampling, decode_batch, write_batch
+from draftsmith.data.engine import Sampling, decode_batch, write_batch, write_one
 from draftsmith.data.prompts import load_prompts
-from draftsmith.eval.decoder import speculative_generate
 from draftsmith.eval.timing import interleave
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
@@ -52,7 +51,7 @@ def main() -> None:
         return [g.tokens for b in batches for g in decode_batch(tgt.model, b, a.max_new, eos, greedy, [None] * len(b))]
 
     def one_row(drafter):
-        return [speculative_generate(tgt.model, drafter, torch.tensor(p), a.max_new, eos_ids=eos, write=True)[0]
+        return [write_one(tgt.model, drafter, torch.tensor(p), a.max_new, eos_ids=eos)[0]
                 for p in prompts]
 
     def batched(drafter):
@@ -66,7 +65,7 @@ def main() -> None:
         decode_batch(tgt.model, batches[0], 4, eos, greedy, [None] * len(batches[0]))  # warm-up: first-call costs
         for ck in a.checkpoints:
             drafter, info = load_drafter(ck)
-            speculative_generate(tgt.model, drafter, torch.tensor(prompts[0]), 4, eos_ids=eos, write=True)  # warm-up
+            write_one(tgt.model, drafter, torch.tensor(prompts[0]), 4, eos_ids=eos)  # warm-up
             t = interleave({"target": target_rows, "one": lambda d=drafter: one_row(d),
                             "batched": lambda d=drafter: batched(d)}, warmup=0, repeats=a.repeats)
             tokens = {k: sum(len(r) for r in v.last) for k, v in t.items()}

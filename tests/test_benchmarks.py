@@ -20,7 +20,7 @@ MAINTAINED = ["step_costs", "generate_throughput", "writer_throughput", "loss_me
               "dynamic_tree_draft", "export_roundtrip", "online_proof", "kind_table", "export_prompts"]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
-PRIVATE = {"eagle_steps": {"_draft_chain", "_Drafting", "_pick"}, "self_speculation": {"_DTYPES"}}
+PRIVATE = {"self_speculation": {"_DTYPES"}}
 
 
 def _path(name: str) -> Path:

@@ -17,7 +17,7 @@ draft steps per dtype (where a bf16 draft step spends its time next to an fp32 o
     python benchmarks/experiments/eagle_steps.py                        # CUDA if present, fp32 and bf16
     python benchmarks/experiments/eagle_steps.py --device cpu --dtypes float32 --reps 20
 
-It calls the chain decoder's private drafting pieces (eval/decoder.py ``_Drafting``, ``_draft_chain``, ``_pick``)
+It calls the decoder's drafting pieces (eval/proposers.py ``FeatureProposer``, eval/shapes.py ``draft_chain``)
 to time one draft block on its own.
 """
 from __future__ import annotations
@@ -29,8 +29,10 @@ from types import SimpleNamespace
 
 import torch
 
+from draftsmith.eval.accept import Sampler
 from draftsmith.eval.bench import fast_model
-from draftsmith.eval.decoder import _draft_chain, _Drafting, _pick
+from draftsmith.eval.proposers import FeatureProposer
+from draftsmith.eval.shapes import draft_chain
 from draftsmith.eval.timing import interleave, sync
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.llama import Llama, LlamaConfig
@@ -82,12 +84,15 @@ def step_jobs(target, drafter, args, device: str) -> dict:
         # A whole block as the decoder drafts it: root over the accepted token, γ - 1 fed drafts, greedy picks.
         prompt = ids(ctx)[0]
         feats = torch.randn(ctx, drafter.cfg.feature_dim, device=dev, dtype=dt)
-        run = _Drafting(drafter, max_len, prompt, feats)
-        cur = ids(1)[0]
+        run = FeatureProposer(target, drafter)
+        run.cache, run.ids, run.feats = drafter.new_cache(1, max_len), prompt[1:], feats  # as after a prefill
+        cur, pick = ids(1)[0], Sampler().pick
 
         def block():
-            _draft_chain(run, cur, g, lambda row: _pick(row, 0.0, 0, 1.0, None))
-            run.commit(cur.new_empty(0), feats[:1])  # nothing accepted: the next root reads one pair
+            draft_chain(run, cur, g, pick)
+            # nothing accepted: roll back to the root, and the next root reads one pair
+            run.cache.length, run.root_len = run.root_len, None
+            run.ids, run.feats = cur.new_empty(0), feats[:1]
         jobs[f"chain block γ={g}"] = block
     return jobs
 
