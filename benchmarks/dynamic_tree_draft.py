@@ -22,6 +22,7 @@ launches, graph replays and syncs per step: drafting and the tiny target's verif
 
     python benchmarks/dynamic_tree_draft.py [--device cpu] [--rounds 5] [--new-tokens 64] [--profile]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,23 +76,36 @@ def main() -> None:
     dyn = DynamicTree(top_k=a.top_k, depth=a.depth, total_tokens=a.nodes)
     static = tree_from_choices(static_choices(a.top_k, a.depth, a.nodes))
     n = a.new_tokens
-    jobs = {"dynamic tree": lambda: tree_speculative_generate(target, drafter, prompt, n, dyn),
-            "dynamic tree, static-shape drafter": lambda: tree_speculative_generate(target, graphed, prompt, n, dyn),
-            f"static tree ({len(static)} nodes)": lambda: tree_speculative_generate(target, drafter, prompt, n, static),
-            f"chain γ={a.depth}": lambda: speculative_generate(target, drafter, prompt, n, draft_len=a.depth)}
+    jobs = {
+        "dynamic tree": lambda: tree_speculative_generate(target, drafter, prompt, n, dyn),
+        "dynamic tree, static-shape drafter": lambda: tree_speculative_generate(target, graphed, prompt, n, dyn),
+        f"static tree ({len(static)} nodes)": lambda: tree_speculative_generate(target, drafter, prompt, n, static),
+        f"chain γ={a.depth}": lambda: speculative_generate(target, drafter, prompt, n, draft_len=a.depth),
+    }
     with torch.no_grad():
         ref = autoregressive_generate(target, prompt, n)
-        t = interleave(jobs, warmup=1, repeats=a.rounds, device=dev,
-                       measure=lambda out: out[1].draft_time_s / out[1].target_forwards)
-    print(f"device {dev}, 1 thread, tiny float32 drafter ({drafter.num_params() / 1e3:.0f}k params), dynamic tree "
-          f"top-{a.top_k} depth {a.depth} {a.nodes} nodes, {n} new tokens per decode, median of {a.rounds} rounds")
-    print("| drafting | ms per step | rounds | nodes per step | τ | x dynamic tree | output = AR |\n"
-          "|---|---|---|---|---|---|---|")
+        t = interleave(
+            jobs,
+            warmup=1,
+            repeats=a.rounds,
+            device=dev,
+            measure=lambda out: out[1].draft_time_s / out[1].target_forwards,
+        )
+    print(
+        f"device {dev}, 1 thread, tiny float32 drafter ({drafter.num_params() / 1e3:.0f}k params), dynamic tree "
+        f"top-{a.top_k} depth {a.depth} {a.nodes} nodes, {n} new tokens per decode, median of {a.rounds} rounds"
+    )
+    print(
+        "| drafting | ms per step | rounds | nodes per step | τ | x dynamic tree | output = AR |\n"
+        "|---|---|---|---|---|---|---|"
+    )
     for name, tm in t.items():
         out, stats = tm.last
-        print(f"| {name} | {tm.median * 1e3:.3f} | {' '.join(f'{x * 1e3:.2f}' for x in tm.times)} | "
-              f"{stats.drafted / stats.target_forwards:.1f} | {stats.tau:.2f} | {t.ratio(name, 'dynamic tree'):.2f} | "
-              f"{out == ref} |")
+        print(
+            f"| {name} | {tm.median * 1e3:.3f} | {' '.join(f'{x * 1e3:.2f}' for x in tm.times)} | "
+            f"{stats.drafted / stats.target_forwards:.1f} | {stats.tau:.2f} | {t.ratio(name, 'dynamic tree'):.2f} | "
+            f"{out == ref} |"
+        )
     print(t.note)
     if a.profile:
         with torch.no_grad():
@@ -115,14 +129,19 @@ def profile(decode, name: str, device: str) -> None:
     ev = p.key_averages()
     count = {e.key: e.count for e in ev}
     aten = sum(e.count for e in ev if e.key.startswith("aten::"))
-    launches = sum(v for k, v in count.items() if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx",
-                                                        "cudaLaunchKernelExC"))
+    launches = sum(
+        v
+        for k, v in count.items()
+        if k in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+    )
     syncs = sum(v for k, v in count.items() if "Synchronize" in k or k.startswith("cudaMemcpy"))
     replays = count.get("cudaGraphLaunch", 0)
     dev_ms = sum(e.self_device_time_total for e in ev if e.device_type.name == "CUDA") / 1e3
-    print(f"[profile, {name}] per step: {wall / steps * 1e3:.2f} ms wall (under the profiler), "
-          f"{dev_ms / steps:.2f} ms device, {aten / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
-          f"{replays / steps:.0f} graph replays, {syncs / steps:.1f} syncs/copies")
+    print(
+        f"[profile, {name}] per step: {wall / steps * 1e3:.2f} ms wall (under the profiler), "
+        f"{dev_ms / steps:.2f} ms device, {aten / steps:.0f} aten ops, {launches / steps:.0f} kernel launches, "
+        f"{replays / steps:.0f} graph replays, {syncs / steps:.1f} syncs/copies"
+    )
     print(ev.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=40))
 
 

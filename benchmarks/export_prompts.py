@@ -7,6 +7,7 @@ of prompts written.
     python benchmarks/export_prompts.py --source sharegpt --n 6000 --seed 1 --out .gpu/sharegpt.jsonl
     python benchmarks/export_prompts.py --source mt_bench --n 8 --seed 0 --out .gpu/mtbench.jsonl
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ from draftsmith.data.prompts import load_prompts
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--source", required=True, choices=["sharegpt", "mt_bench", "humaneval"],
-                    help="packaged prompt source (the recipe's data.prompts.source)")
+    ap.add_argument(
+        "--source",
+        required=True,
+        choices=["sharegpt", "mt_bench", "humaneval"],
+        help="packaged prompt source (the recipe's data.prompts.source)",
+    )
     ap.add_argument("--n", type=int, default=None, help="first n usable prompts after shuffling (default: all)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (the recipe's prompts.seed)")
     ap.add_argument("--no-shuffle", action="store_true", help="keep the source's order")

@@ -12,6 +12,7 @@ CPU other processes took meanwhile.
     python benchmarks/export_roundtrip.py runs/quickstart:hf,vllm runs/eagle3-smollm2:hf,vllm,sglang \\
         runs/medusa-smollm2:hf,medusa [--prompts 3 --new-tokens 64]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +40,15 @@ def main() -> None:
     a = ap.parse_args()
     tgt = load_model(a.target)
     eos = stop_ids(tgt.path, tgt.tokenizer)
-    prompts = [torch.tensor(encode_chat(tgt.tokenizer, first_turn(p.messages)))
-               for p in load_prompts("mt_bench", None, a.prompts, shuffle=True, seed=0)]
+    prompts = [
+        torch.tensor(encode_chat(tgt.tokenizer, first_turn(p.messages)))
+        for p in load_prompts("mt_bench", None, a.prompts, shuffle=True, seed=0)
+    ]
 
     def decode(drafter, prompts=prompts, new_tokens=a.new_tokens):
         outs, taus = [], []
         for ids in prompts:
-            out, stats = speculative_generate(tgt.model, drafter, ids, new_tokens, draft_len=a.draft_len,
-                                              eos_ids=eos)
+            out, stats = speculative_generate(tgt.model, drafter, ids, new_tokens, draft_len=a.draft_len, eos_ids=eos)
             outs.append(out)
             taus.append(round(stats.tau, 6))
         return outs, taus
@@ -64,17 +66,19 @@ def main() -> None:
             folder = made.last
             drafters[fmt], _ = load_export(folder, tgt.model)
             files = sorted(p.name for p in folder.iterdir())
-            rows[fmt] = (made.median, sum(p.stat().st_size for p in folder.iterdir()) / 2 ** 20, len(files))
+            rows[fmt] = (made.median, sum(p.stat().st_size for p in folder.iterdir()) / 2**20, len(files))
         for d in drafters.values():  # warm-up: first-call costs stay out of the timed rounds
             decode(d, prompts[:1], 4)
-        t = interleave({name: (lambda d=d: decode(d)) for name, d in drafters.items()}, warmup=0,
-                       repeats=a.repeats)
+        t = interleave({name: (lambda d=d: decode(d)) for name, d in drafters.items()}, warmup=0, repeats=a.repeats)
         ref_out, ref_tau = t["original"].last
         for fmt, (export_s, size, n_files) in rows.items():
             out, tau = t[fmt].last
-            print(f"| {info['kind']} ({Path(run).name}) | {fmt} | {export_s:.1f} | {size:.1f} | {n_files} | "
-                  f"{out == ref_out} | {tau == ref_tau} | {sum(tau) / len(tau):.2f} | "
-                  f"{t.ratio(fmt, 'original'):.2f} |", flush=True)
+            print(
+                f"| {info['kind']} ({Path(run).name}) | {fmt} | {export_s:.1f} | {size:.1f} | {n_files} | "
+                f"{out == ref_out} | {tau == ref_tau} | {sum(tau) / len(tau):.2f} | "
+                f"{t.ratio(fmt, 'original'):.2f} |",
+                flush=True,
+            )
     print(t.note)
 
 

@@ -12,6 +12,7 @@ how much of its CPU other processes took meanwhile.
 
     python benchmarks/generate_throughput.py [--n 32] [--batch 16] [--max-new 64] [--topk 32] [--repeats 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,22 +40,28 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=torch.float32).eval()
     eos = stop_ids(tgt.path, tgt.tokenizer)
     enc = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in load_prompts("sharegpt", n=4 * a.n)]
-    prompts = [ids for ids in enc if len(ids) <= 256][:a.n]
+    prompts = [ids for ids in enc if len(ids) <= 256][: a.n]
     order = sorted(prompts, key=len)  # as the generate stage does: similar lengths share a batch
 
     def run_hf() -> int:
         tokens = 0
         for ids in prompts:
             x = torch.tensor([ids])
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.max_new, do_sample=False,
-                              eos_token_id=sorted(eos), pad_token_id=min(eos))
+            out = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=a.max_new,
+                do_sample=False,
+                eos_token_id=sorted(eos),
+                pad_token_id=min(eos),
+            )
             tokens += out.shape[1] - len(ids)
         return tokens
 
     def run_ours() -> int:
         tokens = 0
         for b in range(0, len(order), a.batch):
-            batch = order[b:b + a.batch]
+            batch = order[b : b + a.batch]
             res = decode_batch(tgt.model, batch, a.max_new, eos, Sampling(), [None] * len(batch), Capture(a.topk))
             tokens += sum(len(g.tokens) for g in res)
         return tokens
@@ -68,8 +75,10 @@ def main() -> None:
     hf_tps, our_tps = t["hf"].last / t["hf"].median, t["ours"].last / t["ours"].median
     print(f"prompts {len(prompts)}, max_new_tokens {a.max_new}, median of {a.repeats} round-robin rounds")
     print(f"HF generate, one prompt at a time: {t['hf'].last} tokens in {t['hf'].median:.1f}s = {hf_tps:.1f} tok/s")
-    print(f"draftsmith decode_batch, batch {a.batch}, top-{a.topk} captured: {t['ours'].last} tokens in "
-          f"{t['ours'].median:.1f}s = {our_tps:.1f} tok/s")
+    print(
+        f"draftsmith decode_batch, batch {a.batch}, top-{a.topk} captured: {t['ours'].last} tokens in "
+        f"{t['ours'].median:.1f}s = {our_tps:.1f} tok/s"
+    )
     # tokens/s ratio, round by round: (ours tokens / ours s) / (hf tokens / hf s)
     print(f"ratio: {t.ratio('hf', 'ours') * t['ours'].last / t['hf'].last:.2f}x")
     print(t.note)

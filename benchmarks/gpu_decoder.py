@@ -31,6 +31,7 @@ processes took meanwhile. --json writes every number.
     python benchmarks/gpu_decoder.py --tiny         # a small config: smoke test on CPU
     python benchmarks/gpu_decoder.py --skip-eager   # only the CUDA-graph decoder (no eager / transformers rows)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,16 @@ from draftsmith.kernels.tree import tree_mask
 from draftsmith.kernels.verify import verify_greedy
 from draftsmith.models.llama import Llama, LlamaConfig
 
-LLAMA_1B = dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=8192,
-                rope_theta=500000.0, max_seq_len=8192)
+LLAMA_1B = dict(
+    vocab_size=128256,
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    hidden_dim=8192,
+    rope_theta=500000.0,
+    max_seq_len=8192,
+)
 TINY = dict(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=256, max_seq_len=2048)
 
 
@@ -111,8 +120,9 @@ def build_draft(shape: dict, device, dtype, seed: int) -> Llama:
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def forward_job(model: Llama, ctx: int, t: int, device, mask: torch.Tensor | None = None,
-                depths: torch.Tensor | None = None):
+def forward_job(
+    model: Llama, ctx: int, t: int, device, mask: torch.Tensor | None = None, depths: torch.Tensor | None = None
+):
     """A callable: one cached forward of t tokens after a ctx-token prefix (a tree's mask/positions when given)."""
     cache = model.new_cache(1, ctx + t + 1)
     model(torch.randint(0, 1000, (1, ctx), device=device), cache=cache)
@@ -126,6 +136,7 @@ def forward_job(model: Llama, ctx: int, t: int, device, mask: torch.Tensor | Non
     def step():
         cache.length = ctx  # a graphed model has one static cache: every job resets it to its own prefix
         model(x, cache=cache, **kw)
+
     return step
 
 
@@ -139,16 +150,23 @@ def hf_step_latency(model: Llama, ctx: int, device, new: int) -> float | None:
         return None
     d = config_to_hf(model.cfg)
     with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d),
-                                              dtype=model.embed_tokens.weight.dtype)
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(d.pop("model_type"), **d), dtype=model.embed_tokens.weight.dtype
+        )
     hf.load_state_dict({own_to_hf_key(k): v for k, v in model.state_dict().items()}, strict=False)
     hf.eval()
     ids = torch.randint(0, 1000, (1, ctx), device=device)
     kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
-        t = interleave({"full": lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw),
-                        "prefill": lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)},
-                       warmup=1, repeats=3, device=device)
+        t = interleave(
+            {
+                "full": lambda: hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw),
+                "prefill": lambda: hf.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw),
+            },
+            warmup=1,
+            repeats=3,
+            device=device,
+        )
     return (t["full"].median - t["prefill"].median) / (new - 1)
 
 
@@ -166,21 +184,33 @@ def latencies(target, draft, a, dev, label: str, parents) -> dict:
     jobs.update({f"verify {g}": forward_job(target, a.ctx, g + 1, dev) for g in a.gammas})
     jobs["tree"] = forward_job(target, a.ctx, len(parents) + 1, dev, mask=anc, depths=depths)
     t = interleave(jobs, warmup=3, repeats=a.reps, device=dev)
-    r = {"ar_step_ms": t["decode"].median * 1e3, "draft_step_ms": t["draft"].median * 1e3,
-         "verify_ms": {g: t[f"verify {g}"].median * 1e3 for g in a.gammas},
-         "tree_verify_ms": t["tree"].median * 1e3}
-    print(f"[{label}] target decode step {r['ar_step_ms']:.3f} ms; draft step {r['draft_step_ms']:.3f} ms "
-          f"(c = {t.ratio('draft', 'decode'):.3f})", flush=True)
+    r = {
+        "ar_step_ms": t["decode"].median * 1e3,
+        "draft_step_ms": t["draft"].median * 1e3,
+        "verify_ms": {g: t[f"verify {g}"].median * 1e3 for g in a.gammas},
+        "tree_verify_ms": t["tree"].median * 1e3,
+    }
+    print(
+        f"[{label}] target decode step {r['ar_step_ms']:.3f} ms; draft step {r['draft_step_ms']:.3f} ms "
+        f"(c = {t.ratio('draft', 'decode'):.3f})",
+        flush=True,
+    )
     for g in a.gammas:
-        print(f"[{label}] verify γ={g} ({g + 1} tokens): {r['verify_ms'][g]:.3f} ms = "
-              f"{t.ratio(f'verify {g}', 'decode'):.2f}x a decode step")
-    print(f"[{label}] verify tree of {len(parents)} nodes (+root): {r['tree_verify_ms']:.3f} ms = "
-          f"{t.ratio('tree', 'decode'):.2f}x a decode step", flush=True)
+        print(
+            f"[{label}] verify γ={g} ({g + 1} tokens): {r['verify_ms'][g]:.3f} ms = "
+            f"{t.ratio(f'verify {g}', 'decode'):.2f}x a decode step"
+        )
+    print(
+        f"[{label}] verify tree of {len(parents)} nodes (+root): {r['tree_verify_ms']:.3f} ms = "
+        f"{t.ratio('tree', 'decode'):.2f}x a decode step",
+        flush=True,
+    )
     return r
 
 
-def end_to_end(target, draft, prompt, a, dev, label: str, t_best: float, ref: list[int], configs,
-               lat: dict) -> tuple[list, float]:
+def end_to_end(
+    target, draft, prompt, a, dev, label: str, t_best: float, ref: list[int], configs, lat: dict
+) -> tuple[list, float]:
     """Our AR decoder and the chain runs per (α, γ), or dynamic trees where γ is a DynamicTree, round-robin (one
     untimed round, then 3). ``bound`` is the efficiency the measured model costs alone allow, AR step / (γ draft
     steps + one verify): the rest is decoder overhead. Speedups are against the faster of this decoder's AR and
@@ -188,18 +218,24 @@ def end_to_end(target, draft, prompt, a, dev, label: str, t_best: float, ref: li
     head = (draft.model if isinstance(draft, GraphedLlama) else draft).lm_head
     jobs, meta = {"ar": lambda: autoregressive_generate(target, prompt, a.new_tokens)}, {}
     for alpha, gamma in configs:
+
         def scripted(alpha=alpha):  # every run sees the same coins: its own α, the counter from zero
             head.alpha.fill_(alpha)
             head.calls.zero_()
+
         if isinstance(gamma, DynamicTree):
+
             def run(gamma=gamma, scripted=scripted):
                 scripted()
                 return tree_speculative_generate(target, draft, prompt, a.new_tokens, gamma)
+
             name, bound = f"dynamic tree (depth {gamma.depth}, top-{gamma.top_k}, {gamma.total_tokens} nodes)", None
         else:
+
             def run(gamma=gamma, scripted=scripted):
                 scripted()
                 return speculative_generate(target, draft, prompt, a.new_tokens, draft_len=gamma)
+
             verify = lat["verify_ms"].get(gamma)
             bound = lat["ar_step_ms"] / (gamma * lat["draft_step_ms"] + verify) if verify else None
             name = f"γ={gamma}"
@@ -207,31 +243,51 @@ def end_to_end(target, draft, prompt, a, dev, label: str, t_best: float, ref: li
         meta[f"α={alpha} {name}"] = (alpha, name, bound)
     t = interleave(jobs, warmup=1, repeats=3, device=dev)
     t_ar = t["ar"].median
-    print(f"[{label}] own AR: {a.new_tokens / t_ar:.1f} tokens/s ({t_ar / a.new_tokens * 1e3:.3f} ms/token)",
-          flush=True)
+    print(
+        f"[{label}] own AR: {a.new_tokens / t_ar:.1f} tokens/s ({t_ar / a.new_tokens * 1e3:.3f} ms/token)", flush=True
+    )
     best = min(t_ar, t_best)
     rows = []
     for key, (alpha, name, bound) in meta.items():
         out, stats = t[key].last
         speedup = t.ratio("ar", key) * best / t_ar  # paired with this decoder's AR, scaled to the best
-        row = {"decoder": label, "alpha": alpha, "draft": name, "tau": stats.tau, "speedup": speedup,
-               "efficiency": speedup / stats.tau, "bound": bound, "lossless": out == ref,
-               "tokens_per_s": a.new_tokens / t[key].median}
+        row = {
+            "decoder": label,
+            "alpha": alpha,
+            "draft": name,
+            "tau": stats.tau,
+            "speedup": speedup,
+            "efficiency": speedup / stats.tau,
+            "bound": bound,
+            "lossless": out == ref,
+            "tokens_per_s": a.new_tokens / t[key].median,
+        }
         rows.append(row)
-        print(f"[{label}] {key}: τ {stats.tau:.2f}, {row['tokens_per_s']:.0f} tokens/s, speedup "
-              f"{speedup:.2f}x vs the best own AR, efficiency {row['efficiency']:.2f}"
-              + (f" (model-cost bound {bound:.2f})" if bound else "") + f", lossless {row['lossless']}", flush=True)
+        print(
+            f"[{label}] {key}: τ {stats.tau:.2f}, {row['tokens_per_s']:.0f} tokens/s, speedup "
+            f"{speedup:.2f}x vs the best own AR, efficiency {row['efficiency']:.2f}"
+            + (f" (model-cost bound {bound:.2f})" if bound else "")
+            + f", lossless {row['lossless']}",
+            flush=True,
+        )
     return rows, t_ar
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="small config (CPU smoke test)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cuda (bfloat16) or cpu (float32; CUDA graphs need cuda, so the graphs rows run uncaptured)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cuda (bfloat16) or cpu (float32; CUDA graphs need cuda, so the graphs rows run uncaptured)",
+    )
     ap.add_argument("--ctx", type=int, default=512, help="context length for the latency measurements")
-    ap.add_argument("--reps", type=int, default=50,
-                    help="timed round-robin repetitions per latency (median reported; the kernels get 4x)")
+    ap.add_argument(
+        "--reps",
+        type=int,
+        default=50,
+        help="timed round-robin repetitions per latency (median reported; the kernels get 4x)",
+    )
     ap.add_argument("--gammas", type=int, nargs="+", default=[1, 3, 5, 7], help="verify widths γ (γ+1 tokens)")
     ap.add_argument("--tree-nodes", type=int, default=60, help="nodes of the verified trees (plus their root)")
     ap.add_argument("--alphas", type=float, nargs="+", default=[0.6, 0.8, 0.9], help="scripted acceptance rates")
@@ -246,16 +302,24 @@ def main() -> None:
         ap.error("--no-graphs and --skip-eager leave nothing to measure")
     dev, shape = a.device, TINY if a.tiny else LLAMA_1B
     dtype = torch.bfloat16 if dev.startswith("cuda") else torch.float32
-    res: dict = {"device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
-                 "torch": torch.__version__, "dtype": str(dtype), "shape": shape, "ctx": a.ctx}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "shape": shape,
+        "ctx": a.ctx,
+    }
     torch.set_grad_enabled(False)
     meter = CpuShare().start()
     target, perm = build_target(shape, dev, dtype, seed=0)
     draft = build_draft(shape, dev, dtype, seed=1)
     script(draft, perm)
     res["params"] = {"target": target.num_params(), "draft": draft.num_params(exclude_embeddings=True)}
-    print(f"device {res['device']}, {dtype}, target {res['params']['target'] / 1e9:.2f} B params, "
-          f"draft {res['params']['draft'] / 1e6:.0f} M (without embeddings), ctx {a.ctx}", flush=True)
+    print(
+        f"device {res['device']}, {dtype}, target {res['params']['target'] / 1e9:.2f} B params, "
+        f"draft {res['params']['draft'] / 1e6:.0f} M (without embeddings), ctx {a.ctx}",
+        flush=True,
+    )
     parents = random_tree(a.tree_nodes, seed=0).to(dev)
     prompt = torch.randint(0, shape["vocab_size"], (a.prompt_len,), device=dev)
     ref = autoregressive_generate(target, prompt, a.new_tokens)
@@ -272,8 +336,9 @@ def main() -> None:
             print(f"[transformers] decode step {hf * 1e3:.3f} ms", flush=True)
         res["eager"] = latencies(target, draft, a, dev, "eager", parents)
         if not a.no_graphs:  # with --no-graphs the full end-to-end set below runs eagerly
-            res["e2e"], t_ar_eager = end_to_end(target, draft, prompt, a, dev, "eager", t_ar_eager, ref,
-                                                configs[-1:], res["eager"])
+            res["e2e"], t_ar_eager = end_to_end(
+                target, draft, prompt, a, dev, "eager", t_ar_eager, ref, configs[-1:], res["eager"]
+            )
             res["eager"]["ar_tokens_per_s"] = a.new_tokens / t_ar_eager
 
     # --- the eval decoder on CUDA: fused matmuls + CUDA graphs (eval/graphs.py) --------------------------
@@ -297,14 +362,22 @@ def main() -> None:
     def compact():
         cache.length = a.ctx + a.tree_nodes + 1
         compact_cache(cache, a.ctx, keep)
-    k = interleave({
-        "verify_greedy_g5": lambda: verify_greedy(drafts, logits),
-        "tree_mask_60": lambda: tree_mask(parents),
-        "compact_kv_all_layers": compact,
-        "ref verify_greedy_g5": lambda: verify_greedy(drafts, logits, impl="reference"),
-        "ref tree_mask_60": lambda: tree_mask(parents, impl="reference"),
-        "ref compact_kv_all_layers": lambda: compact_kv_reference(cache.kv.view(-1, *cache.kv.shape[3:]), a.ctx,
-                                                                  keep_t)}, warmup=3, repeats=a.reps * 4, device=dev)
+
+    k = interleave(
+        {
+            "verify_greedy_g5": lambda: verify_greedy(drafts, logits),
+            "tree_mask_60": lambda: tree_mask(parents),
+            "compact_kv_all_layers": compact,
+            "ref verify_greedy_g5": lambda: verify_greedy(drafts, logits, impl="reference"),
+            "ref tree_mask_60": lambda: tree_mask(parents, impl="reference"),
+            "ref compact_kv_all_layers": lambda: compact_kv_reference(
+                cache.kv.view(-1, *cache.kv.shape[3:]), a.ctx, keep_t
+            ),
+        },
+        warmup=3,
+        repeats=a.reps * 4,
+        device=dev,
+    )
     names = ("verify_greedy_g5", "tree_mask_60", "compact_kv_all_layers")
     res["kernel_ms"] = {n: k[n].median * 1e3 for n in names}
     res["reference_ms"] = {n: k[f"ref {n}"].median * 1e3 for n in names}
@@ -313,12 +386,18 @@ def main() -> None:
     chain_step = (lat["draft_step_ms"] * g + lat["verify_ms"].get(g, lat["verify_ms"][max(lat["verify_ms"])])) / 1e3
     tree_step = lat["draft_step_ms"] * 6 / 1e3 + lat["tree_verify_ms"] / 1e3
     res["kernel_share"] = {"chain_g5": k_verify / chain_step, "tree_60": (k_mask + k_compact + k_verify) / tree_step}
-    print(f"kernels: verify_greedy {k_verify * 1e6:.1f} us, tree_mask({a.tree_nodes}) {k_mask * 1e6:.1f} us, "
-          f"KV compaction (all layers) {k_compact * 1e6:.1f} us; share of a [{label}] step: chain γ=5 "
-          f"{res['kernel_share']['chain_g5']:.2%}, {a.tree_nodes}-node tree {res['kernel_share']['tree_60']:.2%}",
-          flush=True)
-    print("PyTorch references for the same calls: " + ", ".join(
-        f"{n} {res['reference_ms'][n] * 1e3:.1f} us ({k.ratio(f'ref {n}', n):.2f}x the kernel)" for n in names))
+    print(
+        f"kernels: verify_greedy {k_verify * 1e6:.1f} us, tree_mask({a.tree_nodes}) {k_mask * 1e6:.1f} us, "
+        f"KV compaction (all layers) {k_compact * 1e6:.1f} us; share of a [{label}] step: chain γ=5 "
+        f"{res['kernel_share']['chain_g5']:.2%}, {a.tree_nodes}-node tree {res['kernel_share']['tree_60']:.2%}",
+        flush=True,
+    )
+    print(
+        "PyTorch references for the same calls: "
+        + ", ".join(
+            f"{n} {res['reference_ms'][n] * 1e3:.1f} us ({k.ratio(f'ref {n}', n):.2f}x the kernel)" for n in names
+        )
+    )
 
     # --- end to end ---------------------------------------------------------------------------------------
     trees = [(al, DynamicTree(depth=6, top_k=4, total_tokens=a.tree_nodes)) for al in a.alphas[-2:]]
@@ -331,6 +410,7 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
+
 
 if __name__ == "__main__":
     main()

@@ -18,6 +18,7 @@ lossless = share of prompts whose greedy output equals AR's (n/a when sampling).
 the eval report names, with the share of its CPU that other processes took while it timed: compare speedups only
 between rows measured on the same machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,16 +29,38 @@ import sys
 from pathlib import Path
 
 KINDS = ["eagle3", "eagle1", "hydra", "medusa", "medusa2", "mlp-speculator"]
-SETTINGS = {"chain-t0": ["eval.strategy=chain"], "dyn-t0": ["eval.strategy=dynamic_tree"],
-            "tree-t0": ["eval.strategy=tree"], "chain-t1": ["eval.strategy=chain", "eval.temperature=1.0"]}
-PLAN = [("eagle3", "chain-t0"), ("eagle3", "dyn-t0"), ("eagle1", "chain-t0"), ("hydra", "chain-t0"),
-        ("medusa", "chain-t0"), ("eagle1", "dyn-t0"), ("eagle3", "chain-t1"), ("hydra", "tree-t0"),
-        ("medusa", "tree-t0"), ("eagle1", "chain-t1"), ("hydra", "chain-t1"), ("medusa", "chain-t1"),
-        ("mlp-speculator", "chain-t0"), ("medusa2", "chain-t0")]
+SETTINGS = {
+    "chain-t0": ["eval.strategy=chain"],
+    "dyn-t0": ["eval.strategy=dynamic_tree"],
+    "tree-t0": ["eval.strategy=tree"],
+    "chain-t1": ["eval.strategy=chain", "eval.temperature=1.0"],
+}
+PLAN = [
+    ("eagle3", "chain-t0"),
+    ("eagle3", "dyn-t0"),
+    ("eagle1", "chain-t0"),
+    ("hydra", "chain-t0"),
+    ("medusa", "chain-t0"),
+    ("eagle1", "dyn-t0"),
+    ("eagle3", "chain-t1"),
+    ("hydra", "tree-t0"),
+    ("medusa", "tree-t0"),
+    ("eagle1", "chain-t1"),
+    ("hydra", "chain-t1"),
+    ("medusa", "chain-t1"),
+    ("mlp-speculator", "chain-t0"),
+    ("medusa2", "chain-t0"),
+]
 RUNS, TABLE = Path("runs"), Path("runs/table")
 TREE_NODES = 10  # static trees for heads: eval/tree.py choices_from_run over the logged per-head rank accuracies
-LABEL = {"eagle3": "EAGLE-3", "eagle1": "EAGLE-1", "hydra": "Hydra++", "medusa": "Medusa-1",
-         "medusa2": "Medusa-2 (LoRA r=8)", "mlp-speculator": "MLP speculator"}
+LABEL = {
+    "eagle3": "EAGLE-3",
+    "eagle1": "EAGLE-1",
+    "hydra": "Hydra++",
+    "medusa": "Medusa-1",
+    "medusa2": "Medusa-2 (LoRA r=8)",
+    "mlp-speculator": "MLP speculator",
+}
 
 
 def _draftsmith(*args: str) -> None:
@@ -57,28 +80,35 @@ def ensure(kind: str, setting: str) -> None:
 
         extra = [f"eval.tree.choices={json.dumps(choices_from_run(run, TREE_NODES))}"]
     if not (out / "eval" / "report.json").is_file():
-        _draftsmith("eval", f"{kind}-smollm2", f"eval.checkpoint={ckpt}", f"out_dir={out}", *SETTINGS[setting],
-                    *extra)
+        _draftsmith("eval", f"{kind}-smollm2", f"eval.checkpoint={ckpt}", f"out_dir={out}", *SETTINGS[setting], *extra)
 
 
 def table() -> str:
-    rows = ["| kind | setting | tau | acceptance | speedup vs AR | efficiency | lossless | train steps | machine |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| kind | setting | tau | acceptance | speedup vs AR | efficiency | lossless | train steps | machine |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for kind, setting in PLAN:
         f = TABLE / f"{kind}-{setting}" / "eval" / "report.json"
         if not f.is_file():
             continue
         r = json.loads(f.read_text())
         s = r["strategy"]
-        how = s["kind"] + (f" γ={s['draft_len']}" if "draft_len" in s else
-                           f" top-k {s['top_k']} depth {s['depth']} {s['total_tokens']} nodes" if "top_k" in s else
-                           f" {s['nodes']} nodes")
+        how = s["kind"] + (
+            f" γ={s['draft_len']}"
+            if "draft_len" in s
+            else f" top-k {s['top_k']} depth {s['depth']} {s['total_tokens']} nodes"
+            if "top_k" in s
+            else f" {s['nodes']} nodes"
+        )
         lossless = "n/a (T>0)" if r["lossless_match"] is None else f"{r['lossless_match']:.2f}"
         other = (r.get("machine") or {}).get("other_cpu_share")
         machine = r.get("device", "?") + ("" if other is None else f", others {other:.0%} of the CPUs")
-        rows.append(f"| {LABEL[kind]} | {how}, T={r['temperature']:g} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | "
-                    f"{r['speedup']['vs_ar']:.2f}x | {r['efficiency']:.2f} | {lossless} | "
-                    f"{r['drafter']['step']} | {machine} |")
+        rows.append(
+            f"| {LABEL[kind]} | {how}, T={r['temperature']:g} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | "
+            f"{r['speedup']['vs_ar']:.2f}x | {r['efficiency']:.2f} | {lossless} | "
+            f"{r['drafter']['step']} | {machine} |"
+        )
     return "\n".join(rows)
 
 

@@ -19,6 +19,7 @@ Usage: python benchmarks/loss_memory.py [--tokens 2048] [--vocab 49152] [--dim 5
 On CPU one step is timed and the peak is the process's RSS; on CUDA the peak is the allocator's and the time is the
 median of --reps steps after an untimed one (Triton compiles its kernels there; eval/timing.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,8 +60,15 @@ def one(variant: str, a) -> dict:
         labels = torch.randint(0, a.vocab, (a.tokens,), generator=g).to(dev)
         teacher = losses.Teacher(labels=labels, hidden=h_t, head=w_t)
     else:  # Teacher top-k built 64 rows at a time (no (T, V) teacher tensor in any variant).
-        lp, ids = map(torch.cat, zip(*(F.log_softmax(torch.randn(min(64, a.tokens - i), a.vocab, generator=g) * 2,
-                                                      -1).topk(a.k, -1) for i in range(0, a.tokens, 64))))
+        lp, ids = map(
+            torch.cat,
+            zip(
+                *(
+                    F.log_softmax(torch.randn(min(64, a.tokens - i), a.vocab, generator=g) * 2, -1).topk(a.k, -1)
+                    for i in range(0, a.tokens, 64)
+                )
+            ),
+        )
         teacher = losses.Teacher(labels=ids[:, 0].to(dev), topk_ids=ids.to(dev), topk_logprobs=lp.half().to(dev))
     cuda = dev.startswith("cuda")
 
@@ -73,8 +81,12 @@ def one(variant: str, a) -> dict:
             else:
                 loss = losses.DIVERGENCES[a.kind](*teacher.log_pair(logits)).mean()
         else:
-            spec = losses.LossSpec(kind=a.kind, chunk=a.chunk, fused=variant != "unfused",
-                                   vocab_chunk=a.vocab_chunk if variant == "blocked" else 0)
+            spec = losses.LossSpec(
+                kind=a.kind,
+                chunk=a.chunk,
+                fused=variant != "unfused",
+                vocab_chunk=a.vocab_chunk if variant == "blocked" else 0,
+            )
             loss = losses.head_loss(h, w, teacher, spec)
         loss.backward()
         return loss
@@ -95,8 +107,15 @@ def one(variant: str, a) -> dict:
             t = time_call(step, warmup=0, repeats=1)
         peak = _status_mb("VmHWM")
     loss, seconds = t.last, t.median
-    return {"variant": variant, "peak_mb": peak - base, "seconds": seconds, "other_cpu": meter.other,
-            "loss": float(loss), "grad_h_norm": float(h.grad.norm()), "grad_w_norm": float(w.grad.norm())}
+    return {
+        "variant": variant,
+        "peak_mb": peak - base,
+        "seconds": seconds,
+        "other_cpu": meter.other,
+        "loss": float(loss),
+        "grad_h_norm": float(h.grad.norm()),
+        "grad_w_norm": float(w.grad.norm()),
+    }
 
 
 def main() -> None:
@@ -105,11 +124,19 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=49152, help="vocabulary V (SmolLM2: 49152)")
     ap.add_argument("--dim", type=int, default=576, help="hidden size D (SmolLM2-135M: 576)")
     ap.add_argument("--k", type=int, default=32, help="stored teacher top-k")
-    ap.add_argument("--kind", default="fkl", choices=["ce", "fkl", "rkl", "jsd", "tvd", "neg_log_alpha", "lk",
-                                                      "tvdpp_full"], help="loss kind (train.loss.kind)")
+    ap.add_argument(
+        "--kind",
+        default="fkl",
+        choices=["ce", "fkl", "rkl", "jsd", "tvd", "neg_log_alpha", "lk", "tvdpp_full"],
+        help="loss kind (train.loss.kind)",
+    )
     ap.add_argument("--chunk", type=int, default=256, help="positions per chunk for head_loss")
-    ap.add_argument("--teacher", default="topk", choices=["topk", "target"],
-                    help="stored top-k + tail, or the full target distribution from hidden states + head")
+    ap.add_argument(
+        "--teacher",
+        default="topk",
+        choices=["topk", "target"],
+        help="stored top-k + tail, or the full target distribution from hidden states + head",
+    )
     ap.add_argument("--vocab-chunk", type=int, default=4096, help="vocabulary block of the 'blocked' variant")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--reps", type=int, default=10, help="timed steps on CUDA (median; after one untimed step)")
@@ -127,18 +154,26 @@ def main() -> None:
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
         out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout.strip().splitlines()[-1]
         res[v] = json.loads(out)
-        print(f"{v:8s}  peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
-              f"|grad h| {res[v]['grad_h_norm']:.6f}  |grad W| {res[v]['grad_w_norm']:.6f}")
+        print(
+            f"{v:8s}  peak +{res[v]['peak_mb']:.0f} MB  {res[v]['seconds']:.2f} s  loss {res[v]['loss']:.6f}  "
+            f"|grad h| {res[v]['grad_h_norm']:.6f}  |grad W| {res[v]['grad_w_norm']:.6f}"
+        )
     n, u, c, b = res["naive"], res["unfused"], res["chunked"], res["blocked"]
-    print(f"T={a.tokens} V={a.vocab} D={a.dim} k={a.k} kind={a.kind} teacher={a.teacher} chunk={a.chunk} "
-          f"device={a.device}: "
-          f"peak memory chunked/naive = {c['peak_mb'] / n['peak_mb']:.3f}, time chunked/naive = "
-          f"{c['seconds'] / n['seconds']:.2f}, loss rel diff {abs(c['loss'] - n['loss']) / abs(n['loss']):.1e}")
-    print(f"fused vs unfused chunks: peak memory {c['peak_mb'] / u['peak_mb']:.3f}, time "
-          f"{c['seconds'] / u['seconds']:.2f}, loss rel diff {abs(c['loss'] - u['loss']) / abs(u['loss']):.1e}")
-    print(f"vocabulary blocks of {a.vocab_chunk} vs chunks: peak memory {b['peak_mb'] / c['peak_mb']:.3f} "
-          f"({b['peak_mb'] / n['peak_mb']:.3f} of naive), time {b['seconds'] / c['seconds']:.2f}, "
-          f"loss rel diff {abs(b['loss'] - c['loss']) / abs(c['loss']):.1e}")
+    print(
+        f"T={a.tokens} V={a.vocab} D={a.dim} k={a.k} kind={a.kind} teacher={a.teacher} chunk={a.chunk} "
+        f"device={a.device}: "
+        f"peak memory chunked/naive = {c['peak_mb'] / n['peak_mb']:.3f}, time chunked/naive = "
+        f"{c['seconds'] / n['seconds']:.2f}, loss rel diff {abs(c['loss'] - n['loss']) / abs(n['loss']):.1e}"
+    )
+    print(
+        f"fused vs unfused chunks: peak memory {c['peak_mb'] / u['peak_mb']:.3f}, time "
+        f"{c['seconds'] / u['seconds']:.2f}, loss rel diff {abs(c['loss'] - u['loss']) / abs(u['loss']):.1e}"
+    )
+    print(
+        f"vocabulary blocks of {a.vocab_chunk} vs chunks: peak memory {b['peak_mb'] / c['peak_mb']:.3f} "
+        f"({b['peak_mb'] / n['peak_mb']:.3f} of naive), time {b['seconds'] / c['seconds']:.2f}, "
+        f"loss rel diff {abs(b['loss'] - c['loss']) / abs(c['loss']):.1e}"
+    )
     others = [r["other_cpu"] for r in res.values() if r["other_cpu"] is not None]
     print(machine_note(a.device, max(others) if others else None) + " (the most of any variant)")
 

@@ -20,6 +20,7 @@ as other processes').
 
     python benchmarks/online_proof.py [--recipe quickstart] [--requests 96] [--window 16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,13 @@ def humaneval_prompts() -> list[list[dict]]:
 
 
 def start(args: list[str], log) -> tuple[subprocess.Popen, str]:
-    p = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", *args], stdout=subprocess.PIPE, stderr=log,
-                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "draftsmith", "serve", *args],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     line = p.stdout.readline()
     if not line.startswith("serve: http://"):
         raise SystemExit(f"server did not start: {line!r}")
@@ -56,24 +62,40 @@ def start(args: list[str], log) -> tuple[subprocess.Popen, str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--recipe", default="quickstart",
-                    help="recipe served (its trained drafter: the run's checkpoints/final or eval.checkpoint)")
+    ap.add_argument(
+        "--recipe",
+        default="quickstart",
+        help="recipe served (its trained drafter: the run's checkpoints/final or eval.checkpoint)",
+    )
     ap.add_argument("--out", default="runs/online-proof", help="the server's online.dir (traffic, rounds, versions)")
     ap.add_argument("--requests", type=int, default=96, help="requests before the kill; as many again after")
     ap.add_argument("--window", type=int, default=16, help="requests per τ window in the printout")
     ap.add_argument("--max-tokens", type=int, default=96, help="max_tokens of every request (online.max_tokens)")
-    ap.add_argument("--update-every", type=int, default=16,
-                    help="requests between learner updates (online.update_every_requests and online.min_records)")
+    ap.add_argument(
+        "--update-every",
+        type=int,
+        default=16,
+        help="requests between learner updates (online.update_every_requests and online.min_records)",
+    )
     ap.add_argument("--steps", type=int, default=60, help="train steps per update (online.steps_per_update)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more recipe overrides for the server")
     a = ap.parse_args()
     from openai import OpenAI
 
     root = Path(a.out)
-    args = [a.recipe, f"online.dir={root}", "online.port=0", f"online.max_tokens={a.max_tokens}",
-            f"online.update_every_requests={a.update_every}", f"online.min_records={a.update_every}",
-            "online.holdout=6", f"online.steps_per_update={a.steps}", "online.eval_tokens=64", "eval.draft_len=3",
-            *a.set]
+    args = [
+        a.recipe,
+        f"online.dir={root}",
+        "online.port=0",
+        f"online.max_tokens={a.max_tokens}",
+        f"online.update_every_requests={a.update_every}",
+        f"online.min_records={a.update_every}",
+        "online.holdout=6",
+        f"online.steps_per_update={a.steps}",
+        "online.eval_tokens=64",
+        "eval.draft_len=3",
+        *a.set,
+    ]
     prompts = humaneval_prompts()
     log = open(root.parent / f"{root.name}-server.log", "a") if root.parent.exists() else None
     meter = CpuShare().start()
@@ -84,8 +106,9 @@ def main() -> None:
         nonlocal answered
         client = OpenAI(base_url=url, api_key="local")
         for _ in range(n):
-            client.chat.completions.create(model="target", messages=prompts[answered % len(prompts)],
-                                           max_tokens=a.max_tokens, temperature=0.0)
+            client.chat.completions.create(
+                model="target", messages=prompts[answered % len(prompts)], max_tokens=a.max_tokens, temperature=0.0
+            )
             answered += 1
             if answered % 8 == 0:
                 print(f"  {answered} requests answered", flush=True)
@@ -108,9 +131,12 @@ def main() -> None:
     p.send_signal(signal.SIGKILL)
     p.wait()
     kept = TrafficBuffer(root / "traffic").read()
-    print(f"killed mid-update after {answered} answered requests; buffer holds {len(kept)} "
-          f"(lost {answered - len(kept)}); current version {version_before} (rounds started {len(cur)}, "
-          f"finished {finished}; {done} before the wait)", flush=True)
+    print(
+        f"killed mid-update after {answered} answered requests; buffer holds {len(kept)} "
+        f"(lost {answered - len(kept)}); current version {version_before} (rounds started {len(cur)}, "
+        f"finished {finished}; {done} before the wait)",
+        flush=True,
+    )
     p, url = start(args, log)
     try:
         send(a.requests, url)
@@ -124,7 +150,7 @@ def main() -> None:
     print("|---|---|---|")
     taus = []
     for i in range(0, len(recs), a.window):
-        w = [r for r in recs[i:i + a.window] if r.get("tau")]
+        w = [r for r in recs[i : i + a.window] if r.get("tau")]
         if w:
             taus.append(sum(r["tau"] for r in w) / len(w))
             print(f"| {i + 1}–{i + len(w)} | {taus[-1]:.3f} | {', '.join(sorted({r['version'] for r in w}))} |")
@@ -135,8 +161,10 @@ def main() -> None:
         for line in metrics.read_text().splitlines():
             m = json.loads(line)
             if "round" in m:
-                print(f"| {m['round']} | {m['records']} | {m['tau_current']:.3f} → {m['tau_candidate']:.3f} | "
-                      f"{m['version'] if m['swapped'] else '—'} |")
+                print(
+                    f"| {m['round']} | {m['records']} | {m['tau_current']:.3f} → {m['tau_candidate']:.3f} | "
+                    f"{m['version'] if m['swapped'] else '—'} |"
+                )
     if len(taus) > 1:
         print(f"\nτ last window / first window: {taus[-1] / taus[0]:.3f}")
     print(machine_note("cuda" if torch.cuda.is_available() else "cpu", meter.stop()))

@@ -22,6 +22,7 @@ the max logit difference (CPU).
                                     [--head-vocab 8192 4096]
     python benchmarks/step_costs.py --pack-ab
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,6 +48,7 @@ def forward(model, ctx: int, t: int, device: str):
         cache.length = ctx
         with torch.no_grad():
             return model(x, cache=cache)
+
     return fn
 
 
@@ -70,6 +72,7 @@ def head_step(heads, dim: int, device: str):
     def fn():
         with torch.no_grad():
             return heads.logits_after(h, [cur])
+
     return fn
 
 
@@ -84,30 +87,53 @@ def pack_ab(base, a) -> None:
     print("|---|---|---|---|---|")
     for t in [1] + [k + 1 for k in a.k]:
         # round-robin, so drift on a shared machine hits both sides
-        tm = interleave({"old": forward(old, a.ctx, t, "cpu"), "new": forward(new, a.ctx, t, "cpu")}, warmup=1,
-                        repeats=a.rounds, number=a.reps)
+        tm = interleave(
+            {"old": forward(old, a.ctx, t, "cpu"), "new": forward(new, a.ctx, t, "cpu")},
+            warmup=1,
+            repeats=a.rounds,
+            number=a.reps,
+        )
         diff = (tm["old"].last - tm["new"].last).abs().max().item()
-        print(f"| {t} | {tm['old'].median * 1e3:.1f} | {tm['new'].median * 1e3:.1f} | {tm.ratio('old', 'new'):.2f} | "
-              f"{diff:.1e} |", flush=True)
+        print(
+            f"| {t} | {tm['old'].median * 1e3:.1f} | {tm['new'].median * 1e3:.1f} | {tm.ratio('old', 'new'):.2f} | "
+            f"{diff:.1e} |",
+            flush=True,
+        )
     print(tm.note)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="target model (alias, folder or hub id)")
-    ap.add_argument("--drafter", default="runs/quickstart/checkpoints/final",
-                    help="draft LM checkpoint for the draft-step row (skipped, with a note, when it does not load)")
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 3, 4, 6, 48],
-                    help="draft lengths to verify (k + 1 tokens; 48 ~ a dynamic tree's node budget)")
+    ap.add_argument(
+        "--drafter",
+        default="runs/quickstart/checkpoints/final",
+        help="draft LM checkpoint for the draft-step row (skipped, with a note, when it does not load)",
+    )
+    ap.add_argument(
+        "--k",
+        type=int,
+        nargs="+",
+        default=[1, 2, 3, 4, 6, 48],
+        help="draft lengths to verify (k + 1 tokens; 48 ~ a dynamic tree's node budget)",
+    )
     ap.add_argument("--ctx", type=int, default=256, help="tokens already in the KV cache")
     ap.add_argument("--reps", type=int, default=30, help="forwards per measurement and round (their mean)")
     ap.add_argument("--rounds", type=int, default=3, help="round-robin rounds over all measurements (median)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="cpu or cuda (bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (bfloat16 on CUDA, float32 on CPU)",
+    )
     ap.add_argument("--no-optimize", action="store_true", help="time the plain (unfused) models instead")
     ap.add_argument("--pack-ab", action="store_true", help="CPU: A/B the oneDNN pack hint (see above)")
-    ap.add_argument("--head-vocab", type=int, nargs="*", default=[8192, 4096],
-                    help="reduced head vocabularies to time next to the full one (empty: no head timings)")
+    ap.add_argument(
+        "--head-vocab",
+        type=int,
+        nargs="*",
+        default=[8192, 4096],
+        help="reduced head vocabularies to time next to the full one (empty: no head timings)",
+    )
     a = ap.parse_args()
     dtype = torch.bfloat16 if a.device.startswith("cuda") else torch.float32
     tgt = load_model(a.target, dtype, a.device).model
@@ -130,20 +156,28 @@ def main() -> None:
         jobs["draft"] = forward(drafter, a.ctx, 1, a.device)
     t = interleave(jobs, warmup=1, repeats=a.rounds, number=a.reps, device=a.device)
     base = t["decode"].median
-    print(f"device {a.device}, dtype {dtype}, ctx {a.ctx}, optimized {not a.no_optimize}, mean of {a.reps} forwards "
-          f"per round, median of {a.rounds} round-robin rounds")
+    print(
+        f"device {a.device}, dtype {dtype}, ctx {a.ctx}, optimized {not a.no_optimize}, mean of {a.reps} forwards "
+        f"per round, median of {a.rounds} round-robin rounds"
+    )
     print(f"target decode step: {base * 1e3:.2f} ms (rounds: {' '.join(f'{x * 1e3:.1f}' for x in t['decode'].times)})")
     for k in a.k:
         v = t[f"verify {k}"]
-        print(f"verify k={k} ({k + 1} tokens): {v.median * 1e3:.2f} ms = {t.ratio(f'verify {k}', 'decode'):.2f}x "
-              f"a decode step")
+        print(
+            f"verify k={k} ({k + 1} tokens): {v.median * 1e3:.2f} ms = {t.ratio(f'verify {k}', 'decode'):.2f}x "
+            f"a decode step"
+        )
     for n in heads:
         h = t[f"head {n}"]
-        print(f"head step, {n}-token LM head: {h.median * 1e3:.2f} ms = {t.ratio(f'head {n}', 'decode'):.3f} of a "
-              f"target step")
+        print(
+            f"head step, {n}-token LM head: {h.median * 1e3:.2f} ms = {t.ratio(f'head {n}', 'decode'):.3f} of a "
+            f"target step"
+        )
     if drafter is not None:
-        print(f"draft step: {t['draft'].median * 1e3:.2f} ms = c = {t.ratio('draft', 'decode'):.3f} of a target step "
-              f"({drafter.num_params() / 1e6:.1f}M vs {tgt.num_params() / 1e6:.1f}M params)")
+        print(
+            f"draft step: {t['draft'].median * 1e3:.2f} ms = c = {t.ratio('draft', 'decode'):.3f} of a target step "
+            f"({drafter.num_params() / 1e6:.1f}M vs {tgt.num_params() / 1e6:.1f}M params)"
+        )
     print(t.note)
 
 

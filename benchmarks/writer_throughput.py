@@ -14,6 +14,7 @@ processes took meanwhile.
 
     python benchmarks/writer_throughput.py CKPT [CKPT ...] [--n 16] [--batch 16] [--max-new 128] [--repeats 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,43 +42,55 @@ def main() -> None:
 
     tgt = load_model(a.target)
     eos = stop_ids(tgt.path, tgt.tokenizer)
-    enc = [encode_chat(tgt.tokenizer, first_turn(p.messages))
-           for p in load_prompts("sharegpt", n=4 * a.n, shuffle=True, seed=a.seed)]
-    prompts = sorted([ids for ids in enc if len(ids) <= 256][:a.n], key=len)  # as the generate stage packs them
-    batches = [prompts[b:b + a.batch] for b in range(0, len(prompts), a.batch)]
+    enc = [
+        encode_chat(tgt.tokenizer, first_turn(p.messages))
+        for p in load_prompts("sharegpt", n=4 * a.n, shuffle=True, seed=a.seed)
+    ]
+    prompts = sorted([ids for ids in enc if len(ids) <= 256][: a.n], key=len)  # as the generate stage packs them
+    batches = [prompts[b : b + a.batch] for b in range(0, len(prompts), a.batch)]
     greedy = Sampling()
 
     def target_rows():
         return [g.tokens for b in batches for g in decode_batch(tgt.model, b, a.max_new, eos, greedy, [None] * len(b))]
 
     def one_row(drafter):
-        return [write_one(tgt.model, drafter, torch.tensor(p), a.max_new, eos_ids=eos)[0]
-                for p in prompts]
+        return [write_one(tgt.model, drafter, torch.tensor(p), a.max_new, eos_ids=eos)[0] for p in prompts]
 
     def batched(drafter):
-        return [g.tokens for b in batches for g in write_batch(tgt.model, drafter, b, a.max_new, eos, greedy,
-                                                                [None] * len(b))]
+        return [
+            g.tokens
+            for b in batches
+            for g in write_batch(tgt.model, drafter, b, a.max_new, eos, greedy, [None] * len(b))
+        ]
 
-    print(f"prompts {len(prompts)}, batch {a.batch}, max_new_tokens {a.max_new}, median of {a.repeats} "
-          f"round-robin rounds")
+    print(
+        f"prompts {len(prompts)}, batch {a.batch}, max_new_tokens {a.max_new}, median of {a.repeats} round-robin rounds"
+    )
     notes = []
     with torch.no_grad():
         decode_batch(tgt.model, batches[0], 4, eos, greedy, [None] * len(batches[0]))  # warm-up: first-call costs
         for ck in a.checkpoints:
             drafter, info = load_drafter(ck)
             write_one(tgt.model, drafter, torch.tensor(prompts[0]), 4, eos_ids=eos)  # warm-up
-            t = interleave({"target": target_rows, "one": lambda d=drafter: one_row(d),
-                            "batched": lambda d=drafter: batched(d)}, warmup=0, repeats=a.repeats)
+            t = interleave(
+                {"target": target_rows, "one": lambda d=drafter: one_row(d), "batched": lambda d=drafter: batched(d)},
+                warmup=0,
+                repeats=a.repeats,
+            )
             tokens = {k: sum(len(r) for r in v.last) for k, v in t.items()}
             tps = {k: tokens[k] / v.median for k, v in t.items()}
 
             def speedup(x, y, t=t, tokens=tokens):  # tokens/s of x over y, round by round
                 return t.ratio(y, x) * tokens[x] / tokens[y]
+
             same = sum(x == y for x, y in zip(t["one"].last, t["batched"].last))
-            print(f"{info.get('kind')} ({ck}): one row at a time {tps['one']:.1f} tok/s, batched {tps['batched']:.1f} "
-                  f"tok/s, ratio {speedup('batched', 'one'):.2f}x; batched writer vs target decode_batch "
-                  f"({tps['target']:.1f} tok/s) {speedup('batched', 'target'):.2f}x; identical rows "
-                  f"{same}/{len(prompts)}", flush=True)
+            print(
+                f"{info.get('kind')} ({ck}): one row at a time {tps['one']:.1f} tok/s, batched {tps['batched']:.1f} "
+                f"tok/s, ratio {speedup('batched', 'one'):.2f}x; batched writer vs target decode_batch "
+                f"({tps['target']:.1f} tok/s) {speedup('batched', 'target'):.2f}x; identical rows "
+                f"{same}/{len(prompts)}",
+                flush=True,
+            )
             notes.append(t.note)
     print(notes[-1])
 

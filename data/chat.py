@@ -10,6 +10,7 @@ what it is trained on and what it sees in later turns. A response that ends with
 closes its turn, so that marker is cut from the start of the next segment and only re-added after a response
 that stopped at the length cap.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,15 +70,17 @@ def chat_layout(tok, messages: list[dict], eos_ids: set[int]) -> ChatLayout:
     for i in range(len(originals)):
         head, sep, rest = rest.partition(SENTINEL.format(i))
         if not sep:
-            raise DraftsmithError(f"the chat template does not render assistant message {i} verbatim, so "
-                                  f"responses cannot be spliced into it")
+            raise DraftsmithError(
+                f"the chat template does not render assistant message {i} verbatim, so "
+                f"responses cannot be spliced into it"
+            )
         pieces.append(head)
     pieces.append(rest)  # after the last response: only its end-of-turn marker matters
     eos_texts = {tok.decode([e]): e for e in sorted(eos_ids)}
     segments, closers, responses = [], [], []
     for i, content in enumerate(originals):
         closer = _end_marker(pieces[i], eos_texts) if i > 0 else None
-        seg = pieces[i][len(tok.decode([closer])):] if closer is not None else pieces[i]
+        seg = pieces[i][len(tok.decode([closer])) :] if closer is not None else pieces[i]
         segments.append(encode(tok, seg))
         closers.append(closer)
         if content is None:

@@ -2,6 +2,7 @@
 a few at a time, and each record's rows are sliced from the memory-mapped file), the collate that aligns
 teacher rows with student positions, and a ``datasets`` view for users who want the HF ecosystem.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -78,9 +79,14 @@ def collate(records: list[Record]) -> dict[str, torch.Tensor]:
         n = len(r.input_ids)
         ids[b, :n] = r.input_ids
         attn[b, :n] = True
-        predict[b, :n - 1] = r.loss_mask[1:]
-    batch = {"input_ids": ids, "attention_mask": attn, "predict_mask": predict,
-             "labels": ids[:, 1:][predict[:, :-1]], "source": torch.tensor([r.source for r in records])}
+        predict[b, : n - 1] = r.loss_mask[1:]
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "predict_mask": predict,
+        "labels": ids[:, 1:][predict[:, :-1]],
+        "source": torch.tensor([r.source for r in records]),
+    }
     for name in records[0].signals:
         rows = [r.signals[name] for r in records]
         if SIGNALS[name] == "loss":
@@ -88,7 +94,7 @@ def collate(records: list[Record]) -> dict[str, torch.Tensor]:
         else:
             padded = rows[0].new_zeros((B, T, *rows[0].shape[1:]))
             for b, x in enumerate(rows):
-                padded[b, :len(x)] = x
+                padded[b, : len(x)] = x
             batch[name] = padded
     return batch
 
@@ -108,8 +114,13 @@ def hf_dataset(data_dir: Path, signals: set[str] | None = None):
             shard = load_shard(Path(f), signals)
             for i in range(len(shard)):
                 r = shard.record(i)
-                yield {"input_ids": r.input_ids.tolist(), "loss_mask": r.loss_mask.tolist(),
-                       "prompt_index": r.prompt_index, "sample_index": r.sample_index, "source": r.source,
-                       **{k: v.tolist() for k, v in r.signals.items()}}
+                yield {
+                    "input_ids": r.input_ids.tolist(),
+                    "loss_mask": r.loss_mask.tolist(),
+                    "prompt_index": r.prompt_index,
+                    "sample_index": r.sample_index,
+                    "source": r.source,
+                    **{k: v.tolist() for k, v in r.signals.items()},
+                }
 
     return datasets.IterableDataset.from_generator(rows, gen_kwargs={"shard_files": files})

@@ -12,6 +12,7 @@ Signals (``Capture``): top-k log-probs are the target's raw distribution (temper
 settings, the teacher that KD losses match. Hidden states: ``hidden_last`` is the post-final-norm state the LM
 head reads (Medusa / EAGLE-1 feature); ``hidden_aux`` stacks the outputs of chosen layers (EAGLE-3 fusion).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -75,8 +76,9 @@ class Generated:
     hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def specdec_labels(p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: Sampling,
-                   gens: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+def specdec_labels(
+    p_logits: torch.Tensor, q_logits: torch.Tensor, sampling: Sampling, gens: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """SpecDec++ labels (algorithms.md A7). p_logits / q_logits (N, V): target and drafter at the same positions.
 
     Returns (y (N,) the drafter's sample, accept (N,) float32 = min(1, p(y)/q(y))), the exact probability that
@@ -100,16 +102,24 @@ def _left_pad(contexts: list[list[int]], device) -> tuple[torch.Tensor, torch.Te
     ids = torch.zeros(B, L, dtype=torch.long, device=device)
     valid = torch.zeros(B, L, dtype=torch.bool, device=device)
     for b, c in enumerate(contexts):
-        ids[b, L - len(c):] = torch.tensor(c, device=device)
-        valid[b, L - len(c):] = True
+        ids[b, L - len(c) :] = torch.tensor(c, device=device)
+        valid[b, L - len(c) :] = True
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)  # each row's RoPE positions start at 0 after its padding
     return ids, valid, pos
 
 
 @torch.no_grad()
-def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                 sampling: Sampling, gens: list[torch.Generator], capture: Capture = Capture(),
-                 companion: Llama | None = None, label_sampling: Sampling | None = None) -> list[Generated]:
+def decode_batch(
+    model: Llama,
+    contexts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    sampling: Sampling,
+    gens: list[torch.Generator],
+    capture: Capture = Capture(),
+    companion: Llama | None = None,
+    label_sampling: Sampling | None = None,
+) -> list[Generated]:
     """Generate a response for every context (left-padded into one batch, one KV cache).
 
     contexts: token lists (ragged). gens: one generator per row (sampling and labels draw from it, so a row's
@@ -171,8 +181,15 @@ def decode_batch(model: Llama, contexts: list[list[int]], max_new_tokens: int, e
 
 
 @torch.no_grad()
-def write_batch(model: Llama, drafter, contexts: list[list[int]], max_new_tokens: int, eos_ids: set[int],
-                sampling: Sampling, gens: list[torch.Generator]) -> list[Generated]:
+def write_batch(
+    model: Llama,
+    drafter,
+    contexts: list[list[int]],
+    max_new_tokens: int,
+    eos_ids: set[int],
+    sampling: Sampling,
+    gens: list[torch.Generator],
+) -> list[Generated]:
     """On-policy responses written by a drafter that reads the target's states (heads, EAGLE): ``write_one`` for
     a left-padded batch, with one target KV cache and one drafter cache.
 
@@ -235,9 +252,18 @@ def write_batch(model: Llama, drafter, contexts: list[list[int]], max_new_tokens
 
 
 @torch.no_grad()
-def write_one(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-              top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
-              generator: torch.Generator | None = None):
+def write_one(
+    target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_ids: set[int] | None = None,
+    generator: torch.Generator | None = None,
+):
     """One row written by a drafter that reads the target's states (heads, EAGLE): the reference ``write_batch``
     is tested equal to, built on the decoder's proposers. prompt_ids (T,) -> (tokens, EOS included if hit; stats).
 
@@ -249,8 +275,10 @@ def write_one(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
     """
     proposer = proposer_for(drafter)(target, drafter)
     if not proposer.reads_target:
-        raise ValueError("write mode is for drafters that read the target's states; a standalone draft LM writes "
-                         "through the batched generator (data/engine.py decode_batch)")
+        raise ValueError(
+            "write mode is for drafters that read the target's states; a standalone draft LM writes "
+            "through the batched generator (data/engine.py decode_batch)"
+        )
     stats = DecodeStats(accept_counts=[0, 0])
     if max_new_tokens <= 0:
         return [], stats
@@ -281,15 +309,27 @@ def _split_rows(contexts, L, toks, eos_ids, rows, hidden) -> list[Generated]:
     for b, c in enumerate(contexts):
         row = toks[b].tolist()
         n = next((j + 1 for j, t in enumerate(row) if t in eos_ids), len(row))  # keep EOS, drop what follows
-        out.append(Generated(row[:n], {k: v[b, :n] for k, v in stacked.items()},
-                             {k: v[b, L - len(c):L + n] for k, v in hid.items()}))
+        out.append(
+            Generated(
+                row[:n],
+                {k: v[b, :n] for k, v in stacked.items()},
+                {k: v[b, L - len(c) : L + n] for k, v in hid.items()},
+            )
+        )
     return out
 
 
 @torch.no_grad()
-def score_batch(model: Llama, seqs: list[list[int]], masks: list[list[int]], capture: Capture,
-                companion: Llama | None = None, label_sampling: Sampling | None = None,
-                gens: list[torch.Generator] | None = None, chunk: int = 1024) -> list[Generated]:
+def score_batch(
+    model: Llama,
+    seqs: list[list[int]],
+    masks: list[list[int]],
+    capture: Capture,
+    companion: Llama | None = None,
+    label_sampling: Sampling | None = None,
+    gens: list[torch.Generator] | None = None,
+    chunk: int = 1024,
+) -> list[Generated]:
     """Teacher-forced signals for finished sequences (right-padded, no cache). masks[b][t] = 1 marks a response
     token; its loss row comes from position t-1. The LM head runs in chunks of ``chunk`` rows over the loss
     positions only, so (N, V) logits never exist for the whole batch at once."""
@@ -298,8 +338,8 @@ def score_batch(model: Llama, seqs: list[list[int]], masks: list[list[int]], cap
     ids = torch.zeros(B, T, dtype=torch.long, device=dev)
     predict = torch.zeros(B, T, dtype=torch.bool, device=dev)
     for b, (s, m) in enumerate(zip(seqs, masks)):
-        ids[b, :len(s)] = torch.tensor(s, device=dev)
-        predict[b, :len(s) - 1] = torch.tensor(m[1:], dtype=torch.bool, device=dev)
+        ids[b, : len(s)] = torch.tensor(s, device=dev)
+        predict[b, : len(s) - 1] = torch.tensor(m[1:], dtype=torch.bool, device=dev)
     h, captured = _final_hidden(model, ids, capture.layer_ids(model.cfg.n_layers))
     hid = {k: v.cpu() for k, v in capture.hidden_rows(model, captured).items()}
     h = h[predict]  # (N, D) row-major over (b, t): the order loss rows are stored in
@@ -307,14 +347,15 @@ def score_batch(model: Llama, seqs: list[list[int]], masks: list[list[int]], cap
     row_gens = [gens[b] for b in range(B) for _ in range(int(predict[b].sum()))] if gens is not None else None
     rows: dict[str, list[torch.Tensor]] = {}
     for a in range(0, len(h), chunk):
-        logits = model.lm_head(h[a:a + chunk])  # (n, V)
+        logits = model.lm_head(h[a : a + chunk])  # (n, V)
         if capture.topk:
             i, v = _topk_rows(logits, capture.topk)
             rows.setdefault("topk_ids", []).append(i.cpu())
             rows.setdefault("topk_logprobs", []).append(v.cpu())
         if hq is not None:
-            y, acc = specdec_labels(logits, companion.lm_head(hq[a:a + chunk]), label_sampling or Sampling(),
-                                    row_gens[a:a + chunk])
+            y, acc = specdec_labels(
+                logits, companion.lm_head(hq[a : a + chunk]), label_sampling or Sampling(), row_gens[a : a + chunk]
+            )
             rows.setdefault("spec_token", []).append(y.cpu())
             rows.setdefault("spec_accept", []).append(acc.cpu())
     flat = {k: torch.cat(v) for k, v in rows.items()}
@@ -322,8 +363,11 @@ def score_batch(model: Llama, seqs: list[list[int]], masks: list[list[int]], cap
     out, start = [], 0
     for b, s in enumerate(seqs):
         n = counts[b]
-        out.append(Generated([], {k: v[start:start + n] for k, v in flat.items()},
-                             {k: v[b, :len(s)] for k, v in hid.items()}))
+        out.append(
+            Generated(
+                [], {k: v[start : start + n] for k, v in flat.items()}, {k: v[b, : len(s)] for k, v in hid.items()}
+            )
+        )
         start += n
     return out
 

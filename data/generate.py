@@ -9,6 +9,7 @@ Work is cut into shards of ``data.shard_size`` prompts: the unit of resume (a fi
 ``manifest.json`` comes last) and of data parallelism (rank r of N takes shards r, r+N, ...). Randomness is
 seeded per (seed, prompt, sample), so resuming, batch size and rank count never change the data.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -58,8 +59,11 @@ def data_hash(recipe, with_n: bool = False) -> str:
     the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
     shard, and each shard's metadata records the prompt span it covers. ``with_n``: the hash as written before
     spans were recorded, so such shards still resume."""
-    d = {"target": recipe.target.model_dump(exclude={"device"}), "seed": recipe.seed,
-         "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"})}
+    d = {
+        "target": recipe.target.model_dump(exclude={"device"}),
+        "seed": recipe.seed,
+        "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"}),
+    }
     if not with_n:
         d["data"]["prompts"].pop("n")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -82,7 +86,7 @@ class Unit:
 
     def est_tokens(self, max_new: int) -> int:
         """Upper bound of the final length: template tokens plus a full response per turn."""
-        return sum(len(s) + 1 for s in self.layout.segments[:self.n_turns]) + self.n_turns * max_new
+        return sum(len(s) + 1 for s in self.layout.segments[: self.n_turns]) + self.n_turns * max_new
 
 
 @dataclass
@@ -115,10 +119,12 @@ def plan_units(prompts, start: int, tok, eos: set[int], dc, seed: int, stats: St
             if dc.too_long == "skip":
                 stats.skipped_too_long += 1
                 continue
-            layout.segments[0] = layout.segments[0][-dc.max_prompt_tokens:]  # keep the end: the question
+            layout.segments[0] = layout.segments[0][-dc.max_prompt_tokens :]  # keep the end: the question
             stats.truncated += 1
-        units += [Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si), share=1 / dc.n_samples)
-                  for si in range(dc.n_samples)]
+        units += [
+            Unit(pi, si, layout, n_turns, _writer(dc, seed, pi, si), share=1 / dc.n_samples)
+            for si in range(dc.n_samples)
+        ]
     return units
 
 
@@ -128,12 +134,18 @@ def text_units(pi: int, p, tok, dc) -> list[Unit]:
     context, so every token after the document's first is a label exactly once. The sample index numbers the
     pieces (n_samples does not apply: the text is kept as written)."""
     if dc.responses != "dataset":
-        raise DraftsmithError(f"data.prompts: record {p.id} is raw text (a 'text' key, no messages): it needs "
-                              f"data.responses=dataset (there is no question for the target to answer)")
+        raise DraftsmithError(
+            f"data.prompts: record {p.id} is raw text (a 'text' key, no messages): it needs "
+            f"data.responses=dataset (there is no question for the target to answer)"
+        )
     toks, n = encode(tok, p.text), dc.max_new_tokens
     starts = range(0, len(toks) - 1, n)
-    return [Unit(pi, i, ChatLayout([toks[a:a + 1]], [None], [toks[a + 1:a + n + 1]]), 1, "dataset",
-                 share=1 / len(starts)) for i, a in enumerate(starts)]
+    return [
+        Unit(
+            pi, i, ChatLayout([toks[a : a + 1]], [None], [toks[a + 1 : a + n + 1]]), 1, "dataset", share=1 / len(starts)
+        )
+        for i, a in enumerate(starts)
+    ]
 
 
 def _writer(dc, seed: int, pi: int, si: int) -> str:
@@ -186,8 +198,9 @@ class Producer:
         dc = self.dc = recipe.data
         dtype = resolve_dtype(recipe.target.dtype, device)
         self.device, self.seed = device, recipe.seed
-        self.tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code,
-                              recipe.target.revision)
+        self.tgt = load_model(
+            recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision
+        )
         self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.tok_hash = tokenizer_hash(self.tgt.tokenizer)
         self.sampling = Sampling(dc.temperature, dc.top_k, dc.top_p)
@@ -218,15 +231,19 @@ class Producer:
         model, info = load_drafter(Path(section.checkpoint), dtype=dtype, device=self.device)
         if info.get("kind") != "draft_lm" and not (writer and reads_target(model)):
             what = "write sequences" if writer else "label sequences on its own"
-            raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter, which cannot "
-                                  f"{what}")
+            raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter, which cannot {what}")
         if getattr(model, "target_adapter", None) is not None:
-            raise DraftsmithError(f"{key}: {section.checkpoint} is a Medusa-2 drafter: its heads read the states of "
-                                  f"its adapted target, not of {self.tgt.name!r}")
-        if info.get("tokenizer_hash", self.tok_hash) != self.tok_hash or model.cfg.vocab_size != \
-                self.tgt.model.cfg.vocab_size:
-            raise DraftsmithError(f"{key}: {section.checkpoint} was trained with a different tokenizer than "
-                                  f"target {self.tgt.name!r}")
+            raise DraftsmithError(
+                f"{key}: {section.checkpoint} is a Medusa-2 drafter: its heads read the states of "
+                f"its adapted target, not of {self.tgt.name!r}"
+            )
+        if (
+            info.get("tokenizer_hash", self.tok_hash) != self.tok_hash
+            or model.cfg.vocab_size != self.tgt.model.cfg.vocab_size
+        ):
+            raise DraftsmithError(
+                f"{key}: {section.checkpoint} was trained with a different tokenizer than target {self.tgt.name!r}"
+            )
         return model
 
     def shard_records(self, units: list[Unit], stats: Stats, on_batch) -> list[Record]:
@@ -247,18 +264,35 @@ class Producer:
         dc = self.dc
 
         def target(contexts, units, turn):
-            return decode_batch(self.tgt.model, contexts, dc.max_new_tokens, self.eos, self.sampling,
-                                [u.gen for u in units], self.capture, self.labeller, self.label_sampling)
+            return decode_batch(
+                self.tgt.model,
+                contexts,
+                dc.max_new_tokens,
+                self.eos,
+                self.sampling,
+                [u.gen for u in units],
+                self.capture,
+                self.labeller,
+                self.label_sampling,
+            )
 
         def drafter(contexts, units, turn):
             if not reads_target(self.drafter):
-                return decode_batch(self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
-                                    [u.gen for u in units])
-            return write_batch(self.tgt.model, self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling,
-                               [u.gen for u in units])
+                return decode_batch(
+                    self.drafter, contexts, dc.max_new_tokens, self.eos, self.sampling, [u.gen for u in units]
+                )
+            return write_batch(
+                self.tgt.model,
+                self.drafter,
+                contexts,
+                dc.max_new_tokens,
+                self.eos,
+                self.sampling,
+                [u.gen for u in units],
+            )
 
         def dataset(contexts, units, turn):
-            return [Generated(u.layout.responses[turn][:dc.max_new_tokens]) for u in units]
+            return [Generated(u.layout.responses[turn][: dc.max_new_tokens]) for u in units]
 
         def vllm(contexts, units, turn):
             from draftsmith.data.backends import vllm_generate
@@ -271,8 +305,15 @@ class Producer:
 
     def _score(self, units: list[Unit]) -> None:
         """Teacher signals for responses the target did not write during capture: one forward per batch."""
-        scored = score_batch(self.tgt.model, [u.seq for u in units], [u.mask for u in units], self.capture,
-                             self.labeller, self.label_sampling, [u.gen for u in units])
+        scored = score_batch(
+            self.tgt.model,
+            [u.seq for u in units],
+            [u.mask for u in units],
+            self.capture,
+            self.labeller,
+            self.label_sampling,
+            [u.gen for u in units],
+        )
         for u, g in zip(units, scored):
             u.turns = [Generated([t for turn in u.turns for t in turn.tokens], g.loss_signals, g.hidden)]
 
@@ -306,15 +347,20 @@ def generate(recipe) -> Path:
     barrier()
     prod = Producer(recipe, device)
     pc = dc.prompts
-    prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
-                           max_turns=pc.max_turns, text_ok=True)
+    prompts = load_prompts(
+        pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns, text_ok=True
+    )
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
     starts = range(0, len(prompts), dc.shard_size)
     mine = [si for si in range(len(starts)) if si % world == rank]
     runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
-    bar = tqdm(total=sum(min(dc.shard_size, len(prompts) - starts[si]) for si in mine), unit="prompt",
-               desc=f"generate[{rank}]" if world > 1 else "generate", dynamic_ncols=True)
+    bar = tqdm(
+        total=sum(min(dc.shard_size, len(prompts) - starts[si]) for si in mine),
+        unit="prompt",
+        desc=f"generate[{rank}]" if world > 1 else "generate",
+        dynamic_ncols=True,
+    )
     t0, new_tokens = time.perf_counter(), 0
 
     def on_batch(batch: list[Unit]) -> None:
@@ -325,7 +371,7 @@ def generate(recipe) -> Path:
 
     for si in mine:
         path, start = out / shard_name(si), starts[si]
-        shard_prompts = prompts[start:start + dc.shard_size]
+        shard_prompts = prompts[start : start + dc.shard_size]
         span = f"{start}:{start + len(shard_prompts)}"
         if shard_done(path, dhash, span, legacy_hash):
             bar.update(len(shard_prompts))
@@ -336,27 +382,46 @@ def generate(recipe) -> Path:
         records = prod.shard_records(units, stats, on_batch) if units else []
         counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
         entry = write_shard(path, records, {**meta, "prompt_span": span}, counts)
-        runlog.log({"shard": si, "rank": rank, "sequences": entry["n_sequences"], "new_tokens": new_tokens,
-                    "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1)})
+        runlog.log(
+            {
+                "shard": si,
+                "rank": rank,
+                "sequences": entry["n_sequences"],
+                "new_tokens": new_tokens,
+                "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1),
+            }
+        )
     bar.close()
     barrier()
     if rank == 0:
-        manifest = _manifest(recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(starts))],
-                             len(prompts))
+        manifest = _manifest(
+            recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(starts))], len(prompts)
+        )
         if manifest["n_sequences"] == 0:
             c = manifest["prompts"]
-            raise DraftsmithError(f"data.prompts: none of the {len(prompts)} prompts is usable "
-                                  f"({c['skipped_too_long']} longer than data.max_prompt_tokens, "
-                                  f"{c['skipped_no_response']} without a reply to keep)")
+            raise DraftsmithError(
+                f"data.prompts: none of the {len(prompts)} prompts is usable "
+                f"({c['skipped_too_long']} longer than data.max_prompt_tokens, "
+                f"{c['skipped_no_response']} without a reply to keep)"
+            )
         write_manifest(out, manifest)
         dt = time.perf_counter() - t0
         c = manifest["prompts"]
-        runlog.log({"done": True, "n_sequences": manifest["n_sequences"], "n_loss_tokens": manifest["n_loss_tokens"],
-                    "seconds": round(dt, 1), "bytes_per_token": manifest["bytes_per_token"]["per_token"]})
-        print(f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
-              f"{len(prompts)} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
-              f"{c['skipped_no_response']} without a reply; "
-              f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token -> {out}")
+        runlog.log(
+            {
+                "done": True,
+                "n_sequences": manifest["n_sequences"],
+                "n_loss_tokens": manifest["n_loss_tokens"],
+                "seconds": round(dt, 1),
+                "bytes_per_token": manifest["bytes_per_token"]["per_token"],
+            }
+        )
+        print(
+            f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
+            f"{len(prompts)} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
+            f"{c['skipped_no_response']} without a reply; "
+            f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token -> {out}"
+        )
     barrier()
     return out
 
@@ -365,8 +430,12 @@ def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], n_prompts
     dc, cap = recipe.data, prod.capture
     signals = {}
     if cap.topk:
-        signals["topk"] = {"k": cap.topk, "dtype": dc.signals.topk_dtype, "axis": "loss",
-                           "tail": "1 - sum(exp(topk_logprobs))"}
+        signals["topk"] = {
+            "k": cap.topk,
+            "dtype": dc.signals.topk_dtype,
+            "axis": "loss",
+            "tail": "1 - sum(exp(topk_logprobs))",
+        }
     hidden = {"dtype": dc.signals.hidden_dtype, "dim": prod.tgt.model.cfg.dim, "axis": "token"}
     if cap.hidden_last:
         signals["hidden_last"] = {**hidden, "layer": "final_norm"}
@@ -376,7 +445,10 @@ def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], n_prompts
         signals["specdec"] = {"axis": "loss", **dc.specdec_labels.model_dump()}
     # Every count comes from the shards' own entries: exact after a resume and across ranks.
     return {
-        "format": FORMAT, **meta, "recipe": recipe.name, "responses": dc.responses,
+        "format": FORMAT,
+        **meta,
+        "recipe": recipe.name,
+        "responses": dc.responses,
         "n_sequences": sum(e["n_sequences"] for e in entries),
         "n_tokens": sum(e["n_tokens"] for e in entries),
         "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),

@@ -16,6 +16,7 @@ manifest is written last. No text is logged, only counts. With ``only_correct`` 
 swaps, so every 0 label is a swap that broke a right answer (a weak target fails most tasks, and a failing answer
 mostly stays failing whatever is swapped in).
 """
+
 from __future__ import annotations
 
 import time
@@ -48,8 +49,18 @@ COUNTS = ("tasks", "swaps", "acceptable", "base_pass", "broke", "fixed")  # per 
 
 
 @torch.no_grad()
-def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos: set[int], max_swaps: int,
-                 timeout: float, only_correct: bool = False) -> tuple[list[Record], dict]:
+def task_records(
+    target,
+    draft,
+    tok,
+    task,
+    prompt_index: int,
+    max_new: int,
+    eos: set[int],
+    max_swaps: int,
+    timeout: float,
+    only_correct: bool = False,
+) -> tuple[list[Record], dict]:
     """The what-if records of one task and its tallies (none when ``only_correct`` and the target got it wrong)."""
     ids = encode_chat(tok, task.messages)
     resp = autoregressive_generate(target, torch.tensor(ids), max_new, eos_ids=eos)
@@ -59,22 +70,42 @@ def task_records(target, draft, tok, task, prompt_index: int, max_new: int, eos:
     if only_correct and not solved:
         return [], {"tasks": 1, "swaps": 0, "acceptable": 0, "base_pass": 0, "broke": 0, "fixed": 0}
     seq = torch.tensor([ids + resp], device=next(draft.parameters()).device)
-    pred = draft(seq)[0, len(ids) - 1:-1].argmax(-1).tolist()  # the draft's choice for each response token
+    pred = draft(seq)[0, len(ids) - 1 : -1].argmax(-1).tolist()  # the draft's choice for each response token
     swaps = [i for i, (p, r) in enumerate(zip(pred, resp)) if p != r][:max_swaps]
     records, acceptable, broke, fixed = [], 0, 0, 0
     for i in swaps:
         prefix = ids + resp[:i] + [pred[i]]
-        cont = [] if pred[i] in eos else autoregressive_generate(target, torch.tensor(prefix), max_new - i - 1,
-                                                                   eos_ids=eos)
+        cont = (
+            []
+            if pred[i] in eos
+            else autoregressive_generate(target, torch.tensor(prefix), max_new - i - 1, eos_ids=eos)
+        )
         swapped = outcome(task, tok.decode(resp[:i] + [pred[i]] + cont, skip_special_tokens=True), timeout)
         label, swap_ok = float(swapped == base), outcome_correct(task, swapped)
         acceptable += int(label)
         broke, fixed = broke + int(solved and not swap_ok), fixed + int(swap_ok and not solved)
-        records.append(Record(prefix, [0] * (len(prefix) - 1) + [1], prompt_index, i, SOURCES["drafter"],
-                              {"judge_label": torch.tensor([label]), "judge_base_ok": torch.tensor([float(solved)]),
-                               "judge_swap_ok": torch.tensor([float(swap_ok)])}))
-    return records, {"tasks": 1, "swaps": len(swaps), "acceptable": acceptable, "base_pass": int(solved),
-                     "broke": broke, "fixed": fixed}
+        records.append(
+            Record(
+                prefix,
+                [0] * (len(prefix) - 1) + [1],
+                prompt_index,
+                i,
+                SOURCES["drafter"],
+                {
+                    "judge_label": torch.tensor([label]),
+                    "judge_base_ok": torch.tensor([float(solved)]),
+                    "judge_swap_ok": torch.tensor([float(swap_ok)]),
+                },
+            )
+        )
+    return records, {
+        "tasks": 1,
+        "swaps": len(swaps),
+        "acceptable": acceptable,
+        "base_pass": int(solved),
+        "broke": broke,
+        "fixed": fixed,
+    }
 
 
 def mine(recipe) -> Path:
@@ -89,8 +120,10 @@ def mine(recipe) -> Path:
     tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
     draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
     if info.get("kind") != "draft_lm":
-        raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
-                              f"the what-if swaps come from a standalone draft LM")
+        raise DraftsmithError(
+            f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
+            f"the what-if swaps come from a standalone draft LM"
+        )
     tok_hash = tokenizer_hash(tgt.tokenizer)
     if info.get("tokenizer_hash") not in (None, tok_hash):
         raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
@@ -103,14 +136,24 @@ def mine(recipe) -> Path:
     bar = tqdm(total=len(tasks), unit="task", desc="judge labels", dynamic_ncols=True)
     t0 = time.perf_counter()
     for si, start in enumerate(starts):
-        path, shard = out / shard_name(si), tasks[start:start + dc.shard_size]
+        path, shard = out / shard_name(si), tasks[start : start + dc.shard_size]
         if shard_done(path, dhash, legacy_hash=legacy_hash):
             bar.update(len(shard))
             continue
         records, counts = [], dict.fromkeys(COUNTS, 0)
         for j, task in enumerate(shard):
-            recs, c = task_records(tgt.model, draft, tgt.tokenizer, task, start + j, dc.max_new_tokens, eos,
-                                   jc.max_swaps, jc.timeout, jc.only_correct)
+            recs, c = task_records(
+                tgt.model,
+                draft,
+                tgt.tokenizer,
+                task,
+                start + j,
+                dc.max_new_tokens,
+                eos,
+                jc.max_swaps,
+                jc.timeout,
+                jc.only_correct,
+            )
             records += recs
             counts = {k: counts[k] + c[k] for k in counts}
             bar.update(1)
@@ -120,20 +163,30 @@ def mine(recipe) -> Path:
     entries = [shard_entry(out / shard_name(i)) for i in range(len(starts))]
     totals = {k: sum(e["counts"].get(k, 0) for e in entries) for k in COUNTS}  # shards from before broke/fixed
     if totals["swaps"] == 0:
-        why = (f"the target solved none of the {len(tasks)} tasks (data.judge_labels.only_correct)"
-               if jc.only_correct and totals["base_pass"] == 0 else
-               f"the draft agreed with the target everywhere on {len(tasks)} tasks")
-        raise DraftsmithError(f"data.judge_labels: {why}; no what-if swaps to label (use more tasks or a weaker "
-                              f"draft)")
-    manifest = {"format": FORMAT, **meta, "recipe": recipe.name, "responses": "judge_labels",
-                "n_sequences": sum(e["n_sequences"] for e in entries),
-                "n_tokens": sum(e["n_tokens"] for e in entries),
-                "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),
-                "judge": {**jc.model_dump(), **totals}, "signals": {"judge": {"axis": "loss"}},
-                "bytes_per_token": bytes_per_token(entries), "shards": entries}
+        why = (
+            f"the target solved none of the {len(tasks)} tasks (data.judge_labels.only_correct)"
+            if jc.only_correct and totals["base_pass"] == 0
+            else f"the draft agreed with the target everywhere on {len(tasks)} tasks"
+        )
+        raise DraftsmithError(f"data.judge_labels: {why}; no what-if swaps to label (use more tasks or a weaker draft)")
+    manifest = {
+        "format": FORMAT,
+        **meta,
+        "recipe": recipe.name,
+        "responses": "judge_labels",
+        "n_sequences": sum(e["n_sequences"] for e in entries),
+        "n_tokens": sum(e["n_tokens"] for e in entries),
+        "n_loss_tokens": sum(e["n_loss_tokens"] for e in entries),
+        "judge": {**jc.model_dump(), **totals},
+        "signals": {"judge": {"axis": "loss"}},
+        "bytes_per_token": bytes_per_token(entries),
+        "shards": entries,
+    }
     write_manifest(out, manifest)
     runlog.log({"done": True, **totals})
-    print(f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
-          f"outcome, {totals['broke']} broke a right answer, {totals['fixed']} fixed a wrong one; the target passed "
-          f"{totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}")
+    print(
+        f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
+        f"outcome, {totals['broke']} broke a right answer, {totals['fixed']} fixed a wrong one; the target passed "
+        f"{totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}"
+    )
     return out

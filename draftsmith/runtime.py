@@ -1,4 +1,5 @@
 """Device and dtype resolution shared by every stage (``auto`` = cuda + bf16 if available, else cpu + fp32)."""
+
 from __future__ import annotations
 
 import torch

@@ -2,6 +2,7 @@
 sampling (docs/algorithms.md A1, C7), and the ``Sampler`` that drafts, target tokens and these rules share; the
 logits processing they rely on lives in models/sampling.py. Letters follow the docs: p = target, q = draft.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ class Sampler:
 
     def __post_init__(self):
         object.__setattr__(self, "greedy", self.temperature <= 0)
+
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (..., V) -> the processed distribution (..., V), fp32."""
         return process_logits(logits, self.temperature, self.top_k, self.top_p)
@@ -53,8 +55,9 @@ def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     return int(n[0]), int(nxt[0])
 
 
-def judge_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
-                 judged_ok: torch.Tensor) -> tuple[int, int, int]:
+def judge_accept(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, judged_ok: torch.Tensor
+) -> tuple[int, int, int]:
     """**Lossy** Judge-Decoding rule (algorithms.md A8): draft i is kept while it equals the target argmax *or*
     the judge accepts it (judged_ok (γ,) bool); the target's argmax after the kept prefix follows. Returns
     (n accepted, next token, how many of the n only the judge accepted)."""
@@ -63,8 +66,12 @@ def judge_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor,
     return n, int(target_logits[n].argmax()), int((~match[:n]).sum())
 
 
-def rejection_accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[int, int]:
+def rejection_accept(
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[int, int]:
     """Standard speculative sampling. draft_tokens (γ,), draft_probs q (γ, V), target_probs p (γ+1, V).
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) (fp32, q = 0 rejects); at the first rejection draw

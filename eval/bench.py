@@ -4,6 +4,7 @@ compare with plain autoregressive decoding (HF ``generate`` and our own cache), 
 Writes ``<run>/eval/report.json``, ``report.md`` and ``acceptance.png``. Keys of report.json are stable
 (later versions add keys, never rename).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,21 +37,37 @@ from draftsmith.runtime import resolve_device, resolve_dtype
 def _truncate_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     for i, t in enumerate(tokens):
         if t in eos:
-            return tokens[:i + 1]
+            return tokens[: i + 1]
     return tokens
 
 
-def _hf_generate(hf_model, ids: list[int], max_new: int, eos: set[int], pad_id: int, assistant=None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> list[int]:
+def _hf_generate(
+    hf_model,
+    ids: list[int],
+    max_new: int,
+    eos: set[int],
+    pad_id: int,
+    assistant=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> list[int]:
     """HF ``generate``: plain, or assisted by ``assistant`` (transformers' own speculative decoding)."""
     x = torch.tensor([ids], device=hf_model.device)
     if temperature > 0:
         sample = {"do_sample": True, "temperature": temperature, "top_k": top_k or None, "top_p": top_p}
     else:
         sample = {"do_sample": False, "temperature": None, "top_k": None, "top_p": None}
-    out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, eos_token_id=sorted(eos),
-                            pad_token_id=pad_id, assistant_model=assistant, **sample)
-    return _truncate_at_eos(out[0, len(ids):].tolist(), eos)
+    out = hf_model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=max_new,
+        eos_token_id=sorted(eos),
+        pad_token_id=pad_id,
+        assistant_model=assistant,
+        **sample,
+    )
+    return _truncate_at_eos(out[0, len(ids) :].tolist(), eos)
 
 
 def _hf_assistant(drafter, info: dict, draft_len: int):
@@ -76,6 +93,7 @@ def _timed(fn, device: str):
 @dataclass
 class EvalSetup:
     """What every decode of an eval needs, loaded once (``load_for_eval``)."""
+
     tgt: object  # models.loading.Loaded: model, tokenizer, path
     drafter: torch.nn.Module
     info: dict
@@ -98,8 +116,9 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     device = resolve_device(recipe.target.device)
     dtype = resolve_dtype(recipe.target.dtype, device)
     ckpt = Path(ec.checkpoint) if ec.checkpoint else run / "checkpoints" / "final"
-    tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision,
-                     fallback=True)
+    tgt = load_model(
+        recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision, fallback=True
+    )
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     stop_drafting, stop_info = None, None
     if info.get("kind") == "acceptance_head" or ec.stop is not None:
@@ -114,18 +133,34 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
         tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n, jc.tasks_start)
         prompts = [Prompt(f"{t.kind}:{t.id}", t.messages, t.kind) for t in tasks]
     else:
-        prompts = load_prompts(pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
-                               max_turns=pc.max_turns)
+        prompts = load_prompts(
+            pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns
+        )
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages))) for p in prompts]
     judge = None
     if jc is not None:
         head, head_info = load_drafter(Path(jc.head), dtype=dtype, device=device)
         if head_info.get("kind") != "judge" or head.cfg.dim != tgt.model.cfg.dim:
-            raise DraftsmithError(f"eval.judge.head {jc.head!r} is not a judge for this target "
-                                  f"({head_info.get('kind')}, {getattr(head.cfg, 'dim', '?')}-wide)")
+            raise DraftsmithError(
+                f"eval.judge.head {jc.head!r} is not a judge for this target "
+                f"({head_info.get('kind')}, {getattr(head.cfg, 'dim', '?')}-wide)"
+            )
         judge = Judge(head, jc.delta)
-    setup = EvalSetup(tgt, drafter, info, ckpt, device, dtype, encoded, stop_ids(tgt.path, tgt.tokenizer), adapted,
-                      stop_drafting, stop_info, judge, tasks)
+    setup = EvalSetup(
+        tgt,
+        drafter,
+        info,
+        ckpt,
+        device,
+        dtype,
+        encoded,
+        stop_ids(tgt.path, tgt.tokenizer),
+        adapted,
+        stop_drafting,
+        stop_info,
+        judge,
+        tasks,
+    )
     if optimize:
         optimize_models(setup, ec)
     return setup
@@ -152,8 +187,14 @@ def optimize_models(setup: EvalSetup, ec) -> None:
 def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
-    tgt, drafter, info, ckpt, device, dtype = (setup.tgt, setup.drafter, setup.info, setup.ckpt, setup.device,
-                                               setup.dtype)
+    tgt, drafter, info, ckpt, device, dtype = (
+        setup.tgt,
+        setup.drafter,
+        setup.info,
+        setup.ckpt,
+        setup.device,
+        setup.dtype,
+    )
     encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
     hf_model = assistant = None
     if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
@@ -171,28 +212,42 @@ def evaluate(recipe) -> dict:
 
     def speculative(x):
         if tree is None:
-            return speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
-                                        eos_ids=eos, generator=gen, stop_drafting=stop_drafting, judge=setup.judge,
-                                        **sampling)
-        return tree_speculative_generate(tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos,
-                                         generator=gen, **sampling)
+            return speculative_generate(
+                tgt.model,
+                drafter,
+                x,
+                ec.max_new_tokens,
+                draft_len=ec.draft_len,
+                eos_ids=eos,
+                generator=gen,
+                stop_drafting=stop_drafting,
+                judge=setup.judge,
+                **sampling,
+            )
+        return tree_speculative_generate(
+            tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos, generator=gen, **sampling
+        )
 
     def run_one(ids):
         x = torch.tensor(ids, device=device)
         spec, t_spec = _timed(lambda: speculative(x), device)
-        ar, t_ar = _timed(lambda: autoregressive_generate(
-            tgt.model, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling), device)
+        ar, t_ar = _timed(
+            lambda: autoregressive_generate(tgt.model, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling),
+            device,
+        )
         hf, t_hf, hfa, t_hfa = None, 0.0, None, 0.0
         if hf_model is not None:
-            hf, t_hf = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, None,
-                                                   **sampling), device)
+            hf, t_hf = _timed(
+                lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, None, **sampling), device
+            )
             if assistant is not None:
-                hfa, t_hfa = _timed(lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, assistant,
-                                                         **sampling), device)
+                hfa, t_hfa = _timed(
+                    lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, assistant, **sampling), device
+                )
         return spec, t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa
 
     with torch.no_grad():
-        for _, ids in encoded[:ec.warmup]:  # first calls pay one-off allocation / kernel selection costs
+        for _, ids in encoded[: ec.warmup]:  # first calls pay one-off allocation / kernel selection costs
             run_one(ids)
         total, per_cat = DecodeStats(), defaultdict(DecodeStats)
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
@@ -207,8 +262,12 @@ def evaluate(recipe) -> dict:
             total.merge(st)
             cat = p.category or "all"
             per_cat[cat].merge(st)
-            for k, out, t in (("spec", spec, t_spec), ("ar", ar, t_ar), ("ar_hf", hf, t_hf),
-                              ("hf_assisted", hfa, t_hfa)):
+            for k, out, t in (
+                ("spec", spec, t_spec),
+                ("ar", ar, t_ar),
+                ("ar_hf", hf, t_hf),
+                ("hf_assisted", hfa, t_hfa),
+            ):
                 if out is not None:
                     times[k] += t
                     toks[k] += len(out)
@@ -220,8 +279,9 @@ def evaluate(recipe) -> dict:
                 n_cmp += 1
         meter.stop()
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
-    report = build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded),
-                          device, cat_times)
+    report = build_report(
+        recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded), device, cat_times
+    )
     report["machine"] = meter.machine()
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
@@ -237,10 +297,13 @@ def evaluate(recipe) -> dict:
     write_category_plot(report, out_dir / "by_category.png")
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
-    print(f"eval: tau {report['tau']:.2f}, acceptance {report['acceptance_rate']:.3f}, "
-          f"speedup vs own AR {report['speedup'].get('vs_ar', float('nan')):.2f}x"
-          + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "") + ", "
-          f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}")
+    print(
+        f"eval: tau {report['tau']:.2f}, acceptance {report['acceptance_rate']:.3f}, "
+        f"speedup vs own AR {report['speedup'].get('vs_ar', float('nan')):.2f}x"
+        + (f", vs HF {report['speedup']['vs_ar_hf']:.2f}x" if "vs_ar_hf" in report["speedup"] else "")
+        + ", "
+        f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}"
+    )
     if warning := shared_warning(report):
         print("eval: warning: " + warning)
     if note := rounding_note(report):
@@ -266,8 +329,9 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
             head, head_info = load_drafter(Path(sc.head), dtype=dtype, device=device)
             head_path = sc.head
             if head_info.get("kind") != "acceptance_head":
-                raise DraftsmithError(f"eval.stop.head {sc.head!r} is a {head_info.get('kind')} checkpoint, not an "
-                                      f"acceptance head")
+                raise DraftsmithError(
+                    f"eval.stop.head {sc.head!r} is a {head_info.get('kind')} checkpoint, not an acceptance head"
+                )
         else:
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
     if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
@@ -275,25 +339,40 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     kind = info.get("kind")
     heads = DRAFTERS[kind].interface == "heads"  # feature heads, read through draft_step (load_drafter knows kind)
     if head is not None and kind not in ("draft_lm", "eagle") and not heads:  # training-free rules: every drafter
-        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a standalone draft LM, an EAGLE drafter or feature "
-                              f"heads, not {kind}")
+        raise DraftsmithError(
+            f"eval.stop.rule=specdecpp needs a standalone draft LM, an EAGLE drafter or feature heads, not {kind}"
+        )
     width = (drafter.state_dim if heads else drafter.cfg.dim) if head is not None else None
     if head is not None and (head.cfg.dim != width or head.cfg.draft_kind != kind):
-        raise DraftsmithError(f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
-                              f"{head.cfg.dim}-wide states; this drafter is a {kind} with {width}")
-    if head is not None and sc.state not in (None, head.cfg.state) and not (sc.state == "next"
-                                                                              and head.cfg.state == "before"):
-        raise DraftsmithError(f"eval.stop.state={sc.state} but the head {head_path} was trained with "
-                              f"drafter.state={head.cfg.state}"
-                              + (" (state=next needs a before head)" if sc.state == "next" else ""))
+        raise DraftsmithError(
+            f"eval.stop.head {head_path} was trained on a {head.cfg.draft_kind} with "
+            f"{head.cfg.dim}-wide states; this drafter is a {kind} with {width}"
+        )
+    if (
+        head is not None
+        and sc.state not in (None, head.cfg.state)
+        and not (sc.state == "next" and head.cfg.state == "before")
+    ):
+        raise DraftsmithError(
+            f"eval.stop.state={sc.state} but the head {head_path} was trained with "
+            f"drafter.state={head.cfg.state}" + (" (state=next needs a before head)" if sc.state == "next" else "")
+        )
     prepare = drafter.head_input if kind == "eagle" else None  # EAGLE: as in training
     training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
     keep = drafter.head_ids if heads else None  # reduced heads: features from their rows only
-    hook = AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next", keep=keep) \
-        if head is not None else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
+    hook = (
+        AcceptanceStop(head, sc.threshold, sc.min_len, prepare, skip=sc.state == "next", keep=keep)
+        if head is not None
+        else training_free[sc.rule](sc.threshold, sc.min_len, before_feed=sc.state == "before")
+    )
     state = ("next" if sc.state == "next" else head.cfg.state) if head is not None else (sc.state or "after")
-    desc = {"rule": sc.rule, "threshold": sc.threshold, "min_len": sc.min_len, "state": state,
-            **({"head": str(head_path)} if head is not None else {})}
+    desc = {
+        "rule": sc.rule,
+        "threshold": sc.threshold,
+        "min_len": sc.min_len,
+        "state": state,
+        **({"head": str(head_path)} if head is not None else {}),
+    }
     return drafter, info, hook, desc
 
 
@@ -323,8 +402,12 @@ def _strategy(ec, max_depth: int | None = None) -> tuple[dict, int]:
         gamma = min(ec.draft_len, max_depth or ec.draft_len)  # heads draft at most one token per head
         return {"kind": "chain", "draft_len": gamma}, gamma
     if isinstance(tree, DynamicTree):
-        return {"kind": "dynamic_tree", "top_k": tree.top_k, "depth": tree.depth,
-                "total_tokens": tree.total_tokens}, tree.depth
+        return {
+            "kind": "dynamic_tree",
+            "top_k": tree.top_k,
+            "depth": tree.depth,
+            "total_tokens": tree.total_tokens,
+        }, tree.depth
     depth = max(tree.depths)
     return {"kind": "tree", "nodes": len(tree), "depth": depth, "choices": ec.tree.choices}, depth
 
@@ -339,8 +422,9 @@ def _by_category(per_cat: dict, cat_times: dict) -> dict:
     return out
 
 
-def build_report(recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, n, device,
-                 cat_times=None) -> dict:
+def build_report(
+    recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, n, device, cat_times=None
+) -> dict:
     ec = recipe.eval
     n_draft, n_target = drafter.num_params(), tgt.model.num_params()
     r = n_draft / n_target

@@ -6,6 +6,7 @@ rows of benchmarks/RESULTS.md). Linux only (/proc/stat); elsewhere the meter rep
         ...timed work...
     meter.other  # fraction of all CPUs' time spent by other processes, 0..1 (or meter.start() ... meter.stop())
 """
+
 from __future__ import annotations
 
 import os

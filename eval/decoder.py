@@ -5,6 +5,7 @@ loop (``speculative_generate``) for every drafter and every step shape. What a d
 temperature 0 both produce identical tokens for any drafter, and with sampling the output follows the target
 distribution (docs/algorithms.md A1, C4, C7); only the judge hook is lossy, by design.
 """
+
 from __future__ import annotations
 
 import time
@@ -50,7 +51,7 @@ class DecodeStats:
         out = []
         for i in range(len(c) - 1):
             reached = sum(c[i:])
-            out.append(sum(c[i + 1:]) / reached if reached else 0.0)
+            out.append(sum(c[i + 1 :]) / reached if reached else 0.0)
         return out
 
     def step(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
@@ -132,9 +133,18 @@ def target_pass(target, ids: torch.Tensor, cache, layers: tuple[int, ...] = (), 
 
 
 @torch.no_grad()
-def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-                            top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
-                            generator: torch.Generator | None = None, on_token=None) -> list[int]:
+def autoregressive_generate(
+    target,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_ids: set[int] | None = None,
+    generator: torch.Generator | None = None,
+    on_token=None,
+) -> list[int]:
     """Plain decoding with our KV cache: prompt_ids (T,) -> the new tokens (EOS included if hit)."""
     if max_new_tokens <= 0:
         return []
@@ -156,10 +166,23 @@ def reads_target(drafter) -> bool:
 
 
 @torch.no_grad()
-def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
-                         tree: TreeSpec | DynamicTree | None = None, temperature: float = 0.0, top_k: int = 0,
-                         top_p: float = 1.0, eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
-                         stop_drafting=None, judge=None, on_token=None) -> tuple[list[int], DecodeStats]:
+def speculative_generate(
+    target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    draft_len: int = 4,
+    tree: TreeSpec | DynamicTree | None = None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_ids: set[int] | None = None,
+    generator: torch.Generator | None = None,
+    stop_drafting=None,
+    judge=None,
+    on_token=None,
+) -> tuple[list[int], DecodeStats]:
     """Speculative decoding: prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens;
     stats). Each step drafts a chain of up to ``draft_len`` tokens, or the ``tree`` (a static ``TreeSpec`` or an
     EAGLE-2 ``DynamicTree``), verifies it in one target forward, keeps what the acceptance rule accepts and adds
@@ -194,8 +217,9 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
         _sync(prompt.device)
         t1 = time.perf_counter()
         t_len = tcache.length
-        logits, captured = target_pass(target, torch.cat([cur, draft.tokens]).view(1, -1), tcache, layers,
-                                       **shape.placement(draft, t_len))
+        logits, captured = target_pass(
+            target, torch.cat([cur, draft.tokens]).view(1, -1), tcache, layers, **shape.placement(draft, t_len)
+        )
         accepted, keep, nxt, judged = shape.accept(draft, logits[0], captured)  # keep: cur + accepted positions
         t2 = time.perf_counter()  # the acceptance rule synced on its result
         compact_cache(tcache, t_len, keep)

@@ -18,6 +18,7 @@ input, and each (T, mask kind, last-only) is a graph. An eager EAGLE draft step 
 With ``graphs=False`` (any device) the same static-shape forward runs without capture: the tests use it on CPU to
 check that the static path equals the eager one.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Run:
     """Static buffers of one captured forward shape."""
+
     ids: torch.Tensor  # (1, T)
     pos: torch.Tensor | None  # (1, T) the caller's RoPE positions (a tree), or None: the slots themselves
     mask: torch.Tensor | None  # (1, T, max_len): the caller's (tree) mask, or None for causal-in-slot-order
@@ -78,8 +80,19 @@ class GraphedLlama(nn.Module):
         c.valid.zero_()
         return c
 
-    def forward(self, ids, pos=None, cache=None, valid=None, attn_mask=None, capture_layers=(), logits_at=None,
-                return_hidden=False, head_fn=None, s0: torch.Tensor | None = None):
+    def forward(
+        self,
+        ids,
+        pos=None,
+        cache=None,
+        valid=None,
+        attn_mask=None,
+        capture_layers=(),
+        logits_at=None,
+        return_hidden=False,
+        head_fn=None,
+        s0: torch.Tensor | None = None,
+    ):
         """``s0`` (a 0-d long tensor): the static-shape forward itself, with the first written slot held on the
         device and ``attn_mask`` (1, T, max_len) over the whole cache; no capture, no Python ints, so a caller can
         capture it inside its own graph (a whole dynamic tree, ``TreeGraph``). The cache's ``length`` is left as
@@ -87,25 +100,51 @@ class GraphedLlama(nn.Module):
         if s0 is not None:
             return self._forward_at(ids, pos, attn_mask, s0, tuple(capture_layers))
         T = ids.shape[1]
-        eager = (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None
-                 or cache.padded or logits_at is not None or return_hidden
-                 or head_fn is not None or T > self.max_graph_tokens
-                 or cache.length == 0)  # a prefill: one graph per prompt length would cost more than it saves
+        eager = (
+            cache is None
+            or cache is not self._cache
+            or ids.shape[0] != 1
+            or valid is not None
+            or cache.padded
+            or logits_at is not None
+            or return_hidden
+            or head_fn is not None
+            or T > self.max_graph_tokens
+            or cache.length == 0
+        )  # a prefill: one graph per prompt length would cost more than it saves
         if eager:
-            return self.model(ids, pos=pos, cache=cache, valid=valid, attn_mask=attn_mask,
-                              capture_layers=capture_layers, logits_at=logits_at, return_hidden=return_hidden,
-                              head_fn=head_fn)
+            return self.model(
+                ids,
+                pos=pos,
+                cache=cache,
+                valid=valid,
+                attn_mask=attn_mask,
+                capture_layers=capture_layers,
+                logits_at=logits_at,
+                return_hidden=return_hidden,
+                head_fn=head_fn,
+            )
         key = (T, attn_mask is not None, pos is not None, tuple(capture_layers))
         return self._replay(key, cache, ids, pos, attn_mask, layers=tuple(capture_layers))
 
-    def _replay(self, key: tuple, cache: KVCache, ids, pos, attn_mask, layers: tuple[int, ...] = (), state=None,
-                last_only: bool = False):
+    def _replay(
+        self,
+        key: tuple,
+        cache: KVCache,
+        ids,
+        pos,
+        attn_mask,
+        layers: tuple[int, ...] = (),
+        state=None,
+        last_only: bool = False,
+    ):
         """One static-shape call: inputs into the run's buffers, then the graph (captured on first use)."""
         T, s0 = ids.shape[1], cache.length
         if s0 + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {s0}+{T} > {cache.max_len}")
-        run = self._runs.get(key) or self._new_run(key, T, attn_mask is not None, pos is not None, layers, state,
-                                                   last_only)
+        run = self._runs.get(key) or self._new_run(
+            key, T, attn_mask is not None, pos is not None, layers, state, last_only
+        )
         # Few launches outside the graph: every one costs about as much as a small kernel at batch 1.
         run.ids.copy_(ids)
         self._s0.fill_(s0)
@@ -113,7 +152,7 @@ class GraphedLlama(nn.Module):
             run.state.copy_(state)
         if run.mask is not None:  # the caller's mask covers the filled slots; later slots are never attended
             run.mask.zero_()
-            run.mask[:, :, :s0 + T] = attn_mask
+            run.mask[:, :, : s0 + T] = attn_mask
         if run.pos is not None:
             run.pos.copy_(pos)
         if self.graphs and run.graph is None:
@@ -121,8 +160,11 @@ class GraphedLlama(nn.Module):
                 self._capture(run)
             except RuntimeError as e:  # an op that cannot be captured: stay correct uncaptured, say so once
                 run.graph = False
-                log.warning("CUDA-graph capture failed for a %d-token forward (%s); it runs uncaptured",
-                            T, str(e).splitlines()[0])
+                log.warning(
+                    "CUDA-graph capture failed for a %d-token forward (%s); it runs uncaptured",
+                    T,
+                    str(e).splitlines()[0],
+                )
         if run.graph:
             run.graph.replay()
             out = run.out
@@ -131,20 +173,32 @@ class GraphedLlama(nn.Module):
         cache.length = s0 + T
         return _clone(out)  # a graph's output buffers are overwritten by the next replay
 
-    def _new_run(self, key: tuple, T: int, custom_mask: bool, custom_pos: bool, layers: tuple[int, ...] = (),
-                 state: torch.Tensor | None = None, last_only: bool = False) -> _Run:
+    def _new_run(
+        self,
+        key: tuple,
+        T: int,
+        custom_mask: bool,
+        custom_pos: bool,
+        layers: tuple[int, ...] = (),
+        state: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> _Run:
         dev = self._arange.device
-        run = _Run(ids=torch.zeros(1, T, dtype=torch.long, device=dev),
-                   pos=torch.zeros(1, T, dtype=torch.long, device=dev) if custom_pos else None,
-                   mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None,
-                   layers=layers, state=None if state is None else torch.zeros_like(state), last_only=last_only)
+        run = _Run(
+            ids=torch.zeros(1, T, dtype=torch.long, device=dev),
+            pos=torch.zeros(1, T, dtype=torch.long, device=dev) if custom_pos else None,
+            mask=torch.zeros(1, T, self.max_len, dtype=torch.bool, device=dev) if custom_mask else None,
+            layers=layers,
+            state=None if state is None else torch.zeros_like(state),
+            last_only=last_only,
+        )
         self._runs[key] = run
         return run
 
     def _static_forward(self, run: _Run) -> torch.Tensor:
         mask = run.mask
         if mask is None:  # causal in slot order, as KVCache's own mask
-            mask = self._arange[None, None, :] <= (self._s0 + self._arange[:run.ids.shape[1]])[None, :, None]
+            mask = self._arange[None, None, :] <= (self._s0 + self._arange[: run.ids.shape[1]])[None, :, None]
         return self._forward_at(run.ids, run.pos, mask, self._s0, run.layers, run)
 
     def _forward_at(self, ids, pos, mask, s0: torch.Tensor, capture_layers: tuple[int, ...] = (), run=None):
@@ -153,8 +207,9 @@ class GraphedLlama(nn.Module):
         cache.valid.index_fill_(1, slots, True)
         cache.slots = slots
         try:
-            return self._call(ids, slots.view(1, T) if pos is None else pos, mask & cache.valid[:, None, :], run,
-                              capture_layers)
+            return self._call(
+                ids, slots.view(1, T) if pos is None else pos, mask & cache.valid[:, None, :], run, capture_layers
+            )
         finally:
             cache.slots = None
 
@@ -193,10 +248,18 @@ class GraphedEagle(GraphedLlama):
 
     def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only: bool = False, valid=None):
         T = ids.shape[1]
-        if (cache is None or cache is not self._cache or ids.shape[0] != 1 or valid is not None or cache.padded
-                or T > self.max_graph_tokens or cache.length == 0):
-            return self.model.step(state, ids, pos=pos, cache=cache, attn_mask=attn_mask, last_only=last_only,
-                                   valid=valid)
+        if (
+            cache is None
+            or cache is not self._cache
+            or ids.shape[0] != 1
+            or valid is not None
+            or cache.padded
+            or T > self.max_graph_tokens
+            or cache.length == 0
+        ):
+            return self.model.step(
+                state, ids, pos=pos, cache=cache, attn_mask=attn_mask, last_only=last_only, valid=valid
+            )
         key = (T, attn_mask is not None, pos is not None, last_only)
         return self._replay(key, cache, ids, pos, attn_mask, state=state, last_only=last_only)
 

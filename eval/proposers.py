@@ -18,6 +18,7 @@ The interface the loop (eval/decoder.py) and the shapes (eval/shapes.py) call:
 - ``commit(draft, accepted, keep, captured)``: after the verify. accepted (n,): the drafts kept; keep: the verify
   positions kept (cur first, then the accepted drafts); captured: the verify's states at all positions.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,6 +47,7 @@ def proposer_for(drafter) -> type[Proposer]:
 class Proposer:
     """What every proposer shares: the shapes' drafting algorithms over its ``root`` / ``expand``, and the chain's
     stop hook. Subclasses add ``prefill``, ``root``, ``expand`` and ``commit`` (module docstring)."""
+
     reads_target = False
     max_draft_len = math.inf
     layers: tuple[int, ...] = ()
@@ -145,6 +147,7 @@ class FeatureProposer(Proposer):
     target forward (``capture_layers``, ``features``), drafted nodes with its own output state, which is what its
     training-time test simulates. So every root re-reads the accepted drafts with the real features; drafted
     nodes are rolled back. Unread: ``ids`` (k,) with ``feats`` (k + 1, F), the last feature pairing with cur."""
+
     reads_target = True
     passes_state = True
 
@@ -184,6 +187,7 @@ class HeadProposer(Proposer):
     over the sequence and has no cache. Chains: ``propose``. Static trees: node (r1..rd) is the r_d-th best token of
     head d-1 after its ancestors' tokens, one ``logits_after`` per distinct parent. Dynamic trees: head d scores
     the children of every depth-d frontier node in one batched ``logits_after`` (``root`` / ``expand``)."""
+
     reads_target = True
 
     def __init__(self, target, drafter, stop=None):
@@ -211,7 +215,7 @@ class HeadProposer(Proposer):
             if par not in child_logits:
                 path, n = [], par
                 while n >= 0:
-                    path.append(tokens[n:n + 1])
+                    path.append(tokens[n : n + 1])
                     n = spec.parents[n]
                 child_logits[par] = self.d.logits_after(self.h, [cur, *reversed(path)])
             tokens[i] = torch.topk(child_logits[par], rank + 1).indices[-1]
@@ -259,10 +263,11 @@ class TreeGraph:
     def _level(self, run, tokens, states, d: int, base: torch.Tensor, n_fed: int, anc, paths):
         k, m = tokens.numel(), self.model
         mask = (m._arange < base).expand(k, -1).clone()  # the committed prefix, then this tree's slots
-        mask[:, base + m._arange[:anc.shape[1]]] = anc
+        mask[:, base + m._arange[: anc.shape[1]]] = anc
         pos = (base - 1 + d).expand(k)
-        return _run_drafter(m, tokens.view(1, -1), cache=m._cache, pos=pos.view(1, -1), attn_mask=mask[None],
-                            s0=base + n_fed)[0], None
+        return _run_drafter(
+            m, tokens.view(1, -1), cache=m._cache, pos=pos.view(1, -1), attn_mask=mask[None], s0=base + n_fed
+        )[0], None
 
     def __call__(self, root_logits: torch.Tensor, base: int):
         if self.root is None:
@@ -276,8 +281,10 @@ class TreeGraph:
                 self.graph, self.out = self.model.capture(self._levels)
             except RuntimeError as e:  # an op of this drafter that cannot be captured: stay correct, say so once
                 self.usable = False
-                log.warning("dynamic tree: CUDA-graph capture failed (%s); drafting level by level instead",
-                            str(e).splitlines()[0])
+                log.warning(
+                    "dynamic tree: CUDA-graph capture failed (%s); drafting level by level instead",
+                    str(e).splitlines()[0],
+                )
                 return self._levels()
         self.graph.replay()
         return tuple(t.clone() for t in self.out)  # the next replay overwrites the graph's outputs

@@ -4,6 +4,7 @@ teacher-forced estimate of tau from the per-position acceptance alpha = sum_x mi
 The gap between the two says how far the i.i.d.-acceptance model is from the real decoder (acceptance falls with
 depth, and drafts condition on the drafter's own earlier drafts, which teacher forcing never shows it).
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ from draftsmith.models.sampling import process_logits
 
 def tau_from_alpha(alpha: float, draft_len: int) -> float:
     """Expected tokens per target forward if every draft is accepted independently with probability alpha."""
-    return float(sum(alpha ** k for k in range(draft_len + 1)))
+    return float(sum(alpha**k for k in range(draft_len + 1)))
 
 
 @torch.no_grad()
@@ -22,14 +23,22 @@ def teacher_forced_alpha(target, drafter, seq: torch.Tensor, start: int, tempera
     """alpha_t = sum_x min(p_t, q_t) at every position predicting seq[start:], both models reading seq (T,).
     At temperature 0 the processed distributions are one-hot, so alpha_t = 1[argmax q == argmax p]."""
     ids = seq.view(1, -1)
-    p = process_logits(target(ids)[0, start - 1:-1], temperature)  # (n, V)
-    q = process_logits(drafter(ids)[0, start - 1:-1], temperature)
+    p = process_logits(target(ids)[0, start - 1 : -1], temperature)  # (n, V)
+    q = process_logits(drafter(ids)[0, start - 1 : -1], temperature)
     return torch.minimum(p, q).sum(-1)
 
 
 @torch.no_grad()
-def quick_eval(target, drafter, prompts: list[list[int]], max_new_tokens: int, draft_len: int,
-               temperature: float = 0.0, eos_ids: set[int] | None = None, seed: int = 0) -> dict:
+def quick_eval(
+    target,
+    drafter,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    draft_len: int,
+    temperature: float = 0.0,
+    eos_ids: set[int] | None = None,
+    seed: int = 0,
+) -> dict:
     """Decode each prompt speculatively, then score the produced sequences teacher-forced. Returns
     {tau_measured, tau_estimate, tau_gap, alpha, acceptance_rate}."""
     device = next(target.parameters()).device
@@ -37,8 +46,16 @@ def quick_eval(target, drafter, prompts: list[list[int]], max_new_tokens: int, d
     stats, alphas = DecodeStats(), []
     for ids in prompts:
         prompt = torch.tensor(ids, device=device)
-        out, st = speculative_generate(target, drafter, prompt, max_new_tokens, draft_len=draft_len,
-                                       temperature=temperature, eos_ids=eos_ids, generator=gen)
+        out, st = speculative_generate(
+            target,
+            drafter,
+            prompt,
+            max_new_tokens,
+            draft_len=draft_len,
+            temperature=temperature,
+            eos_ids=eos_ids,
+            generator=gen,
+        )
         stats.merge(st)
         if len(out) > 1 and not reads_target(drafter):  # heads / EAGLE: the loop logs alpha per head or TTT step
             seq = torch.cat([prompt, torch.tensor(out, device=device)])

@@ -1,5 +1,6 @@
 """Human-readable eval output: report.md (a summary table), acceptance.png (per-position acceptance and the
 accepted-length histogram) and by_category.png (tau and speedup per prompt category)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,13 +15,22 @@ def write_plot(report: dict, path: Path) -> None:
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
     ppa = report["per_position_acceptance"]
     a1.bar(range(1, len(ppa) + 1), ppa, color="#4c72b0")
-    a1.set(xlabel="draft position", ylabel="P(accept | earlier accepted)", ylim=(0, 1),
-           title="Per-position acceptance", xticks=range(1, len(ppa) + 1))
+    a1.set(
+        xlabel="draft position",
+        ylabel="P(accept | earlier accepted)",
+        ylim=(0, 1),
+        title="Per-position acceptance",
+        xticks=range(1, len(ppa) + 1),
+    )
     counts = report["accept_counts"]
     total = max(sum(counts), 1)
     a2.bar(range(len(counts)), [c / total for c in counts], color="#55a868")
-    a2.set(xticks=range(len(counts)), xlabel="drafts accepted per step", ylabel="fraction of steps",
-           title=f"tau = {report['tau']:.2f}")
+    a2.set(
+        xticks=range(len(counts)),
+        xlabel="drafts accepted per step",
+        ylabel="fraction of steps",
+        title=f"tau = {report['tau']:.2f}",
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -59,8 +69,10 @@ def shared_warning(report: dict) -> str | None:
     share = (report.get("machine") or {}).get("other_cpu_share")
     if share is None or share <= SHARED:
         return None
-    return (f"other processes used {share:.0%} of the machine's CPU time while this eval was timed: tokens/s are "
-            f"lower than this machine's own; the speedups are same-process ratios and less affected")
+    return (
+        f"other processes used {share:.0%} of the machine's CPU time while this eval was timed: tokens/s are "
+        f"lower than this machine's own; the speedups are same-process ratios and less affected"
+    )
 
 
 def rounding_note(report: dict) -> str | None:
@@ -70,8 +82,10 @@ def rounding_note(report: dict) -> str | None:
     m = report.get("lossless_match")
     if report.get("lossy") or m is None or m >= 1 or report.get("dtype") not in ("bfloat16", "float16"):
         return None
-    return (f"in {report['dtype']}, a multi-token verify and one-token AR steps round differently, so near-tied "
-            f"argmaxes can flip and outputs drift apart; run with target.dtype=float32 for an exact check")
+    return (
+        f"in {report['dtype']}, a multi-token verify and one-token AR steps round differently, so near-tied "
+        f"argmaxes can flip and outputs drift apart; run with target.dtype=float32 for an exact check"
+    )
 
 
 def write_markdown(report: dict, path: Path) -> None:
@@ -95,8 +109,11 @@ def write_markdown(report: dict, path: Path) -> None:
     lines += [f"| speedup {k} | {v:.2f}x |" for k, v in r["speedup"].items()]
     lines += [f"| lossless match vs {r['lossless_reference']} | {_fmt(r['lossless_match'])} |", ""]
     if r.get("lossy"):  # judge verification: the output may differ from the target's own
-        lines.insert(2, f"**LOSSY run**: judge verification (`{r['lossy']['judge']}`, delta {r['lossy']['delta']}); "
-                        f"{r['lossy']['judge_accepted']} drafts were kept only because the judge accepted them.\n")
+        lines.insert(
+            2,
+            f"**LOSSY run**: judge verification (`{r['lossy']['judge']}`, delta {r['lossy']['delta']}); "
+            f"{r['lossy']['judge_accepted']} drafts were kept only because the judge accepted them.\n",
+        )
     if shared_warning(r):
         lines.insert(2, f"**Shared machine**: {shared_warning(r)}.\n")
     if rounding_note(r):
@@ -107,9 +124,15 @@ def write_markdown(report: dict, path: Path) -> None:
     lines.insert(-1, f"| efficiency (speedup vs AR / tau) | {_fmt(r['efficiency'])} |")
     if len(r["per_category"]) > 1:
         lines += ["| category | tau | acceptance | speedup vs AR |", "|---|---|---|---|"]
-        lines += [f"| {c} | {v['tau']:.2f} | {v['acceptance_rate']:.3f} | {_fmt(r['by_category'][c]['speedup'])} |"
-                  for c, v in r["per_category"].items()]
+        lines += [
+            f"| {c} | {v['tau']:.2f} | {v['acceptance_rate']:.3f} | {_fmt(r['by_category'][c]['speedup'])} |"
+            for c, v in r["per_category"].items()
+        ]
         lines += ["", "![by category](by_category.png)", ""]
-    lines += ["Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"]), "",
-              "![acceptance](acceptance.png)", ""]
+    lines += [
+        "Per-position acceptance: " + ", ".join(f"{x:.2f}" for x in r["per_position_acceptance"]),
+        "",
+        "![acceptance](acceptance.png)",
+        "",
+    ]
     Path(path).write_text("\n".join(lines))

@@ -11,6 +11,7 @@ drafter's final hidden state when a stop hook asks for it; else None); ``expand(
 runs drafted nodes after it -> (logits (n, V), states or None). ``cache.length`` is where the next node's slot is
 (batch 1, unpadded: slot index == RoPE position).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ class Draft:
 
 # ---- shapes -----------------------------------------------------------------------------------------------------
 
+
 class Chain:
     """Up to ``draft_len`` drafts in a row; a drafter's own cap (a heads drafter's head count) bounds it."""
+
     layers: tuple[int, ...] = ()  # target states the verify must capture for the acceptance rule
 
     def __init__(self, draft_len: int, max_draft_len, sampler: Sampler):
@@ -89,6 +92,7 @@ class Judged(Chain):
 
 class _Tree:
     """What static and dynamic trees share: the verify under the tree mask, and the tree acceptance rules."""
+
     layers: tuple[int, ...] = ()
     sampler: Sampler
     depth: int
@@ -136,7 +140,7 @@ class DynamicShape(_Tree):
     def __init__(self, spec: DynamicTree, max_draft_len, sampler: Sampler):
         self.spec, self.sampler, self.depth = spec, sampler, spec.depth
         self._check(max_draft_len)
-        self.room = spec.top_k + (spec.depth - 1) * spec.top_k ** 2 + self.depth  # every node a step records
+        self.room = spec.top_k + (spec.depth - 1) * spec.top_k**2 + self.depth  # every node a step records
 
     def draft(self, proposer, cur: torch.Tensor, budget: int) -> Draft:
         tokens, parents, anc, depths = proposer.dynamic_tree(cur, self.spec)
@@ -160,6 +164,7 @@ def shape_for(target, proposer, tree: TreeSpec | DynamicTree | None, draft_len: 
 
 
 # ---- drafting, generic over a proposer's root / expand ------------------------------------------------------------
+
 
 def draft_chain(run, cur: torch.Tensor, gamma: int, pick, stop=None) -> Draft:
     """Up to γ drafts in a row. γ = 0 drafts nothing and runs nothing (the verify is a plain target step).
@@ -214,7 +219,7 @@ def draft_static(run, cur: torch.Tensor, tree: TreeSpec, anc: torch.Tensor) -> t
             break
         lo, hi = level[0], level[-1] + 1
         mask = torch.ones(1, hi - lo, base + hi, dtype=torch.bool, device=device)
-        mask[0, :, base:] = anc[lo + 1:hi + 1, 1:hi + 1]
+        mask[0, :, base:] = anc[lo + 1 : hi + 1, 1 : hi + 1]
         pos = torch.full((hi - lo,), base - 1 + d, device=device)
         run.cache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
         st = torch.stack([states[tree.parents[i]] for i in level]) if run.passes_state else None
@@ -268,8 +273,16 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
     fed = frontier[:0]  # node ids in slot order after base
     for d in range(1, spec.depth):
         order = torch.cat([fed, frontier])
-        out, out_st = level(run, tok[frontier], state[frontier] if run.passes_state else None, d, base, fed.numel(),
-                            anc[frontier][:, order], path[frontier, :d])  # (k, V)
+        out, out_st = level(
+            run,
+            tok[frontier],
+            state[frontier] if run.passes_state else None,
+            d,
+            base,
+            fed.numel(),
+            anc[frontier][:, order],
+            path[frontier, :d],
+        )  # (k, V)
         fed = order
         cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
         new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row

@@ -26,6 +26,7 @@ config's, decoded just before them on the same prompt) and accept exactly what t
   step. It bounds rules that may also draft nothing (entropy or SpecDec++ ``after`` rules with min_len 0).
 Their gains are reported apart from the real rules, never as the best rule.
 """
+
 from __future__ import annotations
 
 import json
@@ -77,22 +78,32 @@ def best_rule(rules: list[str], rate: dict, accuracy: dict | None, max_drop: flo
     return (max(ok, key=rate.get) if ok else None), left_out
 
 
-def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list[float] = (),
-          min_lens: list[int] = (), oracle: bool = False, max_accuracy_drop: float = 0.0) -> dict:
+def sweep(
+    recipe,
+    thresholds: list[float] | None,
+    fixed: list[int],
+    deltas: list[float] = (),
+    min_lens: list[int] = (),
+    oracle: bool = False,
+    max_accuracy_drop: float = 0.0,
+) -> dict:
     """thresholds None: the default list when the recipe has a stop rule, else none. min_lens: each threshold is
     tried with each of these eval.stop.min_len values (empty: the recipe's). oracle: add ``OracleStop``.
     max_accuracy_drop: the most task accuracy (absolute) a judge δ may lose against AR and still be picked."""
     ec = recipe.eval
     if oracle and ec.temperature > 0:
-        raise DraftsmithError("--oracle needs eval.temperature=0 (it stops at the first draft the target's greedy "
-                              "output does not continue with)")
+        raise DraftsmithError(
+            "--oracle needs eval.temperature=0 (it stops at the first draft the target's greedy "
+            "output does not continue with)"
+        )
     setup = load_for_eval(recipe)
     hook = setup.stop_drafting
     if thresholds is None:
         thresholds = DEFAULT_THRESHOLDS if hook is not None and not deltas and not oracle else []
     if thresholds and hook is None:
-        raise DraftsmithError("--thresholds needs a stop rule: set eval.stop or point eval.checkpoint at an "
-                              "acceptance head")
+        raise DraftsmithError(
+            "--thresholds needs a stop rule: set eval.stop or point eval.checkpoint at an acceptance head"
+        )
     if deltas and setup.judge is None:
         raise DraftsmithError("--deltas needs a judge: set eval.judge.head (a drafter.kind judge checkpoint)")
     if not (thresholds or deltas or oracle):
@@ -103,8 +114,10 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
         raise DraftsmithError("--min-lens needs --thresholds and values >= 0")
     si = setup.stop_info or {}
     if 0 in min_lens and si.get("rule") not in ("entropy", "confidence") and si.get("state") != "next":
-        raise DraftsmithError("--min-lens 0 needs eval.stop.rule=entropy or confidence, or eval.stop.state=next "
-                              "(a SpecDec++ head asked after or before a draft scores drafted tokens)")
+        raise DraftsmithError(
+            "--min-lens 0 needs eval.stop.rule=entropy or confidence, or eval.stop.state=next "
+            "(a SpecDec++ head asked after or before a draft scores drafted tokens)"
+        )
     if 0 in min_lens and si.get("state") == "before":
         raise DraftsmithError("--min-lens 0 needs eval.stop.state=after (a before rule judges a picked draft)")
     tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
@@ -112,8 +125,9 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
 
     def spec(k, stop=None):
-        return lambda x: speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=k, eos_ids=eos,
-                                              generator=gen, stop_drafting=stop, **sampling)
+        return lambda x: speculative_generate(
+            tgt, drafter, x, ec.max_new_tokens, draft_len=k, eos_ids=eos, generator=gen, stop_drafting=stop, **sampling
+        )
 
     def with_threshold(h, m=None):
         def run(x):
@@ -121,18 +135,35 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
             if m is not None:
                 hook.min_len = m
             return spec(ec.draft_len, hook)(x)
+
         return run
 
     def with_judge(delta):  # lossy: the judge may keep drafts the target would not have chosen
         judge = Judge(setup.judge.head, delta)
-        return lambda x: speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
-                                              eos_ids=eos, generator=gen, judge=judge, **sampling)
+        return lambda x: speculative_generate(
+            tgt,
+            drafter,
+            x,
+            ec.max_new_tokens,
+            draft_len=ec.draft_len,
+            eos_ids=eos,
+            generator=gen,
+            judge=judge,
+            **sampling,
+        )
 
-    configs = {"ar": lambda x: (autoregressive_generate(tgt, x, ec.max_new_tokens, eos_ids=eos, generator=gen,
-                                                        **sampling), None)}
+    configs = {
+        "ar": lambda x: (
+            autoregressive_generate(tgt, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling),
+            None,
+        )
+    }
     configs.update({f"fixed-{k}": spec(k) for k in fixed})
-    stop_of = {f"stop-{h:g}": (h, None) for h in thresholds} if not min_lens else \
-        {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}  # config name -> (threshold, min_len)
+    stop_of = (
+        {f"stop-{h:g}": (h, None) for h in thresholds}
+        if not min_lens
+        else {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}
+    )  # config name -> (threshold, min_len)
     configs.update({n: with_threshold(h, m) for n, (h, m) in stop_of.items()})
     configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
     ar_out: list[int] = []  # this prompt's AR output: "ar" runs first, the oracle after it
@@ -140,8 +171,19 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     def with_oracle(skip):
         def run(x):
             rule = OracleStop(ar_out, skip)
-            return speculative_generate(tgt, drafter, x, ec.max_new_tokens, draft_len=ec.draft_len, eos_ids=eos,
-                                        generator=gen, stop_drafting=rule, on_token=rule.on_token, **sampling)
+            return speculative_generate(
+                tgt,
+                drafter,
+                x,
+                ec.max_new_tokens,
+                draft_len=ec.draft_len,
+                eos_ids=eos,
+                generator=gen,
+                stop_drafting=rule,
+                on_token=rule.on_token,
+                **sampling,
+            )
+
         return run
 
     oracles = ("oracle", "oracle-skip") if oracle else ()
@@ -186,11 +228,21 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     results = {}
     for n in configs:
         st = stats.get(n)
-        results[n] = {"tokens_per_s": rate[n], "speedup_vs_ar": rate[n] / rate["ar"],
-                      **({"tau": st.tau, "drafted_per_step": st.drafted / st.target_forwards,
-                          "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards} if st else {}),
-                      **({"task_accuracy": solved[n] / n_scored} if setup.tasks else {}),
-                      **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {})}
+        results[n] = {
+            "tokens_per_s": rate[n],
+            "speedup_vs_ar": rate[n] / rate["ar"],
+            **(
+                {
+                    "tau": st.tau,
+                    "drafted_per_step": st.drafted / st.target_forwards,
+                    "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards,
+                }
+                if st
+                else {}
+            ),
+            **({"task_accuracy": solved[n] / n_scored} if setup.tasks else {}),
+            **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {}),
+        }
     best_fixed = max((f"fixed-{k}" for k in fixed), key=rate.get)
     rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
     accuracy = {n: r["task_accuracy"] for n, r in results.items()} if setup.tasks else None
@@ -199,23 +251,51 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
 
     def per_category(c, n):  # speed vs AR on this category's prompts, tau and drafts wasted per verify
         st = cat_stats[c, n]
-        return {"speedup_vs_ar": cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"]),
-                "tau": st.tau, "wasted_per_step": (st.drafted - st.accepted) / max(1, st.target_forwards)}
+        return {
+            "speedup_vs_ar": cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"]),
+            "tau": st.tau,
+            "wasted_per_step": (st.drafted - st.accepted) / max(1, st.target_forwards),
+        }
 
     shown = [n for n in (best_fixed, best, *oracles) if n]
     report = {
-        "prompts": {"source": ec.prompts.source, "n": n_scored, "seed": ec.prompts.seed,
-                    **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {})},
-        "drafter": str(setup.ckpt), "stop": setup.stop_info, "cap": ec.draft_len, "temperature": ec.temperature,
-        "configs": results, "best_fixed": best_fixed, "best_stop": best,
-        **({"best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
-            "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1} if best else {}),
+        "prompts": {
+            "source": ec.prompts.source,
+            "n": n_scored,
+            "seed": ec.prompts.seed,
+            **({"tasks": ec.judge.tasks, "tasks_start": ec.judge.tasks_start} if setup.tasks else {}),
+        },
+        "drafter": str(setup.ckpt),
+        "stop": setup.stop_info,
+        "cap": ec.draft_len,
+        "temperature": ec.temperature,
+        "configs": results,
+        "best_fixed": best_fixed,
+        "best_stop": best,
+        **(
+            {
+                "best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
+                "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1,
+            }
+            if best
+            else {}
+        ),
         **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
         **{f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in oracles},
         "per_category": {c: {n: per_category(c, n) for n in shown} for c in cats},
         "lossless_mismatches": mismatches if ec.temperature == 0 else None,
-        **({"lossy": {"judge": ec.judge.head, "deltas": list(deltas), "max_accuracy_drop": max_accuracy_drop,
-                      "not_picked": left_out}} if deltas else {}),
+        **(
+            {
+                "lossy": {
+                    "judge": ec.judge.head,
+                    "deltas": list(deltas),
+                    "max_accuracy_drop": max_accuracy_drop,
+                    "not_picked": left_out,
+                }
+            }
+            if deltas
+            else {}
+        ),
         "machine": meter.machine(),
     }
     out_dir = recipe.run_dir / "eval"
@@ -224,52 +304,89 @@ def sweep(recipe, thresholds: list[float] | None, fixed: list[int], deltas: list
     acc = setup.tasks is not None
     if warning := shared_warning(report):
         print("sweep: warning: " + warning)
-    print(f"{'config':<14} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}" +
-          (f" {'accuracy':>8}" if acc else ""))
+    print(
+        f"{'config':<14} {'tok/s':>7} {'vs AR':>6} {'tau':>5} {'drafted':>8} {'wasted':>7}"
+        + (f" {'accuracy':>8}" if acc else "")
+    )
     for n, r in results.items():
-        print(f"{n:<14} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
-              f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}" +
-              (f" {r['task_accuracy']:8.3f}" if acc else ""))
+        print(
+            f"{n:<14} {r['tokens_per_s']:7.2f} {r['speedup_vs_ar']:6.2f} {r.get('tau', 1.0):5.2f} "
+            f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}"
+            + (f" {r['task_accuracy']:8.3f}" if acc else "")
+        )
     if len(cats) > 1:
-        print("per category (speed vs AR / tau / wasted per verify): " + "; ".join(
-            f"{c}: " + ", ".join(f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
-                                 for n, v in report["per_category"][c].items()) for c in cats))
+        print(
+            "per category (speed vs AR / tau / wasted per verify): "
+            + "; ".join(
+                f"{c}: "
+                + ", ".join(
+                    f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
+                    for n, v in report["per_category"][c].items()
+                )
+                for c in cats
+            )
+        )
     lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
     if left_out:
-        why = (f"task accuracy below AR's {accuracy['ar']:.3f} - {max_accuracy_drop:g}" if accuracy is not None
-               else "no task accuracy scored (set eval.judge.tasks)")
+        why = (
+            f"task accuracy below AR's {accuracy['ar']:.3f} - {max_accuracy_drop:g}"
+            if accuracy is not None
+            else "no task accuracy scored (set eval.judge.tasks)"
+        )
         print(f"sweep: not picked, {why}: {', '.join(left_out)}")
     found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
-    bound = (f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
-             f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)") if oracle else ""
+    bound = (
+        (
+            f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
+            f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)"
+        )
+        if oracle
+        else ""
+    )
     print(f"sweep: best fixed {best_fixed}{found}{bound}; -> {out_dir / 'sweep.json'}")
     return report
 
 
 def add_arguments(p) -> None:
     """The options of ``draftsmith sweep`` (draftsmith/cli.py adds RECIPE, the overrides and -q)."""
-    p.add_argument("--thresholds", default=None,
-                   help="comma-separated stop thresholds (specdecpp, confidence: probability in (0, 1); entropy: "
-                        f"nats); default {','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule "
-                        "and no --deltas")
-    p.add_argument("--deltas", default="",
-                   help="comma-separated judge thresholds δ in (0, 1) for lossy Judge-Decoding verification at "
-                        "eval.draft_len (needs eval.judge.head; task accuracy is scored with eval.judge.tasks)")
+    p.add_argument(
+        "--thresholds",
+        default=None,
+        help="comma-separated stop thresholds (specdecpp, confidence: probability in (0, 1); entropy: "
+        f"nats); default {','.join(map(str, DEFAULT_THRESHOLDS))} when the recipe has a stop rule "
+        "and no --deltas",
+    )
+    p.add_argument(
+        "--deltas",
+        default="",
+        help="comma-separated judge thresholds δ in (0, 1) for lossy Judge-Decoding verification at "
+        "eval.draft_len (needs eval.judge.head; task accuracy is scored with eval.judge.tasks)",
+    )
     p.add_argument("--fixed", default="1,2,3,4,6", help="comma-separated fixed draft lengths to compare against")
-    p.add_argument("--min-lens", default="",
-                   help="comma-separated eval.stop.min_len values to cross with every threshold (config names "
-                        "stop-<h>-m<n>); 0 lets the entropy or confidence rule skip drafting where even the first "
-                        "draft looks unsure; default: the recipe's min_len only")
-    p.add_argument("--oracle", action="store_true",
-                   help="also decode with two oracle stop rules (greedy only) that know the target's output, at the "
-                        "cap eval.draft_len: 'oracle' ends each block right after the first draft the target will "
-                        "reject, 'oracle-skip' right before it (it may draft nothing). Their gains over the best "
-                        "fixed length bound what a stop rule can gain with this drafter here: one judging each "
-                        "picked draft (SpecDec++, entropy with min_len >= 1), or one that may draft nothing "
-                        "(min_len 0)")
-    p.add_argument("--max-accuracy-drop", type=float, default=0.0,
-                   help="judge δs only: the most task accuracy (absolute, e.g. 0.02) a lossy δ may lose against AR "
-                        "and still be picked as the best; δs scored without tasks are never picked (default 0)")
+    p.add_argument(
+        "--min-lens",
+        default="",
+        help="comma-separated eval.stop.min_len values to cross with every threshold (config names "
+        "stop-<h>-m<n>); 0 lets the entropy or confidence rule skip drafting where even the first "
+        "draft looks unsure; default: the recipe's min_len only",
+    )
+    p.add_argument(
+        "--oracle",
+        action="store_true",
+        help="also decode with two oracle stop rules (greedy only) that know the target's output, at the "
+        "cap eval.draft_len: 'oracle' ends each block right after the first draft the target will "
+        "reject, 'oracle-skip' right before it (it may draft nothing). Their gains over the best "
+        "fixed length bound what a stop rule can gain with this drafter here: one judging each "
+        "picked draft (SpecDec++, entropy with min_len >= 1), or one that may draft nothing "
+        "(min_len 0)",
+    )
+    p.add_argument(
+        "--max-accuracy-drop",
+        type=float,
+        default=0.0,
+        help="judge δs only: the most task accuracy (absolute, e.g. 0.02) a lossy δ may lose against AR "
+        "and still be picked as the best; δs scored without tasks are never picked (default 0)",
+    )
 
 
 def run_cli(args, recipe) -> dict:
@@ -288,7 +405,14 @@ def run_cli(args, recipe) -> dict:
         raise DraftsmithError(f"--max-accuracy-drop {args.max_accuracy_drop}: must lie in [0, 1]")
     thresholds = None if args.thresholds is None else numbers(args.thresholds, float, "--thresholds")
     try:
-        return sweep(recipe, thresholds, numbers(args.fixed, int, "--fixed"), deltas,
-                     numbers(args.min_lens, int, "--min-lens"), args.oracle, args.max_accuracy_drop)
+        return sweep(
+            recipe,
+            thresholds,
+            numbers(args.fixed, int, "--fixed"),
+            deltas,
+            numbers(args.min_lens, int, "--min-lens"),
+            args.oracle,
+            args.max_accuracy_drop,
+        )
     except ValueError as e:
         raise DraftsmithError(str(e)) from None

@@ -14,6 +14,7 @@ took meanwhile (eval/contention.py ``CpuShare``).
 ``time_call(fn, ...)`` is the same for one callable. ``measure`` replaces the wall clock by a duration the call
 reports itself (e.g. ``lambda out: out[1].draft_time_s``): the repeats, order and statistics stay the same.
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,10 @@ class Timing:
         return (self.max - self.min) / self.median if self.median else 0.0
 
     def __str__(self) -> str:
-        return (f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, "
-                f"{len(self.times)} repeats)")
+        return (
+            f"{self.median * 1e3:.3f} ms (min {self.min * 1e3:.3f}, max {self.max * 1e3:.3f}, "
+            f"{len(self.times)} repeats)"
+        )
 
 
 class Timings(dict):
@@ -84,8 +87,10 @@ def machine(device: str | torch.device = "cpu") -> str:
     """One line naming the machine that runs on ``device``: accelerator, CPU count, torch version and threads."""
     device = torch.device(device)
     threads = torch.get_num_threads()
-    host = (f"{os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
-            f"{threads} torch thread{'' if threads == 1 else 's'}")
+    host = (
+        f"{os.cpu_count()} CPUs ({platform.machine()}), torch {torch.__version__}, "
+        f"{threads} torch thread{'' if threads == 1 else 's'}"
+    )
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}), {host}"
     return f"{device.type}, {host}"
@@ -97,9 +102,16 @@ def machine_note(device: str | torch.device = "cpu", other_cpu: float | None = N
     return f"machine: {machine(device)}; other processes took {other} of the CPUs' time while timing"
 
 
-def interleave(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5, number: int = 1,
-               device: str | torch.device | None = "cpu", measure: Callable[[Any], float] | None = None,
-               clock: Callable[[], float] = time.perf_counter) -> Timings:
+def interleave(
+    fns: Mapping[str, Callable[[], Any]],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    number: int = 1,
+    device: str | torch.device | None = "cpu",
+    measure: Callable[[Any], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timings:
     """Time several callables side by side.
 
     ``warmup`` untimed rounds, then ``repeats`` timed rounds; in each round every callable runs ``number`` times
@@ -133,9 +145,18 @@ def interleave(fns: Mapping[str, Callable[[], Any]], *, warmup: int = 1, repeats
     return out
 
 
-def time_call(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, number: int = 1,
-              device: str | torch.device | None = "cpu", measure: Callable[[Any], float] | None = None,
-              clock: Callable[[], float] = time.perf_counter, name: str = "call") -> Timing:
+def time_call(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 1,
+    repeats: int = 5,
+    number: int = 1,
+    device: str | torch.device | None = "cpu",
+    measure: Callable[[Any], float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    name: str = "call",
+) -> Timing:
     """``interleave`` for one callable: its ``Timing``."""
-    return interleave({name: fn}, warmup=warmup, repeats=repeats, number=number, device=device,
-                      measure=measure, clock=clock)[name]
+    return interleave(
+        {name: fn}, warmup=warmup, repeats=repeats, number=number, device=device, measure=measure, clock=clock
+    )[name]

@@ -5,6 +5,7 @@ the accepted path.
 Nodes are numbered in breadth-first order (a parent always precedes its children); ``parents[i] == -1`` marks a
 child of the root, the current token. Row/column 0 of a mask is the root, row i + 1 is node i.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -102,11 +103,15 @@ def run_accuracies(run_dir) -> list[list[float]]:
     from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    last = next((r for r in reversed(rows) if r.get("stage") == "train"
-                 and ("acc_head0_rank0" in r or "acc_step0_rank0" in r)), None)
+    last = next(
+        (r for r in reversed(rows) if r.get("stage") == "train" and ("acc_head0_rank0" in r or "acc_step0_rank0" in r)),
+        None,
+    )
     if last is None:
-        raise ValueError(f"{run_dir}: no per-head or per-step accuracies logged (train a medusa / hydra / "
-                         f"mlp_speculator / eagle first)")
+        raise ValueError(
+            f"{run_dir}: no per-head or per-step accuracies logged (train a medusa / hydra / "
+            f"mlp_speculator / eagle first)"
+        )
     acc: dict[int, dict[int, float]] = {}
     for key, v in last.items():
         if m := re.fullmatch(r"acc_(?:head|step)(\d+)_rank(\d+)", key):
@@ -169,8 +174,9 @@ def greedy_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, logits: torc
     return path[::-1], int(best[last + 1])
 
 
-def sample_tree_accept(tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor,
-                       generator: torch.Generator | None = None) -> tuple[list[int], int]:
+def sample_tree_accept(
+    tokens: torch.Tensor, parents: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[list[int], int]:
     """Lossless sampling over a tree of deterministic (top-k) children (docs/algorithms.md A11.4, point-mass rule).
 
     probs (N+1, V): the target's processed distribution at the root and at each node. From the root: draw
@@ -201,18 +207,23 @@ def compact_cache(cache, start: int, keep: list[int]) -> None:
         idx = torch.tensor(keep, dtype=torch.int32, device=cache.valid.device)
         kv = cache.kv.view(-1, *cache.kv.shape[3:])  # every layer's K and V as one (2·L·B, H, S, D) buffer
         compact_kv(kv, start, idx, check=False)  # checked above on the host list: no device sync
-        cache.valid[:, start:start + len(keep)] = cache.valid[:, start + idx.long()]
+        cache.valid[:, start : start + len(keep)] = cache.valid[:, start + idx.long()]
     cache.length = start + len(keep)
 
 
-TREE_HELP = ("A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
-             "with its expected tau, printed as an eval.tree.choices override.")
+TREE_HELP = (
+    "A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
+    "with its expected tau, printed as an eval.tree.choices override."
+)
 
 
 def add_arguments(p) -> None:
     """The options of ``draftsmith tree`` (draftsmith/cli.py adds RUN)."""
-    p.add_argument("--nodes", default="2,3,4,6,8,12,16",
-                   help="comma-separated node counts (tree sizes, root excluded) to build a tree for")
+    p.add_argument(
+        "--nodes",
+        default="2,3,4,6,8,12,16",
+        help="comma-separated node counts (tree sizes, root excluded) to build a tree for",
+    )
 
 
 def run_cli(args, run_dir) -> list[str]:
@@ -229,7 +240,9 @@ def run_cli(args, run_dir) -> list[str]:
     lines = []
     for n in sizes:
         choices = choices_from_accuracies(table, n)
-        lines.append(f"nodes {n:>3}  expected tau {expected_tau(table, choices):.3f}  "
-                     f"eval.tree.choices={json.dumps(choices, separators=(',', ':'))}")
+        lines.append(
+            f"nodes {n:>3}  expected tau {expected_tau(table, choices):.3f}  "
+            f"eval.tree.choices={json.dumps(choices, separators=(',', ':'))}"
+        )
         print(lines[-1])
     return lines

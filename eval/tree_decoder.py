@@ -2,6 +2,7 @@
 LMs, EAGLE drafters and feature heads (docs/algorithms.md A11). It is the one speculative loop
 (eval/decoder.py ``speculative_generate``) with a tree shape (eval/shapes.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,11 +11,20 @@ from draftsmith.eval.decoder import DecodeStats, speculative_generate
 from draftsmith.eval.tree import DynamicTree, TreeSpec
 
 
-def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int,
-                              tree: TreeSpec | DynamicTree, *,
-                              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                              eos_ids: set[int] | None = None,
-                              generator: torch.Generator | None = None, on_token=None) -> tuple[list[int], DecodeStats]:
+def tree_speculative_generate(
+    target,
+    drafter,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    tree: TreeSpec | DynamicTree,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_ids: set[int] | None = None,
+    generator: torch.Generator | None = None,
+    on_token=None,
+) -> tuple[list[int], DecodeStats]:
     """Tree speculative decoding over a static tree (``tree_from_choices``) or an EAGLE-2-style ``DynamicTree``
     rebuilt every step from the drafter's confidence.
 
@@ -24,5 +34,16 @@ def tree_speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new
     point-mass rule of ``sample_tree_accept``; output follows the target's processed distribution. The drafter
     re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
     """
-    return speculative_generate(target, drafter, prompt_ids, max_new_tokens, tree=tree, temperature=temperature,
-                                top_k=top_k, top_p=top_p, eos_ids=eos_ids, generator=generator, on_token=on_token)
+    return speculative_generate(
+        target,
+        drafter,
+        prompt_ids,
+        max_new_tokens,
+        tree=tree,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_ids=eos_ids,
+        generator=generator,
+        on_token=on_token,
+    )

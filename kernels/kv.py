@@ -5,6 +5,7 @@ Slots ``start + keep[j]`` move to ``start + j`` with ``keep`` ascending, so keep
 never overwrites a source that is still to be read. One program per (batch row, head) does that walk, each step a
 vector copy of one head_dim row. ``impl`` as in kernels/launch.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,10 +16,11 @@ from draftsmith.kernels.launch import HAS_TRITON, pick_impl, tl, triton
 def compact_kv_reference(x: torch.Tensor, start: int, keep: torch.Tensor) -> None:
     """x (B, H, S, D): x[:, :, start + j] = x[:, :, start + keep[j]] for all j (advanced indexing copies first)."""
     n = keep.numel()
-    x[:, :, start:start + n] = x[:, :, start + keep.long()]
+    x[:, :, start : start + n] = x[:, :, start + keep.long()]
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _compact_kernel(x_ptr, keep_ptr, start, n, S, D, BLOCK_D: tl.constexpr):
         bh = tl.program_id(0)
@@ -42,5 +44,6 @@ def compact_kv(x: torch.Tensor, start: int, keep: torch.Tensor, impl: str = "aut
         return compact_kv_reference(x, start, keep)
     B, H, S, D = x.shape
     if keep.numel():
-        _compact_kernel[(B * H,)](x, keep.to(torch.int32).contiguous(), start, keep.numel(), S, D,
-                                  BLOCK_D=triton.next_power_of_2(D))
+        _compact_kernel[(B * H,)](
+            x, keep.to(torch.int32).contiguous(), start, keep.numel(), S, D, BLOCK_D=triton.next_power_of_2(D)
+        )

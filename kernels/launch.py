@@ -4,6 +4,7 @@
 kernel (on CPU it needs TRITON_INTERPRET=1 set before triton is imported: the tests do this); "reference" forces
 the reference.
 """
+
 from __future__ import annotations
 
 import os

@@ -10,6 +10,7 @@ copy of the chunk.
 Each takes ``impl``: "auto" (Triton on CUDA, the PyTorch reference elsewhere), "triton" (also on CPU under
 TRITON_INTERPRET=1, for tests) or "reference". Both compute in fp32 whatever z's dtype.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,20 +21,21 @@ _ROWS = 64  # reference: rows per block, so a bf16 chunk is upcast 64 rows at a 
 
 
 def row_logsumexp_reference(z: torch.Tensor) -> torch.Tensor:
-    return torch.cat([torch.logsumexp(z[r:r + _ROWS].float(), -1) for r in range(0, z.shape[0], _ROWS)])
+    return torch.cat([torch.logsumexp(z[r : r + _ROWS].float(), -1) for r in range(0, z.shape[0], _ROWS)])
 
 
 def softmax_scale_reference_(z: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
     for r in range(0, z.shape[0], _ROWS):
-        blk = z[r:r + _ROWS]
+        blk = z[r : r + _ROWS]
         if blk.dtype == torch.float32:  # fully in place
-            blk.sub_(lse[r:r + _ROWS, None]).exp_().mul_(coef[r:r + _ROWS, None])
+            blk.sub_(lse[r : r + _ROWS, None]).exp_().mul_(coef[r : r + _ROWS, None])
         else:
-            blk.copy_((blk.float() - lse[r:r + _ROWS, None]).exp_().mul_(coef[r:r + _ROWS, None]))
+            blk.copy_((blk.float() - lse[r : r + _ROWS, None]).exp_().mul_(coef[r : r + _ROWS, None]))
     return z
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _lse_kernel(z_ptr, out_ptr, V, stride, BLOCK: tl.constexpr):
         """One program per row: online max and rescaled sum of exponentials over blocks of the vocabulary."""
@@ -64,8 +66,9 @@ if HAS_TRITON:
 
 def _check(z: torch.Tensor, name: str) -> None:
     if z.dim() != 2 or z.stride(-1) != 1:
-        raise ValueError(f"{name}: expected a (N, V) tensor with unit stride over V, got shape {tuple(z.shape)} "
-                         f"strides {z.stride()}")
+        raise ValueError(
+            f"{name}: expected a (N, V) tensor with unit stride over V, got shape {tuple(z.shape)} strides {z.stride()}"
+        )
 
 
 def row_logsumexp(z: torch.Tensor, impl: str = "auto") -> torch.Tensor:
@@ -83,8 +86,9 @@ def softmax_scale_(z: torch.Tensor, lse: torch.Tensor, coef: torch.Tensor, impl:
     """In place: z (N, V) <- exp(z - lse[:, None]) * coef[:, None]; lse, coef (N,) float32. Returns z."""
     _check(z, "softmax_scale_")
     if lse.shape != (z.shape[0],) or coef.shape != (z.shape[0],):
-        raise ValueError(f"softmax_scale_: lse and coef must be ({z.shape[0]},), got {tuple(lse.shape)} and "
-                         f"{tuple(coef.shape)}")
+        raise ValueError(
+            f"softmax_scale_: lse and coef must be ({z.shape[0]},), got {tuple(lse.shape)} and {tuple(coef.shape)}"
+        )
     lse, coef = lse.float().contiguous(), coef.float().contiguous()
     if pick_impl(impl, z) == "reference":
         return softmax_scale_reference_(z, lse, coef)

@@ -4,6 +4,7 @@ mask row (itself, its ancestors and the root) and its depth (the RoPE position o
 One program per node walks up its parent chain, so building a 60-node EAGLE-2 tree costs one launch and no host
 round trip. ``impl`` as in kernels/launch.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,6 +25,7 @@ def tree_mask_reference(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 if HAS_TRITON:
+
     @triton.jit
     def _tree_mask_kernel(parents_ptr, mask_ptr, depth_ptr, N, MAX_DEPTH):
         i = tl.program_id(0)  # node i, row i + 1

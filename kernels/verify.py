@@ -10,6 +10,7 @@ and draws the next token, on device, with no host synchronisation inside (docs/a
 Each public function takes ``impl``: "auto" (Triton on CUDA, the PyTorch reference elsewhere), "triton" (also on
 CPU under TRITON_INTERPRET=1, for tests) or "reference".
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,6 +19,7 @@ from draftsmith.kernels.launch import HAS_TRITON, pick_impl, tl, triton
 
 # ---- references ----------------------------------------------------------------------------------------------
 
+
 def verify_greedy_reference(draft: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """draft (B, γ) long, logits (B, γ+1, V) -> (accepted (B,) int32, next token (B,) int64)."""
     best = logits.argmax(-1)  # (B, γ+1)
@@ -25,8 +27,9 @@ def verify_greedy_reference(draft: torch.Tensor, logits: torch.Tensor) -> tuple[
     return n.int(), best.gather(1, n.long()[:, None])[:, 0]
 
 
-def verify_sampling_reference(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
-                              generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_sampling_reference(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """draft (B, γ), q (B, γ, V) draft probs, p (B, γ+1, V) target probs (both already processed) ->
     (accepted (B,), next token (B,)). Same rule as the kernel, with torch's RNG."""
     B, G = draft.shape
@@ -47,6 +50,7 @@ def verify_sampling_reference(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
 # ---- kernels ---------------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+
     @triton.jit
     def _chunk_argmax_kernel(logits_ptr, pmax_ptr, pidx_ptr, V, NC, CHUNK: tl.constexpr):
         """Program (row, c): max and first argmax of chunk c of one logits row. Many programs per row keep a
@@ -143,13 +147,18 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor, impl: str = "auto")
     pmax = torch.empty(B * (G + 1), nc, dtype=torch.float32, device=logits.device)
     pidx = torch.empty(B * (G + 1), nc, dtype=torch.int32, device=logits.device)
     _chunk_argmax_kernel[(B * (G + 1), nc)](logits.contiguous(), pmax, pidx, V, nc, CHUNK=chunk)
-    _greedy_accept_kernel[(B,)](draft.contiguous(), pmax, pidx, n, nxt, G, V, nc,
-                                BLOCK_C=triton.next_power_of_2(nc))
+    _greedy_accept_kernel[(B,)](draft.contiguous(), pmax, pidx, n, nxt, G, V, nc, BLOCK_C=triton.next_power_of_2(nc))
     return n, nxt
 
 
-def verify_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, seed: int, impl: str = "auto",
-                    generator: torch.Generator | None = None):
+def verify_sampling(
+    draft: torch.Tensor,
+    q: torch.Tensor,
+    p: torch.Tensor,
+    seed: int,
+    impl: str = "auto",
+    generator: torch.Generator | None = None,
+):
     """Lossless chain rejection sampling. draft (B, γ), q (B, γ, V), p (B, γ+1, V) processed probabilities;
     ``seed`` keys the kernel's Philox stream (the reference uses ``generator``)."""
     _check(draft, p, "verify_sampling")
@@ -162,6 +171,7 @@ def verify_sampling(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, seed:
     n = torch.empty(B, dtype=torch.int32, device=p.device)
     nxt = torch.empty(B, dtype=torch.int64, device=p.device)
     q = q.contiguous() if G else p.new_zeros(B, 1, V)  # a valid pointer even when nothing was drafted
-    _verify_sampling_kernel[(B,)](draft.contiguous(), q, p.contiguous(), n, nxt, seed, G, V,
-                                  BLOCK_V=min(1024, triton.next_power_of_2(V)))
+    _verify_sampling_kernel[(B,)](
+        draft.contiguous(), q, p.contiguous(), n, nxt, seed, G, V, BLOCK_V=min(1024, triton.next_power_of_2(V))
+    )
     return n, nxt

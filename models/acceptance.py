@@ -44,6 +44,7 @@ drafter has read n drafts, about draft n + 1, from the state and logits that wou
 with ``min_len`` 0 a step whose first draft looks unsure drafts nothing. ``sweep --oracle``'s ``oracle-skip``
 bounds this rule (eval/sweep.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -164,21 +165,35 @@ def build_acceptance_head(cfg: AcceptanceHeadConfig | dict, target, **_) -> Acce
     kind, state = info.get("kind"), cfg.state
     feature = DRAFTERS[kind].interface == "heads"  # any heads kind: read through FeatureHeads.draft_step
     if not feature and kind not in ("draft_lm", "eagle"):
-        raise DraftsmithError(f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads a "
-                              f"standalone draft LM, an EAGLE drafter or feature heads "
-                              f"({', '.join(kinds(interface='heads'))})")
+        raise DraftsmithError(
+            f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads a "
+            f"standalone draft LM, an EAGLE drafter or feature heads "
+            f"({', '.join(kinds(interface='heads'))})"
+        )
     if draft.cfg.vocab_size != target.cfg.vocab_size:
-        raise DraftsmithError(f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target "
-                              f"{target.cfg.vocab_size}")
+        raise DraftsmithError(
+            f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target {target.cfg.vocab_size}"
+        )
     if feature and state != "before":
-        raise DraftsmithError(f"drafter.state={state}: an acceptance head on {kind} heads needs state=before (heads "
-                              f"have no state after a draft: the next head's state is the one that drafts it)")
+        raise DraftsmithError(
+            f"drafter.state={state}: an acceptance head on {kind} heads needs state=before (heads "
+            f"have no state after a draft: the next head's state is the one that drafts it)"
+        )
     if getattr(draft, "target_adapter", None) is not None:
-        raise DraftsmithError(f"drafter.draft {path!r} is a Medusa-2 checkpoint (it decodes against its adapted "
-                              f"target); the acceptance head supports Medusa-1 heads")
-    head = AcceptanceHead(AcceptanceConfig(dim=draft.state_dim if feature else draft.cfg.dim,
-                                           n_layers=cfg.n_layers, draft=str(path), draft_kind=kind,
-                                           state=state, n_slots=draft.max_draft_len if feature else 0))
+        raise DraftsmithError(
+            f"drafter.draft {path!r} is a Medusa-2 checkpoint (it decodes against its adapted "
+            f"target); the acceptance head supports Medusa-1 heads"
+        )
+    head = AcceptanceHead(
+        AcceptanceConfig(
+            dim=draft.state_dim if feature else draft.cfg.dim,
+            n_layers=cfg.n_layers,
+            draft=str(path),
+            draft_kind=kind,
+            state=state,
+            n_slots=draft.max_draft_len if feature else 0,
+        )
+    )
     head.draft = draft.float().requires_grad_(False)  # frozen: only the head trains (as in the reference)
     return head
 
@@ -189,11 +204,20 @@ class AcceptanceStop:
     ``before`` head): asked once the drafter has read n drafts (n >= 0 with ``min_len`` 0) about draft n + 1, whose
     estimate then joins P; a stop leaves that draft out."""
 
-    def __init__(self, head: AcceptanceHead, threshold: float, min_len: int = 1, prepare=None, skip: bool = False,
-                 keep: torch.Tensor | None = None):
+    def __init__(
+        self,
+        head: AcceptanceHead,
+        threshold: float,
+        min_len: int = 1,
+        prepare=None,
+        skip: bool = False,
+        keep: torch.Tensor | None = None,
+    ):
         if skip and head.cfg.state != "before":
-            raise DraftsmithError("eval.stop.state=next needs a head trained with drafter.state=before (it judges "
-                                  "a draft from the state that produces it)")
+            raise DraftsmithError(
+                "eval.stop.state=next needs a head trained with drafter.state=before (it judges "
+                "a draft from the state that produces it)"
+            )
         self.head, self.threshold, self.min_len, self.skip = head, threshold, min_len, skip
         self.prepare = prepare  # drafter state -> head input (EAGLE: its head_input, as in training)
         self.before_feed = head.cfg.state == "before" and not skip
@@ -256,8 +280,13 @@ class ConfidenceStop:
 
 
 SPEC = DrafterSpec(
-    kind="acceptance_head", config=AcceptanceHeadConfig, build=build_acceptance_head,
-    from_config=lambda c: AcceptanceHead(AcceptanceConfig(**c)), interface=None,
+    kind="acceptance_head",
+    config=AcceptanceHeadConfig,
+    build=build_acceptance_head,
+    from_config=lambda c: AcceptanceHead(AcceptanceConfig(**c)),
+    interface=None,
     objective="draftsmith.train.objectives:acceptance_objective",
     # Labels: stored with the records for a draft LM, made in the loop (with the target) for EAGLE and heads.
-    signals=lambda head: head.signals_needed, needs_target=lambda head: head.needs_target)
+    signals=lambda head: head.signals_needed,
+    needs_target=lambda head: head.needs_target,
+)

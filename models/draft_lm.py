@@ -4,6 +4,7 @@ It is built from the target so it can start from the target's embeddings, final 
 optionally from a chosen subset of the target's layers (a "layer-skip" initialisation that gives non-trivial
 acceptance before any training).
 """
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -69,7 +70,7 @@ def select_vocab(counts: torch.Tensor, n: int, always: set[int]) -> torch.Tensor
         return torch.arange(len(counts))
     order = torch.sort(counts, descending=True, stable=True).indices  # stable: ties keep id order
     forced = sorted(i for i in always if 0 <= i < len(counts))
-    rest = order[~torch.isin(order, torch.tensor(forced, dtype=order.dtype))][:n - len(forced)]
+    rest = order[~torch.isin(order, torch.tensor(forced, dtype=order.dtype))][: n - len(forced)]
     return torch.cat([torch.tensor(forced, dtype=order.dtype), rest]).sort().values
 
 
@@ -91,13 +92,19 @@ def _init_from(path: str, target: Llama, tokenizer) -> Llama:
             raise DraftsmithError(f"drafter.init_from {path!r} has a different tokenizer than the target")
         model = src.model
     if model.cfg.vocab_size != target.cfg.vocab_size:
-        raise DraftsmithError(f"drafter.init_from {path!r}: vocabulary {model.cfg.vocab_size} != target "
-                              f"{target.cfg.vocab_size}")
+        raise DraftsmithError(
+            f"drafter.init_from {path!r}: vocabulary {model.cfg.vocab_size} != target {target.cfg.vocab_size}"
+        )
     return model
 
 
-def build_draft_lm(cfg: DraftLMConfig | dict, target: Llama, counts: torch.Tensor | None = None, tokenizer=None,
-                   eos_ids: set[int] = frozenset()) -> Llama:
+def build_draft_lm(
+    cfg: DraftLMConfig | dict,
+    target: Llama,
+    counts: torch.Tensor | None = None,
+    tokenizer=None,
+    eos_ids: set[int] = frozenset(),
+) -> Llama:
     """counts: token frequencies of the training responses (needed for draft_vocab)."""
     cfg = as_section(DraftLMConfig, cfg)
     if cfg.init_from:
@@ -109,8 +116,9 @@ def build_draft_lm(cfg: DraftLMConfig | dict, target: Llama, counts: torch.Tenso
         draft = _build_from_target(cfg, target)
     n_vocab = cfg.draft_vocab
     if n_vocab and draft.cfg.head_vocab_size not in (None, n_vocab):
-        raise DraftsmithError(f"drafter.draft_vocab={n_vocab} but drafter.init_from already has a "
-                              f"{draft.cfg.head_vocab_size}-token head")
+        raise DraftsmithError(
+            f"drafter.draft_vocab={n_vocab} but drafter.init_from already has a {draft.cfg.head_vocab_size}-token head"
+        )
     if n_vocab and draft.cfg.head_vocab_size is None:
         if counts is None:
             raise DraftsmithError("drafter.draft_vocab needs training records to count token frequencies")
@@ -142,8 +150,10 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
     tsd = target.state_dict()
     if section.init_from_target:
         if cfg.dim != target.cfg.dim:
-            raise DraftsmithError(f"drafter.dim {cfg.dim} != target dim {target.cfg.dim}: set "
-                                  f"drafter.init_from_target=false or drop drafter.dim")
+            raise DraftsmithError(
+                f"drafter.dim {cfg.dim} != target dim {target.cfg.dim}: set "
+                f"drafter.init_from_target=false or drop drafter.dim"
+            )
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(tsd["embed_tokens.weight"])
             draft.norm.weight.copy_(tsd["norm.weight"])
@@ -155,8 +165,9 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
             raise DraftsmithError("drafter.init_layers needs the draft's layer shape to equal the target's")
         for i, src in enumerate(layers):
             if not 0 <= src < target.cfg.n_layers:
-                raise DraftsmithError(f"drafter.init_layers[{i}] = {src} is outside the target's "
-                                      f"{target.cfg.n_layers} layers")
+                raise DraftsmithError(
+                    f"drafter.init_layers[{i}] = {src} is outside the target's {target.cfg.n_layers} layers"
+                )
             draft.layers[i].load_state_dict(target.layers[src].state_dict())
     if section.freeze_embeddings and section.init_from_target:
         # Frozen copies of the target's big vocab matrices: cheaper steps and no drift of the shared space.
@@ -167,6 +178,12 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
 
 
 SPEC = DrafterSpec(
-    kind="draft_lm", config=DraftLMConfig, build=build_draft_lm, from_config=lambda c: Llama(LlamaConfig(**c)),
-    interface="tokens", objective="draftsmith.train.objectives:draft_lm_objective", signals=frozenset({"topk"}),
-    fsdp_wrap=(Block,))
+    kind="draft_lm",
+    config=DraftLMConfig,
+    build=build_draft_lm,
+    from_config=lambda c: Llama(LlamaConfig(**c)),
+    interface="tokens",
+    objective="draftsmith.train.objectives:draft_lm_objective",
+    signals=frozenset({"topk"}),
+    fsdp_wrap=(Block,),
+)

@@ -26,6 +26,7 @@ new positions with a KV cache, for the chain and for EAGLE-2 dynamic trees (on C
 eval/graphs.py GraphedEagle);
 ``features(captured, target)`` turns a target forward's captured hidden states into f.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,10 +102,15 @@ class EagleDrafterConfig(Strict):
         if not v1 and data.get("feature_loss_weight"):
             raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
         if data.get("init_layers") is not None and len(data["init_layers"]) != data.get("n_layers", 1) - 1:
-            raise ValueError(f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
-                             f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks")
-        defaults = {"ttt_steps": 1 if v1 else 7, "token_loss_weight": 0.1 if v1 else 1.0,
-                    "feature_loss_weight": 1.0 if v1 else 0.0}
+            raise ValueError(
+                f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
+                f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks"
+            )
+        defaults = {
+            "ttt_steps": 1 if v1 else 7,
+            "token_loss_weight": 0.1 if v1 else 1.0,
+            "feature_loss_weight": 1.0 if v1 else 0.0,
+        }
         return {**data, **{k: v for k, v in defaults.items() if data.get(k) is None}}
 
 
@@ -129,10 +135,20 @@ class EagleConfig:
     n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
 
     def layer_config(self) -> LlamaConfig:
-        return LlamaConfig(vocab_size=self.vocab_size, dim=self.dim, n_layers=1, n_heads=self.n_heads,
-                           n_kv_heads=self.n_kv_heads, hidden_dim=self.hidden_dim, head_dim=self.head_dim,
-                           rope_theta=self.rope_theta, rope_scaling=self.rope_scaling, norm_eps=self.norm_eps,
-                           attention_bias=self.attention_bias, qk_norm=self.qk_norm)
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=1,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            hidden_dim=self.hidden_dim,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            norm_eps=self.norm_eps,
+            attention_bias=self.attention_bias,
+            qk_norm=self.qk_norm,
+        )
 
     @property
     def feature_dim(self) -> int:
@@ -222,12 +238,18 @@ class Eagle(ReducedVocab, nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(replace(self.cfg.layer_config(), n_layers=self.cfg.n_layers), batch, max_len, p.dtype,
-                       p.device)
+        return KVCache(replace(self.cfg.layer_config(), n_layers=self.cfg.n_layers), batch, max_len, p.dtype, p.device)
 
-    def step(self, state: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor | None = None,
-             cache: KVCache | None = None, attn_mask: torch.Tensor | None = None, last_only: bool = False,
-             valid: torch.Tensor | None = None):
+    def step(
+        self,
+        state: torch.Tensor,
+        ids: torch.Tensor,
+        pos: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        attn_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+        valid: torch.Tensor | None = None,
+    ):
         """state (B, T, d), ids (B, T) -> (logits (B, T, V_target), next state (B, T, d)), appending to ``cache``.
         last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul).
         valid (B, T): False at left padding (the data stage's batched writer)."""
@@ -251,8 +273,15 @@ class Eagle(ReducedVocab, nn.Module):
 
     # ---- training: training-time test -----------------------------------------------------------------------------
 
-    def forward(self, feats: torch.Tensor, ids: torch.Tensor, steps: int = 1, select=None, head_fn=None,
-                step_tokens: dict[int, torch.Tensor] | None = None):
+    def forward(
+        self,
+        feats: torch.Tensor,
+        ids: torch.Tensor,
+        steps: int = 1,
+        select=None,
+        head_fn=None,
+        step_tokens: dict[int, torch.Tensor] | None = None,
+    ):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
         x_{i+s+2}. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
@@ -267,15 +296,16 @@ class Eagle(ReducedVocab, nn.Module):
         for s in range(steps):
             tok = torch.zeros_like(ids)
             if s + 1 < T:
-                tok[:, :T - s - 1] = ids[:, s + 1:]  # past the end: token 0, never selected for a loss
+                tok[:, : T - s - 1] = ids[:, s + 1 :]  # past the end: token 0, never selected for a loss
             if step_tokens and s in step_tokens:
                 tok = step_tokens[s]
             x, resid = self._inputs(self.embed_tokens(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
             out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], causal))
             for j, block in enumerate(self.extra):
-                out = out + self._ttt_attention(block.self_attn, block.input_layernorm(out), cos, sin, *kv[j + 1],
-                                                causal)
+                out = out + self._ttt_attention(
+                    block.self_attn, block.input_layernorm(out), cos, sin, *kv[j + 1], causal
+                )
                 out = out + block.mlp(block.post_attention_layernorm(out))
             if head_fn is None:
                 results.append(out)
@@ -304,7 +334,7 @@ class Eagle(ReducedVocab, nn.Module):
         p = torch.softmax(torch.cat(scores, -1).to(torch.promote_types(q.dtype, torch.float32)), -1).to(q.dtype)
         y = p[..., :T] @ vs[0]
         for j, vj in enumerate(vs[1:]):
-            y = y + p[..., T + j:T + j + 1] * vj
+            y = y + p[..., T + j : T + j + 1] * vj
         return a.o_proj(y.transpose(1, 2).reshape(B, T, H * hd))
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
@@ -319,8 +349,9 @@ def default_aux_layers(n_layers: int) -> tuple[int, ...]:
     return (1, n_layers // 2 - 1, n_layers - 4) if n_layers >= 5 else tuple(range(min(3, n_layers)))
 
 
-def build_eagle(cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | None = None,
-                eos_ids: set[int] = frozenset(), **_) -> Eagle:
+def build_eagle(
+    cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(), **_
+) -> Eagle:
     """A fresh EAGLE drafter shaped like one target layer; embeddings (and EAGLE-1's LM head) copied frozen from
     the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains. With
     ``draft_vocab``, EAGLE-1's frozen head is the target's rows of the kept vocabulary (FR-Spec): a draft step
@@ -334,16 +365,31 @@ def build_eagle(cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | N
         if not 0 <= i < t.n_layers:
             raise DraftsmithError(f"drafter.aux_layers: layer {i} is outside the target's {t.n_layers} layers")
     n_vocab = p.draft_vocab
-    cfg = EagleConfig(version=version, dim=t.dim, vocab_size=t.vocab_size, n_heads=t.n_heads,
-                      n_kv_heads=t.n_kv_heads, hidden_dim=p.hidden_dim or t.hidden_dim,
-                      target_layers=t.n_layers, head_dim=t.head_dim, aux_layers=aux, rope_theta=t.rope_theta,
-                      rope_scaling=t.rope_scaling, norm_eps=t.norm_eps, attention_bias=t.attention_bias,
-                      qk_norm=t.qk_norm, head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
-                      ttt_steps=p.ttt_steps, n_layers=p.n_layers)
+    cfg = EagleConfig(
+        version=version,
+        dim=t.dim,
+        vocab_size=t.vocab_size,
+        n_heads=t.n_heads,
+        n_kv_heads=t.n_kv_heads,
+        hidden_dim=p.hidden_dim or t.hidden_dim,
+        target_layers=t.n_layers,
+        head_dim=t.head_dim,
+        aux_layers=aux,
+        rope_theta=t.rope_theta,
+        rope_scaling=t.rope_scaling,
+        norm_eps=t.norm_eps,
+        attention_bias=t.attention_bias,
+        qk_norm=t.qk_norm,
+        head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
+        ttt_steps=p.ttt_steps,
+        n_layers=p.n_layers,
+    )
     layers = p.init_layers or []
     if len(layers) not in (0, cfg.n_layers - 1):
-        raise DraftsmithError(f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
-                              f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)")
+        raise DraftsmithError(
+            f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
+            f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)"
+        )
     if layers and cfg.hidden_dim != t.hidden_dim:
         raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
     for j, src in enumerate(layers):
@@ -376,8 +422,13 @@ def eagle_from_config(cfg: dict) -> Eagle:
     return Eagle(EagleConfig(**cfg))
 
 
-
 SPEC = DrafterSpec(
-    kind="eagle", config=EagleDrafterConfig, build=build_eagle, from_config=eagle_from_config,
-    interface="features", objective="draftsmith.train.objectives:eagle_objective",
-    signals=frozenset({"topk", "hidden_last", "hidden_aux"}), fsdp_wrap=(Block,))  # Block: the layers after the first
+    kind="eagle",
+    config=EagleDrafterConfig,
+    build=build_eagle,
+    from_config=eagle_from_config,
+    interface="features",
+    objective="draftsmith.train.objectives:eagle_objective",
+    signals=frozenset({"topk", "hidden_last", "hidden_aux"}),
+    fsdp_wrap=(Block,),
+)  # Block: the layers after the first

@@ -18,6 +18,7 @@ returns target-vocabulary logits (-inf outside the kept rows), so decoders and a
 ids; training reads the small weights and maps labels / teacher ids through t2d (train/objectives.py
 ``shifted_teachers``).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -50,6 +51,7 @@ class HeadsSection(Strict):
 @dataclass(frozen=True)
 class HeadsConfig:
     """Shape of Medusa and Hydra heads (the MLP speculator has its own: stages, inner width)."""
+
     dim: int
     vocab_size: int
     n_heads: int = 4
@@ -63,6 +65,7 @@ class HeadsConfig:
 class FeatureHeads(ReducedVocab, nn.Module):
     """Reduced vocabularies reuse the draft LMs' and EAGLE's d2t / t2d machinery (models/llama.py ReducedVocab:
     subclasses call ``_init_vocab_maps`` when cfg.head_vocab_size is set, builders ``set_head_vocab``)."""
+
     reads_target_hidden = True
 
     def __init__(self):

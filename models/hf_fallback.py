@@ -9,6 +9,7 @@ Supported: autoregressive and chain speculative decoding at batch 1 (eval). Ever
 error that names the missing piece: tree attention, left-padded batches (data generation), layer capture and
 in-loop teachers.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,20 +52,36 @@ class HFFallback(nn.Module):
 
     def new_cache(self, batch: int, max_len: int) -> FallbackCache:
         if batch != 1:
-            raise DraftsmithError(f"a {self.arch.model_type} target runs through transformers (fallback path), "
-                                  f"which decodes one sequence at a time; batched generation needs a Llama-family "
-                                  f"target")
+            raise DraftsmithError(
+                f"a {self.arch.model_type} target runs through transformers (fallback path), "
+                f"which decodes one sequence at a time; batched generation needs a Llama-family "
+                f"target"
+            )
         return FallbackCache(max_len)
 
-    def forward(self, ids, pos=None, cache: FallbackCache | None = None, valid=None, attn_mask=None,
-                capture_layers=(), logits_at=None, return_hidden=False, head_fn=None):
-        unsupported = {"tree attention (eval.strategy=tree/dynamic_tree)": attn_mask is not None,
-                       "padding masks (batched data generation)": valid is not None,
-                       "hidden-state capture": bool(capture_layers) or return_hidden or head_fn is not None}
+    def forward(
+        self,
+        ids,
+        pos=None,
+        cache: FallbackCache | None = None,
+        valid=None,
+        attn_mask=None,
+        capture_layers=(),
+        logits_at=None,
+        return_hidden=False,
+        head_fn=None,
+    ):
+        unsupported = {
+            "tree attention (eval.strategy=tree/dynamic_tree)": attn_mask is not None,
+            "padding masks (batched data generation)": valid is not None,
+            "hidden-state capture": bool(capture_layers) or return_hidden or head_fn is not None,
+        }
         for what, asked in unsupported.items():
             if asked:
-                raise DraftsmithError(f"{what} needs a Llama-family target; {self.arch.model_type!r} runs through "
-                                      f"the transformers fallback, which supports AR and chain decoding only")
+                raise DraftsmithError(
+                    f"{what} needs a Llama-family target; {self.arch.model_type!r} runs through "
+                    f"the transformers fallback, which supports AR and chain decoding only"
+                )
         if cache is None:
             logits = self.hf(input_ids=ids).logits
         else:
@@ -77,8 +94,9 @@ class HFFallback(nn.Module):
             if pos is None:
                 pos = torch.arange(start, start + ids.shape[1], device=ids.device)[None]
             cache_position = torch.arange(start, start + ids.shape[1], device=ids.device)
-            logits = self.hf(input_ids=ids, past_key_values=cache.dc, use_cache=True, position_ids=pos,
-                             cache_position=cache_position).logits
+            logits = self.hf(
+                input_ids=ids, past_key_values=cache.dc, use_cache=True, position_ids=pos, cache_position=cache_position
+            ).logits
             cache.length += ids.shape[1]
         return logits[logits_at] if logits_at is not None else logits
 
@@ -92,6 +110,7 @@ class HFFallback(nn.Module):
 
 def fallback_config(cfg: dict) -> LlamaConfig:
     """The sizes a drafter builder needs, from any HF config (names differ across families)."""
+
     def get(*names, default=None):
         for n in names:
             if cfg.get(n) is not None:
@@ -102,15 +121,21 @@ def fallback_config(cfg: dict) -> LlamaConfig:
 
     dim = get("hidden_size", "n_embd", "d_model")
     heads = get("num_attention_heads", "n_head")
-    return LlamaConfig(vocab_size=get("vocab_size"), dim=dim, n_layers=get("num_hidden_layers", "n_layer"),
-                       n_heads=heads, n_kv_heads=get("num_key_value_heads", default=heads),
-                       hidden_dim=get("intermediate_size", "n_inner", default=4 * dim),
-                       tie_embeddings=bool(cfg.get("tie_word_embeddings", True)))
+    return LlamaConfig(
+        vocab_size=get("vocab_size"),
+        dim=dim,
+        n_layers=get("num_hidden_layers", "n_layer"),
+        n_heads=heads,
+        n_kv_heads=get("num_key_value_heads", default=heads),
+        hidden_dim=get("intermediate_size", "n_inner", default=4 * dim),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
 
 
 def load_fallback(path, cfg: dict, dtype, device: str, trust_remote_code: bool) -> HFFallback:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, use_safetensors=True,
-                                              trust_remote_code=trust_remote_code)
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+    )
     return HFFallback(hf.to(device).eval(), fallback_config(cfg))

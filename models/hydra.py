@@ -13,6 +13,7 @@ the target's final hidden states h_0..h_t, so the heads see the context, not one
 projections start at zero, so the layer starts as the identity (Hydra++ starts as Hydra). In decoding the layer
 keeps its own KV cache over the committed positions (``new_context`` / ``read_context``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,9 +69,11 @@ class HydraHeads(FeatureHeads):
         self.embed.weight.requires_grad_(False)
         self.blocks = nn.ModuleList(
             nn.Sequential(WideResBlock((k + 2) * d, d), *(WideResBlock(d, d) for _ in range(cfg.n_layers - 1)))
-            for k in range(cfg.n_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(d, cfg.head_vocab_size or cfg.vocab_size, bias=False)
-                                      for _ in range(cfg.n_heads))
+            for k in range(cfg.n_heads)
+        )
+        self.lm_heads = nn.ModuleList(
+            nn.Linear(d, cfg.head_vocab_size or cfg.vocab_size, bias=False) for _ in range(cfg.n_heads)
+        )
         if cfg.head_vocab_size:
             self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         if cfg.prefix is not None:
@@ -90,8 +93,13 @@ class HydraHeads(FeatureHeads):
         p = self.embed.weight  # (the LM heads may be pre-packed, without a weight)
         return KVCache(self.prefix_cfg, batch, max_len, p.dtype, p.device)
 
-    def read_context(self, hs: torch.Tensor, cache: KVCache | None = None, pos: torch.Tensor | None = None,
-                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    def read_context(
+        self,
+        hs: torch.Tensor,
+        cache: KVCache | None = None,
+        pos: torch.Tensor | None = None,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(n, D) or (B, n, D) with a cache (decoding, appended after the committed positions; ``pos`` / ``valid``
         (B, n) for left-padded rows) or (B, T, D) without (training, causal over the whole sequence) -> the prefix
         layer's outputs, same shape."""
@@ -129,7 +137,7 @@ class HydraHeads(FeatureHeads):
         for k in range(self.cfg.n_heads):
             nxt = torch.zeros_like(ids)
             if k + 1 < T:
-                nxt[:, :T - k - 1] = ids[:, k + 1:]  # past the end: token 0, never selected for a loss
+                nxt[:, : T - k - 1] = ids[:, k + 1 :]  # past the end: token 0, never selected for a loss
             parts.append(self.embed(nxt).to(h.dtype))
             x = self.blocks[k](torch.cat(parts, -1))
             flat = x.reshape(B * T, D)
@@ -149,16 +157,24 @@ class HydraHeads(FeatureHeads):
         return n - self.embed.weight.numel() if exclude_embeddings else n
 
 
-def build_hydra(cfg: HydraDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
-                **_) -> HydraHeads:
+def build_hydra(
+    cfg: HydraDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_
+) -> HydraHeads:
     cfg, tcfg = as_section(HydraDrafterConfig, cfg), target.cfg
     prefix = None
     if cfg.prefix_attention:  # Hydra++: one decoder layer shaped like the target's
         prefix = {**tcfg.to_dict(), "n_layers": 1, "head_vocab_size": None}
     keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
-    heads = HydraHeads(HydraConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=cfg.n_heads,
-                                   n_layers=cfg.n_layers, prefix=prefix,
-                                   head_vocab_size=None if keep is None else len(keep)))
+    heads = HydraHeads(
+        HydraConfig(
+            dim=tcfg.dim,
+            vocab_size=tcfg.vocab_size,
+            n_heads=cfg.n_heads,
+            n_layers=cfg.n_layers,
+            prefix=prefix,
+            head_vocab_size=None if keep is None else len(keep),
+        )
+    )
     if keep is not None:
         heads.set_head_vocab(keep)
     with torch.no_grad():
@@ -168,6 +184,12 @@ def build_hydra(cfg: HydraDrafterConfig | dict, target, counts: torch.Tensor | N
 
 
 SPEC = DrafterSpec(
-    kind="hydra", config=HydraDrafterConfig, build=build_hydra, from_config=lambda c: HydraHeads(HydraConfig(**c)),
-    interface="heads", objective="draftsmith.train.objectives:heads_objective",
-    signals=frozenset({"topk", "hidden_last"}), fsdp_wrap=(WideResBlock, Block))  # Block: Hydra++'s prefix layer
+    kind="hydra",
+    config=HydraDrafterConfig,
+    build=build_hydra,
+    from_config=lambda c: HydraHeads(HydraConfig(**c)),
+    interface="heads",
+    objective="draftsmith.train.objectives:heads_objective",
+    signals=frozenset({"topk", "hidden_last"}),
+    fsdp_wrap=(WideResBlock, Block),
+)  # Block: Hydra++'s prefix layer

@@ -10,6 +10,7 @@ verification accepts it *or* its judge score exceeds delta; the block keeps the 
 target's token follows as usual (eval/decoder.py). Labels come from automatic what-if continuations
 (data/judge.py); the objective is class-balanced BCE (train/objectives.py ``judge_objective``).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -77,6 +78,12 @@ class Judge:
 
 # needs_target: the loop runs the frozen target, whose states at the what-if tokens the judge reads.
 SPEC = DrafterSpec(
-    kind="judge", config=JudgeDrafterConfig, build=build_judge, from_config=lambda c: JudgeHead(JudgeConfig(**c)),
-    interface=None, objective="draftsmith.train.objectives:judge_objective", signals=frozenset({"judge"}),
-    needs_target=True)
+    kind="judge",
+    config=JudgeDrafterConfig,
+    build=build_judge,
+    from_config=lambda c: JudgeHead(JudgeConfig(**c)),
+    interface=None,
+    objective="draftsmith.train.objectives:judge_objective",
+    signals=frozenset({"judge"}),
+    needs_target=True,
+)

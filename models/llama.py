@@ -5,6 +5,7 @@ its new tokens at the same slots, but each row carries its own RoPE positions an
 left-padded batches and speculative rollback (``cache.length = n``) are both one-liners.
 Parity with ``transformers.LlamaForCausalLM`` is tested in tests/test_models.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -104,7 +105,7 @@ def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask:
     if cache.length + T > cache.max_len:
         raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
     s0 = cache.length
-    cache.valid[:, s0:s0 + T] = True if valid is None else valid
+    cache.valid[:, s0 : s0 + T] = True if valid is None else valid
     cache.padded |= valid is not None
     # A single new token with no padding anywhere sees every slot: no mask, the fastest SDPA path.
     if T > 1 or attn_mask is not None or cache.padded:
@@ -219,10 +220,10 @@ class Attention(nn.Module):
             k, v = cache.k[layer], cache.v[layer]
         elif cache is not None:
             s0 = cache.length
-            cache.k[layer][:, :, s0:s0 + T] = k
-            cache.v[layer][:, :, s0:s0 + T] = v
-            k = cache.k[layer][:, :, :s0 + T]
-            v = cache.v[layer][:, :, :s0 + T]
+            cache.k[layer][:, :, s0 : s0 + T] = k
+            cache.v[layer][:, :, s0 : s0 + T] = v
+            k = cache.k[layer][:, :, : s0 + T]
+            v = cache.v[layer][:, :, : s0 + T]
         # Grouped-query attention: SDPA broadcasts each K/V head over H // Hkv query heads (no cache copy).
         gqa = Hkv != H
         if mask is None:  # no cache: plain causal; with a cache, None means one query that sees every slot

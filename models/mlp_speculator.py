@@ -8,6 +8,7 @@ The state and embedding weights follow the reference's scaling (state weight 0.5
 sqrt((1 - w^2) * inner / 2)) so the running state keeps a stable norm across stages. Training is teacher
 forced (true tokens feed the stages); decoding feeds the drafts, one stage per draft.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,12 +63,11 @@ class MLPSpeculator(FeatureHeads):
         self.emb = nn.ModuleList(nn.Embedding(cfg.vocab_size, inner) for _ in range(K))
         self.proj = nn.ModuleList(nn.Linear(d if k == 0 else inner, inner, bias=False) for k in range(K))
         self.ln = nn.ModuleList(nn.LayerNorm(inner) for _ in range(K))
-        self.head = nn.ModuleList(nn.Linear(inner, cfg.head_vocab_size or cfg.vocab_size, bias=False)
-                                  for _ in range(K))
+        self.head = nn.ModuleList(nn.Linear(inner, cfg.head_vocab_size or cfg.vocab_size, bias=False) for _ in range(K))
         if cfg.head_vocab_size:
             self._init_vocab_maps(cfg.head_vocab_size, cfg.vocab_size)
         self.state_weight = 0.5 ** (0.5 / K)
-        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (inner / 2))
+        self.emb_weight = math.sqrt((1 - self.state_weight**2) * (inner / 2))
 
     @property
     def max_draft_len(self) -> int:
@@ -86,7 +86,7 @@ class MLPSpeculator(FeatureHeads):
         for k in range(self.cfg.n_predict):
             nxt = torch.zeros_like(ids)
             if k + 1 < T:
-                nxt[:, :T - k - 1] = ids[:, k + 1:]  # past the end: token 0, never selected for a loss
+                nxt[:, : T - k - 1] = ids[:, k + 1 :]  # past the end: token 0, never selected for a loss
             state = self._stage(k, state, nxt)
             flat = state.reshape(B * T, -1)
             if head_fn is not None:
@@ -110,13 +110,20 @@ class MLPSpeculator(FeatureHeads):
         return n - sum(e.weight.numel() for e in self.emb) if exclude_embeddings else n
 
 
-def build_mlp_speculator(cfg: MLPSpeculatorDrafterConfig | dict, target, counts: torch.Tensor | None = None,
-                         eos_ids=frozenset(), **_) -> MLPSpeculator:
+def build_mlp_speculator(
+    cfg: MLPSpeculatorDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids=frozenset(), **_
+) -> MLPSpeculator:
     cfg, tcfg = as_section(MLPSpeculatorDrafterConfig, cfg), target.cfg
     keep = head_vocab(cfg.draft_vocab, target, counts, eos_ids)
-    model = MLPSpeculator(MLPSpeculatorConfig(dim=tcfg.dim, vocab_size=tcfg.vocab_size, n_predict=cfg.n_predict,
-                                              inner_dim=cfg.inner_dim,
-                                              head_vocab_size=None if keep is None else len(keep)))
+    model = MLPSpeculator(
+        MLPSpeculatorConfig(
+            dim=tcfg.dim,
+            vocab_size=tcfg.vocab_size,
+            n_predict=cfg.n_predict,
+            inner_dim=cfg.inner_dim,
+            head_vocab_size=None if keep is None else len(keep),
+        )
+    )
     if keep is not None:
         model.set_head_vocab(keep)
     if model.cfg.inner == tcfg.dim:  # start the heads and embeddings from the target's own
@@ -129,6 +136,11 @@ def build_mlp_speculator(cfg: MLPSpeculatorDrafterConfig | dict, target, counts:
 
 # No block to wrap: the stages are loose linears, embeddings and norms (FSDP shards the whole speculator as one unit).
 SPEC = DrafterSpec(
-    kind="mlp_speculator", config=MLPSpeculatorDrafterConfig, build=build_mlp_speculator,
-    from_config=lambda c: MLPSpeculator(MLPSpeculatorConfig(**c)), interface="heads",
-    objective="draftsmith.train.objectives:heads_objective", signals=frozenset({"topk", "hidden_last"}))
+    kind="mlp_speculator",
+    config=MLPSpeculatorDrafterConfig,
+    build=build_mlp_speculator,
+    from_config=lambda c: MLPSpeculator(MLPSpeculatorConfig(**c)),
+    interface="heads",
+    objective="draftsmith.train.objectives:heads_objective",
+    signals=frozenset({"topk", "hidden_last"}),
+)

@@ -6,6 +6,7 @@ package (tests, experiments) may ``register_drafter`` a spec instead. The recipe
 this dict.
 A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``drafter.json`` (kind, config, meta).
 """
+
 from __future__ import annotations
 
 import json
@@ -85,8 +86,15 @@ def checkpoint_tensors(model: torch.nn.Module, state: dict | None = None) -> dic
     return {k: v.detach().contiguous().cpu() for k, v in sd.items()}
 
 
-def save_drafter(path: Path, model: torch.nn.Module, kind: str, meta: dict, extra=None,
-                 recipe_yaml: str | None = None, state: dict | None = None) -> Path:
+def save_drafter(
+    path: Path,
+    model: torch.nn.Module,
+    kind: str,
+    meta: dict,
+    extra=None,
+    recipe_yaml: str | None = None,
+    state: dict | None = None,
+) -> Path:
     """Write atomically: a half-written checkpoint never sits under the final name. ``extra(folder)`` may add
     files (the training state) before the folder is renamed into place. ``recipe_yaml``: the resolved recipe that
     trained it, kept with the weights as ``recipe.yaml`` (the run folder's copy is rewritten by every later
@@ -126,8 +134,10 @@ def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False) ->
             raise DraftsmithError(f"{path}: no {ADAPTER_FILE} for this Medusa-2 drafter")
         set_peft_model_state_dict(model.base, load_file(str(adapter)))
     if missing or unexpected:
-        raise DraftsmithError(f"{path}: checkpoint does not fit this recipe's drafter (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}); change the recipe back or set train.resume=false")
+        raise DraftsmithError(
+            f"{path}: checkpoint does not fit this recipe's drafter (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); change the recipe back or set train.resume=false"
+        )
 
 
 def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.nn.Module, dict]:
@@ -150,8 +160,9 @@ def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> t
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
-        raise DraftsmithError(f"{path}: weights do not match drafter.json (missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]})")
+        raise DraftsmithError(
+            f"{path}: weights do not match drafter.json (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     if getattr(model.cfg, "tie_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     if (path / ADAPTER_FILE).is_file():  # Medusa-2: merged into the target by the caller (eval)

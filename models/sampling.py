@@ -4,6 +4,7 @@
 draws each batch row from its own ``torch.Generator`` so a row's sample depends only on its seed, never on which
 other rows share the batch (batch size, data-parallel rank and resume order cannot change the data).
 """
+
 from __future__ import annotations
 
 import torch

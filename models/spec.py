@@ -8,6 +8,7 @@ are rebuilt (``from_config``). docs/adding-a-drafter.md walks through the fields
 ``Strict`` (the frozen, unknown-keys-are-errors pydantic base of every recipe section) lives here so that a kind's
 recipe section can sit next to its model without models importing recipes.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -65,12 +66,15 @@ class DrafterSpec:
 
     def __post_init__(self):
         if self.interface not in (*INTERFACES, None):
-            raise ValueError(f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, "
-                             f"got {self.interface!r}")
+            raise ValueError(
+                f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, got {self.interface!r}"
+            )
         field = self.config.model_fields.get("kind")
         if field is None or get_args(field.annotation) != (self.kind,):
-            raise ValueError(f"DrafterSpec {self.kind!r}: {self.config.__name__} needs a field "
-                             f"kind: Literal[{self.kind!r}] = {self.kind!r}")
+            raise ValueError(
+                f"DrafterSpec {self.kind!r}: {self.config.__name__} needs a field "
+                f"kind: Literal[{self.kind!r}] = {self.kind!r}"
+            )
 
     @property
     def reads_features(self) -> bool:

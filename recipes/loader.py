@@ -2,6 +2,7 @@
 
 Every failure becomes a one-line DraftsmithError naming the file, line or dotted key.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,8 +28,9 @@ def find_recipe(spec: str) -> Path:
     shipped = RECIPE_DIR / f"{spec.removesuffix('.yaml')}.yaml"
     if "/" not in spec and shipped.is_file():
         return shipped
-    raise DraftsmithError(f"recipe not found: {spec} (no such file, and not a shipped recipe: "
-                          f"{', '.join(shipped_recipes())})")
+    raise DraftsmithError(
+        f"recipe not found: {spec} (no such file, and not a shipped recipe: {', '.join(shipped_recipes())})"
+    )
 
 
 def read_yaml(path: Path) -> dict:
@@ -67,7 +69,7 @@ def apply_overrides(doc: dict, overrides: list[str]) -> dict:
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise DraftsmithError(f"override {ov!r}: {'.'.join(parts[:i + 1])} is not a section")
+                raise DraftsmithError(f"override {ov!r}: {'.'.join(parts[: i + 1])} is not a section")
             node = child
         node[parts[-1]] = value
     return doc

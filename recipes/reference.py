@@ -4,6 +4,7 @@ committed page equal to ``render()``; after a schema change, regenerate it with
 
     python -c "from draftsmith.recipes.reference import write; write()"
 """
+
 from __future__ import annotations
 
 import types

@@ -3,6 +3,7 @@
 A recipe is one YAML file per pipeline (see recipes/*.yaml and the README's recipe reference). Code past the
 CLI only ever sees a validated, frozen ``Recipe``.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -169,8 +170,10 @@ class DataConfig(Strict):
 
 def drafter_union():
     """The ``drafter`` section: one typed section per registered kind (models/registry.py), told apart by ``kind``."""
-    return Annotated[Union[tuple(spec.config for spec in registry.DRAFTERS.values())],  # noqa: UP007
-                     Field(discriminator="kind")]
+    return Annotated[
+        Union[tuple(spec.config for spec in registry.DRAFTERS.values())],  # noqa: UP007
+        Field(discriminator="kind"),
+    ]
 
 
 DrafterConfig = drafter_union()
@@ -234,6 +237,7 @@ class TrainConfig(Strict):
     @classmethod
     def _yaml_no(cls, v):
         return "no" if v is False else v  # YAML 1.1 reads a bare `no` (file or a.b=no override) as false
+
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """After linear warmup: cosine or linear decay to min_lr_ratio x lr, or constant."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
@@ -336,11 +340,15 @@ class StopConfig(Strict):
     @model_validator(mode="after")
     def _specdecpp_needs_a_draft(self):
         if self.rule == "specdecpp" and self.min_len < 1 and self.state != "next":
-            raise ValueError("eval.stop.min_len=0 needs rule=entropy or confidence, or state=next (a SpecDec++ "
-                             "head asked after or before a draft scores drafted tokens)")
+            raise ValueError(
+                "eval.stop.min_len=0 needs rule=entropy or confidence, or state=next (a SpecDec++ "
+                "head asked after or before a draft scores drafted tokens)"
+            )
         if self.state == "next" and self.rule != "specdecpp":
-            raise ValueError("eval.stop.state=next is for rule=specdecpp (entropy and confidence with state=after "
-                             "already judge the next draft before drafting it)")
+            raise ValueError(
+                "eval.stop.state=next is for rule=specdecpp (entropy and confidence with state=after "
+                "already judge the next draft before drafting it)"
+            )
         if self.state == "before" and self.min_len < 1:
             raise ValueError("eval.stop.min_len=0 needs eval.stop.state=after (a before rule judges a picked draft)")
         return self
@@ -401,6 +409,7 @@ class ExportConfig(Strict):
 class OnlineConfig(Strict):
     """`draftsmith serve` (OpenAI-compatible server on the bundled decoder) and `draftsmith online` (the learner
     fed by request logs): online distillation from live traffic (docs/algorithms.md A9)."""
+
     dir: str | None = None
     """Folder for traffic, versions and rounds; None = <out_dir>/online."""
     host: str = "127.0.0.1"
@@ -467,8 +476,11 @@ class Recipe(Strict):
         return Path(self.out_dir or f"runs/{self.name}")
 
     def stages(self) -> list[str]:
-        return [s for s in ("generate", "train", "eval", "export")
-                if getattr(self, "data" if s == "generate" else s).enabled]
+        return [
+            s
+            for s in ("generate", "train", "eval", "export")
+            if getattr(self, "data" if s == "generate" else s).enabled
+        ]
 
     @model_validator(mode="after")
     def _cross_checks(self):
@@ -483,13 +495,21 @@ class Recipe(Strict):
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:
             raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
-        if d.kind == "eagle" and d.n_layers > 1 and self.export.enabled and {"vllm", "sglang"} & set(
-                self.export.formats):
-            raise ValueError(f"export.formats has vllm/sglang, which load a one-layer EAGLE, but drafter.n_layers is "
-                             f"{d.n_layers}: export formats [hf] (draftsmith's layout) or train one layer")
+        if (
+            d.kind == "eagle"
+            and d.n_layers > 1
+            and self.export.enabled
+            and {"vllm", "sglang"} & set(self.export.formats)
+        ):
+            raise ValueError(
+                f"export.formats has vllm/sglang, which load a one-layer EAGLE, but drafter.n_layers is "
+                f"{d.n_layers}: export formats [hf] (draftsmith's layout) or train one layer"
+            )
         if d.kind == "medusa" and d.draft_vocab and self.export.enabled and "medusa" in self.export.formats:
-            raise ValueError("export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
-                             "which the Medusa layout cannot express: drop one of them (hf exports either)")
+            raise ValueError(
+                "export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
+                "which the Medusa layout cannot express: drop one of them (hf exports either)"
+            )
         return self
 
 

@@ -1,5 +1,6 @@
 """Shared fixtures: everything is built in code, offline (a tiny byte-level BPE tokenizer with a ChatML template
 and a tiny random HF Llama saved as a normal model folder). Slow tests need DRAFTSMITH_SLOW=1; gpu tests CUDA."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,10 @@ if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter; 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding lets a small draft model propose tokens that a large target verifies.",
@@ -51,11 +54,16 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>",
-                                   bos_token="<|im_start|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
+    )
     fast.chat_template = CHATML
     return fast
 
@@ -64,10 +72,19 @@ def save_tiny_llama(path, tok, seed: int = 0, **overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512,
-               tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-               bos_token_id=tok.bos_token_id)
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     cfg.update(overrides)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     model.save_pretrained(path, safe_serialization=True)
@@ -95,8 +112,12 @@ def prompts_file(tmp_path_factory):
 @pytest.fixture
 def tiny_overrides(tmp_path, tiny_model_dir, prompts_file):
     """Overrides that point the shipped `tiny` recipe at the fixtures, writing into tmp_path."""
-    return [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-            f"eval.prompts.path={prompts_file}", f"out_dir={tmp_path / 'run'}"]
+    return [
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={tmp_path / 'run'}",
+    ]
 
 
 def shard_tensors(data_dir) -> dict:
@@ -144,8 +165,14 @@ def data_dir(tmp_path_factory, tiny_model_dir, prompts_file):
     from draftsmith.cli import main
 
     out = tmp_path_factory.mktemp("train-data")
-    args = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={out}",
-            "data.n_samples=2", "data.temperature=1.0", "-q"]
+    args = [
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"out_dir={out}",
+        "data.n_samples=2",
+        "data.temperature=1.0",
+        "-q",
+    ]
     assert main(["generate", "tiny", *args]) == 0
     return out / "data"
 
@@ -161,10 +188,18 @@ def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
         out = tmp_path / name
         if not (out / "data").exists():
             shutil.copytree(data_dir, out / "data")
-        args = ["train", recipe, f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-                f"out_dir={out}", "-q", *overrides]
+        args = [
+            "train",
+            recipe,
+            f"target.model={tiny_model_dir}",
+            f"eval.prompts.path={prompts_file}",
+            f"out_dir={out}",
+            "-q",
+            *overrides,
+        ]
         assert main(args) == expect
         return out
+
     return run
 
 
@@ -181,14 +216,19 @@ NEW = 48  # new tokens per decode
 # The drafter kinds the lossless tests cover, one per way of decoding: every registered kind that proposes
 # (models/registry.py, spec interface set), with the variants that decode differently: a reduced draft vocabulary,
 # Hydra++'s prefix layer, EAGLE-1 and EAGLE-3. ``tiny_drafter`` builds each; a new kind needs no entry here.
-VARIANTS = {"draft_lm": ("draft_lm", "draft_lm-vocab"), "hydra": ("hydra", "hydra++"),
-            "eagle": ("eagle1", "eagle3", "eagle3-vocab")}
+VARIANTS = {
+    "draft_lm": ("draft_lm", "draft_lm-vocab"),
+    "hydra": ("hydra", "hydra++"),
+    "eagle": ("eagle1", "eagle3", "eagle3-vocab"),
+}
 
 
 def proposer_kinds() -> tuple[str, ...]:
     from draftsmith.models.registry import DRAFTERS
 
-    return tuple(v for kind, spec in DRAFTERS.items() if spec.interface is not None for v in VARIANTS.get(kind, (kind,)))
+    return tuple(
+        v for kind, spec in DRAFTERS.items() if spec.interface is not None for v in VARIANTS.get(kind, (kind,))
+    )
 
 
 PROPOSER_KINDS = proposer_kinds()
@@ -262,8 +302,9 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05):
         from draftsmith.models.registry import build_drafter
 
         counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)
-        small = build_drafter("draft_lm", {"n_layers": target.cfg.n_layers, "draft_vocab": 48}, target,
-                              counts=counts, eos_ids={2}).eval()
+        small = build_drafter(
+            "draft_lm", {"n_layers": target.cfg.n_layers, "draft_vocab": 48}, target, counts=counts, eos_ids={2}
+        ).eval()
         small.layers.load_state_dict(noisy_copy(target).layers.state_dict())
         return small
     if kind.startswith("eagle"):
@@ -323,7 +364,7 @@ def exact_joint(model, prompt: list[int], depth: int) -> torch.Tensor:
     seqs = torch.cartesian_prod(*[torch.arange(V)] * depth).view(-1, depth)  # (V**depth, depth)
     ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
     with torch.no_grad():
-        probs = process_logits(model(ids)[:, len(prompt) - 1:], 1.0)  # (V**depth, depth, V)
+        probs = process_logits(model(ids)[:, len(prompt) - 1 :], 1.0)  # (V**depth, depth, V)
     return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).view(*[V] * depth)
 
 
@@ -345,6 +386,7 @@ def sampled_joint(decode, target, prompt, depth: int, N: int):
 class AlignedOracleHeads:
     """A feature drafter that checks the decoder hands it the right hidden state (the target's LM head on it gives
     back ``cur``) and proposes the known greedy continuation ``ar``: full acceptance iff everything lines up."""
+
     reads_target_hidden = True
     max_draft_len = 4
 
@@ -359,7 +401,7 @@ class AlignedOracleHeads:
 
     def propose(self, h, cur, gamma, pick):
         assert int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
-        drafts = self.ar[self.k + 1:self.k + 1 + gamma]
+        drafts = self.ar[self.k + 1 : self.k + 1 + gamma]
         self.k += len(drafts) + 1  # all accepted, then one bonus token
         self.checked += 1
         return torch.tensor(drafts, dtype=torch.long), None
@@ -369,6 +411,7 @@ class EagleOracle:
     """An EAGLE-protocol drafter that checks every committed pair (f_i, x_{i+1}) it is handed is aligned (the
     target's LM head on f_i gives x_{i+1}, for generated positions) and proposes the known greedy continuation:
     full acceptance iff the decoder's features, tokens and positions all line up."""
+
     reads_target_features = True
 
     def __init__(self, target, prompt, ar):

@@ -3,6 +3,7 @@ with FSDP2's ``fully_shard`` (what accelerate applies on GPUs), trained two step
 train/state.py's ``gather`` + models/registry.py's ``save_drafter`` / ``write_state``; then resumed twice, sharded
 (``read_state(model=...)``) and unsharded on rank 0, and both resumed runs take one more step: the weights must
 agree with each other. Prints OK on rank 0."""
+
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ def step(model, opt, sched, seed: int) -> None:
 
 
 def full(model) -> dict:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in
-            model.state_dict().items()}
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()
+    }
 
 
 def main(folder: Path) -> None:
@@ -58,8 +60,14 @@ def main(folder: Path) -> None:
         step(model, opt, sched, s)
     msd, osd = gather(model, opt)  # collective
     if rank == 0:
-        save_drafter(folder, model, "draft_lm", {"step": 2}, state=msd,
-                     extra=lambda tmp: write_state(tmp, opt, sched, {"step": 2}, {}, osd))
+        save_drafter(
+            folder,
+            model,
+            "draft_lm",
+            {"step": 2},
+            state=msd,
+            extra=lambda tmp: write_state(tmp, opt, sched, {"step": 2}, {}, osd),
+        )
         saved = load_file(str(folder / "model.safetensors"))
         want = {k: v for k, v in full(model).items() if k in saved}
     else:

@@ -1,6 +1,7 @@
 """SpecDec++ acceptance head (algorithms.md A7): the stop rules' arithmetic, the weighted soft-label BCE objective,
 and the whole path on the tiny pipeline: draft LM -> SpecDec++ labels -> head training -> adaptive-length eval
 (lossless) -> threshold sweep."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,10 @@ def test_stop_rules():
     assert ConfidenceStop(threshold=0.6, min_len=2)(0, torch.zeros(3), None) is False  # min_len wins
     conf = ConfidenceStop(threshold=0.8)
     conf.min_len = 0  # as the sweep sets it: blocks now start at n = 0, and each resets the product
-    assert [conf(0, half, None), conf(1, half, None), conf(2, half, None), conf(0, half, None)] == [False] * 2 + \
-        [True, False]
+    assert [conf(0, half, None), conf(1, half, None), conf(2, half, None), conf(0, half, None)] == [False] * 2 + [
+        True,
+        False,
+    ]
     # before (asked right after draft n is picked): q of that draft, and a block starts at n = 1
     conf = ConfidenceStop(threshold=0.6, before_feed=True)
     assert conf.before_feed and conf(1, half, None, torch.tensor(0)) is False  # 1 - 0.5
@@ -83,12 +86,29 @@ def test_before_head_reads_the_producing_state_and_the_drafts_own_probability():
 def specdec_run(tmp_path_factory, tiny_model_dir, prompts_file):
     """A trained tiny draft LM and records with SpecDec++ labels from it."""
     root = tmp_path_factory.mktemp("specdec")
-    common = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-              f"eval.prompts.path={prompts_file}", "-q"]
+    common = [
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"eval.prompts.path={prompts_file}",
+        "-q",
+    ]
     assert main(["run", "tiny", f"out_dir={root / 'draft'}", "eval.enabled=false", *common]) == 0
     draft = root / "draft" / "checkpoints" / "final"
-    assert main(["generate", "tiny", f"out_dir={root / 'head'}", f"data.specdec_labels.checkpoint={draft}",
-                 "data.specdec_labels.temperature=1.0", "data.n_samples=2", "data.temperature=1.0", *common]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "tiny",
+                f"out_dir={root / 'head'}",
+                f"data.specdec_labels.checkpoint={draft}",
+                "data.specdec_labels.temperature=1.0",
+                "data.n_samples=2",
+                "data.temperature=1.0",
+                *common,
+            ]
+        )
+        == 0
+    )
     return root, draft, common
 
 
@@ -105,8 +125,9 @@ def test_acceptance_objective_is_weighted_soft_bce(specdec_run, tiny_model_dir):
     assert not any(p.requires_grad for p in head.draft.parameters())
     batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
     params = AcceptanceHeadConfig(draft=str(draft), n_layers=1, mixing_ratio=0.0, weight_mismatch=6.0)
-    out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(unwrapped=head, params=params,
-                                                                           generator=torch.Generator()))
+    out = acceptance_objective(
+        head, batch, LossConfig(kind="ce"), Context(unwrapped=head, params=params, generator=torch.Generator())
+    )
     assert out.n == len(batch["spec_accept"])  # mixing 0: every response token is replaced by the draft's sample
     # reference: the draft reads the fully swapped sequence; the loss is the weighted soft BCE at every label
     z = batch["input_ids"].clone()
@@ -140,15 +161,16 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     params = AcceptanceHeadConfig(draft=str(draft), n_layers=1, state="before", weight_mismatch=6.0)
     head = build_drafter("acceptance_head", params, tgt)
     batch = collate([RecordDataset(root / "head" / "data", 128, signals={"specdec"})[i] for i in range(4)])
-    out = acceptance_objective(head, batch, LossConfig(kind="ce"), Context(
-        unwrapped=head, params=params, generator=torch.Generator()))
+    out = acceptance_objective(
+        head, batch, LossConfig(kind="ce"), Context(unwrapped=head, params=params, generator=torch.Generator())
+    )
     s, y = batch["spec_accept"].float(), batch["spec_token"].long()
     assert out.n == len(s)
     pm = batch["predict_mask"]
     with torch.no_grad():  # reference, row by row: the state at t drafts the response token at t + 1
         xs = []
         for b in range(len(pm)):
-            h = head.draft(batch["input_ids"][b:b + 1], return_hidden=True)[0]
+            h = head.draft(batch["input_ids"][b : b + 1], return_hidden=True)[0]
             t = pm[b, :-1].nonzero()[:, 0]
             xs.append((h[t], head.draft.lm_head(h[t])))
         h = torch.cat([a for a, _ in xs])
@@ -167,14 +189,28 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", *common]) == 0
     cfg = json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]
     assert cfg["state"] == "before"
-    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
-                 *common]) == 0
+    assert (
+        main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5", *common]) == 0
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"
     assert main(["eval", str(recipe), f"out_dir={run}", "eval.stop.state=after", *common]) == 2
     # the same head asked before each next draft (state=next), min_len 0: steps may draft nothing; lossless
-    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
-                 "eval.stop.state=next", "eval.stop.min_len=0", *common]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(recipe),
+                f"out_dir={run}",
+                "target.dtype=float64",
+                "eval.stop.threshold=0.5",
+                "eval.stop.state=next",
+                "eval.stop.min_len=0",
+                *common,
+            ]
+        )
+        == 0
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "next"
 
@@ -203,20 +239,40 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     assert main(args) == 0
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["rule"] == "specdecpp"
-    assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=entropy",
-                 "eval.stop.threshold=0.5", "target.dtype=float64", *common]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "tiny",
+                f"out_dir={run}",
+                f"eval.checkpoint={draft}",
+                "eval.stop.rule=entropy",
+                "eval.stop.threshold=0.5",
+                "target.dtype=float64",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     # threshold sweep on the same prompts
-    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64",
-                                              *[c for c in common if c != "-q"]]), [0.2, 0.8], [1, 3])
-    assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "stop-0.2",
-                                                                   "stop-0.8"}
+    r = sweep.sweep(
+        load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64", *[c for c in common if c != "-q"]]),
+        [0.2, 0.8],
+        [1, 3],
+    )
+    assert r["lossless_mismatches"] == 0 and set(r["configs"]) == {"ar", "fixed-1", "fixed-3", "stop-0.2", "stop-0.8"}
     assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.8"]["drafted_per_step"]
     assert (run / "eval" / "sweep.json").is_file()
     assert r["machine"]["other_cpu_share"] is None or 0.0 <= r["machine"]["other_cpu_share"] <= 1.0
     # the training-free entropy rule crossed with min_len 0 (may skip drafting) and 1, on the plain draft
-    plain = [f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=entropy", "target.dtype=float64",
-             *[c for c in common if c != "-q"]]
+    plain = [
+        f"out_dir={run}",
+        f"eval.checkpoint={draft}",
+        "eval.stop.rule=entropy",
+        "target.dtype=float64",
+        *[c for c in common if c != "-q"],
+    ]
     r = sweep.sweep(load_recipe("tiny", plain), [0.05, 50.0], [1], min_lens=[0, 1])
     assert r["lossless_mismatches"] == 0 and r["best_min_len"] in (0, 1)
     assert {"stop-0.05-m0", "stop-0.05-m1", "stop-50-m0", "stop-50-m1"} <= set(r["configs"])
@@ -235,19 +291,22 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
         assert per["oracle"]["tau"] == per["oracle-skip"]["tau"] >= 1 and per["oracle-skip"]["wasted_per_step"] == 0
         assert all(v["speedup_vs_ar"] > 0 and v["wasted_per_step"] >= 0 for v in per.values())
     for n, key in (("oracle", "oracle_gain_vs_best_fixed"), ("oracle-skip", "oracle_skip_gain_vs_best_fixed")):
-        assert r[key] == pytest.approx(r["configs"][n]["tokens_per_s"] / r["configs"][r["best_fixed"]]
-                                       ["tokens_per_s"] - 1)
+        assert r[key] == pytest.approx(
+            r["configs"][n]["tokens_per_s"] / r["configs"][r["best_fixed"]]["tokens_per_s"] - 1
+        )
     from draftsmith.errors import DraftsmithError
 
     with pytest.raises(DraftsmithError, match="--oracle needs eval.temperature=0"):
         sweep.sweep(load_recipe("tiny", plain + ["eval.temperature=1.0"]), None, [1], oracle=True)
     with pytest.raises(DraftsmithError, match="min-lens 0 needs eval.stop.rule=entropy"):
-        sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", *[c for c in common if c != "-q"]]), [0.5], [1],
-                    min_lens=[0])
+        sweep.sweep(
+            load_recipe(str(recipe), [f"out_dir={run}", *[c for c in common if c != "-q"]]), [0.5], [1], min_lens=[0]
+        )
     # bad input: a specdecpp rule without a head on a plain draft is a one-line error
     assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", *common]) == 0
-    assert main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp",
-                 *common]) == 2
+    assert (
+        main(["eval", "tiny", f"out_dir={run}", f"eval.checkpoint={draft}", "eval.stop.rule=specdecpp", *common]) == 2
+    )
 
 
 def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
@@ -265,8 +324,10 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
     spec["drafter"] = {"kind": "eagle", "version": 3}
     (tmp_path / "tiny-eagle.yaml").write_text(yaml.safe_dump(spec))
     shutil.copytree(root / "draft" / "data", tmp_path / "eagle" / "data")
-    assert main(["train", str(tmp_path / "tiny-eagle.yaml"), f"out_dir={tmp_path / 'eagle'}", "train.steps=2",
-                 *common]) == 0
+    assert (
+        main(["train", str(tmp_path / "tiny-eagle.yaml"), f"out_dir={tmp_path / 'eagle'}", "train.steps=2", *common])
+        == 0
+    )
     eagle = tmp_path / "eagle" / "checkpoints" / "final"
     spec["drafter"] = {"kind": "acceptance_head", "draft": str(eagle), "n_layers": 1}
     recipe = tmp_path / "tiny-eagle-head.yaml"
@@ -276,15 +337,20 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
     assert main(["train", str(recipe), f"out_dir={run}", "train.steps=3", *common]) == 0
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     train_rows = [r for r in rows if r["stage"] == "train"]
-    assert len(train_rows) == 3 and all(r["accept_label"] in (0.0, 1.0) or 0 < r["accept_label"] < 1
-                                        for r in train_rows)
+    assert len(train_rows) == 3 and all(
+        r["accept_label"] in (0.0, 1.0) or 0 < r["accept_label"] < 1 for r in train_rows
+    )
     assert json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]["draft_kind"] == "eagle"
-    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
-                 *common]) == 0
+    assert (
+        main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5", *common]) == 0
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["rule"] == "specdecpp"
-    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64",
-                                              *[c for c in common if c != "-q"]]), [0.2, 0.9], [1, 3])
+    r = sweep.sweep(
+        load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64", *[c for c in common if c != "-q"]]),
+        [0.2, 0.9],
+        [1, 3],
+    )
     assert r["lossless_mismatches"] == 0
     assert r["configs"]["stop-0.2"]["drafted_per_step"] <= r["configs"]["stop-0.9"]["drafted_per_step"]
     # a ``before`` head on the same EAGLE drafter: the state that drafted y, no second TTT step; lossless
@@ -292,13 +358,15 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
     recipe.write_text(yaml.safe_dump(spec))
     assert main(["train", str(recipe), f"out_dir={run}", "train.steps=2", "train.resume=false", *common]) == 0
     assert json.loads((run / "checkpoints" / "final" / "drafter.json").read_text())["config"]["state"] == "before"
-    assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5",
-                 *common]) == 0
+    assert (
+        main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", "eval.stop.threshold=0.5", *common]) == 0
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "before"
 
 
 # ---- the skip rule (eval.stop.state=next) and acceptance heads on feature heads ------------------------------------
+
 
 def _slot_head(values, n_layers=1):
     """A before head with one slot per value whose logit is that value, whatever the state."""
@@ -334,8 +402,11 @@ def test_skip_rule_judges_the_next_draft_with_its_heads_slot():
 def _feature_heads(kind, tgt, counts=None):
     from draftsmith.models.registry import build_drafter
 
-    params = {"medusa": {"n_heads": 3}, "hydra": {"n_heads": 3, "prefix_attention": True, "draft_vocab": 40},
-              "mlp_speculator": {"n_predict": 3, "inner_dim": 48}}.get(kind, {})  # another kind: its defaults
+    params = {
+        "medusa": {"n_heads": 3},
+        "hydra": {"n_heads": 3, "prefix_attention": True, "draft_vocab": 40},
+        "mlp_speculator": {"n_predict": 3, "inner_dim": 48},
+    }.get(kind, {})  # another kind: its defaults
     torch.manual_seed(0)
     counts = torch.arange(tgt.cfg.vocab_size).float() if counts is None else counts  # for hydra's 40-row heads
     heads = build_drafter(kind, params, tgt, counts=counts, eos_ids={0})
@@ -363,13 +434,16 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
             for block in heads.blocks:
                 block[0].linear.weight.zero_()
                 block[0].proj.weight.zero_()
-                block[0].proj.weight[:, :tgt.cfg.dim] = torch.eye(tgt.cfg.dim)
+                block[0].proj.weight[:, : tgt.cfg.dim] = torch.eye(tgt.cfg.dim)
     pm = torch.zeros_like(ids, dtype=torch.bool)
     pm[:, 4:11] = True  # positions 4..10 predict response tokens
     pm[1, 9:] = False
-    x, s, slot, start = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
-        unwrapped=heads, target=tgt, generator=torch.Generator(), params=AcceptanceHeadConfig(draft="-")),
-        positions=True)
+    x, s, slot, start = heads_acceptance_inputs(
+        heads,
+        {"input_ids": ids, "predict_mask": pm},
+        Context(unwrapped=heads, target=tgt, generator=torch.Generator(), params=AcceptanceHeadConfig(draft="-")),
+        positions=True,
+    )
     with torch.no_grad():
         h = tgt(ids, return_hidden=True)  # (B, T, D)
         ctx = heads.read_context(h)
@@ -394,15 +468,23 @@ def test_feature_head_labels_and_states_match_the_decoders(kind, tiny_model_dir)
     # sampled labels (label_temperature 1): y drawn from q, s = min(1, p(y)/q(y)), in the same order
     from draftsmith.data.engine import Sampling, specdec_labels
 
-    x1, s1, _ = heads_acceptance_inputs(heads, {"input_ids": ids, "predict_mask": pm}, Context(
-        unwrapped=heads, target=tgt, generator=torch.Generator().manual_seed(3),
-        params=AcceptanceHeadConfig(draft="-", label_temperature=1.0)))
+    x1, s1, _ = heads_acceptance_inputs(
+        heads,
+        {"input_ids": ids, "predict_mask": pm},
+        Context(
+            unwrapped=heads,
+            target=tgt,
+            generator=torch.Generator().manual_seed(3),
+            params=AcceptanceHeadConfig(draft="-", label_temperature=1.0),
+        ),
+    )
     gen, ref_s = torch.Generator().manual_seed(3), []
     with torch.no_grad():
         for k in range(heads.max_draft_len):
             rows_k = [(b, t) for b in range(2) for t in range(12 - k - 1) if pm[b, t] and pm[b, t + k + 1]]
-            q = torch.stack([heads.draft_step(ctx[b, t], [ids[b, t + 1 + j].view(1) for j in range(k + 1)])[0]
-                             for b, t in rows_k])
+            q = torch.stack(
+                [heads.draft_step(ctx[b, t], [ids[b, t + 1 + j].view(1) for j in range(k + 1)])[0] for b, t in rows_k]
+            )
             p = tgt.lm_head(torch.stack([h[b, t + k + 1] for b, t in rows_k]))
             ref_s.append(specdec_labels(p, q, Sampling(temperature=1.0), [gen] * len(q))[1])
     torch.testing.assert_close(s1, torch.cat(ref_s), rtol=1e-4, atol=1e-5)
@@ -420,16 +502,18 @@ def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny
     prompt = torch.tensor([1, 5, 9, 13, 17, 21])
     ar = autoregressive_generate(tgt, prompt, 24)
     torch.manual_seed(2)
-    head = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=1, state="before",
-                                           n_slots=heads.max_draft_len, draft_kind=kind))
+    head = AcceptanceHead(
+        AcceptanceConfig(dim=heads.state_dim, n_layers=1, state="before", n_slots=heads.max_draft_len, draft_kind=kind)
+    )
     for h, expect in ((0.5, None), (1e-6, 0), (0.999999, None)):
         rule = AcceptanceStop(head, h, min_len=0, skip=True)
         out, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3, stop_drafting=rule)
         assert out == ar
         if expect is not None:
             assert st.drafted == expect  # every step judged draft 1 unsure: plain target steps
-    never = AcceptanceHead(AcceptanceConfig(dim=heads.state_dim, n_layers=0, state="before",
-                                           n_slots=heads.max_draft_len))
+    never = AcceptanceHead(
+        AcceptanceConfig(dim=heads.state_dim, n_layers=0, state="before", n_slots=heads.max_draft_len)
+    )
     with torch.no_grad():
         for p in never.parameters():
             p.zero_()
@@ -442,8 +526,9 @@ def test_skip_rule_on_feature_heads_is_lossless_and_can_draft_nothing(kind, tiny
         rule = AcceptanceStop(head, 0.5, min_len=0, skip=True, keep=heads.head_ids)
         assert speculative_generate(tgt, heads, prompt, 24, draft_len=3, stop_drafting=rule)[0] == ar
     _, fixed = speculative_generate(tgt, heads, prompt, 24, draft_len=3)
-    _, st = speculative_generate(tgt, heads, prompt, 24, draft_len=3,
-                                 stop_drafting=AcceptanceStop(never, 0.5, min_len=0, skip=True))
+    _, st = speculative_generate(
+        tgt, heads, prompt, 24, draft_len=3, stop_drafting=AcceptanceStop(never, 0.5, min_len=0, skip=True)
+    )
     assert st.drafted == fixed.drafted and st.accepted == fixed.accepted
 
 
@@ -462,8 +547,10 @@ def test_acceptance_head_on_hydra_heads_trains_decodes_and_sweeps(specdec_run, t
     spec["drafter"] = {"kind": "hydra", "n_heads": 3, "prefix_attention": True}
     (tmp_path / "tiny-hydra.yaml").write_text(yaml.safe_dump(spec))
     shutil.copytree(root / "draft" / "data", tmp_path / "hydra" / "data")
-    assert main(["train", str(tmp_path / "tiny-hydra.yaml"), f"out_dir={tmp_path / 'hydra'}", "train.steps=2",
-                 *common]) == 0
+    assert (
+        main(["train", str(tmp_path / "tiny-hydra.yaml"), f"out_dir={tmp_path / 'hydra'}", "train.steps=2", *common])
+        == 0
+    )
     hydra = tmp_path / "hydra" / "checkpoints" / "final"
     spec["drafter"] = {"kind": "acceptance_head", "draft": str(hydra), "n_layers": 1, "state": "after"}
     recipe = tmp_path / "tiny-hydra-head.yaml"
@@ -482,9 +569,16 @@ def test_acceptance_head_on_hydra_heads_trains_decodes_and_sweeps(specdec_run, t
     assert main(["eval", str(recipe), f"out_dir={run}", "target.dtype=float64", *common]) == 0
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["stop"]["state"] == "next"
-    r = sweep.sweep(load_recipe(str(recipe), [f"out_dir={run}", "target.dtype=float64", "eval.draft_len=3",
-                                              *[c for c in common if c != "-q"]]), [1e-6, 0.9], [1, 3],
-                    min_lens=[0, 1], oracle=True)
+    r = sweep.sweep(
+        load_recipe(
+            str(recipe),
+            [f"out_dir={run}", "target.dtype=float64", "eval.draft_len=3", *[c for c in common if c != "-q"]],
+        ),
+        [1e-6, 0.9],
+        [1, 3],
+        min_lens=[0, 1],
+        oracle=True,
+    )
     assert r["lossless_mismatches"] == 0 and r["configs"]["stop-1e-06-m0"]["drafted_per_step"] == 0
     c = r["configs"]  # min_len 1: draft 1 always, never draft 2 (as fixed-1; the last step may draft nothing)
     assert c["stop-1e-06-m1"]["drafted_per_step"] == c["fixed-1"]["drafted_per_step"] > 0

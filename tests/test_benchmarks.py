@@ -2,6 +2,7 @@
 its main), every maintained one answers --help with a description for each option, and none reaches around the
 installed package (no import path edits, no old git revisions, no imports between benchmark files, no private
 package names in the maintained ones)."""
+
 from __future__ import annotations
 
 import ast
@@ -16,8 +17,18 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-MAINTAINED = ["step_costs", "generate_throughput", "writer_throughput", "loss_memory", "gpu_decoder",
-              "dynamic_tree_draft", "export_roundtrip", "online_proof", "kind_table", "export_prompts"]
+MAINTAINED = [
+    "step_costs",
+    "generate_throughput",
+    "writer_throughput",
+    "loss_memory",
+    "gpu_decoder",
+    "dynamic_tree_draft",
+    "export_roundtrip",
+    "online_proof",
+    "kind_table",
+    "export_prompts",
+]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
 PRIVATE = {"self_speculation": {"_DTYPES"}}
@@ -95,8 +106,9 @@ print(json.dumps(out))
 def helps() -> dict[str, tuple[int, str]]:
     """--help of every maintained benchmark, all in one child interpreter (one torch import)."""
     paths = [str(_path(n)) for n in MAINTAINED]
-    res = subprocess.run([sys.executable, "-c", _HELP, *paths], capture_output=True, text=True, timeout=300,
-                         cwd=BENCH.parent)
+    res = subprocess.run(
+        [sys.executable, "-c", _HELP, *paths], capture_output=True, text=True, timeout=300, cwd=BENCH.parent
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return {Path(p).stem: (code, text) for p, (code, text) in got.items()}

@@ -1,4 +1,5 @@
 """The CLI as a user meets it: --help everywhere, and every bad input is one line on stderr, exit 2, no traceback."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,14 @@ from draftsmith.cli import STAGES, main
 
 
 def run_cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "draftsmith", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, timeout=120, env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"})
+    return subprocess.run(
+        [sys.executable, "-m", "draftsmith", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=120,
+        env={**__import__("os").environ, "HF_HUB_OFFLINE": "1"},
+    )
 
 
 @pytest.mark.parametrize("command", list(STAGES))
@@ -24,11 +31,14 @@ def test_help_explains_every_subcommand(command, capsys):
     assert "RECIPE" in out and "KEY=VALUE" in out and "--quiet" in out and STAGES[command][:30] in out
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--deltas", "1.5"], "--deltas '1.5': each δ must lie in (0, 1)"),
-    (["--fixed", "two"], "--fixed 'two': expected comma-separated numbers"),
-    (["--max-accuracy-drop", "2"], "--max-accuracy-drop 2.0: must lie in [0, 1]"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--deltas", "1.5"], "--deltas '1.5': each δ must lie in (0, 1)"),
+        (["--fixed", "two"], "--fixed 'two': expected comma-separated numbers"),
+        (["--max-accuracy-drop", "2"], "--max-accuracy-drop 2.0: must lie in [0, 1]"),
+    ],
+)
 def test_sweep_subcommand_refuses_bad_options_in_one_line(args, fragment, capsys):
     assert main(["sweep", "tiny", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -57,21 +67,27 @@ def test_bad_inputs_are_one_line_errors(tmp_path, tiny_model_dir):
     _assert_one_line_error(run_cli("show", bad), "bad.yaml line", "YAML syntax error")
     _assert_one_line_error(run_cli("show", "quickstart", "train.bogus=1"), "unknown key train.bogus")
     _assert_one_line_error(run_cli("show", "quickstart", "train.steps=-2"), "train.steps")
-    _assert_one_line_error(run_cli("generate", "tiny", "target.model=no-such-model", f"out_dir={tmp_path}/r"),
-                           "unknown target 'no-such-model'")
+    _assert_one_line_error(
+        run_cli("generate", "tiny", "target.model=no-such-model", f"out_dir={tmp_path}/r"),
+        "unknown target 'no-such-model'",
+    )
 
 
-@pytest.mark.parametrize("content,fragment", [
-    (None, "missing.jsonl"),  # unreadable / missing file
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "line 2"),
-    ('{"messages": [{"role": "user", "content": "   "}]}\n', "empty prompt set"),
-])
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        (None, "missing.jsonl"),  # unreadable / missing file
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [\n', "line 2"),
+        ('{"messages": [{"role": "user", "content": "   "}]}\n', "empty prompt set"),
+    ],
+)
 def test_bad_prompt_files(tmp_path, tiny_model_dir, content, fragment):
     path = tmp_path / "missing.jsonl"
     if content is not None:
         path.write_text(content)
-    res = run_cli("generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={path}",
-                  f"out_dir={tmp_path}/r")
+    res = run_cli(
+        "generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={path}", f"out_dir={tmp_path}/r"
+    )
     _assert_one_line_error(res, fragment)
     assert not (tmp_path / "r" / "data" / "manifest.json").exists()  # nothing half-written that looks complete
 

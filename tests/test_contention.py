@@ -1,4 +1,5 @@
 """The eval's contention meter (eval/contention.py): it sees another process's CPU use and stays quiet otherwise."""
+
 import os
 import subprocess
 import sys
@@ -20,8 +21,9 @@ def _spin(seconds: float) -> None:
 
 
 def test_meter_sees_a_busy_neighbour():
-    neighbour = subprocess.Popen([sys.executable, "-c",
-                                  "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 2.5: pass"])
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.perf_counter()\nwhile time.perf_counter() - t < 2.5: pass"]
+    )
     try:
         time.sleep(0.3)  # let it start spinning
         with CpuShare() as shared:

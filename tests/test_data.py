@@ -1,6 +1,7 @@
 """The data stage on a tiny random Llama: record round-trip, multi-turn loss masks, teacher signals
 (top-k, hidden states, SpecDec++ labels) against separate full forwards, sampling, fixed-data and on-policy
 modes, resume after a crash, 2 ranks == 1 rank, the vLLM adapter and bad input."""
+
 from __future__ import annotations
 
 import copy
@@ -35,17 +36,35 @@ from draftsmith.models.registry import save_drafter
 from draftsmith.models.sampling import process_logits, row_generator
 
 CHATS = [
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about foxes."},
-                  {"role": "assistant", "content": "Foxes are quick."}, {"role": "user", "content": "And dogs?"},
-                  {"role": "assistant", "content": "Dogs are lazy."}, {"role": "user", "content": "Thanks."},
-                  {"role": "assistant", "content": "You are welcome."}]},
-    {"conversations": [{"from": "human", "value": "What is the capital of France?"},
-                       {"from": "gpt", "value": "Paris."}, {"from": "human", "value": "Write a poem."},
-                       {"from": "gpt", "value": "The sea and the stars."}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Tell me about foxes."},
+            {"role": "assistant", "content": "Foxes are quick."},
+            {"role": "user", "content": "And dogs?"},
+            {"role": "assistant", "content": "Dogs are lazy."},
+            {"role": "user", "content": "Thanks."},
+            {"role": "assistant", "content": "You are welcome."},
+        ]
+    },
+    {
+        "conversations": [
+            {"from": "human", "value": "What is the capital of France?"},
+            {"from": "gpt", "value": "Paris."},
+            {"from": "human", "value": "Write a poem."},
+            {"from": "gpt", "value": "The sea and the stars."},
+        ]
+    },
     {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "return a + b"}]},
     {"messages": [{"role": "user", "content": "Count to five."}]},  # no reply: skipped in dataset mode
-    {"messages": [{"role": "user", "content": "Speculative decoding is"}, {"role": "assistant", "content": "fast"},
-                  {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "A draft proposes."}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Speculative decoding is"},
+            {"role": "assistant", "content": "fast"},
+            {"role": "user", "content": "Why?"},
+            {"role": "assistant", "content": "A draft proposes."},
+        ]
+    },
 ]
 
 
@@ -59,10 +78,23 @@ def chats_file(tmp_path_factory):
 @pytest.fixture
 def run_args(tmp_path, tiny_overrides, chats_file):
     """`generate tiny` on the multi-turn chats, float64 so greedy argmaxes cannot flip between code paths."""
+
     def args(*extra, out="run"):
-        return ["generate", "tiny", *tiny_overrides, f"data.prompts.path={chats_file}", f"out_dir={tmp_path / out}",
-                "target.dtype=float64", "data.prompts.max_turns=null", "data.max_prompt_tokens=256", "-q", *extra]
+        return [
+            "generate",
+            "tiny",
+            *tiny_overrides,
+            f"data.prompts.path={chats_file}",
+            f"out_dir={tmp_path / out}",
+            "target.dtype=float64",
+            "data.prompts.max_turns=null",
+            "data.max_prompt_tokens=256",
+            "-q",
+            *extra,
+        ]
+
     return args
+
 
 # Two processes need two devices: on a one-GPU machine both ranks would share it (NCCL refuses) and the
 # one-process run would use the GPU while a CPU fallback would not. CPU-only machines (CI) and 2+ GPUs run it.
@@ -105,10 +137,13 @@ def test_records_roundtrip_every_signal(tmp_path):
     for i, (n, n_loss) in enumerate([(6, 3), (4, 2), (9, 5)]):
         mask = [0] * (n - n_loss) + [1] * n_loss
         h = torch.randn(n, 16, generator=g)
-        sig = {"topk_ids": torch.randint(0, 300, (n_loss, 4), generator=g),
-               "topk_logprobs": torch.randn(n_loss, 4, generator=g).half(),
-               "hidden_last": h.bfloat16(), "spec_token": torch.randint(0, 300, (n_loss,), generator=g),
-               "spec_accept": torch.rand(n_loss, generator=g)}
+        sig = {
+            "topk_ids": torch.randint(0, 300, (n_loss, 4), generator=g),
+            "topk_logprobs": torch.randn(n_loss, 4, generator=g).half(),
+            "hidden_last": h.bfloat16(),
+            "spec_token": torch.randint(0, 300, (n_loss,), generator=g),
+            "spec_accept": torch.rand(n_loss, generator=g),
+        }
         sig["hidden_aux"], sig["hidden_aux_scale"] = quantize_fp8(torch.randn(n, 3, 16, generator=g))
         recs.append(Record(torch.randint(0, 300, (n,), generator=g).tolist(), mask, i, i % 2, 1, sig))
     entry = write_shard(tmp_path / "s.safetensors", recs, {"data_hash": "x"}, {"note": 1})
@@ -136,8 +171,9 @@ def test_records_roundtrip_every_signal(tmp_path):
     assert bpt["per_loss_token"]["topk"] == 16.0  # uint16 id + fp16 log-prob, k = 4
     assert bpt["per_token"]["hidden_aux"] == 3 * 16 + 3 * 4  # fp8 values + one fp32 scale per row
     with pytest.raises(ValueError, match="rows, expected"):
-        write_shard(tmp_path / "bad.safetensors", [Record([1, 2], [0, 1], 0, signals={"spec_accept": torch.ones(2)})],
-                    {})
+        write_shard(
+            tmp_path / "bad.safetensors", [Record([1, 2], [0, 1], 0, signals={"spec_accept": torch.ones(2)})], {}
+        )
     with pytest.raises(ValueError, match="first token"):
         write_shard(tmp_path / "bad.safetensors", [Record([1, 2], [1, 1], 0)], {})
 
@@ -153,8 +189,9 @@ def test_fp8_quantisation_error_is_bounded():
 
 
 def _msgs(chat):
-    return chat.get("messages") or [{"role": {"human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]}
-                                    for m in chat["conversations"]]
+    return chat.get("messages") or [
+        {"role": {"human": "user", "gpt": "assistant"}[m["from"]], "content": m["value"]} for m in chat["conversations"]
+    ]
 
 
 def test_spliced_sequences_reproduce_the_template(tiny_tokenizer):
@@ -173,8 +210,9 @@ def test_spliced_sequences_reproduce_the_template(tiny_tokenizer):
         if layout.n_turns > 1:
             cut = layout.responses[0][:2]  # no EOS: the glue closes the turn
             glued = tok.decode(layout.glue(1, cut, eos))
-            assert glued.startswith(tok.eos_token) and tok.decode(layout.glue(1, layout.responses[0], eos)) == \
-                glued.removeprefix(tok.eos_token)
+            assert glued.startswith(tok.eos_token) and tok.decode(
+                layout.glue(1, layout.responses[0], eos)
+            ) == glued.removeprefix(tok.eos_token)
 
 
 def test_multi_turn_regeneration_loss_mask(tmp_path, run_args, tiny_tokenizer, target):
@@ -209,8 +247,9 @@ def test_multi_turn_regeneration_loss_mask(tmp_path, run_args, tiny_tokenizer, t
         assert all(u["content"] in text for u in users)
         logits, _ = full_forward(target, r.input_ids)
         rows = torch.log_softmax(logits[:-1][r.loss_mask[1:]], -1).float()
-        torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3,
-                                   rtol=1e-3)
+        torch.testing.assert_close(
+            rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3, rtol=1e-3
+        )
         assert torch.equal(r.input_ids[r.loss_mask], rows.argmax(-1))  # greedy: each response token is the top-1
     assert manifest["n_sequences"] == 5 and manifest["sequences_by_writer"]["target"] == 5
     assert manifest["n_loss_tokens"] == sum(int(r.loss_mask.sum()) for r in recs)
@@ -230,8 +269,10 @@ def test_first_turn_too_long_is_skipped_or_truncated_and_counted(tmp_path, run_a
     assert main(run_args("data.max_prompt_tokens=29", "data.prompts.max_turns=1")) == 0
     m = read_manifest(tmp_path / "run" / "data")["prompts"]
     assert m["skipped_too_long"] == 3 and m["truncated"] == 0  # first turns of 55, 30 and 35 tokens
-    assert main(run_args("data.max_prompt_tokens=29", "data.prompts.max_turns=1", "data.too_long=truncate",
-                         out="run2")) == 0
+    assert (
+        main(run_args("data.max_prompt_tokens=29", "data.prompts.max_turns=1", "data.too_long=truncate", out="run2"))
+        == 0
+    )
     m2 = read_manifest(tmp_path / "run2" / "data")
     assert m2["prompts"]["truncated"] == m["skipped_too_long"] and m2["n_sequences"] == 5
 
@@ -264,9 +305,18 @@ def test_topk_reconstruction_error_bound(tmp_path, run_args, target):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_hidden_states_during_batched_generation_equal_full_forward(tmp_path, run_args, target, batch):
     layers = [0, 1]
-    assert main(run_args(f"data.batch_size={batch}", "data.signals.hidden_last=true",
-                         f"data.signals.hidden_layers={layers}", "data.signals.hidden_dtype=float16",
-                         "data.max_new_tokens=7")) == 0
+    assert (
+        main(
+            run_args(
+                f"data.batch_size={batch}",
+                "data.signals.hidden_last=true",
+                f"data.signals.hidden_layers={layers}",
+                "data.signals.hidden_dtype=float16",
+                "data.max_new_tokens=7",
+            )
+        )
+        == 0
+    )
     recs = records_of(tmp_path / "run" / "data")
     assert len({len(r.input_ids) for r in recs}) > 1  # ragged
     for r in recs:
@@ -284,8 +334,10 @@ def test_hidden_states_during_batched_generation_equal_full_forward(tmp_path, ru
 
 def test_batch_size_and_budget_do_not_change_the_data(tmp_path, run_args):
     assert main(run_args("data.batch_size=1", "data.temperature=0.9", "data.top_p=0.9", out="a")) == 0
-    assert main(run_args("data.batch_size=8", "data.batch_tokens=200", "data.temperature=0.9", "data.top_p=0.9",
-                         out="b")) == 0
+    assert (
+        main(run_args("data.batch_size=8", "data.batch_tokens=200", "data.temperature=0.9", "data.top_p=0.9", out="b"))
+        == 0
+    )
     a, b = records_of(tmp_path / "a" / "data"), records_of(tmp_path / "b" / "data")
     assert [r.input_ids.tolist() for r in a] == [r.input_ids.tolist() for r in b]
 
@@ -305,16 +357,26 @@ def test_plain_and_fused_generation_give_the_same_data(tmp_path, run_args, monke
     assert [r.input_ids.tolist() for r in a] == [r.input_ids.tolist() for r in b]
     for ra, rb in zip(a, b, strict=True):
         assert torch.equal(ra.signals["topk_ids"][:, 0], rb.signals["topk_ids"][:, 0])
-        torch.testing.assert_close(ra.signals["topk_logprobs"].float(), rb.signals["topk_logprobs"].float(),
-                                   atol=2e-2, rtol=0)
+        torch.testing.assert_close(
+            ra.signals["topk_logprobs"].float(), rb.signals["topk_logprobs"].float(), atol=2e-2, rtol=0
+        )
 
 
 def test_eagle3_layers_default_and_fp8(tmp_path, tiny_tokenizer, run_args):
     from conftest import save_tiny_llama
 
     deep = save_tiny_llama(tmp_path / "deep", tiny_tokenizer, num_hidden_layers=8)
-    assert main(run_args(f"target.model={deep}", "data.signals.hidden_layers=eagle3",
-                         "data.signals.hidden_dtype=float8", "data.max_new_tokens=4")) == 0
+    assert (
+        main(
+            run_args(
+                f"target.model={deep}",
+                "data.signals.hidden_layers=eagle3",
+                "data.signals.hidden_dtype=float8",
+                "data.max_new_tokens=4",
+            )
+        )
+        == 0
+    )
     manifest = read_manifest(tmp_path / "run" / "data")
     assert manifest["signals"]["hidden_aux"]["layers"] == [1, 3, 4]  # [1, L/2 - 1, L - 4] for L = 8
     assert manifest["bytes_per_token"]["per_token"]["hidden_aux"] == 3 * (64 + 4)
@@ -362,7 +424,7 @@ def test_a_rows_sample_does_not_depend_on_its_batch_mates(target, optimize):
     for mates in ([], [[2, 7]], [[2, 7], [3, 3, 3, 3, 3]]):
         gens = [row_generator("cpu", 0, i) for i in range(1 + len(mates))]
         out = decode_batch(target, [[1, 5, 9], *mates], 24, eos, s, gens)
-        assert out[0].tokens == alone[:alone.index(alone[3]) + 1]
+        assert out[0].tokens == alone[: alone.index(alone[3]) + 1]
         assert any(len(g.tokens) > len(out[0].tokens) for g in out[1:]) or not mates
         state = gens[0].get_state()
         if not mates:
@@ -382,20 +444,24 @@ def test_fixed_data_mode_keeps_and_scores_dataset_replies(tmp_path, run_args, ti
     usable = [c for c in CHATS if len(c.get("messages", c.get("conversations"))) > 1]
     for r, chat in zip(records_of(tmp_path / "run" / "data"), usable):
         assert r.source == SOURCES["dataset"]
-        replies = [m.get("content", m.get("value")) for m in chat.get("messages") or chat["conversations"]
-                   if m.get("role", m.get("from")) in ("assistant", "gpt")]
+        replies = [
+            m.get("content", m.get("value"))
+            for m in chat.get("messages") or chat["conversations"]
+            if m.get("role", m.get("from")) in ("assistant", "gpt")
+        ]
         labelled = tok.decode(r.input_ids[r.loss_mask].tolist())
         assert labelled == "".join(x + tok.eos_token for x in replies)
         logits, cap = full_forward(target, r.input_ids)
         rows = torch.log_softmax(logits[:-1][r.loss_mask[1:]], -1).float()
-        torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3,
-                                   rtol=1e-3)
-        torch.testing.assert_close(r.signals["hidden_last"], target.norm(cap[target.cfg.n_layers]).float(),
-                                   atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(
+            rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3, rtol=1e-3
+        )
+        torch.testing.assert_close(
+            r.signals["hidden_last"], target.norm(cap[target.cfg.n_layers]).float(), atol=1e-2, rtol=1e-2
+        )
 
 
-def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_path, run_args, tiny_tokenizer,
-                                                                           target):
+def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_path, run_args, tiny_tokenizer, target):
     """A pretraining corpus ({"text": ...} records, FastDraft stage 1 on any text) in fixed-data mode: each document
     becomes pieces of max_new_tokens labels whose only context is the previous piece's last token, so the pieces
     rebuild the document and every token after its first is a label once, scored by the target like any dataset
@@ -405,8 +471,10 @@ def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_pa
     docs = ["the quick brown fox jumps over the lazy dog " * 5, "hello world", {"text": "   "}, "a b c d e f g"]
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps(d if isinstance(d, dict) else {"text": d}) + "\n" for d in docs))
-    assert main(run_args(f"data.prompts.path={corpus}", "data.responses=dataset", "data.max_new_tokens=8",
-                         out="text")) == 0
+    assert (
+        main(run_args(f"data.prompts.path={corpus}", "data.responses=dataset", "data.max_new_tokens=8", out="text"))
+        == 0
+    )
     manifest = read_manifest(tmp_path / "text" / "data")
     recs = records_of(tmp_path / "text" / "data")
     assert manifest["sequences_by_writer"]["dataset"] == len(recs) > 3
@@ -421,8 +489,9 @@ def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_pa
             assert r.loss_mask.tolist() == [0] + [1] * (len(r.input_ids) - 1) and len(r.input_ids) <= 9
             logits, _ = full_forward(target, r.input_ids)
             rows = torch.log_softmax(logits[:-1], -1).float()
-            torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"],
-                                       atol=2e-3, rtol=1e-3)
+            torch.testing.assert_close(
+                rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3, rtol=1e-3
+            )
     assert main(run_args(f"data.prompts.path={corpus}", out="text-target")) == 2  # nothing to answer
     assert not (tmp_path / "text-target" / "data" / "manifest.json").exists()
     with pytest.raises(DraftsmithError, match=r"corpus.jsonl line 1: a raw text record"):
@@ -435,9 +504,20 @@ def test_on_policy_mixing_and_specdec_labels(tmp_path, run_args, tiny_model_dir,
     ckpt = make_drafter(tmp_path / "drafter", tiny_model_dir, tiny_tokenizer)
 
     drafter, _ = load_drafter(ckpt, dtype=torch.float64)
-    assert main(run_args(f"data.on_policy.checkpoint={ckpt}", "data.on_policy.fraction=0.5",
-                         f"data.specdec_labels.checkpoint={ckpt}", "data.specdec_labels.temperature=1.0",
-                         "data.max_new_tokens=6", "data.n_samples=4", "data.temperature=1.0")) == 0
+    assert (
+        main(
+            run_args(
+                f"data.on_policy.checkpoint={ckpt}",
+                "data.on_policy.fraction=0.5",
+                f"data.specdec_labels.checkpoint={ckpt}",
+                "data.specdec_labels.temperature=1.0",
+                "data.max_new_tokens=6",
+                "data.n_samples=4",
+                "data.temperature=1.0",
+            )
+        )
+        == 0
+    )
     manifest = read_manifest(tmp_path / "run" / "data")
     by = manifest["sequences_by_writer"]
     assert by["drafter"] > 0 and by["target"] > 0 and by["drafter"] + by["target"] == 20
@@ -453,8 +533,9 @@ def test_on_policy_mixing_and_specdec_labels(tmp_path, run_args, tiny_model_dir,
         accepts.append(r.signals["spec_accept"])
         # Both writers' sequences carry target teacher rows (drafter-written ones come from the scoring pass).
         rows = torch.log_softmax(logits[:-1][r.loss_mask[1:]], -1).float()
-        torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3,
-                                   rtol=1e-3)
+        torch.testing.assert_close(
+            rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-3, rtol=1e-3
+        )
     a = torch.cat(accepts)
     assert 0 < a.min() and a.max() <= 1 and (a < 1).any()
     # Greedy labels: y = argmax q, accepted iff it is the target's argmax too.
@@ -487,8 +568,13 @@ def _same(a, b):
             assert torch.equal(a[name][k], b[name][k]), (name, k)
 
 
-SAMPLED = ("data.temperature=1.0", "data.n_samples=2", "data.shard_size=2", "data.signals.hidden_last=true",
-           "data.max_new_tokens=6")
+SAMPLED = (
+    "data.temperature=1.0",
+    "data.n_samples=2",
+    "data.shard_size=2",
+    "data.signals.hidden_last=true",
+    "data.max_new_tokens=6",
+)
 
 
 def test_resume_after_injected_crash_gives_the_identical_dataset(tmp_path, run_args, monkeypatch):
@@ -518,9 +604,11 @@ def test_resume_after_injected_crash_gives_the_identical_dataset(tmp_path, run_a
 
 def _recording(write_shard, written: list):
     """write_shard that also appends each shard's file name to ``written``."""
+
     def write(path, *a, **k):
         written.append(path.name)
         return write_shard(path, *a, **k)
+
     return write
 
 
@@ -577,8 +665,16 @@ def _free_port() -> int:
 def test_two_ranks_equal_one_rank(tmp_path, run_args):
     assert main(run_args(*SAMPLED, out="one")) == 0
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "draftsmith", *run_args(*SAMPLED, out="two")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "draftsmith",
+        *run_args(*SAMPLED, out="two"),
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     _same(shard_tensors(tmp_path / "one" / "data"), shard_tensors(tmp_path / "two" / "data"))
@@ -618,12 +714,16 @@ def test_vllm_backend_adapter_matches_native(tmp_path, run_args, monkeypatch, ta
         def generate(self, prompts, params, use_tqdm=True):
             outs = []
             for pr, sp in zip(prompts, params):
-                g = decode_batch(target, [pr["prompt_token_ids"]], sp.max_tokens, set(sp.stop_token_ids),
-                                 Sampling(), [None])[0]
+                g = decode_batch(
+                    target, [pr["prompt_token_ids"]], sp.max_tokens, set(sp.stop_token_ids), Sampling(), [None]
+                )[0]
                 ends_on_stop = g.tokens[-1] in sp.stop_token_ids
                 toks = g.tokens[:-1] if ends_on_stop else g.tokens  # vLLM may leave the stop id out
-                c = types.SimpleNamespace(token_ids=toks, finish_reason="stop" if ends_on_stop else "length",
-                                          stop_reason=g.tokens[-1] if ends_on_stop else None)
+                c = types.SimpleNamespace(
+                    token_ids=toks,
+                    finish_reason="stop" if ends_on_stop else "length",
+                    stop_reason=g.tokens[-1] if ends_on_stop else None,
+                )
                 outs.append(types.SimpleNamespace(outputs=[c]))
             return outs
 
@@ -649,8 +749,12 @@ def test_vllm_backend_missing_is_a_clear_error(run_args, monkeypatch, capsys):
 
 def test_bad_prompts_are_counted_skips_or_one_line_errors(tmp_path, run_args, capsys):
     good = {"messages": [{"role": "user", "content": "Hello there"}]}
-    lines = [json.dumps(good), json.dumps({"messages": [{"role": "user", "content": "   "}]}),
-             json.dumps({"messages": [{"role": "tool", "content": "x"}]}), json.dumps({"turns": [""]})]
+    lines = [
+        json.dumps(good),
+        json.dumps({"messages": [{"role": "user", "content": "   "}]}),
+        json.dumps({"messages": [{"role": "tool", "content": "x"}]}),
+        json.dumps({"turns": [""]}),
+    ]
     p = tmp_path / "p.jsonl"
     p.write_text("\n".join(lines) + "\n")
     assert main(run_args(f"data.prompts.path={p}")) == 0  # the unusable ones are skipped and counted

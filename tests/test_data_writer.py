@@ -1,6 +1,7 @@
 """On-policy data written by drafters that read the target's states (heads, EAGLE): the one-row reference
 (data/engine.py ``write_one``, on the decoder's proposers) writes the drafter's own first drafts, aligned
 with the target's states (oracles), and the data stage's batched ``write_batch`` equals it row by row."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,7 @@ class _WritingOracleHeads(AlignedOracleHeads):
         assert gamma == 1 and int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
         self.k += 1
         self.checked += 1
-        return torch.tensor(self.ar[self.k:self.k + 1], dtype=torch.long), None
+        return torch.tensor(self.ar[self.k : self.k + 1], dtype=torch.long), None
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra++", "eagle1", "eagle3"])
@@ -46,8 +47,10 @@ def test_write_one_lets_feature_drafters_write(target, ar_outputs, kind):
         out, _ = write_one(target, drafter, x, NEW)
         assert len(out) == NEW and out == write_one(target, drafter, x, NEW)[0]
         differs += out != want
-        sampled = [write_one(target, drafter, x, NEW, temperature=1.0, generator=torch.Generator().manual_seed(s))[0]
-                   for s in (7, 7, 8)]
+        sampled = [
+            write_one(target, drafter, x, NEW, temperature=1.0, generator=torch.Generator().manual_seed(s))[0]
+            for s in (7, 7, 8)
+        ]
         assert sampled[0] == sampled[1] != sampled[2]
     assert differs > 0  # the drafter's text, not the target's
     with pytest.raises(ValueError, match="write mode"):  # a draft LM writes through the batched generator
@@ -70,8 +73,15 @@ def test_batched_writer_equals_write_one_row_by_row(target, kind):
     prompts = DECODE_PROMPTS + [[7, 7, 1, 2]]
 
     def row(p, eos, temperature=0.0, seed=0):
-        return write_one(target, drafter, torch.tensor(p), NEW, eos_ids=eos, temperature=temperature,
-                         generator=torch.Generator().manual_seed(seed))[0]
+        return write_one(
+            target,
+            drafter,
+            torch.tensor(p),
+            NEW,
+            eos_ids=eos,
+            temperature=temperature,
+            generator=torch.Generator().manual_seed(seed),
+        )[0]
 
     free = [row(p, None) for p in prompts]
     eos = {free[1][len(free[1]) // 2]}  # a token one row writes mid-way: rows stop at different steps
@@ -79,9 +89,17 @@ def test_batched_writer_equals_write_one_row_by_row(target, kind):
         s = Sampling(temperature)
         want = [row(p, eos, temperature, 11 + b) for b, p in enumerate(prompts)]
         assert len({len(w) for w in want}) > 1 and any(w[-1] in eos for w in want)
-        got = write_batch(target, drafter, prompts, NEW, eos, s,
-                          [torch.Generator().manual_seed(11 + b) for b in range(len(prompts))])
+        got = write_batch(
+            target, drafter, prompts, NEW, eos, s, [torch.Generator().manual_seed(11 + b) for b in range(len(prompts))]
+        )
         assert [g.tokens for g in got] == want
-        back = write_batch(target, drafter, prompts[::-1], NEW, eos, s,
-                           [torch.Generator().manual_seed(11 + b) for b in reversed(range(len(prompts)))])
+        back = write_batch(
+            target,
+            drafter,
+            prompts[::-1],
+            NEW,
+            eos,
+            s,
+            [torch.Generator().manual_seed(11 + b) for b in reversed(range(len(prompts)))],
+        )
         assert [g.tokens for g in back] == want[::-1]

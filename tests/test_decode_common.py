@@ -3,6 +3,7 @@ proposer kind and shape, AR decoding, EOS and short budgets, the acceptance rule
 exactness of rejection sampling, DecodeStats bookkeeping, bad arguments, the stop-rule hooks on every chain
 drafter, the judge hook, and a non-Llama target through the transformers fallback. Tiny random models in
 float64 (tests/conftest.py) so rounding cannot flip an argmax."""
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ def _naive_greedy(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("prompt", DECODE_PROMPTS, ids=lambda p: f"T{len(p)}")
@@ -78,12 +79,11 @@ def test_eos_stops_right_after(target, ar_outputs):
     full = ar_outputs[tuple(prompt)]
     i = next(i for i in range(3, NEW) if full[i] not in full[:i])  # a token the target first emits at step i
     eos = {full[i], 96 if full[i] != 96 else 95}
-    expect = full[:i + 1]
+    expect = full[: i + 1]
     assert autoregressive_generate(target, torch.tensor(prompt), NEW, eos_ids=eos) == expect
     for drafter in (target, tiny_model(1), noisy_copy(target), AntiDrafter(target)):
         for draft_len in (1, 4):
-            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len,
-                                           eos_ids=eos)
+            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len, eos_ids=eos)
             assert out == expect and st.new_tokens == len(expect)
 
 
@@ -93,8 +93,16 @@ def test_eos_with_sampling(target):
     gen = torch.Generator().manual_seed(0)
     hits = 0
     for seed in range(6):
-        out, _ = speculative_generate(target, tiny_model(1), torch.tensor(DECODE_PROMPTS[seed % 3]), NEW, draft_len=3,
-                                      temperature=1.0, eos_ids=eos, generator=gen)
+        out, _ = speculative_generate(
+            target,
+            tiny_model(1),
+            torch.tensor(DECODE_PROMPTS[seed % 3]),
+            NEW,
+            draft_len=3,
+            temperature=1.0,
+            eos_ids=eos,
+            generator=gen,
+        )
         assert all(t not in eos for t in out[:-1])
         hits += out[-1] in eos
         assert len(out) == NEW or out[-1] in eos
@@ -176,8 +184,15 @@ def test_rejection_accept_preserves_target_distribution(filtered):
 
 
 def test_stats_merge_and_helpers():
-    a = DecodeStats(new_tokens=10, target_forwards=4, drafted=12, accepted=6, accept_counts=[1, 1, 1, 1],
-                    draft_time_s=0.5, verify_time_s=1.0)
+    a = DecodeStats(
+        new_tokens=10,
+        target_forwards=4,
+        drafted=12,
+        accepted=6,
+        accept_counts=[1, 1, 1, 1],
+        draft_time_s=0.5,
+        verify_time_s=1.0,
+    )
     assert a.tau == 2.5 and a.acceptance_rate == 0.5
     assert a.per_position_acceptance() == pytest.approx([3 / 4, 2 / 3, 1 / 2])
     check_tau_consistency(a)
@@ -203,8 +218,10 @@ def test_rejects_bad_arguments(target):
         speculative_generate(target, tiny_model(1, TINY_CFG8), torch.tensor([1, 2]), 4)
     with pytest.raises(ValueError, match="draft_len"):
         speculative_generate(target, target, torch.tensor([1, 2]), 4, draft_len=-1)
-    for decode in (lambda x: speculative_generate(target, target, x, 4),
-                   lambda x: autoregressive_generate(target, x, 4)):
+    for decode in (
+        lambda x: speculative_generate(target, target, x, 4),
+        lambda x: autoregressive_generate(target, x, 4),
+    ):
         with pytest.raises(ValueError, match="one prompt"):  # batch > 1 is refused, not flattened
             decode(torch.tensor([[1, 2], [3, 4]]))
 
@@ -245,8 +262,9 @@ def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_o
         assert out == want and st.drafted < fixed.drafted
         check_tau_consistency(st)
     assert seen and {n for n, _ in seen} <= {1, 2, 3} and seen[0][1] == (TINY_CFG.vocab_size,)
-    one = speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=4,
-                               stop_drafting=lambda i, lg, h: True)[1]
+    one = speculative_generate(
+        target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=4, stop_drafting=lambda i, lg, h: True
+    )[1]
     ref1 = speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=1)[1]
     assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)
 
@@ -254,6 +272,7 @@ def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_o
 class _BeforeHook:
     """A ``before_feed`` stop hook: asked right after each draft is picked, with the logits and state that produced
     it; stops after ``at`` drafts."""
+
     before_feed = True
 
     def __init__(self, at):
@@ -312,6 +331,7 @@ def test_before_feed_stop_costs_no_extra_drafter_forward(target, ar_outputs, kin
 class _SkipHook:
     """A min_len-0 stop hook: asked before the first draft too; skips (no drafts) on a coin flip, else stops
     after two drafts."""
+
     min_len = 0
 
     def __init__(self, seed):
@@ -337,16 +357,18 @@ def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(t
         want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
         _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=cap)
         rule = OracleStop(want)
-        out, st = speculative_generate(target, drafter, x, NEW, draft_len=cap, stop_drafting=rule,
-                                       on_token=rule.on_token)
+        out, st = speculative_generate(
+            target, drafter, x, NEW, draft_len=cap, stop_drafting=rule, on_token=rule.on_token
+        )
         assert out == want and rule.emitted == len(want)
         assert st.accept_counts == fixed.accept_counts and st.target_forwards == fixed.target_forwards
         assert st.drafted - st.accepted <= st.target_forwards  # at most the rejected draft itself per block
         saved += fixed.drafted - st.drafted
         # skip: stop before the draft the target rejects. The same blocks, and no verify carries a rejected draft
         rule = OracleStop(want, skip=True)
-        out, st_skip = speculative_generate(target, drafter, x, NEW, draft_len=cap, stop_drafting=rule,
-                                            on_token=rule.on_token)
+        out, st_skip = speculative_generate(
+            target, drafter, x, NEW, draft_len=cap, stop_drafting=rule, on_token=rule.on_token
+        )
         assert out == want and st_skip.accept_counts == fixed.accept_counts
         assert st_skip.target_forwards == fixed.target_forwards and st_skip.drafted == st_skip.accepted
         skipped += st_skip.accept_counts[0]  # blocks with no drafts at all: plain target steps
@@ -365,8 +387,10 @@ def test_confidence_stop_leaves_out_distrusted_drafts_and_stays_lossless(target,
     for prompt in DECODE_PROMPTS:
         want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
         _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=cap)
-        runs = {h: speculative_generate(target, drafter, x, NEW, draft_len=cap,
-                                        stop_drafting=ConfidenceStop(h, min_len=0)) for h in (1.0, 1e-9, 0.5)}
+        runs = {
+            h: speculative_generate(target, drafter, x, NEW, draft_len=cap, stop_drafting=ConfidenceStop(h, min_len=0))
+            for h in (1.0, 1e-9, 0.5)
+        }
         assert all(out == want for out, _ in runs.values())
         never, always, mid = (st for _, st in runs.values())
         assert (never.drafted, never.accept_counts) == (fixed.drafted, fixed.accept_counts)
@@ -389,8 +413,14 @@ def test_min_len_zero_skips_drafting_and_stays_lossless(target, ar_outputs, kind
         assert 0 in hook.asked and st.accept_counts[0] > 0 and st.drafted <= 2 * st.target_forwards
         check_tau_consistency(st)
     # skipping every step is plain AR decoding: one token per target forward, nothing drafted
-    out, st = speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[2]), NEW, draft_len=4,
-                                   stop_drafting=EntropyStop(threshold=1e-9, min_len=0))
+    out, st = speculative_generate(
+        target,
+        drafter,
+        torch.tensor(DECODE_PROMPTS[2]),
+        NEW,
+        draft_len=4,
+        stop_drafting=EntropyStop(threshold=1e-9, min_len=0),
+    )
     assert out == ar_outputs[tuple(DECODE_PROMPTS[2])]
     assert st.drafted == 0 and st.target_forwards == NEW - 1  # + the prefill
 
@@ -424,8 +454,9 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
     prompt = torch.tensor(DECODE_PROMPTS[1])
     ar = autoregressive_generate(tgt, prompt, 24)
     with torch.no_grad():
-        ref = hf.generate(prompt[None], max_new_tokens=24, do_sample=False, min_new_tokens=24,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(prompt[None], max_new_tokens=24, do_sample=False, min_new_tokens=24, pad_token_id=0)[
+            0, len(prompt) :
+        ].tolist()
     assert ar == ref
     for drafter, full in ((tiny_model(1), None), (tgt, True), (AntiDrafter(tgt), False)):
         out, st = speculative_generate(tgt, drafter, prompt, 24, draft_len=3)
@@ -438,8 +469,11 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
 
 # ---- every proposer kind on every shape; the judge hook ---------------------------------------------------------
 
-SHAPES = {"chain": None, "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
-          "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8)}
+SHAPES = {
+    "chain": None,
+    "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+    "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8),
+}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

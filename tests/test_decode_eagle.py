@@ -1,6 +1,7 @@
 """EAGLE drafters (FeatureProposer): (feature, next token) pairs re-read with the target's features after every
 verify. Lossless chains, static and dynamic trees for EAGLE-1/3, reduced vocabularies and deeper stacks; the
 pairs, features and positions aligned (an oracle); sampling keeping the target's distribution."""
+
 from __future__ import annotations
 
 import pytest
@@ -48,9 +49,11 @@ def test_eagle_features_and_positions_are_aligned(target, ar_outputs):
     static = tree_from_choices([[0], [1], [0, 0], [0, 0, 0]])
     for prompt in DECODE_PROMPTS:
         want, x = ar_outputs[tuple(prompt)], torch.tensor(prompt)
-        for decode in (lambda d, x=x: speculative_generate(target, d, x, NEW, draft_len=5),
-                       lambda d, x=x: tree_speculative_generate(target, d, x, NEW, static),
-                       lambda d, x=x: tree_speculative_generate(target, d, x, NEW, DynamicTree(2, 5, 8))):
+        for decode in (
+            lambda d, x=x: speculative_generate(target, d, x, NEW, draft_len=5),
+            lambda d, x=x: tree_speculative_generate(target, d, x, NEW, static),
+            lambda d, x=x: tree_speculative_generate(target, d, x, NEW, DynamicTree(2, 5, 8)),
+        ):
             oracle = EagleOracle(target, prompt, want)
             out, st = decode(oracle)
             assert out == want and oracle.checked >= NEW - 7  # pairs of the last step are never re-read
@@ -67,11 +70,14 @@ def test_eagle_sampling_keeps_the_target_distribution(version, vocab):
     eagle = tiny_eagle(version, tgt, 0.3, draft_vocab=vocab)
     gen = torch.Generator().manual_seed(0)
     if version == 1:
+
         def decode(x):
             return speculative_generate(tgt, eagle, x, 4, draft_len=2, temperature=1.0, generator=gen)
     else:
+
         def decode(x):
             return tree_speculative_generate(tgt, eagle, x, 4, DynamicTree(2, 2, 4), temperature=1.0, generator=gen)
+
     emp, joint, st = sampled_joint(decode, tgt, [1, 2, 3, 4], 3, 3000)
     assert st.accept_counts[0] > 300 and sum(st.accept_counts[1:]) > 300  # both outcomes exercised
     for dims in [(1, 2), (0, 2), (0, 1)]:

@@ -1,6 +1,7 @@
 """Feature heads (HeadProposer: Medusa, Hydra, Hydra++, MLP speculator): lossless chains, static and dynamic
 trees, the hidden state handed to them aligned with cur (oracles), reduced vocabularies, Hydra++'s prefix
 layer context, and sampling through chains and trees keeping the target's distribution."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,14 +38,17 @@ class _TreeOracleHeads(AlignedOracleHeads):
             cur = int(path[0])
             assert int(self.target.lm_head(h).argmax()) == cur
             lo = 0 if self.k is None else self.k + 1
-            self.k = lo if self.k is None else max(i for i in range(lo, min(lo + self.depth + 1, len(self.ar)))
-                                                   if self.ar[i] == cur)
+            self.k = (
+                lo
+                if self.k is None
+                else max(i for i in range(lo, min(lo + self.depth + 1, len(self.ar))) if self.ar[i] == cur)
+            )
             self.checked += 1
         rows = torch.stack([t.reshape(-1) for t in path], -1).view(-1, len(path)).tolist()  # (n, depth + 1)
         logits = torch.zeros(len(rows), self.target.cfg.vocab_size, dtype=h.dtype)
         nxt = self.k + len(path)
         for r, row in enumerate(rows):
-            logits[r, self.ar[nxt] if row == self.ar[self.k:nxt] and nxt < len(self.ar) else r % 5] = 10.0
+            logits[r, self.ar[nxt] if row == self.ar[self.k : nxt] and nxt < len(self.ar) else r % 5] = 10.0
         return logits[0] if h.dim() == 1 else logits
 
 
@@ -74,7 +78,7 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
     with pytest.raises(ValueError, match="exceeds"):
         tree_speculative_generate(target, heads, torch.tensor(DECODE_PROMPTS[0]), 4, DynamicTree(2, 5, 4))
     # static Medusa-style trees: top-2 at each of the first two depths, a top-1 spine below
-    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]][:2 + draft_len])
+    tree = tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 0, 0]][: 2 + draft_len])
     for prompt in DECODE_PROMPTS:
         out, st = tree_speculative_generate(target, heads, torch.tensor(prompt), NEW, tree)
         assert out == ar_outputs[tuple(prompt)] and st.accepted <= st.target_forwards * max(tree.depths)
@@ -88,13 +92,19 @@ def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target
     from draftsmith.models.registry import build_drafter, load_drafter, save_drafter
 
     counts = torch.arange(TINY_CFG.vocab_size, dtype=torch.float)  # the highest ids are the most frequent
-    params = {"n_predict" if kind == "mlp_speculator" else "n_heads": 3, "draft_vocab": 24,
-              **({"prefix_attention": True} if kind == "hydra++" else {})}
+    params = {
+        "n_predict" if kind == "mlp_speculator" else "n_heads": 3,
+        "draft_vocab": 24,
+        **({"prefix_attention": True} if kind == "hydra++" else {}),
+    }
     heads = build_drafter(kind.rstrip("+"), params, target, counts=counts, eos_ids={2})
     lm = lambda m: m.head if kind == "mlp_speculator" else m.lm_heads  # noqa: E731
     keep = heads.head_ids
-    assert len(keep) == 24 and 2 in keep.tolist() and set(range(TINY_CFG.vocab_size - 23, TINY_CFG.vocab_size)) <= set(
-        keep.tolist())
+    assert (
+        len(keep) == 24
+        and 2 in keep.tolist()
+        and set(range(TINY_CFG.vocab_size - 23, TINY_CFG.vocab_size)) <= set(keep.tolist())
+    )
     torch.testing.assert_close(lm(heads)[1].weight, target.lm_head.weight[keep])
     with torch.no_grad():
         for p in heads.parameters():
@@ -117,8 +127,9 @@ def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target
     fast = loaded.float().optimize_for_inference()
     assert fast.num_params() == n_params and type(lm(fast)[0]).__name__ == "FusedLinear"  # counts kept
     torch.testing.assert_close(fast.logits_after(h.float(), [cur, cur]), row.float(), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(fast.read_context(hs.float(), fast.new_context(8)), context.float(), rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(
+        fast.read_context(hs.float(), fast.new_context(8)), context.float(), rtol=1e-4, atol=1e-4
+    )
 
 
 @pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
@@ -126,8 +137,13 @@ def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     heads = tiny_heads(kind, tgt, 2, 0.3)
     gen = torch.Generator().manual_seed(0)
-    emp, joint, st = sampled_joint(lambda x: speculative_generate(tgt, heads, x, 4, draft_len=2, temperature=1.0,
-                                                                  generator=gen), tgt, [1, 2, 3, 4], 3, 3000)
+    emp, joint, st = sampled_joint(
+        lambda x: speculative_generate(tgt, heads, x, 4, draft_len=2, temperature=1.0, generator=gen),
+        tgt,
+        [1, 2, 3, 4],
+        3,
+        3000,
+    )
     assert 0.05 < st.acceptance_rate < 0.95
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
@@ -141,8 +157,13 @@ def test_feature_heads_tree_sampling_keeps_the_target_distribution():
     heads = tiny_heads("hydra", tgt, 2, 0.3)
     tree = tree_from_choices([[0], [1], [0, 0], [1, 0]])
     gen = torch.Generator().manual_seed(1)
-    emp, joint, st = sampled_joint(lambda x: tree_speculative_generate(tgt, heads, x, 4, tree, temperature=1.0,
-                                                                       generator=gen), tgt, [1, 2, 3, 4], 3, 3000)
+    emp, joint, st = sampled_joint(
+        lambda x: tree_speculative_generate(tgt, heads, x, 4, tree, temperature=1.0, generator=gen),
+        tgt,
+        [1, 2, 3, 4],
+        3,
+        3000,
+    )
     assert 0.05 < st.acceptance_rate < 0.95
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
@@ -170,9 +191,12 @@ def test_hydra_pp_prefix_layer_context_matches_the_training_pass(target, ar_outp
         return orig(h, path)
 
     heads.draft_step = draft_step
-    for decode in (lambda: speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=3),
-                   lambda: tree_speculative_generate(target, heads, torch.tensor(prompt), NEW,
-                                                     tree_from_choices([[0], [1], [0, 0]]))):
+    for decode in (
+        lambda: speculative_generate(target, heads, torch.tensor(prompt), NEW, draft_len=3),
+        lambda: tree_speculative_generate(
+            target, heads, torch.tensor(prompt), NEW, tree_from_choices([[0], [1], [0, 0]])
+        ),
+    ):
         seen.clear()
         out, st = decode()
         assert out == ar_outputs[tuple(prompt)] and len(seen) >= st.target_forwards - 1  # last step: γ may be 0

@@ -1,6 +1,7 @@
 """Draft LMs (TokenProposer): chains lossless for good, bad, oracle and adversarial drafters with the rollback of
 both caches mid-chain, the fused fp32 fast path, speculative sampling end to end, and the stop hook reading the
 drafter's final state. Trees of draft LMs are in tests/test_tree.py."""
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 @pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
 def test_greedy_lossless(target, ar_outputs, kind, draft_len):
-    drafter = {"bad": lambda: tiny_model(1), "noisy": lambda: noisy_copy(target), "oracle": lambda: target,
-               "anti": lambda: AntiDrafter(target)}[kind]()
+    drafter = {
+        "bad": lambda: tiny_model(1),
+        "noisy": lambda: noisy_copy(target),
+        "oracle": lambda: target,
+        "anti": lambda: AntiDrafter(target),
+    }[kind]()
     total = DecodeStats()
     for prompt in DECODE_PROMPTS:
         out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len)
@@ -76,8 +81,13 @@ def test_speculative_sampling_matches_target_end_to_end():
     target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen = torch.Generator().manual_seed(0)
     # 4 new tokens: the prefill one, then a first verify step with the full γ = 2
-    emp, joint, st = sampled_joint(lambda x: speculative_generate(target, drafter, x, 4, draft_len=2, temperature=1.0,
-                                                                  generator=gen), target, [1, 2, 3, 4], 3, 3000)
+    emp, joint, st = sampled_joint(
+        lambda x: speculative_generate(target, drafter, x, 4, draft_len=2, temperature=1.0, generator=gen),
+        target,
+        [1, 2, 3, 4],
+        3,
+        3000,
+    )
     assert 0.05 < st.acceptance_rate < 0.95  # both accept and reject paths were exercised
     for dims in [(1, 2), (0, 2), (0, 1)]:  # marginals of t1, t2, t3
         assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
@@ -103,13 +113,13 @@ def test_stop_drafting_hook_adapts_length_and_stays_lossless(target, ar_outputs)
         ref = ar_outputs[tuple(prompt)]
         fixed = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=5)[1]
         for hook in (unsure, coin):
-            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=5,
-                                           stop_drafting=hook)
+            out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=5, stop_drafting=hook)
             assert out == ref
             assert st.drafted < fixed.drafted  # it really stopped early somewhere
     assert seen and seen[0][1] == (TINY_CFG.vocab_size,) and seen[0][2] == (TINY_CFG.dim,)
     # stop after the first draft == draft_len 1
-    one = speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=5,
-                               stop_drafting=lambda i, lg, h: True)[1]
+    one = speculative_generate(
+        target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=5, stop_drafting=lambda i, lg, h: True
+    )[1]
     ref1 = speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[1]), NEW, draft_len=1)[1]
     assert (one.drafted, one.accepted, one.target_forwards) == (ref1.drafted, ref1.accepted, ref1.target_forwards)

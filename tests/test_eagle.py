@@ -1,5 +1,6 @@
 """EAGLE-1 / EAGLE-3 model: the training-time-test unroll equals what the decoder runs step by step with a KV cache
 (so training simulates inference exactly), feature capture, and the reduced-vocabulary maps."""
+
 from __future__ import annotations
 
 import pytest
@@ -40,18 +41,17 @@ def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version, depth):
     for b in range(2):
         for i in range(7):
             cache = e.new_cache(1, 32)
-            _, out = e.step(e.project(f[b:b + 1, :i + 1]), ids[b:b + 1, 1:i + 2], cache=cache)
+            _, out = e.step(e.project(f[b : b + 1, : i + 1]), ids[b : b + 1, 1 : i + 2], cache=cache)
             torch.testing.assert_close(out[0, -1], outs[0, b, i])
             for s in range(1, 4):
-                _, out = e.step(out[:, -1:], ids[b:b + 1, i + s + 1:i + s + 2], cache=cache)
+                _, out = e.step(out[:, -1:], ids[b : b + 1, i + s + 1 : i + s + 2], cache=cache)
                 torch.testing.assert_close(out[0, -1], outs[s, b, i])
 
 
 def test_eagle3_fuses_the_low_mid_high_layers_and_maps_its_vocabulary(target):
     assert default_aux_layers(32) == (1, 15, 28) and default_aux_layers(6) == (1, 2, 2)
     counts = torch.arange(CFG.vocab_size, dtype=torch.float64)  # the highest ids are the most frequent
-    e = build_eagle({"version": 3, "draft_vocab": 10, "aux_layers": [0, 2, 4]}, target, counts=counts,
-                    eos_ids={3})
+    e = build_eagle({"version": 3, "draft_vocab": 10, "aux_layers": [0, 2, 4]}, target, counts=counts, eos_ids={3})
     assert e.capture_layers == (1, 3, 5) and e.fc.in_features == 3 * CFG.dim and e.fc.bias is None
     kept = torch.arange(len(e.d2t)) + e.d2t
     assert kept.tolist() == [3, *range(41, 50)]  # EOS forced in, then the 9 most frequent
@@ -78,8 +78,11 @@ def test_optimized_eagle_steps_like_the_plain_one(target, version, depth):
     import copy
 
     torch.manual_seed(2)
-    e = build_eagle({"version": version, "draft_vocab": 20, "n_layers": depth, "init_layers": [4] * (depth - 1)},
-                    target, counts=torch.rand(CFG.vocab_size)).double()
+    e = build_eagle(
+        {"version": version, "draft_vocab": 20, "n_layers": depth, "init_layers": [4] * (depth - 1)},
+        target,
+        counts=torch.rand(CFG.vocab_size),
+    ).double()
     fast = copy.deepcopy(e).optimize_for_inference()
     state, ids = torch.randn(1, 5, CFG.dim, dtype=torch.float64), torch.randint(0, CFG.vocab_size, (1, 5))
     c1, c2 = e.new_cache(1, 8), fast.new_cache(1, 8)
@@ -134,8 +137,9 @@ def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, ver
     head = AcceptanceHead(AcceptanceConfig(dim=CFG.dim, n_layers=1, draft_kind="eagle"))
     assert head.needs_target and head.signals_needed == set()
     ctx = Context(unwrapped=head, target=target, params=AcceptanceHeadConfig(draft="-", n_layers=1))
-    x, s = eagle_acceptance_inputs(e, {"input_ids": ids, "predict_mask": pm}, ctx,
-                                   chunk=3)  # chunks of 3 rows: 10 selected rows cross chunk boundaries
+    x, s = eagle_acceptance_inputs(
+        e, {"input_ids": ids, "predict_mask": pm}, ctx, chunk=3
+    )  # chunks of 3 rows: 10 selected rows cross chunk boundaries
     assert x.shape == (10, CFG.dim) and s.shape == (10,)
     _, cap = target(ids, capture_layers=e.capture_layers)
     f = e.features(cap, target)
@@ -144,7 +148,7 @@ def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, ver
     for b in range(2):
         for t in range(3, 8):  # pm[t] and pm[t+1]
             cache = e.new_cache(1, 32)
-            logits, out = e.step(e.project(f[b:b + 1, :t + 1]), ids[b:b + 1, 1:t + 2], cache=cache)
+            logits, out = e.step(e.project(f[b : b + 1, : t + 1]), ids[b : b + 1, 1 : t + 2], cache=cache)
             y = logits[0, -1].argmax()
             assert float(s[row]) == float(y == tlogits[b, t + 1].argmax())
             _, out = e.step(out[:, -1:], y.view(1, 1), cache=cache)

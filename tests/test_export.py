@@ -1,6 +1,7 @@
 """Export (draftsmith/export/): every format's key/config contract, the round trip back
 into draftsmith's decoder (same greedy output and τ), atomic writes, the model card, hub push (dry run, offline,
 token never shown) and the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -40,14 +41,19 @@ def _perturbed(model, seed):
 
 BUILDERS = {
     "draft_lm": lambda t: build_draft_lm({"n_layers": 1}, t),
-    "eagle3": lambda t: build_eagle({"version": 3, "draft_vocab": 120, "aux_layers": [0, 0, 1]}, t,
-                                    counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
+    "eagle3": lambda t: build_eagle(
+        {"version": 3, "draft_vocab": 120, "aux_layers": [0, 0, 1]},
+        t,
+        counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64),
+        eos_ids={2},
+    ),
     "eagle3_deep": lambda t: build_eagle({"version": 3, "n_layers": 2, "init_layers": [1]}, t),
     "medusa": lambda t: build_medusa({"n_heads": 3, "n_layers": 1}, t),
     "hydra": lambda t: build_hydra({"n_heads": 3, "prefix_attention": True}, t),
     "mlp_speculator": lambda t: build_mlp_speculator({"n_predict": 3}, t),
-    "medusa_vocab": lambda t: build_medusa({"n_heads": 2, "draft_vocab": 100}, t,
-                                           counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}),
+    "medusa_vocab": lambda t: build_medusa(
+        {"n_heads": 2, "draft_vocab": 100}, t, counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}
+    ),
 }
 KIND = {"eagle3": "eagle", "eagle3_deep": "eagle", "medusa_vocab": "medusa"}
 
@@ -59,8 +65,12 @@ def checkpoints(tmp_path_factory, target, tiny_model_dir):
     for i, (name, build) in enumerate(BUILDERS.items()):
         model = _perturbed(build(target), seed=i)
         run = root / name
-        out[name] = save_drafter(run / "checkpoints" / "final", model, KIND.get(name, name),
-                                 {"target": str(tiny_model_dir), "recipe": f"test-{name}", "step": 7})
+        out[name] = save_drafter(
+            run / "checkpoints" / "final",
+            model,
+            KIND.get(name, name),
+            {"target": str(tiny_model_dir), "recipe": f"test-{name}", "step": 7},
+        )
     return out
 
 
@@ -71,9 +81,19 @@ def _decode(target, drafter, tree=False):
     return speculative_generate(target, drafter, prompt, 24, draft_len=3)
 
 
-CASES = [("draft_lm", "hf"), ("draft_lm", "vllm"), ("eagle3", "vllm"), ("eagle3", "sglang"), ("eagle3", "hf"),
-         ("eagle3_deep", "hf"),
-         ("medusa", "medusa"), ("medusa", "hf"), ("hydra", "hf"), ("mlp_speculator", "hf"), ("medusa_vocab", "hf")]
+CASES = [
+    ("draft_lm", "hf"),
+    ("draft_lm", "vllm"),
+    ("eagle3", "vllm"),
+    ("eagle3", "sglang"),
+    ("eagle3", "hf"),
+    ("eagle3_deep", "hf"),
+    ("medusa", "medusa"),
+    ("medusa", "hf"),
+    ("hydra", "hf"),
+    ("mlp_speculator", "hf"),
+    ("medusa_vocab", "hf"),
+]
 
 
 @pytest.mark.parametrize("name,fmt", CASES)
@@ -122,9 +142,18 @@ def test_eagle3_engine_contracts(checkpoints, tmp_path):
     assert conf["draft_vocab_size"] == 120 and conf["transformer_layer_config"]["vocab_size"] == cfg["vocab_size"]
     assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # non-default layers: vLLM's input indices
     t = load_file(str(v / "model.safetensors"))
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "layers.0.self_attn.q_proj.weight",
-            "layers.0.input_layernorm.weight", "layers.0.hidden_norm.weight",
-            "layers.0.post_attention_layernorm.weight", "layers.0.mlp.down_proj.weight"} <= set(t)
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.hidden_norm.weight",
+        "layers.0.post_attention_layernorm.weight",
+        "layers.0.mlp.down_proj.weight",
+    } <= set(t)
     assert "embed_tokens.weight" not in t
     assert t["layers.0.self_attn.q_proj.weight"].shape[1] == 2 * cfg["dim"]  # reads [norm(e), norm(state)]
     assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and int(t["t2d"].sum()) == 120
@@ -155,10 +184,22 @@ def test_hf_draft_lm_loads_in_transformers_with_its_tokenizer_and_card(checkpoin
 
     report = checkpoints["draft_lm"].parent.parent / "eval"
     report.mkdir()
-    (report / "report.json").write_text(json.dumps({
-        "prompts": {"source": "mt_bench", "n": 8}, "strategy": {"kind": "chain", "draft_len": 3}, "tau": 2.5,
-        "acceptance_rate": 0.6, "speedup": {"vs_ar": 1.7, "vs_ar_hf": 2.0}, "lossless_match": 1.0,
-        "device": "cpu", "dtype": "float32", "temperature": 0.0, "max_new_tokens": 64}))
+    (report / "report.json").write_text(
+        json.dumps(
+            {
+                "prompts": {"source": "mt_bench", "n": 8},
+                "strategy": {"kind": "chain", "draft_len": 3},
+                "tau": 2.5,
+                "acceptance_rate": 0.6,
+                "speedup": {"vs_ar": 1.7, "vs_ar_hf": 2.0},
+                "lossless_match": 1.0,
+                "device": "cpu",
+                "dtype": "float32",
+                "temperature": 0.0,
+                "max_new_tokens": 64,
+            }
+        )
+    )
     out = export(checkpoints["draft_lm"], "hf", tmp_path / "hf")
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     assert AutoTokenizer.from_pretrained(str(out)).chat_template
@@ -186,6 +227,7 @@ def test_wrong_format_for_a_kind_is_a_one_line_error(checkpoints, tmp_path, caps
 def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
+
     monkeypatch.setattr("draftsmith.export.writer.save_file", boom)
     with pytest.raises(RuntimeError):
         export(checkpoints["draft_lm"], "hf", tmp_path / "hf")
@@ -195,8 +237,22 @@ def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path
 def test_cli_checkpoint_export_and_dry_run_push(checkpoints, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_SECRET_never_printed")
     out = tmp_path / "v"
-    assert main(["export", str(checkpoints["eagle3"]), "--format", "vllm", "--out", str(out),
-                 "--push-to-hub", "me/eagle", "--dry-run"]) == 0
+    assert (
+        main(
+            [
+                "export",
+                str(checkpoints["eagle3"]),
+                "--format",
+                "vllm",
+                "--out",
+                str(out),
+                "--push-to-hub",
+                "me/eagle",
+                "--dry-run",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert f"export: {out}" in text and "would upload model.safetensors" in text and "-> me/eagle" in text
     assert "SECRET" not in text
@@ -255,8 +311,15 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
 
     tdir = save_tiny_llama(tmp_path / "target", tiny_tokenizer, num_hidden_layers=6)  # 3 distinct aux layers
     t = load_model(str(tdir)).model
-    e = _perturbed(build_eagle({"version": 3, "draft_vocab": 120, "aux_layers": [0, 2, 3]}, t,
-                               counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64), eos_ids={2}), 3)
+    e = _perturbed(
+        build_eagle(
+            {"version": 3, "draft_vocab": 120, "aux_layers": [0, 2, 3]},
+            t,
+            counts=torch.arange(t.cfg.vocab_size, dtype=torch.float64),
+            eos_ids={2},
+        ),
+        3,
+    )
     ckpt = save_drafter(tmp_path / "run" / "checkpoints" / "final", e, "eagle", {"target": str(tdir), "step": 1})
     out = export(ckpt, "vllm", tmp_path / "v")
     assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]

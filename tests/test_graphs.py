@@ -1,6 +1,7 @@
 """GraphedLlama (eval/graphs.py): the static-shape forward equals the eager one, and decoding through it stays
 lossless for AR, chain, static and dynamic trees. On CPU the static path runs uncaptured; the `gpu` test
 captures and replays real CUDA graphs."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,8 +47,12 @@ def test_static_forward_matches_eager():
         for k in hs:
             torch.testing.assert_close(hs[k], he[k], rtol=1e-5, atol=1e-5)
     # one static shape per (T, own mask, own positions, captured layers)
-    assert sorted(g._runs) == [(1, False, False, ()), (4, False, False, ()), (4, False, False, (1, 2)),
-                               (6, True, True, ())]
+    assert sorted(g._runs) == [
+        (1, False, False, ()),
+        (4, False, False, ()),
+        (4, False, False, (1, 2)),
+        (6, True, True, ()),
+    ]
 
 
 def test_feature_drafters_verify_through_the_static_forward():
@@ -103,8 +108,11 @@ def test_eagle_drafters_draft_through_the_static_step():
                 out, st = speculative_generate(target, g, p, 40, draft_len=k)
                 out_e, st_e = eager[k]
                 assert out == out_e == ref, params
-                assert (st.accepted, st.drafted, st.accept_counts) == (st_e.accepted, st_e.drafted,
-                                                                        st_e.accept_counts), params
+                assert (st.accepted, st.drafted, st.accept_counts) == (
+                    st_e.accepted,
+                    st_e.drafted,
+                    st_e.accept_counts,
+                ), params
             for i, tree in enumerate(trees):
                 out, st = tree_speculative_generate(target, g, p, 40, tree)
                 out_e, st_e = eager["tree", i]
@@ -137,6 +145,7 @@ def test_a_failed_forward_capture_runs_uncaptured(monkeypatch, caplog):
 
     def refuse(run):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
     monkeypatch.setattr(g, "_capture", refuse)
     p = torch.randint(0, 300, (12,))
     ref = autoregressive_generate(_model(0), p, 20)
@@ -145,7 +154,8 @@ def test_a_failed_forward_capture_runs_uncaptured(monkeypatch, caplog):
         assert autoregressive_generate(g, p, 20) == ref
     assert [r.getMessage() for r in caplog.records] == [
         "CUDA-graph capture failed for a 1-token forward (operation not permitted when stream is capturing); it "
-        "runs uncaptured"]
+        "runs uncaptured"
+    ]
     assert g._runs[(1, False, False, ())].graph is False
 
 
@@ -206,6 +216,7 @@ def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
 
     def refuse(fn):
         raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
     monkeypatch.setattr(gd, "capture", refuse)
     p = torch.randint(0, 300, (12,))
     ref = autoregressive_generate(t, p, 30)
@@ -215,7 +226,8 @@ def test_a_failed_tree_capture_falls_back_to_the_levels(monkeypatch, caplog):
     assert not gd._tree_graphs[spec].usable
     assert [r.getMessage() for r in caplog.records].count(
         "dynamic tree: CUDA-graph capture failed (operation not permitted when stream is capturing); drafting "
-        "level by level instead") == 1
+        "level by level instead"
+    ) == 1
 
 
 def test_graph_decoding_wraps_llamas_and_nothing_unknown():

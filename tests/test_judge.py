@@ -1,5 +1,6 @@
 """Judge Decoding (algorithms.md A8): the lossy acceptance rule, task outcomes (sandboxed HumanEval tests,
 final answers), automatic what-if label mining with resume, judge training, and the lossy eval mode."""
+
 from __future__ import annotations
 
 import json
@@ -15,9 +16,11 @@ from draftsmith.data.tasks import Task, correct, final_answer, load_tasks, run_t
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import judge_accept
 
-GSM = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
-       {"question": "Count to five.", "answer": "#### 5"},
-       {"question": "Tell me about foxes.", "answer": "#### 1,000"}]
+GSM = [
+    {"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
+    {"question": "Count to five.", "answer": "#### 5"},
+    {"question": "Tell me about foxes.", "answer": "#### 1,000"},
+]
 
 
 def test_judge_accept_rule():
@@ -79,15 +82,20 @@ def test_judge_objective_weighs_classes_by_their_batch_frequency(balance):
     from draftsmith.train.objectives import Context, judge_objective
 
     torch.manual_seed(0)
-    tgt = Llama(LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16,
-                            max_seq_len=32)).eval()
+    tgt = Llama(
+        LlamaConfig(vocab_size=16, dim=8, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=16, max_seq_len=32)
+    ).eval()
     head = JudgeHead(JudgeConfig(dim=8))
     ids = torch.randint(0, 16, (2, 7))
     pm = torch.zeros(2, 7, dtype=torch.bool)
     pm[0, [1, 3, 4]] = pm[1, [2, 5]] = True  # 5 what-if tokens, one label each
     y = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])  # 2 acceptable, 3 not
-    out = judge_objective(head, {"input_ids": ids, "predict_mask": pm, "judge_label": y}, None,
-                          Context(unwrapped=head, target=tgt, params=JudgeDrafterConfig(balance=balance)))
+    out = judge_objective(
+        head,
+        {"input_ids": ids, "predict_mask": pm, "judge_label": y},
+        None,
+        Context(unwrapped=head, target=tgt, params=JudgeDrafterConfig(balance=balance)),
+    )
     at = torch.zeros_like(pm)
     at[:, 1:] = pm[:, :-1]
     with torch.no_grad():
@@ -113,8 +121,10 @@ def test_a_check_leaves_no_process_behind(tmp_path, passes):
     pid_file = tmp_path / "pid"
     task = Task("t", "humaneval", [], {"prompt": "", "entry_point": "f", "test": "def check(f):\n    f()\n"})
     body = "" if passes else "    while True:\n        pass\n"
-    code = (f"```python\nimport subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '60'])\n"
-            f"    open({str(pid_file)!r}, 'w').write(str(p.pid))\n{body}    return 1\n```")
+    code = (
+        f"```python\nimport subprocess\ndef f():\n    p = subprocess.Popen(['sleep', '60'])\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(p.pid))\n{body}    return 1\n```"
+    )
     t0 = time.monotonic()
     assert run_tests(task, code, timeout=2.0) is passes
     assert time.monotonic() - t0 < 10
@@ -128,10 +138,26 @@ def test_a_check_leaves_no_process_behind(tmp_path, passes):
 @pytest.fixture(scope="module")
 def judge_data(tmp_path_factory, tiny_model_dir, prompts_file):
     root = tmp_path_factory.mktemp("judge")
-    common = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-              f"eval.prompts.path={prompts_file}", "-q"]
-    assert main(["run", "tiny", f"out_dir={root / 'draft'}", "eval.enabled=false", "drafter.init_layers=null",
-                 "train.steps=1", *common]) == 0  # a poor draft: plenty of mismatches
+    common = [
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"eval.prompts.path={prompts_file}",
+        "-q",
+    ]
+    assert (
+        main(
+            [
+                "run",
+                "tiny",
+                f"out_dir={root / 'draft'}",
+                "eval.enabled=false",
+                "drafter.init_layers=null",
+                "train.steps=1",
+                *common,
+            ]
+        )
+        == 0
+    )  # a poor draft: plenty of mismatches
     tasks = root / "gsm.jsonl"
     tasks.write_text("".join(json.dumps(r) + "\n" for r in GSM))
     return root, root / "draft" / "checkpoints" / "final", tasks, common
@@ -150,9 +176,18 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     # A deterministic stand-in outcome that both keeps and flips, so both label values occur.
     monkeypatch.setattr(judge_data_mod, "outcome", lambda task, text, timeout: str(len(text) % 2))
     run = root / "judge"
-    mine = ["generate", "tiny", f"out_dir={run}", f"data.judge_labels.checkpoint={draft_ckpt}",
-            "data.judge_labels.tasks=gsm8k", f"data.judge_labels.path={tasks}", "data.judge_labels.max_swaps=3",
-            "data.shard_size=2", "target.dtype=float64", *common]
+    mine = [
+        "generate",
+        "tiny",
+        f"out_dir={run}",
+        f"data.judge_labels.checkpoint={draft_ckpt}",
+        "data.judge_labels.tasks=gsm8k",
+        f"data.judge_labels.path={tasks}",
+        "data.judge_labels.max_swaps=3",
+        "data.shard_size=2",
+        "target.dtype=float64",
+        *common,
+    ]
     assert main(mine) == 0
     manifest = json.loads((run / "data" / "manifest.json").read_text())
     assert manifest["judge"]["tasks"] == 3 and 0 < manifest["judge"]["swaps"] <= 9
@@ -193,13 +228,34 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     # the tiny-MLP judge (drafter.hidden > 0) trains in the same loop and scores states the same way
     mlp = tmp_path / "mlp-judge"
     shutil.copytree(run / "data", mlp / "data")
-    assert main(["train", str(recipe), f"out_dir={mlp}", "drafter.hidden=16", "train.steps=2",
-                 "train.micro_batch_size=4", *common]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(recipe),
+                f"out_dir={mlp}",
+                "drafter.hidden=16",
+                "train.steps=2",
+                "train.micro_batch_size=4",
+                *common,
+            ]
+        )
+        == 0
+    )
     j, info = load_drafter(mlp / "checkpoints" / "final")
     assert info["kind"] == "judge" and j.cfg.hidden == 16 and j(torch.zeros(3, j.cfg.dim)).shape == (3,)
     # lossy eval: the report says so, scores task accuracy next to speed; delta ~1 is plain greedy verification
-    ev = ["eval", "tiny", f"out_dir={tmp_path / 'ev'}", f"eval.checkpoint={draft_ckpt}", f"eval.judge.head={head}",
-          "eval.judge.tasks=gsm8k", f"eval.judge.tasks_path={tasks}", "target.dtype=float64", *common]
+    ev = [
+        "eval",
+        "tiny",
+        f"out_dir={tmp_path / 'ev'}",
+        f"eval.checkpoint={draft_ckpt}",
+        f"eval.judge.head={head}",
+        "eval.judge.tasks=gsm8k",
+        f"eval.judge.tasks_path={tasks}",
+        "target.dtype=float64",
+        *common,
+    ]
     assert main([*ev, "eval.judge.delta=0.999999"]) == 0
     report = json.loads((tmp_path / "ev" / "eval" / "report.json").read_text())
     assert report["lossy"]["judge_accepted"] == 0 and report["lossless_match"] == 1.0

@@ -2,6 +2,7 @@
 compaction on odd and block-boundary shapes; sampling verification row for row against its rule fed the same
 Philox uniforms, and in distribution. On CPU they run in Triton's interpreter (TRITON_INTERPRET=1, set in
 conftest); the `gpu` tests run them natively on CUDA."""
+
 from __future__ import annotations
 
 import pytest
@@ -87,12 +88,12 @@ def _kernel_rule(draft, q, p, u):
     V = p.shape[-1]
     px = p[:, :G].gather(-1, draft[..., None])[..., 0]
     qx = q.gather(-1, draft[..., None])[..., 0]
-    ok = (qx > 0) & (u[:B * (G + 1)].view(B, G + 1)[:, :G] * qx < px)
+    ok = (qx > 0) & (u[: B * (G + 1)].view(B, G + 1)[:, :G] * qx < px)
     n = ok.int().cumprod(-1).sum(-1)
     rows = torch.arange(B, device=p.device)
     pn = p[rows, n.long()]
     qn = torch.cat([q, torch.zeros_like(p[:, :1])], 1)[rows, n.long()]
-    e = -torch.log(u[B * (G + 1) * V:B * (G + 2) * V].view(B, V).clamp_min(1e-20))
+    e = -torch.log(u[B * (G + 1) * V : B * (G + 2) * V].view(B, V).clamp_min(1e-20))
     r = (pn - qn).clamp_min(0) / e
     return n.int(), torch.where(r.max(-1).values > 0, r.argmax(-1), (pn / e).argmax(-1))
 
@@ -149,8 +150,15 @@ def test_tree_mask_matches_reference(n):
     assert torch.equal(mask.cpu(), rmask) and torch.equal(depth.cpu(), rdepth)
 
 
-@pytest.mark.parametrize("B,H,S,D,start,keep", [(1, 3, 20, 64, 4, [0, 3, 5]), (2, 2, 33, 17, 10, [0, 1, 2]),
-                                                (1, 4, 70, 96, 0, [0, 7, 8, 30, 69]), (3, 1, 9, 8, 2, [])])
+@pytest.mark.parametrize(
+    "B,H,S,D,start,keep",
+    [
+        (1, 3, 20, 64, 4, [0, 3, 5]),
+        (2, 2, 33, 17, 10, [0, 1, 2]),
+        (1, 4, 70, 96, 0, [0, 7, 8, 30, 69]),
+        (3, 1, 9, 8, 2, []),
+    ],
+)
 def test_compact_kv_matches_reference(B, H, S, D, start, keep):
     x = torch.randn(B, H, S, D, generator=torch.Generator().manual_seed(S)).to(DEV)
     ref = x.clone().cpu()
@@ -173,8 +181,7 @@ def test_softmax_passes_match_reference(N, V, dtype):
     zk = z.clone().to(DEV)
     softmax_scale_(zk, lse, coef.to(DEV), impl="triton")
     want = (torch.softmax(z.float(), -1) * coef[:, None]).to(dtype)
-    torch.testing.assert_close(zk.cpu().float(), want.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5,
-                               atol=1e-6)
+    torch.testing.assert_close(zk.cpu().float(), want.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-6)
     zr = z.clone()
     softmax_scale_(zr, ref, coef, impl="reference")
     torch.testing.assert_close(zr.float(), want.float(), rtol=1e-3 if dtype == torch.float16 else 1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
 """KD losses: properties against brute-force references, and the top-k + tail reconstruction bound."""
+
 from __future__ import annotations
 
 import math
@@ -73,6 +74,7 @@ def test_cross_entropy_and_acceptance_bound():
 
 # ---- the full menu against brute-force references, and the chunked head driver ----------------------------------
 
+
 def _brute(kind, p, q, beta=0.5, kl_scale=1.0, kl_decay=1.0):
     """Textbook definitions with explicit per-token loops over the support (float64)."""
     out = []
@@ -85,8 +87,9 @@ def _brute(kind, p, q, beta=0.5, kl_scale=1.0, kl_decay=1.0):
             v = sum(float(y) * math.log(float(y) / float(x)) for x, y in zip(pi, qi) if y > 0)
         elif kind == "jsd":
             m = [beta * float(x) + (1 - beta) * float(y) for x, y in zip(pi, qi)]
-            v = beta * sum(float(x) * math.log(float(x) / mm) for x, mm in zip(pi, m) if x > 0) + \
-                (1 - beta) * sum(float(y) * math.log(float(y) / mm) for y, mm in zip(qi, m) if y > 0)
+            v = beta * sum(float(x) * math.log(float(x) / mm) for x, mm in zip(pi, m) if x > 0) + (1 - beta) * sum(
+                float(y) * math.log(float(y) / mm) for y, mm in zip(qi, m) if y > 0
+            )
         elif kind == "tvd":
             v = 0.5 * sum(abs(float(x) - float(y)) for x, y in zip(pi, qi))
         elif kind == "neg_log_alpha":
@@ -166,9 +169,11 @@ def test_tvdpp_sampled_descends_tvd_on_average():
 def _teachers(t_logits, h_t, w_t, k):
     ids, lp = _topk(t_logits, k)
     labels = t_logits.argmax(-1)
-    return {"topk": losses.Teacher(labels=labels, topk_ids=ids, topk_logprobs=lp.float()),
-            "logits": losses.Teacher(labels=labels, logits=t_logits),
-            "hidden": losses.Teacher(labels=labels, hidden=h_t, head=w_t)}
+    return {
+        "topk": losses.Teacher(labels=labels, topk_ids=ids, topk_logprobs=lp.float()),
+        "logits": losses.Teacher(labels=labels, logits=t_logits),
+        "hidden": losses.Teacher(labels=labels, hidden=h_t, head=w_t),
+    }
 
 
 @pytest.mark.parametrize("kind", list(losses.LOSS_KINDS))
@@ -206,8 +211,13 @@ def test_head_loss_chunked_equals_unchunked_reference(kind, form, fused):
         ref = losses.DIVERGENCES[kind](*teacher.log_pair(logits), beta=0.4).mean()
     ref.backward()
     for loss, gh, gw in results:
-        torch.testing.assert_close(loss, ref.detach().float() if loss.dtype == torch.float32 else ref.detach(),
-                                   rtol=1e-5, atol=1e-6, check_dtype=False)
+        torch.testing.assert_close(
+            loss,
+            ref.detach().float() if loss.dtype == torch.float32 else ref.detach(),
+            rtol=1e-5,
+            atol=1e-6,
+            check_dtype=False,
+        )
         torch.testing.assert_close(gh, h.grad, rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-6)
 
@@ -300,8 +310,9 @@ def test_sharpened_teacher_matches_brute_force(t):
         assert (sharp.exp().sum(-1) <= 1 + 1e-6).all()
         gaps.append((ref.exp().sum(-1) - sharp.exp().sum(-1)).max().item())
         if k == 4:  # the bound is the point of it: sharper than leaving the tail's mass as it was
-            naive = lp / t - torch.logaddexp((lp / t).logsumexp(-1, keepdim=True),
-                                             (1 - lp.exp().sum(-1, keepdim=True)).log())
+            naive = lp / t - torch.logaddexp(
+                (lp / t).logsumexp(-1, keepdim=True), (1 - lp.exp().sum(-1, keepdim=True)).log()
+            )
             assert (sharp >= naive - 1e-9).all() and (sharp > naive + 1e-6).any()
     assert gaps[0] >= gaps[1] >= gaps[2] >= 0
 
@@ -317,10 +328,10 @@ def test_teacher_temperature_applies_to_the_loss_only():
     teacher = losses.Teacher(labels=ids[:, 0], topk_ids=ids, topk_logprobs=lp)
     for kind in ("fkl", "tvd", "ce"):
         a = losses.head_loss(h, w, teacher, losses.LossSpec(kind=kind, teacher_temperature=0.5))
-        ga, = torch.autograd.grad(a, h)
+        (ga,) = torch.autograd.grad(a, h)
         ref_teacher = teacher if kind == "ce" else teacher.sharpened(0.5)
         b = losses.head_loss(h, w, ref_teacher, losses.LossSpec(kind=kind))
-        gb, = torch.autograd.grad(b, h)
+        (gb,) = torch.autograd.grad(b, h)
         torch.testing.assert_close((a, ga), (b, gb))
         if kind == "fkl":
             c = losses.head_loss(h, w, teacher, losses.LossSpec(kind=kind))

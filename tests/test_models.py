@@ -1,5 +1,6 @@
 """The own Llama against transformers' (same weights, float64), KV-cache and padding invariants, target loading,
 drafter construction and checkpoints."""
+
 from __future__ import annotations
 
 import copy
@@ -29,13 +30,29 @@ def _hf_pair(cfg: LlamaConfig, seed=0, **hf_extra):
     return hf, own
 
 
-@pytest.mark.parametrize("cfg", [
-    TINY,
-    LlamaConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=96, tie_embeddings=True),
-    LlamaConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=1, hidden_dim=96, rope_theta=1e5,
-                rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                              "original_max_position_embeddings": 32}),
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        TINY,
+        LlamaConfig(vocab_size=101, dim=64, n_layers=2, n_heads=4, n_kv_heads=4, hidden_dim=96, tie_embeddings=True),
+        LlamaConfig(
+            vocab_size=101,
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=1,
+            hidden_dim=96,
+            rope_theta=1e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        ),
+    ],
+)
 def test_logits_match_transformers(cfg):
     hf, own = _hf_pair(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 40))
@@ -47,8 +64,20 @@ def test_qwen2_style_bias_matches_transformers():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, intermediate_size=96)).double().eval()
+    hf = (
+        Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=101,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=96,
+            )
+        )
+        .double()
+        .eval()
+    )
     own = Llama(config_from_hf(hf.config.to_dict())).double().eval()
     own.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()}, strict=False)
     ids = torch.randint(0, 101, (1, 20))
@@ -60,13 +89,27 @@ def test_qwen3_qk_norm_matches_transformers_and_round_trips():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, head_dim=32, intermediate_size=96)).double().eval()
+    hf = (
+        Qwen3ForCausalLM(
+            Qwen3Config(
+                vocab_size=101,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=32,
+                intermediate_size=96,
+            )
+        )
+        .double()
+        .eval()
+    )
     cfg = config_from_hf(hf.config.to_dict())
     assert cfg.qk_norm and cfg.hd == 32 and not cfg.attention_bias
     own = Llama(cfg).double().eval()
-    missing, unexpected = own.load_state_dict({k.removeprefix("model."): v for k, v in hf.state_dict().items()},
-                                              strict=False)
+    missing, unexpected = own.load_state_dict(
+        {k.removeprefix("model."): v for k, v in hf.state_dict().items()}, strict=False
+    )
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # the q/k norms really are loaded
     ids = torch.randint(0, 101, (2, 24))
     with torch.no_grad():
@@ -79,8 +122,11 @@ def test_qwen3_qk_norm_matches_transformers_and_round_trips():
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_optimize_for_inference_keeps_logits(family):
     """Fused + pre-packed matmuls (the decoder's fast path) give the plain model's logits, with and without cache."""
-    cfg = {"llama": TINY, "qwen2": replace(TINY, attention_bias=True),
-           "qwen3": replace(TINY, qk_norm=True, head_dim=32)}[family]
+    cfg = {
+        "llama": TINY,
+        "qwen2": replace(TINY, attention_bias=True),
+        "qwen3": replace(TINY, qk_norm=True, head_dim=32),
+    }[family]
     torch.manual_seed(0)
     plain = Llama(cfg).eval()
     ids = torch.randint(0, 101, (2, 20))
@@ -94,7 +140,7 @@ def test_optimize_for_inference_keeps_logits(family):
         assert fast._rope_interleaved  # float32: q/k rows reordered, RoPE as one complex multiply
         torch.testing.assert_close(fast(ids), ref, rtol=1e-5, atol=1e-5)
         c = fast.new_cache(2, 32)
-        steps = [fast(ids[:, :12], cache=c)] + [fast(ids[:, t:t + 1], cache=c) for t in range(12, 20)]
+        steps = [fast(ids[:, :12], cache=c)] + [fast(ids[:, t : t + 1], cache=c) for t in range(12, 20)]
         torch.testing.assert_close(torch.cat(steps, 1), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -121,7 +167,7 @@ def test_left_padded_batch_equals_single_rows():
     ids = torch.zeros(3, L, dtype=torch.long)
     valid = torch.zeros(3, L, dtype=torch.bool)
     for b, r in enumerate(rows):
-        ids[b, L - len(r):], valid[b, L - len(r):] = r, True
+        ids[b, L - len(r) :], valid[b, L - len(r) :] = r, True
     pos = (valid.long().cumsum(1) - 1).clamp(min=0)
     with torch.no_grad():
         c = m.new_cache(3, L + 4)

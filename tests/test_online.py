@@ -2,6 +2,7 @@
 versions and rollback, a learner round that publishes only a better drafter, the log follower, and the
 OpenAI-compatible server (completions, streaming, limits, metrics, hot swap without dropping requests, and a
 kill -9 mid-update that loses no recorded traffic and restarts on the last good drafter)."""
+
 from __future__ import annotations
 
 import json
@@ -33,8 +34,9 @@ def test_buffer_is_durable_bounded_and_skips_a_cut_line(tmp_path):
     seqs = [buf.append({"prompt": [1, 2], "response": [i]}) for i in range(25)]
     assert seqs == list(range(25))
     kept = buf.read()
-    assert 10 <= len(kept) < 14 and kept[-1]["seq"] == 24 and [r["seq"] for r in kept] == list(range(25 - len(kept),
-                                                                                                      25))
+    assert (
+        10 <= len(kept) < 14 and kept[-1]["seq"] == 24 and [r["seq"] for r in kept] == list(range(25 - len(kept), 25))
+    )
     last = sorted(tmp_path.glob("segment-*.jsonl"))[-1]
     with open(last, "ab") as f:  # a kill in the middle of a write
         f.write(b'{"seq": 25, "prompt": [1')
@@ -55,24 +57,41 @@ def tiny(tmp_path_factory, tiny_model_dir):
         for name, p in drafter.named_parameters():
             if name.startswith("layers."):
                 p.copy_(torch.randn_like(p) * 0.3)
-    ckpt = save_drafter(root / "run" / "checkpoints" / "final", drafter, "draft_lm",
-                        {"target": str(tiny_model_dir), "recipe": "tiny", "step": 0})
+    ckpt = save_drafter(
+        root / "run" / "checkpoints" / "final",
+        drafter,
+        "draft_lm",
+        {"target": str(tiny_model_dir), "recipe": "tiny", "step": 0},
+    )
     eos = stop_ids(tgt.path, tgt.tokenizer)
     texts = ["Tell me about foxes.", "Write a poem about the sea.", "What is 2+2?", "Count to five."]
     traffic = []
     for i in range(24):
         ids = encode_chat(tgt.tokenizer, [{"role": "user", "content": texts[i % 4]}])
-        traffic.append({"prompt": ids, "response": autoregressive_generate(tgt.model, torch.tensor(ids), 16,
-                                                                           eos_ids=eos)})
+        traffic.append(
+            {"prompt": ids, "response": autoregressive_generate(tgt.model, torch.tensor(ids), 16, eos_ids=eos)}
+        )
     return {"root": root, "ckpt": ckpt, "tgt": tgt, "traffic": traffic, "model_dir": tiny_model_dir}
 
 
 def _recipe(tiny, tmp_path, *extra):
-    return load_recipe("tiny", [f"target.model={tiny['model_dir']}", f"out_dir={tmp_path / 'run'}",
-                                f"eval.checkpoint={tiny['ckpt']}", f"online.dir={tmp_path / 'online'}",
-                                "online.holdout=3", "online.min_records=8", "online.update_every_requests=8",
-                                "online.steps_per_update=60", "online.eval_tokens=16", "train.lr=3e-3",
-                                "train.micro_batch_size=4", *extra])
+    return load_recipe(
+        "tiny",
+        [
+            f"target.model={tiny['model_dir']}",
+            f"out_dir={tmp_path / 'run'}",
+            f"eval.checkpoint={tiny['ckpt']}",
+            f"online.dir={tmp_path / 'online'}",
+            "online.holdout=3",
+            "online.min_records=8",
+            "online.update_every_requests=8",
+            "online.steps_per_update=60",
+            "online.eval_tokens=16",
+            "train.lr=3e-3",
+            "train.micro_batch_size=4",
+            *extra,
+        ],
+    )
 
 
 def test_versions_publish_and_roll_back(tiny, tmp_path):
@@ -118,6 +137,7 @@ def test_a_failed_round_keeps_the_current_version(tiny, tmp_path, monkeypatch):
     def killed(recipe):
         (recipe.run_dir / "checkpoints" / "final.tmp").mkdir(parents=True)
         raise KeyboardInterrupt
+
     monkeypatch.setattr("draftsmith.train.loop.train", killed)
     with pytest.raises(KeyboardInterrupt):
         Learner(r, buf, versions, tgt=tiny["tgt"]).round()
@@ -129,9 +149,11 @@ def test_log_follower_reads_complete_lines_once(tiny, tmp_path):
     tok = tiny["tgt"].tokenizer
     log_file = tmp_path / "requests.jsonl"
     buf = TrafficBuffer(tmp_path / "traffic")
-    lines = [json.dumps({"prompt": [5, 6, 7], "response": [8, 9]}),
-             json.dumps({"messages": [{"role": "user", "content": "hi"}], "response": "hello there"}),
-             "not json"]
+    lines = [
+        json.dumps({"prompt": [5, 6, 7], "response": [8, 9]}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "response": "hello there"}),
+        "not json",
+    ]
     log_file.write_text("\n".join(lines) + "\n" + '{"prompt": [1')  # the last line is still being written
     f = LogFollower([str(tmp_path / "*.jsonl")], buf, tmp_path / "offsets.json", tok, {2})
     assert f.poll() == 2 and f.poll() == 0
@@ -157,8 +179,11 @@ def _post(url, body, timeout=60):
 def server(tiny, tmp_path):
     from draftsmith.serving.server import make_server
 
-    httpd, engine = make_server(_recipe(tiny, tmp_path, "online.port=0", "online.learn=false",
-                                        "online.max_tokens=16", "online.max_body_bytes=4000"))
+    httpd, engine = make_server(
+        _recipe(
+            tiny, tmp_path, "online.port=0", "online.learn=false", "online.max_tokens=16", "online.max_body_bytes=4000"
+        )
+    )
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{httpd.server_address[1]}", engine
     httpd.shutdown()
@@ -210,6 +235,7 @@ def test_hot_swap_between_requests_drops_nothing(server, tiny):
 
     def ask():
         results.append(_post(url + "/v1/chat/completions", {"messages": msgs, "max_tokens": 16}))
+
     threads = [threading.Thread(target=ask) for _ in range(6)]
     for i, t in enumerate(threads):
         t.start()
@@ -223,17 +249,30 @@ def test_hot_swap_between_requests_drops_nothing(server, tiny):
 
 
 def test_kill_mid_update_loses_no_traffic_and_restarts_on_the_last_good_drafter(tiny, tmp_path):
-    args = [f"target.model={tiny['model_dir']}", f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={tiny['ckpt']}",
-            f"online.dir={tmp_path / 'online'}", "online.port=0", "online.min_records=4",
-            "online.update_every_requests=4", "online.holdout=1", "online.steps_per_update=100000",
-            "online.max_tokens=8"]
+    args = [
+        f"target.model={tiny['model_dir']}",
+        f"out_dir={tmp_path / 'run'}",
+        f"eval.checkpoint={tiny['ckpt']}",
+        f"online.dir={tmp_path / 'online'}",
+        "online.port=0",
+        "online.min_records=4",
+        "online.update_every_requests=4",
+        "online.holdout=1",
+        "online.steps_per_update=100000",
+        "online.max_tokens=8",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
     server_log = open(tmp_path / "server.log", "a")
 
     def start():
-        p = subprocess.Popen([sys.executable, "-m", "draftsmith", "serve", "tiny", *args], env=env,
-                             stdout=subprocess.PIPE, stderr=server_log, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "draftsmith", "serve", "tiny", *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=server_log,
+            text=True,
+        )
         line = p.stdout.readline()
         assert line.startswith("serve: http://"), line
         return p, line.split()[1].removesuffix("/v1")
@@ -269,14 +308,16 @@ def test_target_positions_mark_where_the_target_overruled_the_drafter(tiny):
     from draftsmith.models.registry import load_drafter
 
     drafter, _ = load_drafter(tiny["ckpt"])
-    out, st = speculative_generate(tiny["tgt"].model, drafter, torch.tensor(tiny["traffic"][0]["prompt"]), 16,
-                                   draft_len=3)
+    out, st = speculative_generate(
+        tiny["tgt"].model, drafter, torch.tensor(tiny["traffic"][0]["prompt"]), 16, draft_len=3
+    )
     pos = st.target_positions()
     assert pos[0] == 0 and all(b - a == n + 1 for a, b, n in zip(pos, pos[1:], st.accepted_per_step))
     assert len(pos) >= len(out) / 4 and max(pos) < len(out)
     oracle = load_model(str(tiny["model_dir"])).model  # draft = target: every draft accepted
-    out, st = speculative_generate(tiny["tgt"].model, oracle, torch.tensor(tiny["traffic"][0]["prompt"]), 16,
-                                   draft_len=3)
+    out, st = speculative_generate(
+        tiny["tgt"].model, oracle, torch.tensor(tiny["traffic"][0]["prompt"]), 16, draft_len=3
+    )
     assert st.accepted == st.drafted and st.target_positions()[:4] == [0, 4, 8, 12]  # a bonus after 3 drafts
 
 
@@ -291,6 +332,7 @@ def test_osd_mask_trains_only_where_the_drafter_was_wrong(tiny, tmp_path, monkey
     def fake_train(recipe):
         seen["manifest"] = json.loads((recipe.run_dir / "data" / "manifest.json").read_text())
         raise KeyboardInterrupt
+
     monkeypatch.setattr("draftsmith.train.loop.train", fake_train)
     with pytest.raises(KeyboardInterrupt):
         learner.round()

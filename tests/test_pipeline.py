@@ -1,5 +1,6 @@
 """The end-to-end slice on a tiny random Llama: generate -> train -> eval -> export, and resume after a crash.
 The data stage in depth is tested in test_data.py."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,21 @@ from conftest import shard_tensors
 from draftsmith.cli import main
 from draftsmith.data.records import read_manifest
 
-REPORT_KEYS = {"target", "drafter", "prompts", "temperature", "max_new_tokens", "strategy", "tau", "acceptance_rate",
-               "per_position_acceptance", "tokens_per_s", "speedup", "lossless_match", "device"}
+REPORT_KEYS = {
+    "target",
+    "drafter",
+    "prompts",
+    "temperature",
+    "max_new_tokens",
+    "strategy",
+    "tau",
+    "acceptance_rate",
+    "per_position_acceptance",
+    "tokens_per_s",
+    "speedup",
+    "lossless_match",
+    "device",
+}
 
 
 def test_tiny_pipeline_end_to_end(tmp_path, tiny_overrides):
@@ -85,8 +99,20 @@ def test_generate_resumes_after_crash(tmp_path, tiny_overrides):
 
 @pytest.mark.parametrize("strategy", ["tree", "dynamic_tree"])
 def test_eval_with_tree_strategies_is_lossless(tmp_path, tiny_overrides, strategy):
-    assert main(["run", "tiny", *tiny_overrides, "target.dtype=float64", f"eval.strategy={strategy}",
-                 "eval.baseline_hf=false", "-q"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "tiny",
+                *tiny_overrides,
+                "target.dtype=float64",
+                f"eval.strategy={strategy}",
+                "eval.baseline_hf=false",
+                "-q",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["strategy"]["kind"] == strategy
     assert report["tau"] >= 1.0 and report["mbsu"] > 0
@@ -98,8 +124,21 @@ def test_bad_tree_choices_are_a_recipe_error(tiny_overrides, capsys):
 
 
 def test_eval_sampling_with_filters_runs_every_decoder(tmp_path, tiny_overrides):
-    assert main(["run", "tiny", *tiny_overrides, "eval.temperature=0.8", "eval.top_k=20", "eval.top_p=0.9",
-                 "eval.strategy=tree", "-q"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "tiny",
+                *tiny_overrides,
+                "eval.temperature=0.8",
+                "eval.top_k=20",
+                "eval.top_p=0.9",
+                "eval.strategy=tree",
+                "-q",
+            ]
+        )
+        == 0
+    )
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert (report["temperature"], report["top_k"], report["top_p"]) == (0.8, 20, 0.9)
     assert report["lossless_match"] is None  # sampled outputs are checked in distribution by the decoder tests
@@ -107,8 +146,21 @@ def test_eval_sampling_with_filters_runs_every_decoder(tmp_path, tiny_overrides)
 
 
 def test_eval_during_training_logs_measured_and_estimated_tau(tmp_path, tiny_overrides):
-    assert main(["run", "tiny", *tiny_overrides, "train.eval_every=2", "train.eval_prompts=2",
-                 "train.eval_max_new_tokens=8", "eval.enabled=false", "-q"]) == 0
+    assert (
+        main(
+            [
+                "run",
+                "tiny",
+                *tiny_overrides,
+                "train.eval_every=2",
+                "train.eval_prompts=2",
+                "train.eval_max_new_tokens=8",
+                "eval.enabled=false",
+                "-q",
+            ]
+        )
+        == 0
+    )
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["stage"] == "train" and "tau_measured" in r]
     assert [r["step"] for r in evals] == [2, 4]

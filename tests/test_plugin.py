@@ -2,6 +2,7 @@
 token from the current one. One spec object and one ``register_drafter`` call make it a kind like the shipped ones:
 recipes accept ``drafter.kind: bigram``, the real train loop trains it and checkpoints it, ``load_drafter`` rebuilds
 it, and the bundled decoder drafts with it losslessly. The registration is undone after each test."""
+
 from __future__ import annotations
 
 import json
@@ -86,9 +87,15 @@ def bigram_objective(model, batch: dict, cfg, ctx) -> StepOutput:
     return StepOutput(loss, len(labels), {"top1": float((logits.argmax(-1) == labels).float().mean())})
 
 
-SPEC = DrafterSpec(kind="bigram", config=BigramDrafterConfig, build=build_bigram,
-                   from_config=lambda c: Bigram(BigramConfig(**c)), interface="tokens", objective=bigram_objective,
-                   signals=frozenset())  # the objective reads tokens only
+SPEC = DrafterSpec(
+    kind="bigram",
+    config=BigramDrafterConfig,
+    build=build_bigram,
+    from_config=lambda c: Bigram(BigramConfig(**c)),
+    interface="tokens",
+    objective=bigram_objective,
+    signals=frozenset(),
+)  # the objective reads tokens only
 
 
 @pytest.fixture
@@ -130,8 +137,9 @@ def test_registering_a_kind_is_all_a_recipe_needs_and_is_undone(tmp_path):
         validate(doc, "after")
 
 
-def test_a_kind_defined_in_a_test_trains_checkpoints_and_decodes_losslessly(bigram, train_run, tiny_model_dir,
-                                                                            prompts_file, tmp_path):
+def test_a_kind_defined_in_a_test_trains_checkpoints_and_decodes_losslessly(
+    bigram, train_run, tiny_model_dir, prompts_file, tmp_path
+):
     from draftsmith.data.dataset import RecordDataset, collate
     from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
     from draftsmith.models.loading import load_model
@@ -148,8 +156,9 @@ def test_a_kind_defined_in_a_test_trains_checkpoints_and_decodes_losslessly(bigr
     ds = RecordDataset(run / "data", 128, signals=set())
     batch = collate([ds[i] for i in range(len(ds))])
     with torch.no_grad():
-        start, trained = (bigram_objective(m, batch, None, None) for m in (build_bigram(
-            BigramDrafterConfig(), target), drafter))
+        start, trained = (
+            bigram_objective(m, batch, None, None) for m in (build_bigram(BigramDrafterConfig(), target), drafter)
+        )
     assert trained.loss_sum / trained.n < start.loss_sum / start.n
     drafted = 0
     for seed in range(3):
@@ -163,7 +172,19 @@ def test_a_kind_defined_in_a_test_trains_checkpoints_and_decodes_losslessly(bigr
     # and `draftsmith eval` on the run: the same decoder, timed against plain decoding
     from draftsmith.cli import main
 
-    assert main(["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-                 f"out_dir={run}", "target.dtype=float64", "-q"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(recipe),
+                f"target.model={tiny_model_dir}",
+                f"eval.prompts.path={prompts_file}",
+                f"out_dir={run}",
+                "target.dtype=float64",
+                "-q",
+            ]
+        )
+        == 0
+    )
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["drafter"]["kind"] == "bigram"

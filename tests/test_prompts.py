@@ -1,5 +1,6 @@
 """Prompt sources: the three record forms in JSON / JSONL / .jsonl.gz files, errors that name file and line,
 skipping rules, n / max_turns / shuffle, the streaming JSON-array reader, and the packaged datasets."""
+
 from __future__ import annotations
 
 import gzip
@@ -16,12 +17,21 @@ import pytest
 # from splitting draftsmith.data (mapped from data/) and draftsmith.errors into different sections.
 from draftsmith.data.prompts import DraftsmithError, JsonArrayStream, Prompt, load_prompts
 
-SHAREGPT = {"id": "abc_0", "conversations": [
-    {"from": "system", "value": "Be kind."}, {"from": "human", "value": "Hi there"},
-    {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "How are you?"}]}
+SHAREGPT = {
+    "id": "abc_0",
+    "conversations": [
+        {"from": "system", "value": "Be kind."},
+        {"from": "human", "value": "Hi there"},
+        {"from": "gpt", "value": "Hello!"},
+        {"from": "human", "value": "How are you?"},
+    ],
+}
 QUESTION = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Make it shorter."]}
-MESSAGES = {"id": "m7", "category": "math", "messages": [
-    {"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}]}
+MESSAGES = {
+    "id": "m7",
+    "category": "math",
+    "messages": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4"}],
+}
 
 
 def write_jsonl(path, records):
@@ -47,11 +57,16 @@ def test_three_record_forms(tmp_path, fmt):
     prompts = load_prompts("file", str(path))
     assert [p.id for p in prompts] == ["file:0", "file:81", "file:m7"]
     assert [p.category for p in prompts] == [None, "writing", "math"]
-    assert prompts[0].messages == [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi there"},
-                                   {"role": "assistant", "content": "Hello!"},
-                                   {"role": "user", "content": "How are you?"}]
-    assert prompts[1].messages == [{"role": "user", "content": "Write a poem."},
-                                   {"role": "user", "content": "Make it shorter."}]
+    assert prompts[0].messages == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "How are you?"},
+    ]
+    assert prompts[1].messages == [
+        {"role": "user", "content": "Write a poem."},
+        {"role": "user", "content": "Make it shorter."},
+    ]
     assert prompts[2].messages == MESSAGES["messages"]
     assert load_prompts("file", str(path)) == prompts  # ids and contents are stable across loads
 
@@ -59,24 +74,35 @@ def test_three_record_forms(tmp_path, fmt):
 def test_blank_lines_and_ids_by_record_index(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("\n" + json.dumps({"turns": ["a"]}) + "\n  \n" + json.dumps({"turns": ["b"]}) + "\n\n")
-    assert [(p.id, p.messages[0]["content"]) for p in load_prompts("file", str(path))] == [("file:0", "a"),
-                                                                                          ("file:1", "b")]
+    assert [(p.id, p.messages[0]["content"]) for p in load_prompts("file", str(path))] == [
+        ("file:0", "a"),
+        ("file:1", "b"),
+    ]
 
 
 def test_ids_stay_unique(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [{"turns": ["a"]}, {"question_id": 0, "turns": ["b"]},
-                                              {"id": "x", "messages": [{"role": "user", "content": "c"}]},
-                                              {"id": "x", "messages": [{"role": "user", "content": "d"}]}])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"turns": ["a"]},
+            {"question_id": 0, "turns": ["b"]},
+            {"id": "x", "messages": [{"role": "user", "content": "c"}]},
+            {"id": "x", "messages": [{"role": "user", "content": "d"}]},
+        ],
+    )
     assert [p.id for p in load_prompts("file", str(path))] == ["file:0", "file:0@1", "file:x", "file:x@3"]
 
 
-@pytest.mark.parametrize("line, expect", [
-    ('{"turns": ["a"]', "line 2: invalid JSON (Expecting ',' delimiter)"),
-    ('{"prompt": "no known key"}', "line 2: no 'conversations', 'turns' or 'messages' key"),
-    ('[1, 2]', "line 2: expected a JSON object"),
-    ('{"messages": [{"content": "x"}]}', "line 2: messages[0] has no role"),
-    ('{"turns": [3]}', "line 2: turns[0] content must be a string"),
-])
+@pytest.mark.parametrize(
+    "line, expect",
+    [
+        ('{"turns": ["a"]', "line 2: invalid JSON (Expecting ',' delimiter)"),
+        ('{"prompt": "no known key"}', "line 2: no 'conversations', 'turns' or 'messages' key"),
+        ("[1, 2]", "line 2: expected a JSON object"),
+        ('{"messages": [{"content": "x"}]}', "line 2: messages[0] has no role"),
+        ('{"turns": [3]}', "line 2: turns[0] content must be a string"),
+    ],
+)
 def test_bad_jsonl_line_names_file_and_line(tmp_path, line, expect):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(QUESTION) + "\n" + line + "\n" + json.dumps(QUESTION) + "\n")
@@ -143,13 +169,16 @@ def test_empty_prompt_set(tmp_path):
 
 
 def test_unsupported_role_and_empty_prompt_skipped(tmp_path, caplog):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"messages": [{"role": "user", "content": "call it"}, {"role": "tool", "content": "{}"}]},
-        {"conversations": [{"from": "function_call", "value": "x"}, {"from": "human", "value": "y"}]},
-        {"turns": [" \n\t"]},
-        {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "?"}]},
-        {"messages": [{"role": "user", "content": "SECRET kept prompt"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"messages": [{"role": "user", "content": "call it"}, {"role": "tool", "content": "{}"}]},
+            {"conversations": [{"from": "function_call", "value": "x"}, {"from": "human", "value": "y"}]},
+            {"turns": [" \n\t"]},
+            {"conversations": [{"from": "human", "value": ""}, {"from": "gpt", "value": "?"}]},
+            {"messages": [{"role": "user", "content": "SECRET kept prompt"}]},
+        ],
+    )
     with caplog.at_level(logging.WARNING, logger="draftsmith.data"):
         prompts = load_prompts("file", str(path))
     assert [p.id for p in prompts] == ["file:4"]
@@ -158,21 +187,36 @@ def test_unsupported_role_and_empty_prompt_skipped(tmp_path, caplog):
 
 
 def test_leading_assistant_dropped_and_empty_message_cuts(tmp_path):
-    path = write_jsonl(tmp_path / "p.jsonl", [
-        {"conversations": [{"from": "gpt", "value": "Hi, how can I help?"}, {"from": "human", "value": "Q1"},
-                           {"from": "gpt", "value": "A1"}, {"from": "human", "value": "  "},
-                           {"from": "gpt", "value": "A2"}]},
-        {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "Q"}]},
-    ])
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {
+                "conversations": [
+                    {"from": "gpt", "value": "Hi, how can I help?"},
+                    {"from": "human", "value": "Q1"},
+                    {"from": "gpt", "value": "A1"},
+                    {"from": "human", "value": "  "},
+                    {"from": "gpt", "value": "A2"},
+                ]
+            },
+            {"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "Q"}]},
+        ],
+    )
     a, b = load_prompts("file", str(path))
     assert a.messages == [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]
     assert b.messages == [{"role": "user", "content": "Q"}]
 
 
 def test_max_turns_n_and_shuffle(tmp_path):
-    convo = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "u1"},
-                               {"from": "gpt", "value": "a1"}, {"from": "human", "value": "u2"},
-                               {"from": "gpt", "value": "a2"}]}
+    convo = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "u1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "u2"},
+            {"from": "gpt", "value": "a2"},
+        ]
+    }
     path = write_jsonl(tmp_path / "p.jsonl", [convo] + [{"turns": [f"q{i}", "again"]} for i in range(9)])
     one = load_prompts("file", str(path), max_turns=1)
     assert [m["content"] for m in one[0].messages] == ["S", "u1", "a1"]  # the reply to the kept turn stays
@@ -207,8 +251,7 @@ def test_hub_rows_use_the_same_detection(monkeypatch):
 
 
 def test_stream_reader_drops_cut_off_tail(tmp_path):
-    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i} " + "x" * 3000}]}
-               for i in range(40)]
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i} " + "x" * 3000}]} for i in range(40)]
     text = json.dumps(records, indent=2)
     path = tmp_path / "cut.json"
     path.write_text(text[: text.index('"r37"') + 40])  # cut inside record 37

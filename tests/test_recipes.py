@@ -1,4 +1,5 @@
 """Every shipped recipe validates; strictness (unknown keys, types, ranges); overrides re-validate."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,10 @@ def test_shipped_names_and_paths_both_work():
 
 
 def test_overrides_are_typed_and_revalidated():
-    r = load_recipe("quickstart", ["train.steps=7", "drafter.init_layers=[3, 4]", "eval.baseline_hf=false",
-                                   "data.prompts.n=5", "out_dir=/tmp/x"])
+    r = load_recipe(
+        "quickstart",
+        ["train.steps=7", "drafter.init_layers=[3, 4]", "eval.baseline_hf=false", "data.prompts.n=5", "out_dir=/tmp/x"],
+    )
     assert r.train.steps == 7 and r.drafter.init_layers == [3, 4] and r.eval.baseline_hf is False
     assert r.data.prompts.n == 5 and str(r.run_dir) == "/tmp/x"
     with pytest.raises(DraftsmithError, match=r"train.steps: Input should be greater than 0"):
@@ -43,20 +46,23 @@ def test_overrides_are_typed_and_revalidated():
         load_recipe("quickstart", ["drafter.init_layers=[1]"])
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.stepz=3", "unknown key train.stepz"),
-    ("drafter.n_layrs=3", "unknown key drafter.n_layrs"),
-    ("data.prompts.colour=red", "unknown key data.prompts.colour"),
-    ("train.lr=fast", "train.lr: Input should be a valid number"),
-    ("eval.draft_len=99", "eval.draft_len: Input should be less than or equal to 32"),
-    ("data.temperature=-1", "data.temperature: Input should be greater than or equal to 0"),
-    ("drafter.kind=medusa9", "drafter: Input tag 'medusa9' found using 'kind' does not match"),
-    ("data.prompts.source=file", "prompts.path is required"),
-    ("train.steps", "expected dotted.key=value"),
-    ("train.steps.x=1", "train.steps is not a section"),
-    ("eval.stop.min_len=0", "eval.stop.min_len=0 needs rule=entropy"),
-    ("train.loss.teacher_temperature=2", "train.loss.teacher_temperature: Input should be less than or equal to 1"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.stepz=3", "unknown key train.stepz"),
+        ("drafter.n_layrs=3", "unknown key drafter.n_layrs"),
+        ("data.prompts.colour=red", "unknown key data.prompts.colour"),
+        ("train.lr=fast", "train.lr: Input should be a valid number"),
+        ("eval.draft_len=99", "eval.draft_len: Input should be less than or equal to 32"),
+        ("data.temperature=-1", "data.temperature: Input should be greater than or equal to 0"),
+        ("drafter.kind=medusa9", "drafter: Input tag 'medusa9' found using 'kind' does not match"),
+        ("data.prompts.source=file", "prompts.path is required"),
+        ("train.steps", "expected dotted.key=value"),
+        ("train.steps.x=1", "train.steps is not a section"),
+        ("eval.stop.min_len=0", "eval.stop.min_len=0 needs rule=entropy"),
+        ("train.loss.teacher_temperature=2", "train.loss.teacher_temperature: Input should be less than or equal to 1"),
+    ],
+)
 def test_bad_overrides_name_the_key(override, message):
     with pytest.raises(DraftsmithError, match=message.replace("(", r"\(").replace("[", r"\[")):
         load_recipe("quickstart", [override])
@@ -109,8 +115,9 @@ def test_recipe_reference_page_is_generated_from_the_schema_and_documents_every_
 
     page = render()
     committed = (Path(__file__).resolve().parents[1] / "docs" / "recipes.md").read_text()
-    assert committed == page, ("docs/recipes.md is out of date: run "
-                               "python -c \"from draftsmith.recipes.reference import write; write()\"")
+    assert committed == page, (
+        'docs/recipes.md is out of date: run python -c "from draftsmith.recipes.reference import write; write()"'
+    )
     rows = [line for line in page.splitlines() if line.startswith("| `")]
     undocumented = [row.split("|")[1].strip() for row in rows if row.rstrip().endswith("|  |")]
     assert rows and not undocumented, undocumented

@@ -1,6 +1,7 @@
 """The drafter registry (models/registry.py): one DrafterSpec per kind, and everything that reads it agrees with it:
 the recipe schema's drafter union, the objectives, the decoder attributes of each interface, drafter.json round
 trips, FSDP's wrap classes. Every test runs over the registered kinds, so a new kind is checked by existing."""
+
 from __future__ import annotations
 
 from typing import get_args
@@ -31,8 +32,9 @@ def target():
 @pytest.fixture(scope="module")
 def draft_checkpoint(tmp_path_factory, target):
     """A draft LM checkpoint, for kinds that are built on one (the acceptance head)."""
-    return save_drafter(tmp_path_factory.mktemp("draft") / "final", build_drafter("draft_lm", {"n_layers": 1}, target),
-                        "draft_lm", {})
+    return save_drafter(
+        tmp_path_factory.mktemp("draft") / "final", build_drafter("draft_lm", {"n_layers": 1}, target), "draft_lm", {}
+    )
 
 
 def _build(kind, target, draft_checkpoint, **fields):
@@ -51,14 +53,16 @@ def test_registry_objectives_and_schema_name_the_same_kinds():
     assert schema == objectives == set(DRAFTERS) and len(DRAFTERS) >= 7
     for kind, spec in DRAFTERS.items():
         assert spec.kind == kind and spec.config.model_fields["kind"].default == kind
-    with pytest.raises(DraftsmithError, match="does not match any of the expected tags: " +
-                       ", ".join(f"'{k}'" for k in DRAFTERS)):
+    with pytest.raises(
+        DraftsmithError, match="does not match any of the expected tags: " + ", ".join(f"'{k}'" for k in DRAFTERS)
+    ):
         validate({"name": "x", "drafter": {"kind": "nope"}}, "test")
 
 
 @pytest.mark.parametrize("kind", list(DRAFTERS))
-def test_each_kind_builds_to_its_interface_and_round_trips_through_drafter_json(kind, target, draft_checkpoint,
-                                                                                tmp_path):
+def test_each_kind_builds_to_its_interface_and_round_trips_through_drafter_json(
+    kind, target, draft_checkpoint, tmp_path
+):
     spec = drafter_spec(kind)
     model = _build(kind, target, draft_checkpoint)
     assert getattr(model, "reads_target_hidden", False) == (spec.interface == "heads")
@@ -96,16 +100,19 @@ def test_hydra_trains_with_the_schema_head_decay():
     assert small_section("medusa").head_decay == small_section("mlp_speculator").head_decay == 0.8
 
 
-@pytest.mark.parametrize("kind,fields,wrapped", [
-    ("draft_lm", {}, ["Block"]),
-    ("medusa", {}, ["ResBlock"]),
-    ("medusa", {"lora_r": 2}, ["ResBlock", "Block"]),  # Medusa-2: the adapted target's layers too
-    ("hydra", {"prefix_attention": True}, ["WideResBlock", "Block"]),
-    ("mlp_speculator", {}, []),
-    ("eagle", {}, []),  # one layer: no block
-    ("eagle", {"n_layers": 2}, ["Block"]),
-    ("judge", {}, []),
-])
+@pytest.mark.parametrize(
+    "kind,fields,wrapped",
+    [
+        ("draft_lm", {}, ["Block"]),
+        ("medusa", {}, ["ResBlock"]),
+        ("medusa", {"lora_r": 2}, ["ResBlock", "Block"]),  # Medusa-2: the adapted target's layers too
+        ("hydra", {"prefix_attention": True}, ["WideResBlock", "Block"]),
+        ("mlp_speculator", {}, []),
+        ("eagle", {}, []),  # one layer: no block
+        ("eagle", {"n_layers": 2}, ["Block"]),
+        ("judge", {}, []),
+    ],
+)
 def test_fsdp_wraps_each_kinds_own_blocks(kind, fields, wrapped, target, draft_checkpoint):
     """Under FSDP the loop hands accelerate the spec's wrap classes that the built drafter has (the shipped
     fsdp2.yaml names none); accelerate's own policy then finds every such module. (FSDP itself needs GPUs: a

@@ -1,4 +1,5 @@
 """The packaged real target (slow: de-quantises the GGUF on first use). Run with DRAFTSMITH_SLOW=1."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def test_smollm2_alias_matches_hf_and_decodes_losslessly():
         ref = hf.generate(x, max_new_tokens=24, do_sample=False, eos_token_id=sorted(eos), pad_token_id=min(eos))
         drafter = build_drafter("draft_lm", {"n_layers": 1, "init_layers": [0]}, tgt.model).eval()
         out, stats = speculative_generate(tgt.model, drafter, x[0], 24, draft_len=3, eos_ids=eos)
-    assert out == ref[0, len(ids):].tolist()
+    assert out == ref[0, len(ids) :].tolist()
     assert stats.target_forwards > 0
 
 
@@ -36,9 +37,19 @@ def test_smollm2_multi_turn_data_signals_equal_full_forward(tmp_path):
     from draftsmith.data.generate import generate
     from draftsmith.recipes.loader import load_recipe
 
-    recipe = load_recipe("quickstart", [f"out_dir={tmp_path}", "data.prompts.n=8", "data.prompts.max_turns=2",
-                                        "data.max_new_tokens=12", "data.batch_size=8", "data.signals.hidden_last=true",
-                                        "data.signals.hidden_layers=eagle3", "data.signals.hidden_dtype=float16"])
+    recipe = load_recipe(
+        "quickstart",
+        [
+            f"out_dir={tmp_path}",
+            "data.prompts.n=8",
+            "data.prompts.max_turns=2",
+            "data.max_new_tokens=12",
+            "data.batch_size=8",
+            "data.signals.hidden_last=true",
+            "data.signals.hidden_layers=eagle3",
+            "data.signals.hidden_dtype=float16",
+        ],
+    )
     generate(recipe)
     tgt = load_model("smollm2-135m-instruct")
     n = tgt.model.cfg.n_layers
@@ -51,5 +62,6 @@ def test_smollm2_multi_turn_data_signals_equal_full_forward(tmp_path):
         ref_aux = torch.stack([cap[i][0] for i in (2, n // 2, n - 3)], 1)
         torch.testing.assert_close(r.signals["hidden_aux"], ref_aux, atol=5e-2, rtol=1e-2)
         rows = torch.log_softmax(logits[0, :-1][r.loss_mask[1:]], -1)
-        torch.testing.assert_close(rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-2,
-                                   rtol=1e-2)
+        torch.testing.assert_close(
+            rows.gather(-1, r.signals["topk_ids"]), r.signals["topk_logprobs"], atol=2e-2, rtol=1e-2
+        )

@@ -1,5 +1,6 @@
 """The benchmarks' timing helper (eval/timing.py) on a fake clock: round-robin order, warm-up exclusion, per-call
 division, medians and paired ratios, reported durations, and CUDA synchronisation only on a CUDA device."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,6 +28,7 @@ class Clock:
             self.log.append(name)
             self.now += left.pop(0) if len(left) > 1 else left[0]
             return name
+
         return fn
 
 

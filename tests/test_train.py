@@ -1,5 +1,6 @@
 """The one training loop on the tiny recipe: every loss, exact resume after a kill, gradient accumulation and two
 gloo processes equal one big batch, reduced draft vocabularies, in-loop teacher, init from an existing model."""
+
 from __future__ import annotations
 
 import json
@@ -47,8 +48,9 @@ def test_every_loss_trains_and_logs(train_run, kind):
     rows = _rows(run)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert all(k in r for k in ("loss", "top1", "alpha", "tau_estimate", "tokens_per_s", "peak_mem_mb", "lr",
-                                    "grad_norm"))
+        assert all(
+            k in r for k in ("loss", "top1", "alpha", "tau_estimate", "tokens_per_s", "peak_mem_mb", "lr", "grad_norm")
+        )
         assert r["loss"] == r["loss"] and abs(r["loss"]) < 1e3  # finite
         assert 0 <= r["alpha"] <= 1 and r["tau_estimate"] >= 1
 
@@ -96,31 +98,50 @@ def test_a_draft_of_any_size_from_scratch(train_run, tiny_model_dir, prompts_fil
     embeddings into a narrower draft is refused in one line."""
     from draftsmith.models.loading import load_model
 
-    shape = ["drafter.init_from_target=false", "drafter.init_layers=null", "drafter.dim=32", "drafter.n_layers=3",
-             "drafter.n_heads=4", "drafter.n_kv_heads=2", "drafter.hidden_dim=48"]
+    shape = [
+        "drafter.init_from_target=false",
+        "drafter.init_layers=null",
+        "drafter.dim=32",
+        "drafter.n_layers=3",
+        "drafter.n_heads=4",
+        "drafter.n_kv_heads=2",
+        "drafter.hidden_dim=48",
+    ]
     run = train_run("scratch", *shape, "train.steps=2")
     model, info = load_drafter(run / "checkpoints" / "final")
     c = model.cfg
     assert (c.dim, c.n_layers, c.n_heads, c.n_kv_heads, c.hidden_dim) == (32, 3, 4, 2, 48)
     tgt = load_model(str(tiny_model_dir)).model
     assert c.vocab_size == tgt.cfg.vocab_size and tgt.cfg.dim == 64  # same tokenizer, its own width
-    assert main(["eval", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-                 f"out_dir={run}", "target.dtype=float64", "-q"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "tiny",
+                f"target.model={tiny_model_dir}",
+                f"eval.prompts.path={prompts_file}",
+                f"out_dir={run}",
+                "target.dtype=float64",
+                "-q",
+            ]
+        )
+        == 0
+    )
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     train_run("narrow-copy", *[o for o in shape if "init_from_target" not in o], "train.steps=1", expect=2)
 
 
 def test_training_lowers_the_loss_and_raises_alpha(train_run):
-    rows = _rows(train_run("long", "train.steps=24", "train.lr=1e-2", "train.warmup_steps=0",
-                           "drafter.freeze_embeddings=false"))
+    rows = _rows(
+        train_run("long", "train.steps=24", "train.lr=1e-2", "train.warmup_steps=0", "drafter.freeze_embeddings=false")
+    )
     first, last = rows[:4], rows[-4:]
     assert sum(r["loss"] for r in last) < 0.8 * sum(r["loss"] for r in first)
     assert sum(r["alpha"] for r in last) > sum(r["alpha"] for r in first)
 
 
 def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
-    common = ["train.steps=6", "train.save_every=2", "train.keep_last=1", "train.loss.kind=tvdpp",
-              "train.lr=3e-3"]
+    common = ["train.steps=6", "train.save_every=2", "train.keep_last=1", "train.loss.kind=tvdpp", "train.lr=3e-3"]
     full = train_run("full", *common)
     from draftsmith.train import loop
 
@@ -168,9 +189,23 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
     two = one.parent / "two"
     shutil.copytree(one / "data", two / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-           f"out_dir={two}", "train.micro_batch_size=2", "train.steps=3", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "draftsmith",
+        "train",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={two}",
+        "train.micro_batch_size=2",
+        "train.steps=3",
+        "-q",
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
@@ -188,9 +223,23 @@ def test_a_sharded_target_teaches_like_a_replicated_one(train_run, tiny_model_di
     two = one.parent / "sharded"
     shutil.copytree(one / "data", two / "data")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-           f"out_dir={two}", "train.micro_batch_size=2", "train.shard_target=true", *common]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "-m",
+        "draftsmith",
+        "train",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={two}",
+        "train.micro_batch_size=2",
+        "train.shard_target=true",
+        *common,
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "target layers sharded over 2 processes" in res.stdout
@@ -205,13 +254,31 @@ def test_two_gloo_processes_resume_each_ranks_own_sampling(data_dir, tiny_model_
     """Each rank seeds its loss generator apart (TVD++ samples its own tokens), so an exact multi-process resume
     needs every rank's RNG states in the checkpoint, not rank 0's for all: resuming 2 gloo processes from
     step 2 ends with the uninterrupted run's weights and losses."""
+
     def two_procs(out):
         if not (out / "data").exists():
             shutil.copytree(data_dir, out / "data")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-               "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}",
-               f"eval.prompts.path={prompts_file}", f"out_dir={out}", "train.micro_batch_size=2", "train.steps=4",
-               "train.save_every=2", "train.keep_last=2", "train.loss.kind=tvdpp", "train.lr=3e-3", "-q"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={_free_port()}",
+            "-m",
+            "draftsmith",
+            "train",
+            "tiny",
+            f"target.model={tiny_model_dir}",
+            f"eval.prompts.path={prompts_file}",
+            f"out_dir={out}",
+            "train.micro_batch_size=2",
+            "train.steps=4",
+            "train.save_every=2",
+            "train.keep_last=2",
+            "train.loss.kind=tvdpp",
+            "train.lr=3e-3",
+            "-q",
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -245,9 +312,23 @@ def test_shipped_fsdp2_config_launches_and_matches_one_process(train_run, tiny_m
     cfg.update(num_processes=2, mixed_precision="no", main_process_port=_free_port())
     (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml"),
-           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-           f"out_dir={two}", "train.micro_batch_size=2", *common, "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tmp_path / "fsdp2.yaml"),
+        "-m",
+        "draftsmith",
+        "train",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={two}",
+        "train.micro_batch_size=2",
+        *common,
+        "-q",
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "2 process(es)" in res.stdout
@@ -263,8 +344,15 @@ def test_fsdp2_checkpoints_gather_and_resume_sharded_or_not(tmp_path):
     full weights and optimizer state, in the unsharded layout, and resume onto shards or a plain model alike.
     Two gloo ranks on CPU with ``fully_shard`` applied directly (accelerate shards on GPUs only)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_free_port()}",
-           str(Path(__file__).parent / "fsdp2_worker.py"), str(tmp_path / "step-000002")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        str(Path(__file__).parent / "fsdp2_worker.py"),
+        str(tmp_path / "step-000002"),
+    ]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
@@ -282,8 +370,9 @@ def test_deepspeed_refuses_resumable_checkpoints_up_front_and_saves_through_acce
     from draftsmith.recipes.loader import RECIPE_DIR
     from draftsmith.train.loop import _check_sharding, _gathered
 
-    ds = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, device="cuda",
-                         get_state_dict=lambda model: {"w": torch.ones(2)})
+    ds = SimpleNamespace(
+        distributed_type=DistributedType.DEEPSPEED, device="cuda", get_state_dict=lambda model: {"w": torch.ones(2)}
+    )
     with pytest.raises(DraftsmithError, match="train.save_every: .*DeepSpeed.*fsdp2.yaml"):
         _check_sharding(ds, SimpleNamespace(save_every=100, shard_target=False, eval_every=0))
     _check_sharding(ds, SimpleNamespace(save_every=0, shard_target=False, eval_every=0))
@@ -310,9 +399,15 @@ def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prom
     ds = config.startswith("deepspeed")
     if ds:
         pytest.importorskip("deepspeed")
-    common = ("drafter.init_layers=null", "train.steps=4",
-              *(("train.micro_batch_size=1", "train.grad_accum=2", "train.grad_clip=0.5") if ds else
-                ("train.save_every=2", "train.micro_batch_size=2")))
+    common = (
+        "drafter.init_layers=null",
+        "train.steps=4",
+        *(
+            ("train.micro_batch_size=1", "train.grad_accum=2", "train.grad_clip=0.5")
+            if ds
+            else ("train.save_every=2", "train.micro_batch_size=2")
+        ),
+    )
     one = train_run("one", *common)
     two = one.parent / config.split(".")[0]
     shutil.copytree(one / "data", two / "data")
@@ -320,9 +415,22 @@ def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prom
     cfg.update(num_processes=1, mixed_precision="no", main_process_port=_free_port())
     (tmp_path / config).write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / config),
-           "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-           f"out_dir={two}", *common, "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(tmp_path / config),
+        "-m",
+        "draftsmith",
+        "train",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={two}",
+        *common,
+        "-q",
+    ]
     for attempt in ("fresh",) if ds else ("fresh", "resumed"):  # the rerun resumes at step 2, trains 3-4 again
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
@@ -348,14 +456,28 @@ def test_reduced_draft_vocabulary_trains_and_decodes_losslessly(train_run, tiny_
 
     eos = AutoTokenizer.from_pretrained(str(tiny_model_dir)).eos_token_id
     assert eos in kept.tolist()  # EOS is always kept
-    args = ["eval", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-            f"out_dir={run}", "target.dtype=float64", "-q"]
+    args = [
+        "eval",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={run}",
+        "target.dtype=float64",
+        "-q",
+    ]
     assert main(args) == 0
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     # DistillSpec on-policy data written by this drafter: every response token is one of its 40 target ids
-    gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-           f"out_dir={run.parent / 'on-policy'}", f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}",
-           "data.on_policy.fraction=1.0", "-q"]
+    gen = [
+        "generate",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"out_dir={run.parent / 'on-policy'}",
+        f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}",
+        "data.on_policy.fraction=1.0",
+        "-q",
+    ]
     assert main(gen) == 0
     from draftsmith.data.dataset import RecordDataset
 
@@ -385,8 +507,16 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
     from draftsmith.models.draft_lm import build_draft_lm
     from draftsmith.models.loading import load_model
 
-    small = save_tiny_llama(tmp_path / "small", tiny_tokenizer, seed=5, num_hidden_layers=1, hidden_size=32,
-                            intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    small = save_tiny_llama(
+        tmp_path / "small",
+        tiny_tokenizer,
+        seed=5,
+        num_hidden_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     tgt = load_model(str(tiny_model_dir))
     draft = build_draft_lm({"init_from": str(small)}, tgt.model, tokenizer=tgt.tokenizer)
     want = load_model(str(small)).model.state_dict()
@@ -404,11 +534,13 @@ def test_init_from_an_existing_model_with_the_same_tokenizer(train_run, tiny_mod
 
 
 # Every registered heads kind (its small section, tests/conftest.py), then variants of the shipped ones.
-VARIANTS = {"hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
-            "medusa-2": ("medusa", {"n_heads": 3, "lora_r": 4}),
-            "hydra-vocab": ("hydra", {"n_heads": 3, "draft_vocab": 64}),
-            "medusa-2-vocab": ("medusa", {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}),
-            "eagle1": ("eagle", {"version": 1, "ttt_steps": 2})}
+VARIANTS = {
+    "hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
+    "medusa-2": ("medusa", {"n_heads": 3, "lora_r": 4}),
+    "hydra-vocab": ("hydra", {"n_heads": 3, "draft_vocab": 64}),
+    "medusa-2-vocab": ("medusa", {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}),
+    "eagle1": ("eagle", {"version": 1, "ttt_steps": 2}),
+}
 HEADS = [*drafter_kinds(interface="heads"), "hydra++", "medusa-2", "hydra-vocab", "medusa-2-vocab"]
 
 
@@ -437,8 +569,9 @@ def _check_written(data_dir, tgt, drafter):
 
 
 @pytest.mark.parametrize("kind", HEADS)
-def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(kind, train_run, tiny_model_dir,
-                                                                                   prompts_file, tmp_path):
+def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_losslessly(
+    kind, train_run, tiny_model_dir, prompts_file, tmp_path
+):
     """Medusa-1 and the MLP speculator are plug-ins of the same loop: features from the frozen target in the
     loop or from stored hidden_last records give the same loss on the same batch; the trained heads decode
     losslessly."""
@@ -460,8 +593,9 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     drafter, info = load_drafter(run / "checkpoints" / "final")
     n = drafter.max_draft_len  # the checkpoint keeps the number of heads
     assert info["kind"] == drafter_kind and (n == 3 or drafter_kind not in SMALL_SECTIONS)
-    assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_head0", f"alpha_head{n - 1}", "tau_estimate",
-                                                            f"acc_head{n - 1}_rank2"))
+    assert len(rows) == 3 and all(
+        k in rows[-1] for k in ("top1_head0", f"alpha_head{n - 1}", "tau_estimate", f"acc_head{n - 1}_rank2")
+    )
     from draftsmith.eval.tree import choices_from_run, tree_from_choices
 
     choices = choices_from_run(run, 5)  # a Medusa tree from the measured per-head rank accuracies
@@ -469,8 +603,15 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     assert (drafter.new_context(4) is not None) == (kind == "hydra++")
     medusa2 = kind.startswith("medusa-2")
     assert (getattr(drafter, "target_adapter", None) is not None and "top1_target" in rows[-1]) == medusa2
-    args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-            f"out_dir={run}", "target.dtype=float64", "-q"]
+    args = [
+        "eval",
+        str(recipe),
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={run}",
+        "target.dtype=float64",
+        "-q",
+    ]
     assert main(args) == 0
     assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     dyn = ["eval.strategy=dynamic_tree", "eval.tree.top_k=2", "eval.tree.total_tokens=5", "eval.tree.choices=null"]
@@ -480,8 +621,15 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     assert main(args + dyn + [f"eval.tree.depth={n + 1}"]) == 2  # deeper than the heads: refused in one line
     # the same batch, features stored vs computed, on on-policy records half written by these heads
     stored = tmp_path / "stored"
-    gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-           f"out_dir={stored}", "data.signals.hidden_last=true", "-q"]
+    gen = [
+        "generate",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"out_dir={stored}",
+        "data.signals.hidden_last=true",
+        "-q",
+    ]
     on_policy = [f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}", "data.on_policy.fraction=0.5"]
     tgt = load_model(str(tiny_model_dir)).model
     if medusa2:  # its heads read the adapted target's states: it cannot write for the original target
@@ -504,8 +652,10 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=1e-2, atol=1e-3)  # bf16 storage
 
 
-@pytest.mark.parametrize("drafter", [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"),
-                                     "medusa-2", "hydra++", "eagle1"])
+@pytest.mark.parametrize(
+    "drafter",
+    [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"), "medusa-2", "hydra++", "eagle1"],
+)
 def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, tiny_model_dir):
     """Issue 6: each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the
     stored top-k and from the full target (teacher: target): a finite loss over the same positions, and a gradient
@@ -529,8 +679,9 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
         for teacher in ("records", "target"):
             cfg = LossConfig(kind=loss_kind, teacher=teacher)
             model.zero_grad()
-            out = objectives.objective_for(kind)(model, batch, cfg, objectives.Context(
-                unwrapped=model, target=tgt, generator=gen, params=params))
+            out = objectives.objective_for(kind)(
+                model, batch, cfg, objectives.Context(unwrapped=model, target=tgt, generator=gen, params=params)
+            )
             assert torch.isfinite(out.loss_sum) and out.n > 0, (loss_kind, teacher)
             out.loss_sum.backward()
             grads = [p.grad for p in model.parameters() if p.requires_grad and p.grad is not None]
@@ -561,7 +712,7 @@ def test_head_and_ttt_labels_are_the_tokens_k_plus_2_ahead(data_dir):
             assert torch.equal(teachers[k].topk_ids[j], batch["topk_ids"][rows[b, t + k + 1]])
             assert int(future[k][j]) == b * T + t + k + 1
         # every position whose k + 1-th successor still predicts a response token is trained
-        assert len(where) == int((pm[:, :T - k - 1] & pm[:, k + 1:]).sum())
+        assert len(where) == int((pm[:, : T - k - 1] & pm[:, k + 1 :]).sum())
 
 
 def test_a_deeper_eagle_grows_from_a_one_layer_checkpoint(train_run, tiny_model_dir, prompts_file, tmp_path):
@@ -577,21 +728,34 @@ def test_a_deeper_eagle_grows_from_a_one_layer_checkpoint(train_run, tiny_model_
     recipe = tmp_path / "tiny-eagle3.yaml"
     recipe.write_text(yaml.safe_dump(spec))
     one = train_run("one", "train.steps=2", recipe=str(recipe))
-    deep = train_run("deep", "train.steps=2", "drafter.n_layers=2",
-                     f"train.init_checkpoint={one / 'checkpoints' / 'final'}", recipe=str(recipe))
+    deep = train_run(
+        "deep",
+        "train.steps=2",
+        "drafter.n_layers=2",
+        f"train.init_checkpoint={one / 'checkpoints' / 'final'}",
+        recipe=str(recipe),
+    )
     model, info = load_drafter(deep / "checkpoints" / "final")
     assert info["config"]["n_layers"] == 2 and len(model.extra) == 1
     assert model.extra[0].self_attn.o_proj.weight.abs().sum() > 0  # trained away from the identity start
     assert len([r for r in _rows(deep) if "loss" in r]) == 2
-    args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-            f"out_dir={deep}", "target.dtype=float64", "-q"]
+    args = [
+        "eval",
+        str(recipe),
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={deep}",
+        "target.dtype=float64",
+        "-q",
+    ]
     assert main(args) == 0
     assert json.loads((deep / "eval" / "report.json").read_text())["lossless_match"] == 1.0
 
 
 @pytest.mark.parametrize("version", [1, 3])
-def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(version, train_run, tiny_model_dir,
-                                                                             prompts_file, tmp_path):
+def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(
+    version, train_run, tiny_model_dir, prompts_file, tmp_path
+):
     """EAGLE-1 (feature + token loss) and EAGLE-3 (TTT, reduced vocabulary) in the one loop: per-step metrics,
     a lossless eval (chain and dynamic tree), and the same loss from stored or in-loop target features."""
     import yaml
@@ -608,8 +772,7 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     spec["drafter"] = drafter
     recipe = tmp_path / f"tiny-eagle{version}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
-    run = train_run(f"eagle{version}", "train.steps=3", "train.loss.kind=fkl", "train.eval_every=3",
-                    recipe=str(recipe))
+    run = train_run(f"eagle{version}", "train.steps=3", "train.loss.kind=fkl", "train.eval_every=3", recipe=str(recipe))
     rows = [r for r in _rows(run) if "loss" in r]
     assert any("tau_measured" in r for r in _rows(run))  # the in-training decode (train.eval_every)
     assert len(rows) == 3 and all(k in rows[-1] for k in ("top1_step0", "alpha_step2", "tau_estimate"))
@@ -617,15 +780,32 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     assert info["kind"] == "eagle" and model.cfg.version == version
     assert model.cfg.head_vocab_size == 120 and int((model.t2d >= 0).sum()) == 120
     for strategy in ("chain", "dynamic_tree"):
-        args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
-                f"out_dir={run}", "target.dtype=float64", f"eval.strategy={strategy}", "-q"]
+        args = [
+            "eval",
+            str(recipe),
+            f"target.model={tiny_model_dir}",
+            f"eval.prompts.path={prompts_file}",
+            f"out_dir={run}",
+            "target.dtype=float64",
+            f"eval.strategy={strategy}",
+            "-q",
+        ]
         assert main(args) == 0
         assert json.loads((run / "eval" / "report.json").read_text())["lossless_match"] == 1.0
     # the same batch, features stored vs computed by the target in the loop, on records half written by this EAGLE
     stored = tmp_path / "stored"
-    gen = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-           f"out_dir={stored}", "data.signals.hidden_last=true", "data.signals.hidden_layers=eagle3",
-           f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}", "data.on_policy.fraction=0.5", "-q"]
+    gen = [
+        "generate",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"data.prompts.path={prompts_file}",
+        f"out_dir={stored}",
+        "data.signals.hidden_last=true",
+        "data.signals.hidden_layers=eagle3",
+        f"data.on_policy.checkpoint={run / 'checkpoints' / 'final'}",
+        "data.on_policy.fraction=0.5",
+        "-q",
+    ]
     assert main(gen) == 0
     tgt = load_model(str(tiny_model_dir)).model
     _check_written(stored / "data", tgt, model)
@@ -638,8 +818,9 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(ver
     with_stored = objectives.eagle_objective(eagle, batch, cfg, objectives.Context(unwrapped=eagle, params=params))
     for k in ("hidden_last", "hidden_aux"):
         del batch[k]
-    in_loop = objectives.eagle_objective(eagle, batch, cfg, objectives.Context(unwrapped=eagle, target=tgt,
-                                                                              params=params))
+    in_loop = objectives.eagle_objective(
+        eagle, batch, cfg, objectives.Context(unwrapped=eagle, target=tgt, params=params)
+    )
     assert with_stored.n == in_loop.n > 0
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=2e-2, atol=1e-3)  # bf16 storage
 
@@ -657,12 +838,14 @@ def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_p
         for n, p in heads.base.named_parameters():
             if "lora_" in n:
                 p.normal_(0, 0.05)
-    assert {n for n, p in heads.named_parameters() if p.requires_grad and n.startswith("base.")} == \
-        {n for n, _ in heads.base.named_parameters(prefix="base") if "lora_" in n}
+    assert {n for n, p in heads.named_parameters() if p.requires_grad and n.startswith("base.")} == {
+        n for n, _ in heads.base.named_parameters(prefix="base") if "lora_" in n
+    }
     ids = torch.randint(0, tgt.cfg.vocab_size, (1, 9))
     ckpt = save_drafter(tmp_path / "ckpt", heads, "medusa", {})
-    assert (ckpt / ADAPTER_FILE).is_file() and not any(k.startswith("base.") for k in
-                                                         load_file(str(ckpt / "model.safetensors")))
+    assert (ckpt / ADAPTER_FILE).is_file() and not any(
+        k.startswith("base.") for k in load_file(str(ckpt / "model.safetensors"))
+    )
     loaded, info = load_drafter(ckpt, dtype=torch.float64)
     served = load_model(str(tiny_model_dir), torch.float64).model
     merge_adapter(served, loaded.target_adapter, info["config"]["lora"])
@@ -689,8 +872,11 @@ def test_medusa2_adapters_train_at_their_own_learning_rate(tiny_model_dir):
     by_id = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
     trainable = dict((n, p) for n, p in heads.named_parameters() if p.requires_grad)
     assert len(by_id) == len(trainable) and all(id(p) in by_id for p in trainable.values())
-    assert {n for n, p in trainable.items() if by_id[id(p)] == pytest.approx(2e-4)} == \
-        {n for n in trainable if n.startswith("base.")} != set()
+    assert (
+        {n for n, p in trainable.items() if by_id[id(p)] == pytest.approx(2e-4)}
+        == {n for n in trainable if n.startswith("base.")}
+        != set()
+    )
     assert all(by_id[id(p)] == pytest.approx(2e-3) for n, p in trainable.items() if not n.startswith("base."))
     medusa1 = build_drafter("medusa", {"n_heads": 2}, tgt)
     opt1, _ = build_optimizer(medusa1, TrainConfig(lr=2e-3))
@@ -698,8 +884,9 @@ def test_medusa2_adapters_train_at_their_own_learning_rate(tiny_model_dir):
 
 
 @pytest.mark.parametrize("vocab", [None, 64])
-def test_medusa2_self_distils_the_target_in_its_own_vocabulary(vocab, train_run, tiny_model_dir, prompts_file,
-                                                                tmp_path):
+def test_medusa2_self_distils_the_target_in_its_own_vocabulary(
+    vocab, train_run, tiny_model_dir, prompts_file, tmp_path
+):
     """On greedy records, step 1 (adapters still zero, so the adapted target is the original) must agree with
     every label. Reduced heads once mapped the adapted target's labels into the heads' draft ids too, and the
     self-distillation then pulled the target away from itself."""
@@ -708,8 +895,20 @@ def test_medusa2_self_distils_the_target_in_its_own_vocabulary(vocab, train_run,
     from draftsmith.recipes.loader import RECIPE_DIR
 
     out = tmp_path / f"m2-{vocab}"
-    assert main(["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}",
-                 f"out_dir={out}", "data.temperature=0", "-q"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "tiny",
+                f"target.model={tiny_model_dir}",
+                f"data.prompts.path={prompts_file}",
+                f"out_dir={out}",
+                "data.temperature=0",
+                "-q",
+            ]
+        )
+        == 0
+    )
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
     spec["drafter"] = {"kind": "medusa", "n_heads": 2, "lora_r": 4, "draft_vocab": vocab}
     recipe = tmp_path / "tiny-m2.yaml"

@@ -2,6 +2,7 @@
 and sampling tree acceptance rules, KV compaction, greedy losslessness of tree speculative decoding for good, noisy,
 oracle and always-wrong drafters over chains and branching trees (float64 tiny models), and the target's
 distribution kept when sampling through a tree."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,34 @@ from draftsmith.eval.tree_decoder import tree_speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op thread
 
-BINARY3 = [[a] for a in range(2)] + [[a, b] for a in range(2) for b in range(2)] + \
-    [[a, b, c] for a in range(2) for b in range(2) for c in range(2)]  # 14 nodes
-MEDUSA_LIKE = [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0],
-               [0, 0, 0, 0, 0]]
-TREES = {"chain1": chain_tree(1), "chain3": chain_tree(3), "chain5": chain_tree(5),
-         "binary3": tree_from_choices(BINARY3), "medusa": tree_from_choices(MEDUSA_LIKE),
-         "dynamic": DynamicTree(top_k=3, depth=4, total_tokens=10), "dynamic_wide": DynamicTree(5, 5, 60)}
+BINARY3 = (
+    [[a] for a in range(2)]
+    + [[a, b] for a in range(2) for b in range(2)]
+    + [[a, b, c] for a in range(2) for b in range(2) for c in range(2)]
+)  # 14 nodes
+MEDUSA_LIKE = [
+    [0],
+    [1],
+    [2],
+    [3],
+    [0, 0],
+    [0, 1],
+    [1, 0],
+    [0, 0, 0],
+    [0, 0, 1],
+    [0, 1, 0],
+    [0, 0, 0, 0],
+    [0, 0, 0, 0, 0],
+]
+TREES = {
+    "chain1": chain_tree(1),
+    "chain3": chain_tree(3),
+    "chain5": chain_tree(5),
+    "binary3": tree_from_choices(BINARY3),
+    "medusa": tree_from_choices(MEDUSA_LIKE),
+    "dynamic": DynamicTree(top_k=3, depth=4, total_tokens=10),
+    "dynamic_wide": DynamicTree(5, 5, 60),
+}
 
 
 def test_tree_from_choices_and_masks():
@@ -85,8 +107,12 @@ def test_compact_cache_moves_the_kept_slots(target):
 @pytest.mark.parametrize("tree", list(TREES), ids=str)
 @pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
 def test_tree_greedy_lossless(target, ar_outputs, kind, tree):
-    drafter = {"bad": lambda: tiny_model(1), "noisy": lambda: noisy_copy(target), "oracle": lambda: target,
-               "anti": lambda: AntiDrafter(target)}[kind]()
+    drafter = {
+        "bad": lambda: tiny_model(1),
+        "noisy": lambda: noisy_copy(target),
+        "oracle": lambda: target,
+        "anti": lambda: AntiDrafter(target),
+    }[kind]()
     spec = TREES[tree]
     depth = spec.depth if isinstance(spec, DynamicTree) else max(spec.depths)
     for prompt in DECODE_PROMPTS:
@@ -118,8 +144,13 @@ def test_tree_sampling_matches_target_end_to_end():
     target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen, N = torch.Generator().manual_seed(0), 3000
     spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]])
-    emp, joint, st = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, spec, temperature=1.0,
-                                                                       generator=gen), target, [1, 2, 3, 4], 3, N)
+    emp, joint, st = sampled_joint(
+        lambda x: tree_speculative_generate(target, drafter, x, 4, spec, temperature=1.0, generator=gen),
+        target,
+        [1, 2, 3, 4],
+        3,
+        N,
+    )
     assert 0.1 * N < st.accepted < 2 * N  # some steps accept, some reject
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
@@ -164,9 +195,15 @@ def test_best_nodes_are_ancestor_closed_parent_first_and_fixed_size():
 def test_dynamic_tree_sampling_matches_target_end_to_end():
     target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen = torch.Generator().manual_seed(1)
-    emp, joint, _ = sampled_joint(lambda x: tree_speculative_generate(target, drafter, x, 4, DynamicTree(2, 3, 5),
-                                                                      temperature=1.0, generator=gen),
-                                  target, [1, 2, 3, 4], 3, 2000)
+    emp, joint, _ = sampled_joint(
+        lambda x: tree_speculative_generate(
+            target, drafter, x, 4, DynamicTree(2, 3, 5), temperature=1.0, generator=gen
+        ),
+        target,
+        [1, 2, 3, 4],
+        3,
+        2000,
+    )
     for dims in [(1, 2), (0, 2), (0, 1)]:
         assert tv(emp.sum(dims), joint.sum(dims)) < 0.035, dims
 
@@ -177,8 +214,7 @@ def test_dynamic_tree_follows_a_confident_drafter_to_full_depth():
     target = tiny_model(0, logit_scale=30.0)
     prompt = torch.tensor(DECODE_PROMPTS[1])
     ref = autoregressive_generate(target, prompt, NEW)
-    out, stats = tree_speculative_generate(target, target, prompt, NEW, DynamicTree(top_k=3, depth=4,
-                                                                                     total_tokens=10))
+    out, stats = tree_speculative_generate(target, target, prompt, NEW, DynamicTree(top_k=3, depth=4, total_tokens=10))
     assert out == ref and stats.accept_counts[4] >= stats.target_forwards - 1
 
 
@@ -224,8 +260,13 @@ def test_reduced_draft_vocabulary_sampling_keeps_the_target_distribution():
     target, base = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     drafter = ReducedVocabDrafter(base, [0, 2, 3, 5, 7])
     gen = torch.Generator().manual_seed(5)
-    emp, joint, _ = sampled_joint(lambda x: speculative_generate(target, drafter, x, 3, draft_len=2, temperature=1.0,
-                                                                 generator=gen), target, [1, 2, 3, 4], 2, 2500)
+    emp, joint, _ = sampled_joint(
+        lambda x: speculative_generate(target, drafter, x, 3, draft_len=2, temperature=1.0, generator=gen),
+        target,
+        [1, 2, 3, 4],
+        2,
+        2500,
+    )
     assert tv(emp.sum(1), joint.sum(1)) < 0.03 and tv(emp.sum(0), joint.sum(0)) < 0.035
 
 
@@ -240,8 +281,9 @@ def test_choices_from_measured_head_accuracies():
     assert all(c[:-1] in ch or len(c) == 1 for c in ch)  # prefix-closed
     value = {tuple(c): math.prod(acc[d][r] for d, r in enumerate(c)) for c in ch}
     left_out = [(0, 0, 0), (1,), (0, 1), (2,), (1, 0)]
-    assert min(value.values()) >= max(math.prod(acc[d][r] for d, r in enumerate(p)) for p in left_out
-                                      if list(p) not in ch)
+    assert min(value.values()) >= max(
+        math.prod(acc[d][r] for d, r in enumerate(p)) for p in left_out if list(p) not in ch
+    )
     tree = tree_from_choices(ch)
     assert len(tree) == 6 and max(tree.depths) <= 3
 
@@ -256,10 +298,18 @@ def test_tree_cli_builds_trees_from_a_runs_logged_accuracies(tmp_path, capsys):
         return cli_main(["tree", *argv])
 
     acc = [[0.5, 0.3], [0.4, 0.1]]
-    rows = [{"stage": "train", "step": 1, "acc_head0_rank0": 0.1, "acc_head0_rank1": 0.1, "acc_head1_rank0": 0.1,
-             "acc_head1_rank1": 0.1},
-            {"stage": "train", "step": 2, **{f"acc_head{k}_rank{r}": acc[k][r] for k in (0, 1) for r in (0, 1)}},
-            {"stage": "eval", "step": 2, "tau_measured": 1.3}]
+    rows = [
+        {
+            "stage": "train",
+            "step": 1,
+            "acc_head0_rank0": 0.1,
+            "acc_head0_rank1": 0.1,
+            "acc_head1_rank0": 0.1,
+            "acc_head1_rank1": 0.1,
+        },
+        {"stage": "train", "step": 2, **{f"acc_head{k}_rank{r}": acc[k][r] for k in (0, 1) for r in (0, 1)}},
+        {"stage": "eval", "step": 2, "tau_measured": 1.3},
+    ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main([str(tmp_path), "--nodes", "1,3"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -5,6 +5,7 @@ what differs between kinds comes from the kind's spec (models/spec.py): its obje
 record signals it reads, whether the frozen target runs in the loop, and what FSDP wraps. Nothing else here knows
 about drafter kinds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,10 +36,17 @@ log = logging.getLogger(__name__)
 def build_optimizer(model: torch.nn.Module, tc):
     # A drafter may split its parameters into groups with their own learning-rate multipliers (Medusa-2's
     # adapters train slower than its heads); the schedule below scales every group alike.
-    groups = model.param_groups() if hasattr(model, "param_groups") else [
-        ([p for p in model.parameters() if p.requires_grad], 1.0)]
-    opt = torch.optim.AdamW([{"params": ps, "lr": tc.lr * mult} for ps, mult in groups if ps],
-                            lr=tc.lr, weight_decay=tc.weight_decay, betas=(0.9, 0.95))
+    groups = (
+        model.param_groups()
+        if hasattr(model, "param_groups")
+        else [([p for p in model.parameters() if p.requires_grad], 1.0)]
+    )
+    opt = torch.optim.AdamW(
+        [{"params": ps, "lr": tc.lr * mult} for ps, mult in groups if ps],
+        lr=tc.lr,
+        weight_decay=tc.weight_decay,
+        betas=(0.9, 0.95),
+    )
 
     def lr_at(step: int) -> float:  # linear warmup, then cosine / linear decay to min_lr_ratio, or constant
         if step < tc.warmup_steps:
@@ -63,8 +71,10 @@ class GlobalBatches(torch.utils.data.Sampler):
         self.n, self.per_rank, self.rank, self.world, self.seed = n, per_rank, rank, world, seed
         self.per_epoch = n // (per_rank * world)
         if self.per_epoch == 0:
-            raise DraftsmithError(f"{n} training sequences cannot fill one global batch of "
-                                  f"{per_rank} x {world} processes: lower train.micro_batch_size")
+            raise DraftsmithError(
+                f"{n} training sequences cannot fill one global batch of "
+                f"{per_rank} x {world} processes: lower train.micro_batch_size"
+            )
         self.start = start
 
     def __iter__(self):
@@ -72,8 +82,8 @@ class GlobalBatches(torch.utils.data.Sampler):
         while True:
             epoch, i = divmod(b, self.per_epoch)
             perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
-            g = perm[i * self.per_rank * self.world:(i + 1) * self.per_rank * self.world]
-            yield g[self.rank * self.per_rank:(self.rank + 1) * self.per_rank].tolist()
+            g = perm[i * self.per_rank * self.world : (i + 1) * self.per_rank * self.world]
+            yield g[self.rank * self.per_rank : (self.rank + 1) * self.per_rank].tolist()
             b += 1
 
 
@@ -94,8 +104,9 @@ def _quick_eval_setup(recipe, tgt, acc):
 
     tc, ec = recipe.train, recipe.eval
     pc = ec.prompts
-    prompts = load_prompts(pc.source, pc.path, tc.eval_prompts, shuffle=pc.shuffle, seed=pc.seed, split=pc.split,
-                           max_turns=pc.max_turns)
+    prompts = load_prompts(
+        pc.source, pc.path, tc.eval_prompts, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns
+    )
     encoded = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in prompts]
     target, eos = tgt.model.to(acc.device), stop_ids(tgt.path, tgt.tokenizer)
 
@@ -104,8 +115,9 @@ def _quick_eval_setup(recipe, tgt, acc):
         drafter.eval()
         try:  # Medusa-2 decodes with its adapted target
             t = target if getattr(drafter, "base", None) is None else drafter.base
-            return quick_eval(t, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos,
-                              recipe.seed)
+            return quick_eval(
+                t, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos, recipe.seed
+            )
         finally:
             drafter.train(was_training)
 
@@ -128,11 +140,11 @@ def train(recipe) -> Path:
     manifest = read_manifest(data_dir)
     # The target initialises the drafter (embeddings, layers), checks the tokenizer, may teach in the loop and,
     # with eval_every, verifies.
-    tgt = load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code,
-                     recipe.target.revision)
+    tgt = load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code, recipe.target.revision)
     if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
-        raise DraftsmithError(f"{data_dir}: records were made with a different tokenizer than target "
-                              f"{recipe.target.model!r}")
+        raise DraftsmithError(
+            f"{data_dir}: records were made with a different tokenizer than target {recipe.target.model!r}"
+        )
     kind, params = recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
     spec = drafter_spec(kind)
     facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
@@ -170,26 +182,36 @@ def train(recipe) -> Path:
     drafter, opt = acc.prepare(drafter, opt)
     if resume_from is not None:
         counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
-    sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed,
-                            start=counters["batches"])
+    sampler = GlobalBatches(
+        len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
+    )
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
     objective = objective_for(kind)
     ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
-    runlog = RunLog(run, "train", wandb=tc.wandb, tensorboard=tc.tensorboard,
-                    config=recipe.model_dump(mode="json"), enabled=acc.is_main_process)
+    runlog = RunLog(
+        run,
+        "train",
+        wandb=tc.wandb,
+        tensorboard=tc.tensorboard,
+        config=recipe.model_dump(mode="json"),
+        enabled=acc.is_main_process,
+    )
     step = counters["step"]
     if resume_from is not None:
         runlog.drop_after(step)
     if acc.is_main_process:
-        print(f"train: {kind} drafter, {n_params / 1e6:.1f}M params "
-              f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
-              f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
-              + (f", resuming at step {step} from {resume_from}" if resume_from is not None else ""))
+        print(
+            f"train: {kind} drafter, {n_params / 1e6:.1f}M params "
+            f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
+            f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
+            + (f", resuming at step {step} from {resume_from}" if resume_from is not None else "")
+        )
     meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
     recipe_yaml = dump_recipe(recipe)  # every checkpoint keeps the exact recipe that trained it
     t0, window = time.perf_counter() - counters["seconds"], []
-    bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process, dynamic_ncols=True
+    )
     while step < tc.steps:
         out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
         counters["batches"] += tc.grad_accum
@@ -209,15 +231,27 @@ def train(recipe) -> Path:
             bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
         if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
             counters.update(step=step, seconds=time.perf_counter() - t0)
-            _save_resumable(acc, ckpt_dir / f"step-{step:06d}", drafter, opt, sched, kind, meta, dict(counters),
-                            loss_gen, tc.keep_last, recipe_yaml)
+            _save_resumable(
+                acc,
+                ckpt_dir / f"step-{step:06d}",
+                drafter,
+                opt,
+                sched,
+                kind,
+                meta,
+                dict(counters),
+                loss_gen,
+                tc.keep_last,
+                recipe_yaml,
+            )
     bar.close()
     final = ckpt_dir / "final"
     acc.wait_for_everyone()
     full, _ = _gathered(acc, drafter)  # every rank: a collective under FSDP2 / ZeRO-3
     if acc.is_main_process:
-        save_drafter(final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml,
-                     state=full)
+        save_drafter(
+            final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml, state=full
+        )
         print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
     runlog.close()
     return final
@@ -259,16 +293,28 @@ def _check_sharding(acc, tc) -> None:
     resumable checkpoints under DeepSpeed up front rather than at the first save: its optimizer keeps its own
     partitioned state layout, which train/state.py does not write."""
     if tc.shard_target and tc.eval_every:  # the in-training decode runs on rank 0 alone: it cannot gather shards
-        raise DraftsmithError("train.shard_target: the periodic eval (train.eval_every) decodes on one process and "
-                              "needs the whole target; set train.eval_every=0 and run draftsmith eval afterwards")
+        raise DraftsmithError(
+            "train.shard_target: the periodic eval (train.eval_every) decodes on one process and "
+            "needs the whole target; set train.eval_every=0 and run draftsmith eval afterwards"
+        )
     if acc.distributed_type.value == "DEEPSPEED" and tc.save_every:
-        raise DraftsmithError("train.save_every: resumable checkpoints are not supported under DeepSpeed yet; use "
-                              "recipes/accelerate/fsdp2.yaml (shards as well) or set train.save_every=0")
-    asked = [name for name, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
-             if os.environ.get(env, "").lower() in ("1", "true")]
+        raise DraftsmithError(
+            "train.save_every: resumable checkpoints are not supported under DeepSpeed yet; use "
+            "recipes/accelerate/fsdp2.yaml (shards as well) or set train.save_every=0"
+        )
+    asked = [
+        name
+        for name, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
+        if os.environ.get(env, "").lower() in ("1", "true")
+    ]
     if asked and acc.distributed_type.value not in asked:
-        log.warning("the accelerate config asks for %s but this run is %s on %s: nothing is sharded (accelerate "
-                    "shards on GPUs only)", asked[0], acc.distributed_type.value, acc.device)
+        log.warning(
+            "the accelerate config asks for %s but this run is %s on %s: nothing is sharded (accelerate "
+            "shards on GPUs only)",
+            asked[0],
+            acc.distributed_type.value,
+            acc.device,
+        )
 
 
 def _configure_deepspeed(acc, tc) -> None:
@@ -279,8 +325,11 @@ def _configure_deepspeed(acc, tc) -> None:
     if acc.distributed_type.value != "DEEPSPEED" or plugin is None:
         return
     plugin.deepspeed_config.update(
-        train_micro_batch_size_per_gpu=tc.micro_batch_size, gradient_accumulation_steps=tc.grad_accum,
-        train_batch_size=tc.micro_batch_size * tc.grad_accum * acc.num_processes, gradient_clipping=tc.grad_clip)
+        train_micro_batch_size_per_gpu=tc.micro_batch_size,
+        gradient_accumulation_steps=tc.grad_accum,
+        train_batch_size=tc.micro_batch_size * tc.grad_accum * acc.num_processes,
+        gradient_clipping=tc.grad_clip,
+    )
     acc.gradient_accumulation_steps = tc.grad_accum  # accelerate's copy, which it checks against DeepSpeed's
 
 
@@ -313,11 +362,17 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     opt.zero_grad(set_to_none=True)
     # One all-reduce for the loss and every metric: logged numbers describe the global batch, not rank 0's part.
     keys = sorted(metrics)
-    sums = acc.reduce(torch.tensor([float(loss_sum), n_metric, *(metrics[k] for k in keys)], device=acc.device,
-                                   dtype=torch.float64), "sum").tolist()
-    return {"loss": sums[0] / max(1.0, n_global), "n": int(n_global), "tokens": int(n_global),
-            "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-            **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[2:])}}
+    sums = acc.reduce(
+        torch.tensor([float(loss_sum), n_metric, *(metrics[k] for k in keys)], device=acc.device, dtype=torch.float64),
+        "sum",
+    ).tolist()
+    return {
+        "loss": sums[0] / max(1.0, n_global),
+        "n": int(n_global),
+        "tokens": int(n_global),
+        "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
+        **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[2:])},
+    }
 
 
 def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:
@@ -340,15 +395,22 @@ def _gathered(acc, drafter, opt=None) -> tuple[dict | None, dict | None]:
     return gather(drafter, opt)
 
 
-def _save_resumable(acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last,
-                    recipe_yaml: str | None = None) -> None:
+def _save_resumable(
+    acc, path: Path, drafter, opt, sched, kind, meta, counters, loss_gen, keep_last, recipe_yaml: str | None = None
+) -> None:
     """Drafter + training state, atomically; then prune old step folders."""
     acc.wait_for_everyone()
     full, osd = _gathered(acc, drafter, opt)  # every rank: a collective under FSDP2
     rngs = gather_rng_states(acc, {"loss": loss_gen}) if acc.num_processes > 1 else None  # a collective too
     if acc.is_main_process:
-        save_drafter(path, acc.unwrap_model(drafter), kind, {**meta, "step": counters["step"]},
-                     extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd, rngs),
-                     recipe_yaml=recipe_yaml, state=full)
+        save_drafter(
+            path,
+            acc.unwrap_model(drafter),
+            kind,
+            {**meta, "step": counters["step"]},
+            extra=lambda folder: write_state(folder, opt, sched, counters, {"loss": loss_gen}, osd, rngs),
+            recipe_yaml=recipe_yaml,
+            state=full,
+        )
         prune(path.parent, keep_last)
     acc.wait_for_everyone()

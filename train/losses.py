@@ -15,6 +15,7 @@ kernels on GPU). With ``LossSpec.vocab_chunk`` the vocabulary is taken in blocks
 a function of per-row sums over the vocabulary, so peak memory is O(chunk x block), for the student and a full
 target teacher alike, at the price of recomputed head matmuls.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,6 +34,7 @@ class Teacher:
     ``topk_ids``/``topk_logprobs`` (N, K) stored top-k; ``logits`` (N, V); or ``hidden`` (N, D) with ``head``
     (V, D), the target's final hidden state and LM head, turned into logits chunk by chunk.
     ``labels`` (N,) are the target-written tokens (CE, metrics)."""
+
     labels: torch.Tensor | None = None
     topk_ids: torch.Tensor | None = None
     topk_logprobs: torch.Tensor | None = None
@@ -41,8 +43,14 @@ class Teacher:
     head: torch.Tensor | None = None
 
     def rows(self, s: int, e: int) -> Teacher:
-        return replace(self, **{f.name: getattr(self, f.name)[s:e] for f in fields(self)
-                                if f.name != "head" and getattr(self, f.name) is not None})
+        return replace(
+            self,
+            **{
+                f.name: getattr(self, f.name)[s:e]
+                for f in fields(self)
+                if f.name != "head" and getattr(self, f.name) is not None
+            },
+        )
 
     def sharpened(self, temperature: float) -> Teacher:
         """The teacher at ``temperature`` (p^(1/t), renormalised; t < 1 sharpens it towards its argmax, the token
@@ -101,6 +109,7 @@ def gathered_buckets(logq_at_ids: torch.Tensor, topk_ids: torch.Tensor, topk_log
 # Each is combine(S), S (N, m) the sums over the support of m per-entry terms. Sums over blocks of the vocabulary
 # add up, so the vocabulary-blocked driver below (``_blocked_divergence``) computes the same value and gradient
 # without ever holding a (chunk, V) tensor; on a whole support this is just the textbook formula.
+
 
 class Divergence:
     """``terms(logp, logq, beta)`` -> m per-entry tensors, summed over the support; ``combine(S, kl_scale,
@@ -195,12 +204,20 @@ def hidden_regression(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.smooth_l1_loss(pred.float(), target.float(), reduction="none").mean(-1)
 
 
-DIVERGENCES = {"fkl": fkl, "rkl": rkl, "jsd": jsd, "tvd": tvd, "neg_log_alpha": neg_log_alpha, "lk": lk,
-               "tvdpp_full": tvdpp_full}
+DIVERGENCES = {
+    "fkl": fkl,
+    "rkl": rkl,
+    "jsd": jsd,
+    "tvd": tvd,
+    "neg_log_alpha": neg_log_alpha,
+    "lk": lk,
+    "tvdpp_full": tvdpp_full,
+}
 LOSS_KINDS = ("ce", *DIVERGENCES, "tvdpp")
 
 
 # ---- TVD++ (sampled policy gradient) -------------------------------------------------------------------------------
+
 
 @torch.no_grad()
 def tvdpp_rewards(logp, logq, generator: torch.Generator | None = None):
@@ -294,6 +311,7 @@ def _gathered_loss(spec: LossSpec, logq_k, ids, teacher: Teacher, sample) -> tor
 
 
 # ---- vocabulary blocks: no (chunk, V) tensor at all -----------------------------------------------------------------
+
 
 class _Blocks:
     """One position chunk's student logits hc @ W[v0:v1]^T and teacher logits (stored, or from the target's
@@ -401,8 +419,15 @@ def _blocked_divergence(spec: LossSpec, B: _Blocks, gh, grad_w):
         with torch.enable_grad():
             s_b = div.sums(logp, logq + shift, spec.beta)
             # d S_k / d shift, one small backward per term (terms like TVD++'s reward count have none)
-            t_b = torch.stack([torch.autograd.grad(s_b[:, k].sum(), shift, retain_graph=True, allow_unused=True,
-                                                   materialize_grads=True)[0][:, 0] for k in range(s_b.shape[1])], -1)
+            t_b = torch.stack(
+                [
+                    torch.autograd.grad(
+                        s_b[:, k].sum(), shift, retain_graph=True, allow_unused=True, materialize_grads=True
+                    )[0][:, 0]
+                    for k in range(s_b.shape[1])
+                ],
+                -1,
+            )
         S, T = S + s_b.detach(), T + t_b
     S.requires_grad_(need)
     with torch.enable_grad():
@@ -447,6 +472,7 @@ def _blocked_tvdpp_sample(B: _Blocks, generator):
 
 
 # ---- one driver: hidden states + LM head -> loss, chunked over positions (and optionally the vocabulary) ---------
+
 
 class _ChunkedHeadLoss(torch.autograd.Function):
     """sum over positions of loss(h @ W^T), chunk by chunk; the gradients w.r.t. h and W are taken per chunk in
@@ -514,8 +540,9 @@ def _blocked(spec: LossSpec, w: torch.Tensor) -> bool:
     return 0 < spec.vocab_chunk < w.shape[0]
 
 
-def head_loss(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: LossSpec,
-              generator: torch.Generator | None = None) -> torch.Tensor:
+def head_loss(
+    h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: LossSpec, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Mean over the N positions of ``spec.kind`` between the student ``h @ weight.T`` and the teacher.
 
     h (N, D) student final hidden states at the trained positions; weight (V', D) its LM head (V' may be a
@@ -531,11 +558,11 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: Los
             for s in range(0, h.shape[0], spec.chunk):
                 e = min(s + spec.chunk, h.shape[0])
                 if _blocked(spec, weight):
-                    x, r = _blocked_tvdpp_sample(_Blocks(h[s:e].to(weight.dtype), weight, teacher.rows(s, e),
-                                                         spec.vocab_chunk), generator)
+                    x, r = _blocked_tvdpp_sample(
+                        _Blocks(h[s:e].to(weight.dtype), weight, teacher.rows(s, e), spec.vocab_chunk), generator
+                    )
                 else:
-                    x, r = tvdpp_rewards(*teacher.rows(s, e).log_pair(h[s:e].to(weight.dtype) @ weight.t()),
-                                         generator)
+                    x, r = tvdpp_rewards(*teacher.rows(s, e).log_pair(h[s:e].to(weight.dtype) @ weight.t()), generator)
                 xs.append(x)
                 rs.append(r)
         r = torch.cat(rs)
@@ -544,8 +571,9 @@ def head_loss(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, spec: Los
 
 
 @torch.no_grad()
-def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk: int = 1024, ranks: int = 0,
-                 vocab_chunk: int = 0) -> dict:
+def head_metrics(
+    h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk: int = 1024, ranks: int = 0, vocab_chunk: int = 0
+) -> dict:
     """Chunked metrics at the trained positions: top-1 agreement with the labels, and (with a teacher
     distribution) alpha = sum min(p, q), a lower bound on the exact acceptance when the teacher is top-k.
     ranks > 0 adds ``rank_acc`` [P(label is the r-th best token) for r < ranks] (tree construction).
@@ -566,7 +594,7 @@ def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk:
         if t.labels is not None:
             top1 += (top[:, 0] == t.labels).float().sum().item()
             if ranks:
-                hits[:top.shape[1]] += (top == t.labels[:, None]).float().sum(0).cpu()
+                hits[: top.shape[1]] += (top == t.labels[:, None]).float().sum(0).cpu()
         if not has_dist:
             continue
         if t.topk_ids is not None:  # top-k buckets only: the tail bucket could overstate acceptance
@@ -578,8 +606,10 @@ def head_metrics(h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk:
             a += alpha(logp[:, :-1], logq[:, :-1]).sum().item()
         elif blocked:
             lse_q, lse_p, _ = B.lse(teacher=True)
-            a += sum(alpha(B.teacher(v0, v1) - lse_p[:, None], B.student(v0, v1) - lse_q[:, None]).sum().item()
-                     for v0, v1 in B.spans)
+            a += sum(
+                alpha(B.teacher(v0, v1) - lse_p[:, None], B.student(v0, v1) - lse_q[:, None]).sum().item()
+                for v0, v1 in B.spans
+            )
         else:
             a += alpha(*t.log_pair(logits)).sum().item()
     out = {"top1": top1 / max(1, n), "tokens": n}

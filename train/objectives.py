@@ -5,6 +5,7 @@ The train loop is shared; only this function differs between drafters. Each kind
 trained positions plus the count, so the loop can normalise by the global token count of the optimizer step
 (exact under gradient accumulation and data parallelism, whatever the per-rank token counts).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,6 +35,7 @@ class StepOutput:
 @dataclass
 class Context:
     """What an objective may need besides its model and batch."""
+
     unwrapped: torch.nn.Module  # the drafter without DDP/FSDP wrappers (its config and vocabulary maps)
     target: torch.nn.Module | None = None  # frozen target, for loss.teacher = target
     generator: torch.Generator | None = None  # sampling inside losses (TVD++), checkpointed with the run
@@ -41,8 +43,10 @@ class Context:
 
     def __post_init__(self):
         if isinstance(self.params, dict):
-            raise TypeError("Context.params is the drafter's typed section (e.g. EagleDrafterConfig(...)), not a "
-                            "dict: build it with draftsmith.models.registry.drafter_spec(kind).section(fields)")
+            raise TypeError(
+                "Context.params is the drafter's typed section (e.g. EagleDrafterConfig(...)), not a "
+                "dict: build it with draftsmith.models.registry.drafter_spec(kind).section(fields)"
+            )
 
 
 def objective_for(kind: str) -> Callable:
@@ -55,9 +59,16 @@ def objective_for(kind: str) -> Callable:
 
 
 def _spec(cfg) -> losses.LossSpec:
-    return losses.LossSpec(kind=cfg.kind, beta=cfg.beta, kl_scale=cfg.kl_scale, kl_decay=cfg.kl_decay,
-                           chunk=cfg.chunk, fused=cfg.fused, vocab_chunk=cfg.vocab_chunk,
-                           teacher_temperature=cfg.teacher_temperature)
+    return losses.LossSpec(
+        kind=cfg.kind,
+        beta=cfg.beta,
+        kl_scale=cfg.kl_scale,
+        kl_decay=cfg.kl_decay,
+        chunk=cfg.chunk,
+        fused=cfg.fused,
+        vocab_chunk=cfg.vocab_chunk,
+        teacher_temperature=cfg.teacher_temperature,
+    )
 
 
 def _metrics(h, head, teacher: losses.Teacher, cfg, ranks: int = 0) -> dict:
@@ -84,13 +95,16 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
             h = ctx.target(batch["input_ids"], logits_at=batch["predict_mask"], return_hidden=True)
         head = ctx.target.lm_head.weight
         if t2d is not None:  # teacher restricted to the draft vocabulary, un-renormalised tail via top-k form
-            raise DraftsmithError("train.loss.teacher=target with drafter.draft_vocab is not supported: use "
-                                  "teacher=records")
+            raise DraftsmithError(
+                "train.loss.teacher=target with drafter.draft_vocab is not supported: use teacher=records"
+            )
         teacher.hidden, teacher.head = h, head
         return teacher
     if "topk_ids" not in batch:  # (ce returned above)
-        raise DraftsmithError(f"train.loss.kind={cfg.kind} needs teacher top-k log-probs: set data.signals.topk "
-                              f"> 0 and regenerate, or use train.loss.teacher=target")
+        raise DraftsmithError(
+            f"train.loss.kind={cfg.kind} needs teacher top-k log-probs: set data.signals.topk "
+            f"> 0 and regenerate, or use train.loss.teacher=target"
+        )
     ids = batch["topk_ids"]
     teacher.topk_ids = ids if t2d is None else t2d[ids]
     teacher.topk_logprobs = batch["topk_logprobs"]
@@ -108,9 +122,14 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         t = teacher
         if cfg.kind == "ce" and reduced:  # labels outside the draft vocabulary cannot be CE targets
             keep = t.labels >= 0
-            h, t = h[keep], losses.Teacher(labels=t.labels[keep],
-                                           topk_ids=None if t.topk_ids is None else t.topk_ids[keep],
-                                           topk_logprobs=None if t.topk_logprobs is None else t.topk_logprobs[keep])
+            h, t = (
+                h[keep],
+                losses.Teacher(
+                    labels=t.labels[keep],
+                    topk_ids=None if t.topk_ids is None else t.topk_ids[keep],
+                    topk_logprobs=None if t.topk_logprobs is None else t.topk_logprobs[keep],
+                ),
+            )
         loss = losses.head_loss(h, head, t, _spec(cfg), ctx.generator) * h.shape[0]
         return loss, h.shape[0], _metrics(h, head, t, cfg)
 
@@ -124,8 +143,10 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
     if "hidden_last" in batch:
         return batch["hidden_last"].float()
     if ctx.target is None:
-        raise DraftsmithError("this drafter reads target hidden states: store them (data.signals.hidden_last) "
-                              "or let the loop run the target")
+        raise DraftsmithError(
+            "this drafter reads target hidden states: store them (data.signals.hidden_last) "
+            "or let the loop run the target"
+        )
     with torch.no_grad():
         return ctx.target(batch["input_ids"], return_hidden=True).float()
 
@@ -146,24 +167,26 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
         s = k + 1
         sel = torch.zeros_like(pm)
         if s < T:
-            sel[:, :T - s] = pm[:, :T - s] & pm[:, s:]
+            sel[:, : T - s] = pm[:, : T - s] & pm[:, s:]
             if t2d is not None:
-                sel[:, :T - s] &= labels_all[row[:, s:].clamp(min=0)] >= 0
-        rows = row[:, s:][sel[:, :T - s]] if s < T else row.new_empty(0)
+                sel[:, : T - s] &= labels_all[row[:, s:].clamp(min=0)] >= 0
+        rows = row[:, s:][sel[:, : T - s]] if s < T else row.new_empty(0)
         t = losses.Teacher(labels=labels_all[rows])
         if cfg.kind != "ce":
             if cfg.teacher == "target":
-                t.hidden = hidden[:, s:][sel[:, :T - s]]
+                t.hidden = hidden[:, s:][sel[:, : T - s]]
                 t.head = ctx.target.lm_head.weight if head is None else head
             elif "topk_ids" in batch:
                 ids = batch["topk_ids"][rows]
                 t.topk_ids, t.topk_logprobs = (ids if t2d is None else t2d[ids]), batch["topk_logprobs"][rows]
             else:
-                raise DraftsmithError(f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
-                                      f"(data.signals.topk) or train.loss.teacher=target")
+                raise DraftsmithError(
+                    f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
+                    f"(data.signals.topk) or train.loss.teacher=target"
+                )
         selects.append(sel.flatten())
         teachers.append(t)
-        future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
+        future.append(flat[:, s:][sel[:, : T - s]] if s < T else flat.new_empty(0))
     return selects, teachers, future
 
 
@@ -181,7 +204,7 @@ def _per_step_metrics(outs: list, prefix: str) -> dict:
     if alphas:
         m["alpha"] = alphas[0]
         # a chain that stops at the first miss: tau = 1 + a0 + a0 a1 + ...
-        m["tau_estimate"] = 1 + sum(math.prod(alphas[:j + 1]) for j in range(len(alphas)))
+        m["tau_estimate"] = 1 + sum(math.prod(alphas[: j + 1]) for j in range(len(alphas)))
     return m
 
 
@@ -204,7 +227,7 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     base_teacher = records_teacher(batch, cfg, ctx, None) if joint else None
 
     def head_fn(k, x, w):  # inside the heads' forward (see MedusaHeads.forward); k = -1: the adapted target
-        t, weight = (base_teacher, 1.0) if k < 0 else (teachers[k], coef * decay ** k)
+        t, weight = (base_teacher, 1.0) if k < 0 else (teachers[k], coef * decay**k)
         n = x.shape[0]
         loss = losses.head_loss(x, w, t, _spec(cfg), ctx.generator) * n if n else x.sum() * 0
         return loss * weight, n, _metrics(x, w, t, cfg, ranks=3)
@@ -229,8 +252,10 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
         a = batch["hidden_aux"].float()  # (B, T, A, D) in aux_layers order
         return a.reshape(*a.shape[:2], -1), None
     if ctx.target is None:
-        raise DraftsmithError("this EAGLE drafter reads target hidden states: store them (data.signals."
-                              "hidden_last / hidden_layers) or let the loop run the target")
+        raise DraftsmithError(
+            "this EAGLE drafter reads target hidden states: store them (data.signals."
+            "hidden_last / hidden_layers) or let the loop run the target"
+        )
     with torch.no_grad():
         h, cap = ctx.target(batch["input_ids"], capture_layers=eagle.capture_layers, return_hidden=True)
         return eagle.features(cap, ctx.target).float(), h.float()
@@ -248,8 +273,9 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     kept_head = None
     if reduced and cfg.teacher == "target":  # EAGLE-3's p~: target logits restricted to the draft vocabulary
         kept_head = ctx.target.lm_head.weight[eagle.lm_head.target_ids]
-    selects, teachers, future = shifted_teachers(batch, cfg, ctx, steps, last, eagle.t2d if reduced else None,
-                                                 kept_head)
+    selects, teachers, future = shifted_teachers(
+        batch, cfg, ctx, steps, last, eagle.t2d if reduced else None, kept_head
+    )
     decay, w_tok = p.head_decay, p.token_loss_weight
     w_feat = p.feature_loss_weight if eagle.cfg.version == 1 else 0.0
     target_feats = last.reshape(-1, last.shape[-1]) if w_feat else None
@@ -265,7 +291,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
         if w_feat:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
-        return loss * decay ** s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
+        return loss * decay**s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
     outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn)
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
@@ -292,9 +318,12 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
     n = len(s)
-    m = {"accept_label": float(s.mean()) if n else 0.0, "accept_pred": float(a.mean()) if n else 0.0,
-         "brier": float(((a - s) ** 2).mean()) if n else 0.0,
-         "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0}  # agreement on accept vs reject
+    m = {
+        "accept_label": float(s.mean()) if n else 0.0,
+        "accept_pred": float(a.mean()) if n else 0.0,
+        "brier": float(((a - s) ** 2).mean()) if n else 0.0,
+        "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0,
+    }  # agreement on accept vs reject
     if slot is not None:  # each head's own acceptance rate and how well the head tells its drafts apart
         for k in range(head.cfg.n_slots):
             at = slot == k
@@ -311,8 +340,10 @@ def draft_lm_acceptance_inputs(draft, batch: dict, ctx: Context, chunk: int = 51
     and the head reads its state at every swapped token. before: the draft reads the target's text and the head
     reads the state that drafted each labelled token, with log q(y) and the entropy (every label counts)."""
     if "spec_accept" not in batch:
-        raise DraftsmithError("the acceptance head trains on SpecDec++ labels: generate with "
-                              "data.specdec_labels (checkpoint: the same draft LM)")
+        raise DraftsmithError(
+            "the acceptance head trains on SpecDec++ labels: generate with "
+            "data.specdec_labels (checkpoint: the same draft LM)"
+        )
     pm, ids = batch["predict_mask"], batch["input_ids"]
     y, s = batch["spec_token"].long(), batch["spec_accept"].float()
     label_pos = torch.zeros_like(pm)
@@ -321,8 +352,16 @@ def draft_lm_acceptance_inputs(draft, batch: dict, ctx: Context, chunk: int = 51
         producer = torch.zeros_like(pm)
         producer[:, :-1] = label_pos[:, 1:]  # the position whose logits drafted each labelled token, same order
         h = draft(ids, return_hidden=True)[producer]  # (N, D): the frozen draft on the target's text
-        x = torch.cat([acceptance_features(h[a:a + chunk], draft.lm_head(h[a:a + chunk]), y[a:a + chunk])
-                       for a in range(0, len(h), chunk)]) if len(h) else h.new_zeros(0, h.shape[-1] + N_EXTRA)
+        x = (
+            torch.cat(
+                [
+                    acceptance_features(h[a : a + chunk], draft.lm_head(h[a : a + chunk]), y[a : a + chunk])
+                    for a in range(0, len(h), chunk)
+                ]
+            )
+            if len(h)
+            else h.new_zeros(0, h.shape[-1] + N_EXTRA)
+        )
         return x, s
     swap = torch.rand(y.shape, generator=ctx.generator, device=y.device) >= ctx.params.mixing_ratio
     z = ids.clone()
@@ -348,21 +387,22 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
     pm, ids = batch["predict_mask"], batch["input_ids"]
     T = ids.shape[1]
     sel = torch.zeros_like(pm)
-    sel[:, :T - 1] = pm[:, :T - 1] & pm[:, 1:]
+    sel[:, : T - 1] = pm[:, : T - 1] & pm[:, 1:]
     h, cap = ctx.target(ids, capture_layers=eagle.capture_layers, return_hidden=True)
     feats = eagle.features(cap, ctx.target).to(eagle.embed_tokens.weight.dtype)
     first = eagle.head_input(eagle(feats, ids, steps=1)[0][sel])  # (N, d): drafts x_{t+2}
-    h_next = h[:, 1:][sel[:, :T - 1]]  # (N, D): the target's states at t+1
+    h_next = h[:, 1:][sel[:, : T - 1]]  # (N, D): the target's states at t+1
     sampling = Sampling(temperature=ctx.params.label_temperature)
     ys, ss, xs = [], [], []
     for a in range(0, len(first), chunk):  # (n, V) logits for a chunk of rows at a time
-        q = eagle.lm_head(first[a:a + chunk])
-        y, s = specdec_labels(ctx.target.lm_head(h_next[a:a + chunk]).float(), q.float(), sampling,
-                              [ctx.generator] * len(q))
+        q = eagle.lm_head(first[a : a + chunk])
+        y, s = specdec_labels(
+            ctx.target.lm_head(h_next[a : a + chunk]).float(), q.float(), sampling, [ctx.generator] * len(q)
+        )
         ys.append(y)
         ss.append(s)
         if before:
-            xs.append(acceptance_features(first[a:a + chunk], q, y))
+            xs.append(acceptance_features(first[a : a + chunk], q, y))
     if before:
         s_all = torch.cat(ss) if ss else first.new_zeros(0)
         return (torch.cat(xs) if xs else first.new_zeros(0, first.shape[-1] + N_EXTRA)).float(), s_all.float()
@@ -398,9 +438,9 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, 
         s = k + 1
         sel = torch.zeros_like(pm)
         if s < T:
-            sel[:, :T - s] = pm[:, :T - s] & pm[:, s:]
+            sel[:, : T - s] = pm[:, : T - s] & pm[:, s:]
         selects.append(sel.flatten())
-        future.append(flat[:, s:][sel[:, :T - s]] if s < T else flat.new_empty(0))
+        future.append(flat[:, s:][sel[:, : T - s]] if s < T else flat.new_empty(0))
     dtype = next(heads.parameters()).dtype
     outs = heads(h.to(dtype), ids, select=selects, head_fn=lambda k, x, w: (x, w))  # states and LM-head weights
     temperature = ctx.params.label_temperature
@@ -410,12 +450,12 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, 
         rows = pm.flatten().nonzero()[:, 0]
         greedy = torch.full((B * T,), -1, dtype=torch.long, device=pm.device)
         for a in range(0, len(rows), chunk):
-            greedy[rows[a:a + chunk]] = ctx.target.lm_head(flat_h[rows[a:a + chunk]]).argmax(-1)
+            greedy[rows[a : a + chunk]] = ctx.target.lm_head(flat_h[rows[a : a + chunk]]).argmax(-1)
     xs, ss, slots = [], [], []
     starts = [f - (k + 1) for k, f in enumerate(future)]
     for k, (x, w) in enumerate(outs):
         for a in range(0, len(x), chunk):  # (n, V) logits for a chunk of rows at a time
-            xa, at = x[a:a + chunk].float(), future[k][a:a + chunk]
+            xa, at = x[a : a + chunk].float(), future[k][a : a + chunk]
             q = xa @ w.float().T  # the heads' own (maybe reduced) vocabulary: log q(y) and the entropy are the same
             if greedy is not None:
                 y = q.argmax(-1)
@@ -457,9 +497,12 @@ def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     loss = (w * F.binary_cross_entropy_with_logits(logit, y, reduction="none")).sum()
     a = torch.sigmoid(logit.detach()) > 0.5
     good, bad = y > 0.5, y <= 0.5
-    m = {"top1": float((a == good).float().mean()), "label_acceptable": float(y.mean()),
-         "recall_acceptable": float(a[good].float().mean()) if good.any() else 0.0,
-         "recall_reject": float((~a[bad]).float().mean()) if bad.any() else 0.0}
+    m = {
+        "top1": float((a == good).float().mean()),
+        "label_acceptable": float(y.mean()),
+        "recall_acceptable": float(a[good].float().mean()) if good.any() else 0.0,
+        "recall_reject": float((~a[bad]).float().mean()) if bad.any() else 0.0,
+    }
     return StepOutput(loss, len(y), m)
 
 

@@ -6,6 +6,7 @@ models/registry.py) plus ``train_state.safetensors`` (optimizer moments, RNG sta
 stored per rank, so a multi-process run resumes each rank's own sampling. The folder is written under a
 temporary name and renamed, so a folder with the final name is always complete.
 """
+
 from __future__ import annotations
 
 import json
@@ -65,8 +66,10 @@ def gather(model: torch.nn.Module, opt: torch.optim.Optimizer | None = None) -> 
     if not osd:  # ranks other than 0 get empty dicts (cpu_offload gathers onto rank 0 only)
         return msd, None
     pos = {n: i for i, n in enumerate(_fqns(model, opt))}
-    return msd, {"state": {pos[n]: st for n, st in osd["state"].items()},
-                 "param_groups": [{**g, "params": [pos[n] for n in g["params"]]} for g in osd["param_groups"]]}
+    return msd, {
+        "state": {pos[n]: st for n, st in osd["state"].items()},
+        "param_groups": [{**g, "params": [pos[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
 
 
 def _load_optimizer(model, opt: torch.optim.Optimizer, osd: dict) -> None:
@@ -78,8 +81,10 @@ def _load_optimizer(model, opt: torch.optim.Optimizer, osd: dict) -> None:
     names = _fqns(model, opt)
     if len(names) != sum(len(g["params"]) for g in osd["param_groups"]):
         raise ValueError("the saved optimizer has a different number of parameters")
-    full = {"state": {names[i]: st for i, st in osd["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]}
+    full = {
+        "state": {names[i]: st for i, st in osd["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]],
+    }
     set_optimizer_state_dict(model, opt, full, options=StateDictOptions(full_state_dict=True))
 
 
@@ -108,9 +113,15 @@ def gather_rng_states(acc, generators: dict[str, torch.Generator]) -> list[dict[
     return out
 
 
-def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
-                generators: dict[str, torch.Generator], osd: dict | None = None,
-                rank_rngs: list[dict[str, torch.Tensor]] | None = None) -> None:
+def write_state(
+    folder: Path,
+    opt: torch.optim.Optimizer,
+    sched,
+    counters: dict,
+    generators: dict[str, torch.Generator],
+    osd: dict | None = None,
+    rank_rngs: list[dict[str, torch.Tensor]] | None = None,
+) -> None:
     """Write train_state.{safetensors,json} into ``folder`` (the caller renames the folder into place).
     ``osd``: the optimizer state dict when it had to be gathered first (``gather``). ``rank_rngs``: every rank's
     RNG states (``gather_rng_states``), stored per rank so each resumes its own."""
@@ -130,14 +141,24 @@ def write_state(folder: Path, opt: torch.optim.Optimizer, sched, counters: dict,
     for r, states in enumerate(rank_rngs or ()):
         tensors.update({f"rng.rank{r}.{k}": v for k, v in states.items()})
     save_file(tensors, str(folder / "train_state.safetensors"))
-    meta = {"param_groups": _jsonable(osd["param_groups"]), "scalars": scalars,
-            "scheduler": _jsonable(sched.state_dict()), "counters": counters,
-            "python_random": _jsonable(random.getstate())}
+    meta = {
+        "param_groups": _jsonable(osd["param_groups"]),
+        "scalars": scalars,
+        "scheduler": _jsonable(sched.state_dict()),
+        "counters": counters,
+        "python_random": _jsonable(random.getstate()),
+    }
     (folder / "train_state.json").write_text(json.dumps(meta))
 
 
-def read_state(folder: Path, opt: torch.optim.Optimizer, sched, generators: dict[str, torch.Generator],
-               model: torch.nn.Module | None = None, rank: int = 0) -> dict:
+def read_state(
+    folder: Path,
+    opt: torch.optim.Optimizer,
+    sched,
+    generators: dict[str, torch.Generator],
+    model: torch.nn.Module | None = None,
+    rank: int = 0,
+) -> dict:
     """Restore optimizer, scheduler and RNG states from ``folder``; returns the saved counters. ``model``: the
     prepared drafter, needed when it is sharded (FSDP2) to scatter the full optimizer state onto its shards.
     ``rank``: this process's rank, whose own RNG states are restored when the checkpoint has them (else the
@@ -175,8 +196,11 @@ def latest_resumable(ckpt_dir: Path) -> Path | None:
     """The newest complete step-N folder with a training state, or None."""
     if not ckpt_dir.is_dir():
         return None
-    found = [(int(m.group(1)), p) for p in ckpt_dir.iterdir()
-             if (m := STEP_DIR.match(p.name)) and (p / "train_state.json").is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in ckpt_dir.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / "train_state.json").is_file()
+    ]
     return max(found)[1] if found else None
 
 

@@ -20,6 +20,7 @@ draft steps per dtype (where a bf16 draft step spends its time next to an fp32 o
 It calls the decoder's drafting pieces (eval/proposers.py ``FeatureProposer``, eval/shapes.py ``draft_chain``)
 to time one draft block on its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,8 +38,17 @@ from draftsmith.eval.timing import interleave, sync
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.llama import Llama, LlamaConfig
 
-SMOLLM2 = dict(vocab_size=49152, dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
-               rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    dim=576,
+    n_layers=30,
+    n_heads=9,
+    n_kv_heads=3,
+    hidden_dim=1536,
+    rope_theta=100000.0,
+    max_seq_len=8192,
+    tie_embeddings=True,
+)
 TINY = dict(vocab_size=2048, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=128, max_seq_len=2048)
 
 
@@ -65,11 +75,16 @@ def step_jobs(target, drafter, args, device: str) -> dict:
         target(ids(ctx), cache=tcache)  # the prompt (prefills run eagerly either way)
         x1, xg = ids(1), ids(g + 1)
         layers = drafter.capture_layers
-        for name, x, kw in (("decode", x1, {}), (f"verify {g + 1}", xg, {}),
-                            (f"verify {g + 1} + features", xg, {"capture_layers": layers})):
+        for name, x, kw in (
+            ("decode", x1, {}),
+            (f"verify {g + 1}", xg, {}),
+            (f"verify {g + 1} + features", xg, {"capture_layers": layers}),
+        ):
+
             def step(x=x, kw=kw):
                 tcache.length = ctx
                 target(x, cache=tcache, **kw)
+
             jobs[name] = step
         dcache = drafter.new_cache(1, max_len)
         d, dt = drafter.cfg.dim, drafter.fc.weight.dtype
@@ -80,6 +95,7 @@ def step_jobs(target, drafter, args, device: str) -> dict:
             def dstep(st=st, x=x, last=last):
                 dcache.length = ctx
                 drafter.step(st, x, cache=dcache, last_only=last)
+
             jobs[name] = dstep
         # A whole block as the decoder drafts it: root over the accepted token, γ - 1 fed drafts, greedy picks.
         prompt = ids(ctx)[0]
@@ -93,6 +109,7 @@ def step_jobs(target, drafter, args, device: str) -> dict:
             # nothing accepted: roll back to the root, and the next root reads one pair
             run.cache.length, run.root_len = run.root_len, None
             run.ids, run.feats = cur.new_empty(0), feats[:1]
+
         jobs[f"chain block γ={g}"] = block
     return jobs
 
@@ -109,8 +126,9 @@ def profile_drafts(drafter, device: str, n: int = 20) -> str:
     dcache = drafter.new_cache(1, 512)
     d, dt = drafter.cfg.dim, drafter.fc.weight.dtype
     with torch.no_grad():
-        drafter.step(torch.randn(1, 64, d, device=device, dtype=dt), torch.randint(0, 1000, (1, 64), device=device),
-                     cache=dcache)
+        drafter.step(
+            torch.randn(1, 64, d, device=device, dtype=dt), torch.randint(0, 1000, (1, 64), device=device), cache=dcache
+        )
         st, x = torch.randn(1, 1, d, device=device, dtype=dt), torch.randint(0, 1000, (1, 1), device=device)
         with profile(activities=acts) as prof:
             for _ in range(n):
@@ -136,8 +154,10 @@ def main() -> None:
     shape = TINY if args.tiny else SMOLLM2
     ec = SimpleNamespace(optimize=True, cuda_graphs=True)
     dev_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"device {dev_name}, torch {torch.__version__}, target {'tiny' if args.tiny else 'SmolLM2-135M'}-shaped, "
-          f"ctx {args.ctx}, γ {args.gamma}, median of {args.reps}")
+    print(
+        f"device {dev_name}, torch {torch.__version__}, target {'tiny' if args.tiny else 'SmolLM2-135M'}-shaped, "
+        f"ctx {args.ctx}, γ {args.gamma}, median of {args.reps}"
+    )
     results, notes = {}, []
     for dt in args.dtypes:
         dtype = getattr(torch, dt)
@@ -157,8 +177,10 @@ def main() -> None:
         notes.append(f"{dt}: {times.note}")
         print(f"\n{dt}: {'step':28s} {'eager ms':>9s} {'fast ms':>8s} {'eager/fast':>10s} {'fast, decode steps':>18s}")
         for k in eager:
-            print(f"{'':{len(dt) + 2}s}{k:28s} {eager[k] * 1e3:9.3f} {fast[k] * 1e3:8.3f} "
-                  f"{times.ratio(f'eager {k}', f'fast {k}'):10.2f} {times.ratio(f'fast {k}', 'fast decode'):18.3f}")
+            print(
+                f"{'':{len(dt) + 2}s}{k:28s} {eager[k] * 1e3:9.3f} {fast[k] * 1e3:8.3f} "
+                f"{times.ratio(f'eager {k}', f'fast {k}'):10.2f} {times.ratio(f'fast {k}', 'fast decode'):18.3f}"
+            )
         results[dt] = {"eager_s": eager, "fast_s": fast}
     if len(results) == 2:
         a, b = (results[d] for d in args.dtypes)

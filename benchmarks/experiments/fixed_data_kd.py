@@ -21,6 +21,7 @@ Usage: python benchmarks/experiments/fixed_data_kd.py [--prompts 1500] [--topk 3
                                                       [--finetune-steps 250] [--eval-n 16] [--temperatures 0 1]
                                                       [--train-args KEY=VALUE ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,14 @@ def main() -> None:
     root = Path(a.root)
     scored = root / "score"
     if not (scored / "data" / "manifest.json").exists():
-        sh("generate", "fastdraft-pretrain", f"data.prompts.n={a.prompts}", f"data.signals.topk={a.topk}",
-           f"out_dir={scored}", "-q")
+        sh(
+            "generate",
+            "fastdraft-pretrain",
+            f"data.prompts.n={a.prompts}",
+            f"data.signals.topk={a.topk}",
+            f"out_dir={scored}",
+            "-q",
+        )
     if a.finetune_steps:
         sh("generate", "fastdraft-finetune", "-q")  # resumes: a no-op when the records are complete
     rows = []
@@ -61,28 +68,60 @@ def main() -> None:
         s1 = root / loss
         if not (s1 / "data").exists():
             shutil.copytree(scored / "data", s1 / "data")
-        sh("train", "fastdraft-pretrain", f"out_dir={s1}", f"train.loss.kind={loss}", f"train.steps={a.steps}",
-           *a.train_args, "-q")
+        sh(
+            "train",
+            "fastdraft-pretrain",
+            f"out_dir={s1}",
+            f"train.loss.kind={loss}",
+            f"train.steps={a.steps}",
+            *a.train_args,
+            "-q",
+        )
         runs = [(f"{loss} (stage 1)", s1, [f"eval.checkpoint={s1 / 'checkpoints' / 'final'}"])]
         if a.finetune_steps:
             s2 = root / f"{loss}-ft"
             if not (s2 / "data").exists():
                 shutil.copytree(Path("runs/fastdraft-finetune/data"), s2 / "data")
-            sh("train", "fastdraft-finetune", f"out_dir={s2}", f"drafter.init_from={s1 / 'checkpoints' / 'final'}",
-               f"train.loss.kind={loss}", f"train.steps={a.finetune_steps}", *a.train_args, "-q")
+            sh(
+                "train",
+                "fastdraft-finetune",
+                f"out_dir={s2}",
+                f"drafter.init_from={s1 / 'checkpoints' / 'final'}",
+                f"train.loss.kind={loss}",
+                f"train.steps={a.finetune_steps}",
+                *a.train_args,
+                "-q",
+            )
             runs.append((f"{loss}, then {loss} fine-tune", s2, []))
         for label, out, extra in runs:
             for temp in a.temperatures:
-                sh("eval", "fastdraft-finetune", f"out_dir={out}", f"eval.prompts.n={a.eval_n}",
-                   f"eval.temperature={temp}", *extra, "-q")
+                sh(
+                    "eval",
+                    "fastdraft-finetune",
+                    f"out_dir={out}",
+                    f"eval.prompts.n={a.eval_n}",
+                    f"eval.temperature={temp}",
+                    *extra,
+                    "-q",
+                )
                 ev = out / f"eval-t{temp:g}"  # eval writes <run>/eval: keep one copy per temperature
                 shutil.rmtree(ev, ignore_errors=True)
                 shutil.copytree(out / "eval", ev)
                 r = json.loads((ev / "report.json").read_text())
-                rows.append((label, temp, r["tau"], r["per_position_acceptance"], r["speedup"].get("vs_ar"),
-                             r["lossless_match"]))
-    print("\n| stage-1 loss | T | tau | per-position acceptance | speedup vs own AR | lossless |\n"
-          "|---|---|---|---|---|---|")
+                rows.append(
+                    (
+                        label,
+                        temp,
+                        r["tau"],
+                        r["per_position_acceptance"],
+                        r["speedup"].get("vs_ar"),
+                        r["lossless_match"],
+                    )
+                )
+    print(
+        "\n| stage-1 loss | T | tau | per-position acceptance | speedup vs own AR | lossless |\n"
+        "|---|---|---|---|---|---|"
+    )
     for label, temp, tau, pos, sp, ll in rows:
         ll = "-" if ll is None else f"{ll:.2f}"  # sampled runs have no greedy reference to match
         print(f"| {label} | {temp:g} | {tau:.2f} | {' '.join(f'{p:.2f}' for p in pos)} | {sp:.2f}x | {ll} |")

@@ -11,6 +11,7 @@ Usage: python benchmarks/experiments/kd_losses.py [--losses ce fkl tvdpp] [--ste
        [--init runs/fdkd-fkl-L8/checkpoints/final --root runs/kd-L8]
        [--data runs/fd-big/data --set train.precision=bf16 train.warmup_steps=40]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,24 +32,43 @@ def sh(*args: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--losses", nargs="*", default=["ce", "fkl", "tvdpp"],
-                    help="train.loss.kind values to compare; none (with --on-policy) = only the on-policy row, "
-                         "from the FKL run already in --root")
+    ap.add_argument(
+        "--losses",
+        nargs="*",
+        default=["ce", "fkl", "tvdpp"],
+        help="train.loss.kind values to compare; none (with --on-policy) = only the on-policy row, "
+        "from the FKL run already in --root",
+    )
     ap.add_argument("--steps", type=int, default=400, help="fine-tuning steps per loss (same budget for all)")
-    ap.add_argument("--on-policy", type=float, default=0.0,
-                    help="> 0: after the FKL run, regenerate with this fraction written by the FKL drafter and "
-                         "train FKL again from stage 1 on that data (DistillSpec); 0 = skip")
+    ap.add_argument(
+        "--on-policy",
+        type=float,
+        default=0.0,
+        help="> 0: after the FKL run, regenerate with this fraction written by the FKL drafter and "
+        "train FKL again from stage 1 on that data (DistillSpec); 0 = skip",
+    )
     ap.add_argument("--eval-n", type=int, default=16, help="MT-bench prompts in each eval")
     ap.add_argument("--root", default="runs/kd", help="where the per-loss runs go")
     ap.add_argument("--skip-pretrain", action="store_true", help="reuse runs/fastdraft-pretrain as it is")
     ap.add_argument("--pretrain-steps", type=int, help="override fastdraft-pretrain's train.steps")
-    ap.add_argument("--init", help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's (e.g. a "
-                                   "deeper draft from benchmarks/experiments/fixed_data_kd.py); implies "
-                                   "--skip-pretrain")
-    ap.add_argument("--data", help="target-written records to fine-tune on instead of generating "
-                                   "runs/fastdraft-finetune (e.g. a larger set grown with data.prompts.n)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                    help="recipe overrides added to every train and eval (e.g. train.precision=bf16)")
+    ap.add_argument(
+        "--init",
+        help="stage-1 checkpoint to fine-tune instead of runs/fastdraft-pretrain's (e.g. a "
+        "deeper draft from benchmarks/experiments/fixed_data_kd.py); implies "
+        "--skip-pretrain",
+    )
+    ap.add_argument(
+        "--data",
+        help="target-written records to fine-tune on instead of generating "
+        "runs/fastdraft-finetune (e.g. a larger set grown with data.prompts.n)",
+    )
+    ap.add_argument(
+        "--set",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="recipe overrides added to every train and eval (e.g. train.precision=bf16)",
+    )
     a = ap.parse_args()
     if a.data and not (Path(a.data) / "manifest.json").exists():
         ap.error(f"--data {a.data}: no manifest.json there (a finished `draftsmith generate` data folder)")
@@ -64,8 +84,14 @@ def main() -> None:
     runs = [(kind, kind, data, []) for kind in a.losses]
     if a.on_policy > 0:
         fkl_ckpt = root / "fkl" / "checkpoints" / "final"
-        runs.append(("fkl+on-policy", "fkl", None, [f"data.on_policy.fraction={a.on_policy}",
-                                                     f"data.on_policy.checkpoint={fkl_ckpt}"]))
+        runs.append(
+            (
+                "fkl+on-policy",
+                "fkl",
+                None,
+                [f"data.on_policy.fraction={a.on_policy}", f"data.on_policy.checkpoint={fkl_ckpt}"],
+            )
+        )
     for label, kind, src, extra in runs:
         out = root / label.replace("+", "-")
         if src is not None and not (out / "data").exists():
@@ -73,8 +99,9 @@ def main() -> None:
         common = [f"out_dir={out}", *extra, *([f"drafter.init_from={a.init}"] if a.init else []), *a.set]
         if src is None:
             times[f"generate {label}"] = sh("generate", "fastdraft-finetune", *common, "-q")
-        times[f"train {label}"] = sh("train", "fastdraft-finetune", *common, f"train.loss.kind={kind}",
-                                     f"train.steps={a.steps}", "-q")
+        times[f"train {label}"] = sh(
+            "train", "fastdraft-finetune", *common, f"train.loss.kind={kind}", f"train.steps={a.steps}", "-q"
+        )
         times[f"eval {label}"] = sh("eval", "fastdraft-finetune", *common, f"eval.prompts.n={a.eval_n}", "-q")
         r = json.loads((out / "eval" / "report.json").read_text())
         rows.append((label, r["tau"], r["acceptance_rate"], r["speedup"].get("vs_ar"), r["lossless_match"]))

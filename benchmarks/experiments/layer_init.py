@@ -9,6 +9,7 @@ is (self-speculation style) or only as a starting point for training.
 Usage: python benchmarks/experiments/layer_init.py --data runs/fd-big/data [--records 24]
        [--target smollm2-135m-instruct] [--subset first8last8=0-7,22-29 ...]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,22 +48,34 @@ def main() -> None:
     ap.add_argument("--data", required=True, help="a records folder written by `draftsmith generate`")
     ap.add_argument("--records", type=int, default=24, help="records read from the folder's last shard(s)")
     ap.add_argument("--target", default="smollm2-135m-instruct", help="the target the records were written by")
-    ap.add_argument("--subset", nargs="*", default=None,
-                    help="NAME=LAYERS candidates, LAYERS as '0-3,26-29'; default: a set of 8- and 16-layer "
-                         "subsets for a 30-layer target")
+    ap.add_argument(
+        "--subset",
+        nargs="*",
+        default=None,
+        help="NAME=LAYERS candidates, LAYERS as '0-3,26-29'; default: a set of 8- and 16-layer "
+        "subsets for a 30-layer target",
+    )
     args = ap.parse_args()
     target = load_model(args.target).model.eval()
     L = target.cfg.n_layers
-    subsets = dict(s.split("=", 1) for s in args.subset) if args.subset else {
-        "first4+last4": f"0-3,{L - 4}-{L - 1}", "every4th(8)": ",".join(str(i) for i in range(0, L, 4)[:8]),
-        "first12+last4": f"0-11,{L - 4}-{L - 1}", "first8+last8": f"0-7,{L - 8}-{L - 1}",
-        "first10+last6": f"0-9,{L - 6}-{L - 1}", "every2nd(16)": ",".join(str(i) for i in range(0, L, 2)[:16]),
-        "all": f"0-{L - 1}"}
+    subsets = (
+        dict(s.split("=", 1) for s in args.subset)
+        if args.subset
+        else {
+            "first4+last4": f"0-3,{L - 4}-{L - 1}",
+            "every4th(8)": ",".join(str(i) for i in range(0, L, 4)[:8]),
+            "first12+last4": f"0-11,{L - 4}-{L - 1}",
+            "first8+last8": f"0-7,{L - 8}-{L - 1}",
+            "first10+last6": f"0-9,{L - 6}-{L - 1}",
+            "every2nd(16)": ",".join(str(i) for i in range(0, L, 2)[:16]),
+            "all": f"0-{L - 1}",
+        }
+    )
     shards = [Path(args.data) / e["file"] for e in read_manifest(Path(args.data))["shards"]]
     records = []
     for path in reversed(shards):  # the newest shards: answers a draft trained on the early ones may not have seen
         shard = load_shard(path, signals=set())
-        records += [shard.record(i) for i in range(len(shard))][:args.records - len(records)]
+        records += [shard.record(i) for i in range(len(shard))][: args.records - len(records)]
         if len(records) >= args.records:
             break
     rows = []  # (ids, positions whose logits predict a response token, the target's argmax there)

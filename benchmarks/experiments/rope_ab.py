@@ -6,6 +6,7 @@ rotate-half / interleaved (> 1: interleaved is faster) and the largest logit dif
 
 Usage: python benchmarks/experiments/rope_ab.py [--reps 15] [--rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,7 @@ def forward(model, T: int, ctx: int):
         cache.length = ctx
         with torch.no_grad():
             return model(x, cache=cache)
+
     return fn
 
 
@@ -44,13 +46,20 @@ def main() -> None:
     new = copy.deepcopy(base).optimize_for_inference()
     assert new._rope_interleaved and not getattr(old, "_rope_interleaved", False)
     for T in (1, 3):
-        t = interleave({"rotate-half": forward(old, T, a.ctx), "interleaved": forward(new, T, a.ctx)},
-                       warmup=1, repeats=a.rounds, number=a.reps)
+        t = interleave(
+            {"rotate-half": forward(old, T, a.ctx), "interleaved": forward(new, T, a.ctx)},
+            warmup=1,
+            repeats=a.rounds,
+            number=a.reps,
+        )
         diff = (t["rotate-half"].last - t["interleaved"].last).abs().max()
         for r, (x, y) in enumerate(zip(t["rotate-half"].times, t["interleaved"].times)):
             print(f"T={T} round {r}: rotate-half {x * 1e3:.1f} ms, interleaved {y * 1e3:.1f} ms, ratio {x / y:.3f}")
-        print(f"T={T}: rotate-half / interleaved {t.ratio('rotate-half', 'interleaved'):.3f} (median of rounds), "
-              f"max |logit diff| {diff:.2e}", flush=True)
+        print(
+            f"T={T}: rotate-half / interleaved {t.ratio('rotate-half', 'interleaved'):.3f} (median of rounds), "
+            f"max |logit diff| {diff:.2e}",
+            flush=True,
+        )
     print(t.note)
 
 

@@ -12,6 +12,7 @@ is asked before every draft, so once more than the number of drafts it lets thro
 Usage: python benchmarks/experiments/rule_costs.py --heads runs/hydra/checkpoints/final \
            --head runs/skip-head/checkpoints/final [--reps 200 --rounds 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,13 +49,15 @@ def main(argv=None) -> None:
             heads.read_context(h[None], ctx)
             ctx.length = 100  # keep the context at a fixed length
 
-    rows = {"head step (draft 1)": lambda: heads.draft_step(h, [cur]),
-            "head step (draft 2)": lambda: heads.draft_step(h, [cur, cur]),
-            "context layer, 1 position": read_one,
-            "rule call, target-vocab row": lambda: rule(0, logits, state),
-            "rule call, kept rows only": lambda: kept(0, logits, state),
-            "  features": lambda: acceptance_features(state, logits, logits.argmax()),
-            "  head forward": lambda: head(x, 0)}
+    rows = {
+        "head step (draft 1)": lambda: heads.draft_step(h, [cur]),
+        "head step (draft 2)": lambda: heads.draft_step(h, [cur, cur]),
+        "context layer, 1 position": read_one,
+        "rule call, target-vocab row": lambda: rule(0, logits, state),
+        "rule call, kept rows only": lambda: kept(0, logits, state),
+        "  features": lambda: acceptance_features(state, logits, logits.argmax()),
+        "  head forward": lambda: head(x, 0),
+    }
     # one warm-up round (allocator and oneDNN first-call setup), then the timed rounds
     times = interleave(rows, warmup=1, repeats=args.rounds, number=args.reps)
     print(f"per call, median of {args.rounds} rounds x {args.reps} calls; share of a head step (draft 1)")

@@ -6,6 +6,7 @@ share of its own drafts the target accepted.
     python benchmarks/experiments/self_speculation.py [--prompts 6] [--new-tokens 96] [--draft-len 4]
                                                       [--dtypes float32 bfloat16]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,11 @@ def main() -> None:
                 spec, st = speculative_generate(model, model, ids, a.new_tokens, draft_len=a.draft_len, eos_ids=eos)
             same += spec == ar
             accepted, drafted = accepted + st.accepted, drafted + st.drafted
-        print(f"{name}: {same}/{len(prompts)} prompts identical to AR; {accepted / max(1, drafted):.1%} of the "
-              f"target's own drafts accepted", flush=True)
+        print(
+            f"{name}: {same}/{len(prompts)} prompts identical to AR; {accepted / max(1, drafted):.1%} of the "
+            f"target's own drafts accepted",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

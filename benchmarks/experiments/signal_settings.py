@@ -5,6 +5,7 @@ Prints one row per setting: response tokens/s, its ratio to the tokens-only run,
 (all tokens) and per response token, total and per signal group. Usage:
 python benchmarks/experiments/signal_settings.py [--n 32] [--max-new 64] [--target smollm2-135m-instruct]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,21 @@ def main() -> None:
     tgt = load_model(a.target)
     drafter = build_drafter("draft_lm", {"n_layers": 2, "init_layers": [0, tgt.model.cfg.n_layers - 1]}, tgt.model)
     ckpt = save_drafter(tmp / "drafter", drafter, "draft_lm", {"tokenizer_hash": tokenizer_hash(tgt.tokenizer)})
-    base = [f"target.model={a.target}", "data.prompts.source=sharegpt", f"data.prompts.n={a.n}",
-            "data.prompts.max_turns=1", "data.max_prompt_tokens=256", f"data.max_new_tokens={a.max_new}",
-            "data.batch_size=16", f"data.shard_size={a.n}"]
+    base = [
+        f"target.model={a.target}",
+        "data.prompts.source=sharegpt",
+        f"data.prompts.n={a.n}",
+        "data.prompts.max_turns=1",
+        "data.max_prompt_tokens=256",
+        f"data.max_new_tokens={a.max_new}",
+        "data.batch_size=16",
+        f"data.shard_size={a.n}",
+    ]
     print(f"target {a.target}, {a.n} ShareGPT prompts, <= {a.max_new} new tokens, threads {torch.get_num_threads()}")
-    print("| setting | sequences | response tokens | time s | resp tok/s | x tokens-only | B/token | B/resp token "
-          "| per signal (B/token) |")
+    print(
+        "| setting | sequences | response tokens | time s | resp tok/s | x tokens-only | B/token | B/resp token "
+        "| per signal (B/token) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     ref = None
     for name, overrides in SETTINGS.items():
@@ -68,8 +78,11 @@ def main() -> None:
         ref = ref or rate
         bpt = m["bytes_per_token"]
         groups = ", ".join(f"{g} {v}" for g, v in bpt["per_token"].items())
-        print(f"| {name} | {m['n_sequences']} | {m['n_loss_tokens']} | {dt:.1f} | {rate:.0f} | {rate / ref:.2f} | "
-              f"{bpt['file_per_token']} | {bpt['file_per_loss_token']} | {groups} |", flush=True)
+        print(
+            f"| {name} | {m['n_sequences']} | {m['n_loss_tokens']} | {dt:.1f} | {rate:.0f} | {rate / ref:.2f} | "
+            f"{bpt['file_per_token']} | {bpt['file_per_loss_token']} | {groups} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ is one of the inputs (it saw every record in training, so its rows flatter it).
 Usage: python benchmarks/experiments/skip_features.py --heads runs/hydra/checkpoints/final \
            --head runs/skip-head/checkpoints/final --data runs/skip-head/data
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,9 @@ def rows(heads, head, target, data: Path, batch_size: int, max_len: int, heads_d
     """One row per (head k, position t) as the head's training sees them, with the extra signals."""
     ds = RecordDataset(data, max_len, signals=set())
     ctx = Context(unwrapped=head, target=target, params=AcceptanceHeadConfig(draft=heads_dir, label_temperature=0.0))
-    cols: dict[str, list[torch.Tensor]] = {k: [] for k in ("record", "slot", "label", "logq", "entropy",
-                                                          "target_logp", "target_entropy", "prev", "head")}
+    cols: dict[str, list[torch.Tensor]] = {
+        k: [] for k in ("record", "slot", "label", "logq", "entropy", "target_logp", "target_entropy", "prev", "head")
+    }
     t0 = time.time()
     for i0 in range(0, len(ds), batch_size):
         batch = collate([ds[i] for i in range(i0, min(len(ds), i0 + batch_size))])
@@ -63,8 +65,11 @@ def fit_predict(X: torch.Tensor, y: torch.Tensor, Xt: torch.Tensor, mlp: bool, s
     """Logistic regression (or a 32-unit MLP) on standardised inputs, full-batch Adam -> P(accept) on Xt."""
     mu, sd = X.mean(0), X.std(0).clamp_min(1e-6)
     X, Xt = (X - mu) / sd, (Xt - mu) / sd
-    net = (torch.nn.Sequential(torch.nn.Linear(X.shape[1], 32), torch.nn.GELU(), torch.nn.Linear(32, 1)) if mlp
-           else torch.nn.Linear(X.shape[1], 1))
+    net = (
+        torch.nn.Sequential(torch.nn.Linear(X.shape[1], 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        if mlp
+        else torch.nn.Linear(X.shape[1], 1)
+    )
     opt = torch.optim.Adam(net.parameters(), 1e-2 if mlp else 3e-2)
     for _ in range(steps):
         opt.zero_grad()
@@ -100,20 +105,28 @@ def main(argv=None) -> None:
         c = rows(heads, head, target, Path(args.data), args.batch_size, args.max_len, args.heads)
     y, slot = c["label"], F.one_hot(c["slot"].long(), heads.max_draft_len).float()
     recs = c["record"].unique()
-    test = torch.isin(c["record"], recs[torch.randperm(len(recs))[:len(recs) * 3 // 10]])
+    test = torch.isin(c["record"], recs[torch.randperm(len(recs))[: len(recs) * 3 // 10]])
     print(f"rows {len(y)} (held out {int(test.sum())}), acceptance {float(y.mean()):.3f}")
     for k in range(heads.max_draft_len):  # how acceptance depends on the drafter's last call
         at = c["slot"] == k
         right, wrong = at & (c["prev"] == 1), at & (c["prev"] == 0)
-        print(f"head {k}: acceptance {float(y[at].mean()):.3f}; after a right draft {float(y[right].mean()):.3f} "
-              f"(n {int(right.sum())}), after a wrong one {float(y[wrong].mean()):.3f} (n {int(wrong.sum())})")
+        print(
+            f"head {k}: acceptance {float(y[at].mean()):.3f}; after a right draft {float(y[right].mean()):.3f} "
+            f"(n {int(right.sum())}), after a wrong one {float(y[wrong].mean()):.3f} (n {int(wrong.sum())})"
+        )
     q = [slot, c["logq"][:, None], c["entropy"][:, None]]
     tgt = [c["target_logp"][:, None], c["target_entropy"][:, None]]
     prev = [(c["prev"] == 1).float()[:, None], (c["prev"] == 0).float()[:, None]]
-    sets = {"head slot": [slot], "slot + q": q, "slot + q + target": q + tgt, "slot + q + prev": q + prev,
-            "slot + q + target + prev": q + tgt + prev, "trained head": [c["head"][:, None]],
-            "trained head + slot + q": [c["head"][:, None]] + q,
-            "trained head + slot + q + target + prev": [c["head"][:, None]] + q + tgt + prev}
+    sets = {
+        "head slot": [slot],
+        "slot + q": q,
+        "slot + q + target": q + tgt,
+        "slot + q + prev": q + prev,
+        "slot + q + target + prev": q + tgt + prev,
+        "trained head": [c["head"][:, None]],
+        "trained head + slot + q": [c["head"][:, None]] + q,
+        "trained head + slot + q + target + prev": [c["head"][:, None]] + q + tgt + prev,
+    }
     yt = y[test]
     base = float(((y[~test].mean() - yt) ** 2).mean())
     print(f"base-rate Brier {base:.4f}\n{'inputs':40s} model  Brier   R2     logloss AUC")

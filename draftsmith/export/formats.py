@@ -15,6 +15,7 @@
 Embeddings of EAGLE drafters are frozen copies of the target's: omitted unless asked, and taken from the target
 on import, as the engines do.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,16 @@ from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_ke
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
 
-__all__ = ["ADAPTER_FILE", "weights_file", "to_hf", "to_speculators", "to_sglang_eagle3", "to_medusa", "usage",
-           "load_export"]
+__all__ = [
+    "ADAPTER_FILE",
+    "weights_file",
+    "to_hf",
+    "to_speculators",
+    "to_sglang_eagle3",
+    "to_medusa",
+    "usage",
+    "load_export",
+]
 
 SPECULATORS_VERSION = "0.1.0"
 
@@ -45,14 +54,21 @@ def _is_eagle3(info: dict) -> bool:
 def _one_layer(info: dict, fmt: str) -> None:
     n = info["config"].get("n_layers", 1)
     if n > 1:
-        raise DraftsmithError(f"export --format {fmt}: the engine loads a one-layer EAGLE-3, this one has "
-                              f"drafter.n_layers={n} (use --format hf: draftsmith's own layout)")
+        raise DraftsmithError(
+            f"export --format {fmt}: the engine loads a one-layer EAGLE-3, this one has "
+            f"drafter.n_layers={n} (use --format hf: draftsmith's own layout)"
+        )
 
 
 # ---- EAGLE-3: our names <-> an engine's ------------------------------------------------------------------------
 
-_LAYER_KEYS = {"embed_norm.": "input_layernorm.", "hidden_norm.": "hidden_norm.",
-               "post_attention_layernorm.": "post_attention_layernorm.", "self_attn.": "self_attn.", "mlp.": "mlp."}
+_LAYER_KEYS = {
+    "embed_norm.": "input_layernorm.",
+    "hidden_norm.": "hidden_norm.",
+    "post_attention_layernorm.": "post_attention_layernorm.",
+    "self_attn.": "self_attn.",
+    "mlp.": "mlp.",
+}
 
 
 def _eagle3_tensors(model, layer_prefix: str, include_embeddings: bool) -> dict[str, torch.Tensor]:
@@ -64,7 +80,7 @@ def _eagle3_tensors(model, layer_prefix: str, include_embeddings: bool) -> dict[
             v = v >= 0
         for ours, theirs in _LAYER_KEYS.items():
             if k.startswith(ours):
-                k = layer_prefix + theirs + k[len(ours):]
+                k = layer_prefix + theirs + k[len(ours) :]
                 break
         out[k] = v
     return out
@@ -74,10 +90,10 @@ def _eagle3_back(sd: dict, layer_prefix: str) -> dict:
     out = {}
     for k, v in sd.items():
         if k.startswith(layer_prefix):
-            rest = k[len(layer_prefix):]
+            rest = k[len(layer_prefix) :]
             for ours, theirs in _LAYER_KEYS.items():
                 if rest.startswith(theirs):
-                    k = ours + rest[len(theirs):]
+                    k = ours + rest[len(theirs) :]
                     break
         out[k] = v
     return out
@@ -85,12 +101,23 @@ def _eagle3_back(sd: dict, layer_prefix: str) -> dict:
 
 def _layer_config(cfg: dict) -> dict:
     """The EAGLE layer as an HF Llama config (vocab_size = the target's, one layer)."""
-    d = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg["vocab_size"],
-         "hidden_size": cfg["dim"], "num_hidden_layers": 1, "num_attention_heads": cfg["n_heads"],
-         "num_key_value_heads": cfg["n_kv_heads"], "intermediate_size": cfg["hidden_dim"],
-         "head_dim": cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"], "rms_norm_eps": cfg["norm_eps"],
-         "rope_theta": cfg["rope_theta"], "max_position_embeddings": 8192, "hidden_act": "silu",
-         "tie_word_embeddings": False, "attention_bias": cfg.get("attention_bias", False)}
+    d = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["dim"],
+        "num_hidden_layers": 1,
+        "num_attention_heads": cfg["n_heads"],
+        "num_key_value_heads": cfg["n_kv_heads"],
+        "intermediate_size": cfg["hidden_dim"],
+        "head_dim": cfg.get("head_dim") or cfg["dim"] // cfg["n_heads"],
+        "rms_norm_eps": cfg["norm_eps"],
+        "rope_theta": cfg["rope_theta"],
+        "max_position_embeddings": 8192,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": cfg.get("attention_bias", False),
+    }
     if cfg.get("rope_scaling"):
         d["rope_scaling"] = cfg["rope_scaling"]
     return d
@@ -102,11 +129,14 @@ def _default_aux(cfg: dict) -> list[int]:
 
 
 def _speculators_block(info: dict, verifier: str, tokens: int) -> dict:
-    return {"algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1,
-                                  "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}
+    return {
+        "algorithm": "eagle3",
+        "proposal_methods": [
+            {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+    }
 
 
 def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
@@ -114,14 +144,22 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
     if info["kind"] == "draft_lm":  # vLLM's draft-model path takes a plain HF folder (speculators 0.9 has no
         return to_hf(model, info)  # standalone type: its "independent" was dropped)
     if not _is_eagle3(info):
-        raise DraftsmithError(f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
-                              f"(use --format hf, or medusa for Medusa heads)")
+        raise DraftsmithError(
+            f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
+            f"(use --format hf, or medusa for Medusa heads)"
+        )
     _one_layer(info, "vllm")
-    config = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-              "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": _layer_config(cfg),
-              "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"], "norm_before_residual": False,
-              "target_hidden_size": cfg["dim"], "embed_requires_grad": False,
-              "speculators_config": _speculators_block(info, verifier, max(cfg.get("ttt_steps", 1), 3))}
+    config = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": _layer_config(cfg),
+        "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"],
+        "norm_before_residual": False,
+        "target_hidden_size": cfg["dim"],
+        "embed_requires_grad": False,
+        "speculators_config": _speculators_block(info, verifier, max(cfg.get("ttt_steps", 1), 3)),
+    }
     if list(cfg["aux_layers"]) != _default_aux(cfg):  # vLLM captures the input of layer i: our output index + 1
         config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["aux_layers"]]
     return _eagle3_tensors(model, "layers.0.", include_embeddings), config
@@ -129,28 +167,36 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
 
 def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool):
     if not _is_eagle3(info):
-        raise DraftsmithError(f"export --format sglang: the SGLang layout is EAGLE-3's, not {info['kind']} "
-                              f"(a draft LM serves as is from --format hf)")
+        raise DraftsmithError(
+            f"export --format sglang: the SGLang layout is EAGLE-3's, not {info['kind']} "
+            f"(a draft LM serves as is from --format hf)"
+        )
     _one_layer(info, "sglang")
     cfg = info["config"]
-    config = {**_layer_config(cfg), "architectures": ["LlamaForCausalLMEagle3"],
-              "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"], "target_hidden_size": cfg["dim"],
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg["aux_layers"]),
-                               "use_aux_hidden_state": True},
-              "draftsmith_verifier": verifier}
+    config = {
+        **_layer_config(cfg),
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"],
+        "target_hidden_size": cfg["dim"],
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg["aux_layers"]), "use_aux_hidden_state": True},
+        "draftsmith_verifier": verifier,
+    }
     return _eagle3_tensors(model, "midlayer.", include_embeddings), config
 
 
 # ---- Medusa ----------------------------------------------------------------------------------------------------
+
 
 def to_medusa(model, info: dict, verifier: str, include_embeddings: bool):
     if info["kind"] != "medusa":
         raise DraftsmithError(f"export --format medusa: only Medusa heads use this layout, not {info['kind']}")
     cfg, out = info["config"], {}
     if cfg.get("head_vocab_size"):  # the layout has no d2t map: its heads must cover the whole vocabulary
-        raise DraftsmithError(f"export --format medusa: these heads keep {cfg['head_vocab_size']} of "
-                              f"{cfg['vocab_size']} tokens (drafter.draft_vocab), which the Medusa layout cannot "
-                              f"express; export --format hf")
+        raise DraftsmithError(
+            f"export --format medusa: these heads keep {cfg['head_vocab_size']} of "
+            f"{cfg['vocab_size']} tokens (drafter.draft_vocab), which the Medusa layout cannot "
+            f"express; export --format hf"
+        )
     for k, v in checkpoint_tensors(model).items():
         parts = k.split(".")  # blocks.{h}.{j}.linear.{w,b} / lm_heads.{h}.weight
         if parts[0] == "blocks":
@@ -159,8 +205,13 @@ def to_medusa(model, info: dict, verifier: str, include_embeddings: bool):
             out[f"{parts[1]}.{cfg['n_layers']}.weight"] = v
         else:
             raise DraftsmithError(f"export --format medusa: unexpected tensor {k!r}")
-    config = {"medusa_num_heads": cfg["n_heads"], "medusa_num_layers": cfg["n_layers"], "hidden_size": cfg["dim"],
-              "vocab_size": cfg["vocab_size"], "base_model_name_or_path": verifier}
+    config = {
+        "medusa_num_heads": cfg["n_heads"],
+        "medusa_num_layers": cfg["n_layers"],
+        "hidden_size": cfg["dim"],
+        "vocab_size": cfg["vocab_size"],
+        "base_model_name_or_path": verifier,
+    }
     return out, config
 
 
@@ -174,36 +225,46 @@ def _medusa_back(sd: dict, cfg: dict) -> dict:
 
 # ---- hf ----------------------------------------------------------------------------------------------------------
 
+
 def to_hf(model, info: dict):
     """A draft LM as a plain LlamaForCausalLM; any other kind with draftsmith's own tensor names."""
     meta = {k: v for k, v in info.items() if k != "config"}
     if info["kind"] == "draft_lm":
         tensors = {own_to_hf_key(k): v for k, v in checkpoint_tensors(model).items()}
         return tensors, {**config_to_hf(model.cfg), "torch_dtype": "float32", "draftsmith": meta}
-    return checkpoint_tensors(model), {"architectures": [f"draftsmith:{info['kind']}"], "draftsmith": meta,
-                             "note": "draftsmith's own layout: load with draftsmith (drafter.json holds the config)"}
+    return checkpoint_tensors(model), {
+        "architectures": [f"draftsmith:{info['kind']}"],
+        "draftsmith": meta,
+        "note": "draftsmith's own layout: load with draftsmith (drafter.json holds the config)",
+    }
 
 
 def usage(fmt: str, kind: str, target: str) -> str:
     if fmt == "vllm" and kind == "draft_lm":
-        return (f"`vllm serve {target} --speculative-config '{{\"model\": \"./this-folder\", "
-                f"\"num_speculative_tokens\": 4}}'` (a plain HF Llama folder: vLLM versions with draft-model "
-                f"speculation).")
+        return (
+            f'`vllm serve {target} --speculative-config \'{{"model": "./this-folder", '
+            f'"num_speculative_tokens": 4}}\'` (a plain HF Llama folder: vLLM versions with draft-model '
+            f"speculation)."
+        )
     return {
         "vllm": "`vllm serve ./this-folder` (vLLM reads the speculators config: the verifier named inside is served "
-                "with this EAGLE-3 drafter).",
+        "with this EAGLE-3 drafter).",
         "sglang": f"`python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
-                  f"--speculative-draft-model-path ./this-folder`",
+        f"--speculative-draft-model-path ./this-folder`",
         "medusa": "TGI: `text-generation-launcher --model-id ./this-folder` (base_model_name_or_path names the "
-                  "target). TensorRT-LLM: `examples/medusa/convert_checkpoint.py --medusa_model_dir ./this-folder "
-                  "--num_medusa_heads N`.",
-        "hf": ("transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
-               "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`." if kind == "draft_lm" else
-               "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder` (draftsmith's own layout)."),
+        "target). TensorRT-LLM: `examples/medusa/convert_checkpoint.py --medusa_model_dir ./this-folder "
+        "--num_medusa_heads N`.",
+        "hf": (
+            "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
+            "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+            if kind == "draft_lm"
+            else "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder` (draftsmith's own layout)."
+        ),
     }[fmt]
 
 
 # ---- import ----------------------------------------------------------------------------------------------------
+
 
 def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     meta = folder / "drafter.json"

@@ -13,6 +13,7 @@ Every folder is written under ``<out>.tmp`` and renamed into place, so a killed 
 looking folder; each also carries ``drafter.json`` so ``load_export`` reads it back into draftsmith's decoder
 (round trip: same greedy output and τ, tested). Hub pushes read the token from the environment and never print it.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,16 @@ from draftsmith.models.registry import DRAFTERS, load_drafter
 
 log = logging.getLogger("draftsmith.export")
 FORMATS = ("hf", "vllm", "sglang", "medusa")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json", "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 
 
 def checkpoint_of(recipe) -> Path:
@@ -48,8 +57,10 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
         raise DraftsmithError(f"export: a {info['kind']} is not a drafter a serving engine runs; export its draft")
     if getattr(model, "target_adapter", None) is not None and fmt != "hf":
-        raise DraftsmithError(f"export: {ckpt} is Medusa-2 (LoRA-adapted target); engines need the merged target "
-                              f"too: use --format hf, which keeps target_adapter.safetensors")
+        raise DraftsmithError(
+            f"export: {ckpt} is Medusa-2 (LoRA-adapted target); engines need the merged target "
+            f"too: use --format hf, which keeps target_adapter.safetensors"
+        )
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -106,26 +117,45 @@ def _copy_tokenizer(target: str, folder: Path, required: bool) -> None:
 def model_card(info: dict, fmt: str, report: dict | None) -> str:
     """README.md for the hub: what it is, the target it was trained for, how to serve it, the measured eval."""
     kind, target = info.get("kind", "?"), info.get("target", "?")
-    lines = ["---", f"base_model: {target}" if "/" in target else f"# target: {target}", "library_name: draftsmith",
-             "tags: [speculative-decoding, draftsmith, " + kind.replace("_", "-") + "]", "---", "",
-             f"# {kind} drafter for `{target}`", "",
-             f"Trained with [draftsmith](https://pypi.org/project/draftsmith/) (recipe `{info.get('recipe', '?')}`, "
-             f"step {info.get('step', '?')}). Exported as `{fmt}`.", "",
-             "## Use", "", sf.usage(fmt, kind, target), ""]
+    lines = [
+        "---",
+        f"base_model: {target}" if "/" in target else f"# target: {target}",
+        "library_name: draftsmith",
+        "tags: [speculative-decoding, draftsmith, " + kind.replace("_", "-") + "]",
+        "---",
+        "",
+        f"# {kind} drafter for `{target}`",
+        "",
+        f"Trained with [draftsmith](https://pypi.org/project/draftsmith/) (recipe `{info.get('recipe', '?')}`, "
+        f"step {info.get('step', '?')}). Exported as `{fmt}`.",
+        "",
+        "## Use",
+        "",
+        sf.usage(fmt, kind, target),
+        "",
+    ]
     if report:
         sp = report.get("speedup", {})
         pr = report.get("prompts", {})
-        lines += ["## Measured by draftsmith's eval", "",
-                  "| prompts | strategy | τ | acceptance | speedup vs own AR | vs HF generate | lossless | device |",
-                  "|---|---|---|---|---|---|---|---|",
-                  f"| {pr.get('source', '?')} × {pr.get('n', '?')} | {_strategy(report.get('strategy'))} "
-                  f"| {report.get('tau', float('nan')):.2f} | {report.get('acceptance_rate', float('nan')):.2f} "
-                  f"| {_x(sp.get('vs_ar'))} | {_x(sp.get('vs_ar_hf'))} | {report.get('lossless_match', '?')} "
-                  f"| {report.get('device', '?')}, {report.get('dtype', '?')} |", "",
-                  f"Temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens per prompt.", ""]
+        lines += [
+            "## Measured by draftsmith's eval",
+            "",
+            "| prompts | strategy | τ | acceptance | speedup vs own AR | vs HF generate | lossless | device |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {pr.get('source', '?')} × {pr.get('n', '?')} | {_strategy(report.get('strategy'))} "
+            f"| {report.get('tau', float('nan')):.2f} | {report.get('acceptance_rate', float('nan')):.2f} "
+            f"| {_x(sp.get('vs_ar'))} | {_x(sp.get('vs_ar_hf'))} | {report.get('lossless_match', '?')} "
+            f"| {report.get('device', '?')}, {report.get('dtype', '?')} |",
+            "",
+            f"Temperature {report.get('temperature')}, {report.get('max_new_tokens')} new tokens per prompt.",
+            "",
+        ]
     else:
-        lines += ["No eval report was found next to the checkpoint: run `draftsmith eval` before exporting to get "
-                  "the τ / speedup table here.", ""]
+        lines += [
+            "No eval report was found next to the checkpoint: run `draftsmith eval` before exporting to get "
+            "the τ / speedup table here.",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -174,6 +204,11 @@ def run_export_stage(recipe) -> list[Path]:
         log.info("export: %s", out)
     if ec.push_to_hub:
         files = push_to_hub(outs[0], ec.push_to_hub, dry_run=ec.dry_run)
-        log.info("export: %s %d files (%d bytes) to %s", "would push" if ec.dry_run else "pushed", len(files),
-                 sum(n for _, n in files), ec.push_to_hub)
+        log.info(
+            "export: %s %d files (%d bytes) to %s",
+            "would push" if ec.dry_run else "pushed",
+            len(files),
+            sum(n for _, n in files),
+            ec.push_to_hub,
+        )
     return outs

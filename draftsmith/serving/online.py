@@ -11,6 +11,7 @@
   clusters whose serving engine is elsewhere; every published version is also exported (the recipe's export
   section).
 """
+
 from __future__ import annotations
 
 import glob
@@ -46,8 +47,9 @@ class Versions:
         self.file = self.root / "current.json"
         if not self.file.is_file():
             if not (Path(initial) / "drafter.json").is_file():
-                raise DraftsmithError(f"online: no trained drafter at {initial} (train it first, or set "
-                                      f"eval.checkpoint)")
+                raise DraftsmithError(
+                    f"online: no trained drafter at {initial} (train it first, or set eval.checkpoint)"
+                )
             self._copy(Path(initial), "v0000")
             write_json_atomic(self.file, {"version": "v0000", "history": ["v0000"]})
 
@@ -96,8 +98,9 @@ class Learner:
     def __init__(self, recipe, buffer: TrafficBuffer, versions: Versions, tgt=None):
         self.recipe, self.oc, self.buffer, self.versions = recipe, recipe.online, buffer, versions
         self.root = versions.root
-        self.tgt = tgt or load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code,
-                                     recipe.target.revision)
+        self.tgt = tgt or load_model(
+            recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code, recipe.target.revision
+        )
         self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.runlog = RunLog(self.root, "online")
         self.state_file = self.root / "learner.json"
@@ -114,7 +117,7 @@ class Learner:
         """One update: train a candidate on the buffer, compare τ on the held-out window, publish if better."""
         t0 = time.perf_counter()
         recs = self.buffer.read()
-        hold, train_recs = recs[-self.oc.holdout:], recs[:-self.oc.holdout]
+        hold, train_recs = recs[-self.oc.holdout :], recs[: -self.oc.holdout]
         if not train_recs:
             raise DraftsmithError(f"online: {len(recs)} records, all held out: lower online.holdout")
         n = self.rounds + 1
@@ -127,9 +130,16 @@ class Learner:
 
         d = self.recipe.model_dump(mode="json")
         d["out_dir"] = str(run)
-        d["train"].update(steps=self.oc.steps_per_update, init_checkpoint=str(current), resume=False, eval_every=0,
-                          save_every=0, wandb=False, tensorboard=False,
-                          log_every=max(1, min(d["train"]["log_every"], self.oc.steps_per_update)))
+        d["train"].update(
+            steps=self.oc.steps_per_update,
+            init_checkpoint=str(current),
+            resume=False,
+            eval_every=0,
+            save_every=0,
+            wandb=False,
+            tensorboard=False,
+            log_every=max(1, min(d["train"]["log_every"], self.oc.steps_per_update)),
+        )
         candidate = train(validate(d, f"{self.recipe.name} (online round {n})"))
         tau_cur, tau_new = self.held_out_tau(current, hold), self.held_out_tau(candidate, hold)
         swapped = tau_new > tau_cur
@@ -137,12 +147,25 @@ class Learner:
         shutil.rmtree(run / "checkpoints", ignore_errors=True)  # published versions are copies
         self.rounds, self.last_seq, self.last_time = n, recs[-1]["seq"], time.time()
         write_json_atomic(self.state_file, {"rounds": n, "last_seq": self.last_seq})
-        out = {"round": n, "records": len(train_recs), "held_out": len(hold), "tau_current": round(tau_cur, 4),
-               "tau_candidate": round(tau_new, 4), "swapped": swapped, "version": new_version,
-               "seconds": round(time.perf_counter() - t0, 1)}
+        out = {
+            "round": n,
+            "records": len(train_recs),
+            "held_out": len(hold),
+            "tau_current": round(tau_cur, 4),
+            "tau_candidate": round(tau_new, 4),
+            "swapped": swapped,
+            "version": new_version,
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
         self.runlog.log(out, step=n)
-        log.info("online round %d: τ %.3f -> %.3f on %d held-out requests; %s", n, tau_cur, tau_new, len(hold),
-                 f"published {new_version}" if swapped else f"kept {version}")
+        log.info(
+            "online round %d: τ %.3f -> %.3f on %d held-out requests; %s",
+            n,
+            tau_cur,
+            tau_new,
+            len(hold),
+            f"published {new_version}" if swapped else f"kept {version}",
+        )
         return out
 
     def _write_data(self, data_dir: Path, recs: list[dict]) -> None:
@@ -153,18 +176,28 @@ class Learner:
         records = []
         with torch.no_grad():
             for a in range(0, len(seqs), 8):
-                gen = score_batch(self.tgt.model, seqs[a:a + 8], masks[a:a + 8], cap)
+                gen = score_batch(self.tgt.model, seqs[a : a + 8], masks[a : a + 8], cap)
                 for j, g in enumerate(gen):
-                    records.append(Record(seqs[a + j], masks[a + j], prompt_index=recs[a + j]["seq"],
-                                          signals=dict(g.loss_signals)))
+                    records.append(
+                        Record(seqs[a + j], masks[a + j], prompt_index=recs[a + j]["seq"], signals=dict(g.loss_signals))
+                    )
         entry = write_shard(data_dir / shard_name(0), records, {"online": "1"})
-        manifest = {"format": FORMAT, "target": self.recipe.target.model,
-                    "tokenizer_hash": tokenizer_hash(self.tgt.tokenizer), "recipe": self.recipe.name,
-                    "responses": "traffic", "n_sequences": entry["n_sequences"], "n_tokens": entry["n_tokens"],
-                    "n_loss_tokens": entry["n_loss_tokens"],
-                    "signals": {"topk": {"k": cap.topk, "dtype": "float32", "axis": "loss",
-                                         "tail": "1 - sum(exp(topk_logprobs))"}} if cap.topk else {},
-                    "shards": [entry]}
+        manifest = {
+            "format": FORMAT,
+            "target": self.recipe.target.model,
+            "tokenizer_hash": tokenizer_hash(self.tgt.tokenizer),
+            "recipe": self.recipe.name,
+            "responses": "traffic",
+            "n_sequences": entry["n_sequences"],
+            "n_tokens": entry["n_tokens"],
+            "n_loss_tokens": entry["n_loss_tokens"],
+            "signals": {
+                "topk": {"k": cap.topk, "dtype": "float32", "axis": "loss", "tail": "1 - sum(exp(topk_logprobs))"}
+            }
+            if cap.topk
+            else {},
+            "shards": [entry],
+        }
         write_manifest(data_dir, manifest)
 
     def _response_mask(self, r: dict) -> list[int]:
@@ -182,14 +215,20 @@ class Learner:
         drafter, _ = load_drafter(ckpt)
         tokens = forwards = 0
         for r in hold:
-            _, st = speculative_generate(self.tgt.model, drafter, torch.tensor(r["prompt"]),
-                                         min(len(r["response"]), self.oc.eval_tokens),
-                                         draft_len=self.recipe.eval.draft_len, eos_ids=self.eos)
+            _, st = speculative_generate(
+                self.tgt.model,
+                drafter,
+                torch.tensor(r["prompt"]),
+                min(len(r["response"]), self.oc.eval_tokens),
+                draft_len=self.recipe.eval.draft_len,
+                eos_ids=self.eos,
+            )
             tokens, forwards = tokens + st.new_tokens, forwards + st.target_forwards
         return tokens / max(forwards, 1)
 
 
 # ---- `draftsmith online`: the learner fed by request logs -----------------------------------------------------
+
 
 def _log_record(line: dict, tok, eos: set[int]) -> dict | None:
     """One request-log line -> a traffic record: {"prompt": ids, "response": ids} (token ids) or
@@ -226,8 +265,9 @@ class LogFollower:
                 except ValueError:
                     rec = None
                 if rec is None:
-                    log.warning("online: %s: skipped a line that is not a request record (line %d of this batch)",
-                                path, i + 1)
+                    log.warning(
+                        "online: %s: skipped a line that is not a request record (line %d of this batch)", path, i + 1
+                    )
                     continue
                 self.buffer.append({**rec, "source": "log"})
                 added += 1
@@ -256,8 +296,10 @@ def online(recipe, rollback: str | None = None) -> None:
         if learner.due():
             out = learner.round()
             rounds += 1
-            print(f"online: round {out['round']}: τ {out['tau_current']:.3f} -> {out['tau_candidate']:.3f}, "
-                  f"{'published ' + out['version'] if out['swapped'] else 'kept ' + out['version']}")
+            print(
+                f"online: round {out['round']}: τ {out['tau_current']:.3f} -> {out['tau_candidate']:.3f}, "
+                f"{'published ' + out['version'] if out['swapped'] else 'kept ' + out['version']}"
+            )
             if out["swapped"] and recipe.export.enabled:
                 from draftsmith.export.writer import export
 

@@ -15,6 +15,7 @@ Serving:
   bounded.
 - Output is the target's own (greedy, or lossless sampling), whatever the drafter.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,9 @@ class Engine:
         self.recipe, self.oc, self.ec = recipe, recipe.online, recipe.eval
         self.device = resolve_device(recipe.target.device)
         self.dtype = resolve_dtype(recipe.target.dtype, self.device)
-        self.tgt = load_model(recipe.target.model, self.dtype, self.device, recipe.target.trust_remote_code,
-                              recipe.target.revision)
+        self.tgt = load_model(
+            recipe.target.model, self.dtype, self.device, recipe.target.trust_remote_code, recipe.target.revision
+        )
         self.tok, self.eos = self.tgt.tokenizer, stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.root = online_dir(recipe)
         ckpt = Path(self.ec.checkpoint) if self.ec.checkpoint else recipe.run_dir / "checkpoints" / "final"
@@ -76,8 +78,18 @@ class Engine:
         self._load_current()
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=self.oc.max_queue)
         self.lock = threading.Lock()
-        self.m = {"requests": 0, "errors": 0, "tokens": 0, "forwards": 0, "drafted": 0, "accepted": 0,
-                  "decode_s": 0.0, "swaps": 0, "rounds": 0, "recorded": 0}
+        self.m = {
+            "requests": 0,
+            "errors": 0,
+            "tokens": 0,
+            "forwards": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "decode_s": 0.0,
+            "swaps": 0,
+            "rounds": 0,
+            "recorded": 0,
+        }
         self.gen = torch.Generator(device=self.device).manual_seed(recipe.seed)
         threading.Thread(target=self._worker, daemon=True, name="decode").start()
         if self.oc.learn:
@@ -123,19 +135,33 @@ class Engine:
         t0 = time.perf_counter()
         stats = None
         try:
-            _, stats = speculative_generate(self.target, self.drafter, torch.tensor(job.prompt), job.max_tokens,
-                                            draft_len=self.ec.draft_len, temperature=job.temperature,
-                                            top_p=job.top_p, eos_ids=self.eos, generator=self.gen,
-                                            on_token=on_token)
+            _, stats = speculative_generate(
+                self.target,
+                self.drafter,
+                torch.tensor(job.prompt),
+                job.max_tokens,
+                draft_len=self.ec.draft_len,
+                temperature=job.temperature,
+                top_p=job.top_p,
+                eos_ids=self.eos,
+                generator=self.gen,
+                on_token=on_token,
+            )
         except _Deadline:
             pass
         dt = time.perf_counter() - t0
         finish = "stop" if tokens and tokens[-1] in self.eos else "length"
         if tokens:  # the target's own continuation, whatever the drafter proposed: a valid teacher sequence
-            self.buffer.append({"prompt": job.prompt, "response": tokens, "version": self.version,
-                                "tau": stats.tau if stats else None,
-                                "accept_counts": stats.accept_counts if stats else None,
-                                "target_positions": stats.target_positions() if stats else None})
+            self.buffer.append(
+                {
+                    "prompt": job.prompt,
+                    "response": tokens,
+                    "version": self.version,
+                    "tau": stats.tau if stats else None,
+                    "accept_counts": stats.accept_counts if stats else None,
+                    "target_positions": stats.target_positions() if stats else None,
+                }
+            )
         with self.lock:
             m = self.m
             m["requests"] += 1
@@ -146,8 +172,9 @@ class Engine:
                 m["forwards"] += stats.target_forwards
                 m["drafted"] += stats.drafted
                 m["accepted"] += stats.accepted
-        job.events.put(("done", {"finish_reason": finish, "completion_tokens": len(tokens),
-                                 "prompt_tokens": len(job.prompt)}))
+        job.events.put(
+            ("done", {"finish_reason": finish, "completion_tokens": len(tokens), "prompt_tokens": len(job.prompt)})
+        )
 
     def _learn(self) -> None:
         learner = None
@@ -177,17 +204,31 @@ class Engine:
         lines = []
 
         def metric(name, kind, help_text, value):
-            lines.extend([f"# HELP draftsmith_{name} {help_text}", f"# TYPE draftsmith_{name} {kind}",
-                          f"draftsmith_{name} {value}"])
+            lines.extend(
+                [
+                    f"# HELP draftsmith_{name} {help_text}",
+                    f"# TYPE draftsmith_{name} {kind}",
+                    f"draftsmith_{name} {value}",
+                ]
+            )
+
         metric("requests_total", "counter", "Requests decoded.", m["requests"])
         metric("errors_total", "counter", "Requests that failed in the decoder.", m["errors"])
         metric("generated_tokens_total", "counter", "Tokens generated.", m["tokens"])
         metric("target_forwards_total", "counter", "Target forwards (prefill + verifies).", m["forwards"])
         metric("tau", "gauge", "Tokens per target forward since start.", round(tau, 4))
-        metric("acceptance_rate", "gauge", "Accepted / drafted tokens since start.",
-               round(m["accepted"] / m["drafted"], 4) if m["drafted"] else 0.0)
-        metric("tokens_per_second", "gauge", "Generated tokens per second of decoding since start.",
-               round(m["tokens"] / m["decode_s"], 2) if m["decode_s"] else 0.0)
+        metric(
+            "acceptance_rate",
+            "gauge",
+            "Accepted / drafted tokens since start.",
+            round(m["accepted"] / m["drafted"], 4) if m["drafted"] else 0.0,
+        )
+        metric(
+            "tokens_per_second",
+            "gauge",
+            "Generated tokens per second of decoding since start.",
+            round(m["tokens"] / m["decode_s"], 2) if m["decode_s"] else 0.0,
+        )
         metric("queue_depth", "gauge", "Requests waiting for the decoder.", self.queue.qsize())
         metric("drafter_version", "gauge", "Serving drafter version number.", int(self.version[1:]))
         metric("drafter_swaps_total", "counter", "Hot swaps of the drafter.", m["swaps"])
@@ -219,13 +260,15 @@ def _handler(engine: Engine):
 
         def do_GET(self):  # noqa: N802 (http.server's naming)
             if self.path == "/health":
-                self._send(200, {"status": "ok", "drafter_version": engine.version,
-                                 "queue_depth": engine.queue.qsize()})
+                self._send(
+                    200, {"status": "ok", "drafter_version": engine.version, "queue_depth": engine.queue.qsize()}
+                )
             elif self.path == "/metrics":
                 self._send(200, engine.metrics_text(), "text/plain; version=0.0.4")
             elif self.path == "/v1/models":
-                self._send(200, {"object": "list", "data": [{"id": model_name, "object": "model",
-                                                             "owned_by": "draftsmith"}]})
+                self._send(
+                    200, {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "draftsmith"}]}
+                )
             else:
                 self._error(404, f"no route {self.path}")
 
@@ -258,20 +301,38 @@ def _handler(engine: Engine):
             if info is None:
                 return
             text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if chat
-                      else {"index": 0, "text": text, "logprobs": None})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}}
+                if chat
+                else {"index": 0, "text": text, "logprobs": None}
+            )
             choice["finish_reason"] = info["finish_reason"]
-            self._send(200, {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": model_name, "choices": [choice],
-                             "usage": {"prompt_tokens": info["prompt_tokens"],
-                                       "completion_tokens": info["completion_tokens"],
-                                       "total_tokens": info["prompt_tokens"] + info["completion_tokens"]}})
+            self._send(
+                200,
+                {
+                    "id": rid,
+                    "object": "chat.completion" if chat else "text_completion",
+                    "created": int(time.time()),
+                    "model": model_name,
+                    "choices": [choice],
+                    "usage": {
+                        "prompt_tokens": info["prompt_tokens"],
+                        "completion_tokens": info["completion_tokens"],
+                        "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
+                    },
+                },
+            )
 
         def _prompt(self, req: dict, chat: bool) -> list[int]:
             if chat:
                 msgs = req.get("messages")
-                if not isinstance(msgs, list) or not msgs or not all(
-                        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in msgs):
+                if (
+                    not isinstance(msgs, list)
+                    or not msgs
+                    or not all(
+                        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in msgs
+                    )
+                ):
                     raise ValueError("messages must be a non-empty list of {role, content} objects")
                 ids = encode_chat(tok, [{"role": m["role"], "content": m["content"]} for m in msgs])
             else:
@@ -306,22 +367,29 @@ def _handler(engine: Engine):
             obj = "chat.completion.chunk" if chat else "text_completion"
 
             def chunk(delta: str | None, finish=None) -> dict:
-                c = ({"index": 0, "delta": {} if delta is None else {"content": delta}} if chat
-                     else {"index": 0, "text": delta or ""})
+                c = (
+                    {"index": 0, "delta": {} if delta is None else {"content": delta}}
+                    if chat
+                    else {"index": 0, "text": delta or ""}
+                )
                 c["finish_reason"] = finish
                 return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [c]}
 
             try:
                 if chat:
-                    self._event({**chunk(None), "choices": [{"index": 0, "delta": {"role": "assistant"},
-                                                             "finish_reason": None}]})
+                    self._event(
+                        {
+                            **chunk(None),
+                            "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
+                        }
+                    )
                 while True:
                     kind, val = job.events.get()
                     if kind == "token":
                         tokens.append(val)
                         text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
                         if len(text) > len(sent) and not text.endswith("\ufffd"):  # whole characters only
-                            self._event(chunk(text[len(sent):]))
+                            self._event(chunk(text[len(sent) :]))
                             sent = text
                     elif kind == "done":
                         self._event(chunk(None, val["finish_reason"]))
@@ -346,8 +414,9 @@ def make_server(recipe) -> tuple[ThreadingHTTPServer, Engine]:
     try:
         httpd = ThreadingHTTPServer((recipe.online.host, recipe.online.port), _handler(engine))
     except OSError as e:
-        raise DraftsmithError(f"online.host/port: cannot listen on {recipe.online.host}:{recipe.online.port} "
-                              f"({e.strerror})") from None
+        raise DraftsmithError(
+            f"online.host/port: cannot listen on {recipe.online.host}:{recipe.online.port} ({e.strerror})"
+        ) from None
     httpd.daemon_threads = True
     return httpd, engine
 
@@ -355,8 +424,11 @@ def make_server(recipe) -> tuple[ThreadingHTTPServer, Engine]:
 def serve(recipe) -> None:
     httpd, engine = make_server(recipe)
     host, port = httpd.server_address[:2]
-    print(f"serve: http://{host}:{port}/v1 (OpenAI-compatible), drafter {engine.version}, traffic -> "
-          f"{engine.buffer.dir}, learning {'on' if recipe.online.learn else 'off'}", flush=True)
+    print(
+        f"serve: http://{host}:{port}/v1 (OpenAI-compatible), drafter {engine.version}, traffic -> "
+        f"{engine.buffer.dir}, learning {'on' if recipe.online.learn else 'off'}",
+        flush=True,
+    )
     try:
         httpd.serve_forever()
     finally:

@@ -7,6 +7,7 @@ read. Segments roll over every ``segment_records`` lines; the oldest segments ar
 ``max_records`` lines are kept, which bounds disk and the learner's window. Records carry a global sequence
 number so readers (the learner) resume from a cursor.
 """
+
 from __future__ import annotations
 
 import json
