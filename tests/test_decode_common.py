@@ -51,8 +51,8 @@ def test_ar_matches_naive_recompute(target, ar_outputs, prompt):
 
 def test_reports_explain_16bit_mismatches_and_only_those():
     """A greedy mismatch in bf16 is rounding (a γ+1-token verify and one-token AR steps round differently; the
-    target drafting for itself is exact in fp32 and not in bf16, RESULTS.md session 18); in fp32 it is a bug and
-    must not be explained away."""
+    target drafting for itself is exact in fp32 and not in bf16,
+    benchmarks/journal/2026-11-24-h100-deepspeed-eagle3.md); in fp32 it is a bug and must not be explained away."""
     from draftsmith.eval.report import rounding_note
 
     r = {"lossless_match": 0.25, "dtype": "bfloat16"}

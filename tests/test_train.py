@@ -657,7 +657,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"), "medusa-2", "hydra++", "eagle1"],
 )
 def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, tiny_model_dir):
-    """Issue 6: each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the
+    """Each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the
     stored top-k and from the full target (teacher: target): a finite loss over the same positions, and a gradient
     that reaches the head's weights."""
     from draftsmith.data.dataset import RecordDataset, collate

@@ -1,4 +1,4 @@
-"""Draft trees (issue 4, first part): tree construction from choices, ancestor masks against brute force, the greedy
+"""Draft trees: tree construction from choices, ancestor masks against brute force, the greedy
 and sampling tree acceptance rules, KV compaction, greedy losslessness of tree speculative decoding for good, noisy,
 oracle and always-wrong drafters over chains and branching trees (float64 tiny models), and the target's
 distribution kept when sampling through a tree."""
