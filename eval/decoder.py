@@ -133,18 +133,9 @@ def target_pass(target, ids: torch.Tensor, cache, layers: tuple[int, ...] = (), 
 
 
 @torch.no_grad()
-def autoregressive_generate(
-    target,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_ids: set[int] | None = None,
-    generator: torch.Generator | None = None,
-    on_token=None,
-) -> list[int]:
+def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
+                            top_k: int = 0, top_p: float = 1.0, eos_ids: set[int] | None = None,
+                            generator: torch.Generator | None = None, on_token=None) -> list[int]:  # fmt: skip
     """Plain decoding with our KV cache: prompt_ids (T,) -> the new tokens (EOS included if hit)."""
     if max_new_tokens <= 0:
         return []
@@ -166,23 +157,10 @@ def reads_target(drafter) -> bool:
 
 
 @torch.no_grad()
-def speculative_generate(
-    target,
-    drafter,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    *,
-    draft_len: int = 4,
-    tree: TreeSpec | DynamicTree | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_ids: set[int] | None = None,
-    generator: torch.Generator | None = None,
-    stop_drafting=None,
-    judge=None,
-    on_token=None,
-) -> tuple[list[int], DecodeStats]:
+def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, *, draft_len: int = 4,
+                         tree: TreeSpec | DynamicTree | None = None, temperature: float = 0.0, top_k: int = 0,
+                         top_p: float = 1.0, eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
+                         stop_drafting=None, judge=None, on_token=None) -> tuple[list[int], DecodeStats]:  # fmt: skip
     """Speculative decoding: prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens;
     stats). Each step drafts a chain of up to ``draft_len`` tokens, or the ``tree`` (a static ``TreeSpec`` or an
     EAGLE-2 ``DynamicTree``), verifies it in one target forward, keeps what the acceptance rule accepts and adds

@@ -12,21 +12,11 @@ from draftsmith.eval.tree import DynamicTree, TreeSpec
 
 
 def tree_speculative_generate(
-    target,
-    drafter,
-    prompt_ids: torch.Tensor,
-    max_new_tokens: int,
-    tree: TreeSpec | DynamicTree,
-    *,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    eos_ids: set[int] | None = None,
-    generator: torch.Generator | None = None,
-    on_token=None,
+    target, drafter, prompt_ids: torch.Tensor, max_new_tokens: int, tree: TreeSpec | DynamicTree, **options
 ) -> tuple[list[int], DecodeStats]:
     """Tree speculative decoding over a static tree (``tree_from_choices``) or an EAGLE-2-style ``DynamicTree``
-    rebuilt every step from the drafter's confidence.
+    rebuilt every step from the drafter's confidence. ``options``: ``speculative_generate``'s sampling and
+    streaming keywords (temperature, top_k, top_p, eos_ids, generator, on_token).
 
     Each step drafts the whole tree (children are the drafter's top-k tokens), verifies it in one target forward
     under the tree mask, and compacts the target KV cache to the accepted path. Greedy: the deepest path whose
@@ -34,16 +24,4 @@ def tree_speculative_generate(
     point-mass rule of ``sample_tree_accept``; output follows the target's processed distribution. The drafter
     re-reads the accepted path next step (its cache is rolled back to the root), keeping it trivially consistent.
     """
-    return speculative_generate(
-        target,
-        drafter,
-        prompt_ids,
-        max_new_tokens,
-        tree=tree,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_ids=eos_ids,
-        generator=generator,
-        on_token=on_token,
-    )
+    return speculative_generate(target, drafter, prompt_ids, max_new_tokens, tree=tree, **options)
