@@ -691,7 +691,7 @@ def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, t
 
 
 def test_head_and_ttt_labels_are_the_tokens_k_plus_2_ahead(data_dir):
-    """The training side of the off-by-one check (the decoder side is tests/test_decoder.py's oracles): for head k
+    """The training side of the off-by-one check (the decoder side is tests/test_decode_heads.py's oracles): for head k
     (or EAGLE TTT step k) at position t, objectives.shifted_teachers hands the token at t + k + 2, the target's
     top-k from the position that predicts it (t + k + 1, the feature a chain decoder reads), and that position's
     flat index; only where both t and t + k + 1 predict response tokens."""
