@@ -223,12 +223,12 @@ VARIANTS = {
 }
 
 
-def proposer_kinds() -> tuple[str, ...]:
+def proposer_kinds(*interfaces: str) -> tuple[str, ...]:
+    """Every proposing kind's decoding variants, or only those whose spec interface is one of ``interfaces``."""
     from draftsmith.models.registry import DRAFTERS
 
-    return tuple(
-        v for kind, spec in DRAFTERS.items() if spec.interface is not None for v in VARIANTS.get(kind, (kind,))
-    )
+    wanted = [k for k, s in DRAFTERS.items() if s.interface in (interfaces or ("tokens", "heads", "features"))]
+    return tuple(v for kind in wanted for v in VARIANTS.get(kind, (kind,)))
 
 
 PROPOSER_KINDS = proposer_kinds()

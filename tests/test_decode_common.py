@@ -242,7 +242,7 @@ def test_quick_eval_measured_and_estimated_tau(target):
     assert 0 < sampled["alpha"] < 1
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra++", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_entropy_stop_adapts_every_chain_drafter_and_stays_lossless(target, ar_outputs, kind):
     """The stop hook (SVIP-style entropy rule, or any rule) reaches heads and EAGLE chains too: blocks get
     shorter, the output does not change, and stopping after every first draft equals draft_len 1."""

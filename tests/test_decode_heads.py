@@ -13,6 +13,7 @@ from conftest import (
     TINY_CFG8,
     AlignedOracleHeads,
     check_tau_consistency,
+    proposer_kinds,
     sampled_joint,
     tiny_heads,
     tiny_model,
@@ -52,7 +53,7 @@ class _TreeOracleHeads(AlignedOracleHeads):
         return logits[0] if h.dim() == 1 else logits
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
+@pytest.mark.parametrize("kind", proposer_kinds("heads"))
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
 def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, draft_len, kind):
     heads = tiny_heads(kind, target, 4, 0.05)
@@ -132,7 +133,7 @@ def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target
     )
 
 
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++"])
+@pytest.mark.parametrize("kind", proposer_kinds("heads"))
 def test_feature_heads_sampling_keeps_the_target_distribution(kind):
     tgt = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     heads = tiny_heads(kind, tgt, 2, 0.3)
