@@ -915,3 +915,18 @@ def test_medusa2_self_distils_the_target_in_its_own_vocabulary(
     recipe.write_text(yaml.safe_dump(spec))
     rows = _rows(train_run(out.name, "train.steps=1", "train.loss.kind=fkl", recipe=str(recipe)))
     assert rows[0]["top1_target"] > 0.99, rows[0]
+
+
+def test_medusa2_eval_report_names_the_reference_it_compared_against(train_run, tiny_model_dir, prompts_file):
+    """A Medusa-2 eval skips the HF baseline (HF would run the target without the adapters), so its lossless
+    check compares against draftsmith's own AR on the adapted target, and the report must say "ar", not "ar_hf"."""
+    import json
+
+    from draftsmith.cli import main
+
+    run = train_run("medusa2", "drafter={kind: medusa, n_heads: 2, lora_r: 4}", "train.steps=2")
+    args = [f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}", f"out_dir={run}", "-q"]
+    assert main(["eval", "tiny", *args, "eval.baseline_hf=true", "eval.prompts.n=2"]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert "vs_ar_hf" not in report["speedup"] and report["lossless_match"] == 1.0
+    assert report["lossless_reference"] == "ar"
