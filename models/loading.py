@@ -45,8 +45,9 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
-            f"target architecture {arch!r} is not supported here (own model: {', '.join(SUPPORTED_ARCHS)}; "
-            f"eval and train also run other architectures through transformers)"
+            f"target architecture {arch!r} is not supported here (own model: {', '.join(SUPPORTED_ARCHS)}); "
+            f"generate and train need one of these, while eval can decode other architectures through "
+            f"transformers (AR and chains only)"
         )
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})

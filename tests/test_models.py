@@ -264,3 +264,15 @@ def test_draft_lm_init_from_target_layers(tiny_model_dir, tmp_path):
         torch.testing.assert_close(loaded(ids), d.eval()(ids))
     with pytest.raises(DraftsmithError, match="outside"):
         build_drafter("draft_lm", {**params, "init_layers": [0, 5]}, tgt.model)
+
+
+def test_unsupported_architecture_error_says_only_eval_falls_back_to_transformers():
+    """Only `draftsmith eval` decodes other architectures through transformers (AR and chains); generate and train
+    need a supported family. The one-line error must not promise more than that."""
+    from draftsmith.errors import DraftsmithError
+
+    with pytest.raises(DraftsmithError) as e:
+        config_from_hf({"model_type": "gpt2"})
+    msg = str(e.value)
+    assert "'gpt2' is not supported" in msg and "llama" in msg and "\n" not in msg
+    assert "eval" in msg and "generate" in msg and "train" in msg and "need" in msg
