@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -93,9 +92,26 @@ def test_bad_prompt_files(tmp_path, tiny_model_dir, content, fragment):
 
 
 def test_python_dash_m_and_console_script_agree(tmp_path):
-    res = run_cli("show", "tiny", f"out_dir={tmp_path}")
-    assert res.returncode == 0 and "name: tiny" in res.stdout
-    json.dumps(res.stdout)  # printable
+    """The installed `draftsmith` console script and `python -m draftsmith` print the same, and fail the same."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    script = Path(sys.executable).with_name("draftsmith")
+    script = str(script) if script.is_file() else shutil.which("draftsmith")
+    assert script, "the draftsmith console script is not installed next to this interpreter"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for args in (["show", "tiny", f"out_dir={tmp_path}"], ["show", "tiny", "train.steps=-1"]):
+        by_module = run_cli(*args)
+        by_script = subprocess.run([script, *args], capture_output=True, text=True, timeout=120, env=env)
+        assert (by_script.returncode, by_script.stdout, by_script.stderr) == (
+            by_module.returncode,
+            by_module.stdout,
+            by_module.stderr,
+        )
+    assert by_module.returncode == 2 and by_module.stderr.startswith("draftsmith: error:")
+    ok = run_cli("show", "tiny", f"out_dir={tmp_path}")
+    assert ok.returncode == 0 and "name: tiny" in ok.stdout
 
 
 def test_a_run_leaves_its_process_group_before_exit(tmp_path):
