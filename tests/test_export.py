@@ -332,6 +332,18 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
 
 
 def test_serving_format_names_are_documented():
+    """Each format's card says how its engine loads the folder: the command, and the target where it is needed."""
     assert formats.weights_file("medusa") == "medusa_lm_head.safetensors"
-    for fmt in ("hf", "vllm", "sglang", "medusa"):
-        assert formats.usage(fmt, "eagle", "org/m")
+    want = {
+        ("vllm", "eagle"): ["vllm serve ./this-folder", "EAGLE-3"],
+        ("vllm", "draft_lm"): ["vllm serve org/m", '"model": "./this-folder"'],
+        ("sglang", "eagle"): ["--model org/m", "--speculative-algorithm EAGLE3", "--speculative-draft-model-path"],
+        ("medusa", "medusa"): ["text-generation-launcher --model-id ./this-folder", "TensorRT-LLM"],
+        ("hf", "draft_lm"): ["assistant_model=AutoModelForCausalLM.from_pretrained", "draftsmith eval"],
+        ("hf", "eagle"): ["draftsmith eval RECIPE eval.checkpoint=./this-folder", "draftsmith's own layout"],
+    }
+    for (fmt, kind), fragments in want.items():
+        text = formats.usage(fmt, kind, "org/m")
+        assert all(f in text for f in fragments), (fmt, kind, text)
+        card = model_card({"kind": kind, "target": "org/m", "recipe": "r"}, fmt, None)
+        assert text in card and "base_model: org/m" in card and f"Exported as `{fmt}`" in card
