@@ -127,6 +127,34 @@ def test_a_learner_round_publishes_only_a_better_drafter(tiny, tmp_path):
     assert not (tmp_path / "online" / "rounds" / "r0001" / "checkpoints").exists()  # published as a copy
 
 
+def test_a_candidate_that_is_not_better_is_not_published(tiny, tmp_path, monkeypatch):
+    """A round whose candidate measures no higher τ on the held-out window than the current version (here: equal,
+    then lower) publishes nothing: the current version stays, no new version folder appears, and the round's
+    training checkpoints are removed; the metrics row says it did not swap."""
+    r = _recipe(tiny, tmp_path)
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    versions = Versions(tmp_path / "online", tiny["ckpt"])
+    learner = Learner(r, buf, versions, tgt=tiny["tgt"])
+    measured = []
+
+    def held_out_tau(ckpt, hold):
+        measured.append(ckpt)
+        return {1: 1.5, 2: 1.5, 3: 1.5, 4: 1.4}[len(measured)]  # current, candidate; then current, a worse one
+
+    monkeypatch.setattr(learner, "held_out_tau", held_out_tau)
+    for round_no, (traffic, cand) in enumerate(((tiny["traffic"], 1.5), (tiny["traffic"][:8], 1.4)), 1):
+        for t in traffic:
+            buf.append(t)
+        out = learner.round()
+        assert out["swapped"] is False and out["tau_candidate"] == cand <= out["tau_current"] == 1.5
+        assert versions.current()[0] == "v0000"
+        assert sorted(p.name for p in (tmp_path / "online" / "versions").iterdir()) == ["v0000"]
+        assert not (tmp_path / "online" / "rounds" / f"r{round_no:04d}" / "checkpoints").exists()
+    rows = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["swapped"] for row in rows if row["stage"] == "online"] == [False, False]
+    assert measured[0] != measured[1]  # the current version and the candidate were both measured
+
+
 def test_a_failed_round_keeps_the_current_version(tiny, tmp_path, monkeypatch):
     r = _recipe(tiny, tmp_path)
     buf = TrafficBuffer(tmp_path / "online" / "traffic")
