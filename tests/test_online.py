@@ -367,3 +367,53 @@ def test_osd_mask_trains_only_where_the_drafter_was_wrong(tiny, tmp_path, monkey
     recs = buf.read()[:-3]
     want = sum(2 if i % 2 else len(t["response"]) for i, t in enumerate(recs))
     assert seen["manifest"]["n_loss_tokens"] == want
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        ["eval.strategy=tree"],
+        ["eval.strategy=dynamic_tree", "eval.tree.top_k=2", "eval.tree.depth=3", "eval.tree.total_tokens=6"],
+        ["eval.stop={rule: entropy, threshold: 0.5}"],
+    ],
+    ids=["tree", "dynamic_tree", "entropy_stop"],
+)
+def test_server_decodes_with_the_recipes_strategy_and_stop_rule(tiny, tmp_path, settings):
+    """serve decodes as eval does: eval.strategy's tree and eval.stop's rule reach the decoder, and the answer is
+    still the target's own greedy one."""
+    from draftsmith.models.acceptance import EntropyStop
+    from draftsmith.serving.server import make_server
+
+    httpd, engine = make_server(
+        _recipe(tiny, tmp_path, "online.port=0", "online.learn=false", "online.max_tokens=16", *settings)
+    )
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        if "stop" in settings[0]:
+            assert engine.tree is None and isinstance(engine.stop, EntropyStop)
+        else:
+            assert engine.tree is not None and engine.stop is None
+        tok, eos = tiny["tgt"].tokenizer, stop_ids(tiny["tgt"].path, tiny["tgt"].tokenizer)
+        msgs = [{"role": "user", "content": "Write a poem about the sea."}]
+        ref = autoregressive_generate(tiny["tgt"].model, torch.tensor(encode_chat(tok, msgs)), 16, eos_ids=eos)
+        want = tok.decode([t for t in ref if t not in eos], skip_special_tokens=True)
+        code, body = _post(f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions", {"messages": msgs})
+        assert code == 200 and json.loads(body)["choices"][0]["message"]["content"] == want
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_server_refuses_what_it_cannot_serve_in_one_line(tiny, tmp_path):
+    """A Medusa-2 drafter (its target adapters would have to be merged into the served target) and lossy judge
+    verification are refused at start with one line naming the problem, not served wrongly."""
+    from draftsmith.models.registry import build_drafter, save_drafter
+    from draftsmith.serving.server import Engine
+
+    m2 = build_drafter("medusa", {"n_heads": 2, "lora_r": 4}, tiny["tgt"].model)
+    ckpt = save_drafter(tmp_path / "m2", m2, "medusa", {"target": str(tiny["model_dir"]), "recipe": "tiny"})
+    with pytest.raises(DraftsmithError, match="Medusa-2 drafter carries target adapters") as e:
+        Engine(_recipe(tiny, tmp_path, f"eval.checkpoint={ckpt}", "online.learn=false"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(DraftsmithError, match="eval.judge: serve decodes losslessly"):
+        Engine(_recipe(tiny, tmp_path / "j", "eval.judge={head: some/judge}", "online.learn=false"))

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.bench import fast_model
+from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.eval.decoder import speculative_generate
 from draftsmith.models.loading import encode_chat, load_model, stop_ids
 from draftsmith.models.registry import load_drafter
@@ -62,6 +62,8 @@ class Engine:
 
     def __init__(self, recipe):
         self.recipe, self.oc, self.ec = recipe, recipe.online, recipe.eval
+        if self.ec.judge is not None:
+            raise DraftsmithError("eval.judge: serve decodes losslessly; judge verification (lossy) is eval-only")
         self.device = resolve_device(recipe.target.device)
         self.dtype = resolve_dtype(recipe.target.dtype, self.device)
         self.tgt = load_model(
@@ -74,7 +76,7 @@ class Engine:
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
         self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer; also the CUDA-graph cache
         self.target = self._fast(self.tgt.model)
-        self.version, self.drafter = None, None
+        self.version, self.drafter, self.tree, self.stop = None, None, None, None
         self._load_current()
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=self.oc.max_queue)
         self.lock = threading.Lock()
@@ -102,8 +104,18 @@ class Engine:
         version, path = self.versions.current()
         if version == self.version:
             return False
-        drafter, _ = load_drafter(path, dtype=self.dtype, device=self.device)
-        self.drafter, self.version = self._fast(drafter), version  # swapped between requests only
+        drafter, info = load_drafter(path, dtype=self.dtype, device=self.device)
+        stop = None
+        if info.get("kind") == "acceptance_head" or self.ec.stop is not None:  # eval.stop, as eval decodes
+            drafter, info, stop, _ = stop_rule(self.ec, drafter, info, path, self.dtype, self.device)
+        if getattr(drafter, "target_adapter", None) is not None:
+            raise DraftsmithError(
+                f"{path}: a Medusa-2 drafter carries target adapters, which serve does not merge into the served "
+                f"target; serve Medusa-1 heads (drafter.lora_r=0) or evaluate it with draftsmith eval"
+            )
+        tree = build_tree(self.ec, getattr(drafter, "max_draft_len", None))  # eval.strategy: chain or a tree
+        # swapped between requests only
+        self.drafter, self.tree, self.stop, self.version = self._fast(drafter), tree, stop, version
         log.info("serve: drafter %s loaded from %s", version, path)
         return True
 
@@ -141,6 +153,8 @@ class Engine:
                 torch.tensor(job.prompt),
                 job.max_tokens,
                 draft_len=self.ec.draft_len,
+                tree=self.tree,
+                stop_drafting=self.stop,
                 temperature=job.temperature,
                 top_p=job.top_p,
                 eos_ids=self.eos,
