@@ -38,9 +38,12 @@ def quick_eval(
     temperature: float = 0.0,
     eos_ids: set[int] | None = None,
     seed: int = 0,
+    tree=None,
+    stop_drafting=None,
 ) -> dict:
-    """Decode each prompt speculatively, then score the produced sequences teacher-forced. Returns
-    {tau_measured, tau_estimate, tau_gap, alpha, acceptance_rate}."""
+    """Decode each prompt speculatively (a chain of ``draft_len``, or ``tree``; ``stop_drafting``: the recipe's
+    stop rule), then score the produced sequences teacher-forced. Returns
+    {tau_measured, tau_estimate, tau_gap, alpha, acceptance_rate}; the estimate is the chain's."""
     device = next(target.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed)
     stats, alphas = DecodeStats(), []
@@ -52,6 +55,8 @@ def quick_eval(
             prompt,
             max_new_tokens,
             draft_len=draft_len,
+            tree=tree,
+            stop_drafting=stop_drafting,
             temperature=temperature,
             eos_ids=eos_ids,
             generator=gen,

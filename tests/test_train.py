@@ -930,3 +930,34 @@ def test_medusa2_eval_report_names_the_reference_it_compared_against(train_run, 
     report = json.loads((run / "eval" / "report.json").read_text())
     assert "vs_ar_hf" not in report["speedup"] and report["lossless_match"] == 1.0
     assert report["lossless_reference"] == "ar"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [[], ["eval.strategy=tree"], ["eval.stop={rule: entropy, threshold: 0.5}"]],
+    ids=["chain", "tree", "entropy_stop"],
+)
+def test_in_training_tau_equals_draftsmith_eval_on_the_same_checkpoint(
+    train_run, tiny_model_dir, prompts_file, settings
+):
+    """train.eval_every decodes like `draftsmith eval`: the same checkpoint, prompts and eval settings (strategy,
+    stop rule) give the same measured tau."""
+    import json
+
+    from draftsmith.cli import main
+
+    common = ["target.dtype=float64", "eval.prompts.n=3", "eval.max_new_tokens=16", *settings]
+    run = train_run(
+        "quick-" + "-".join(s.split("=")[0] for s in settings),
+        "train.steps=2",
+        "train.eval_every=2",
+        "train.eval_prompts=3",
+        "train.eval_max_new_tokens=16",
+        *common,
+    )
+    quick = [r for r in _rows(run) if "tau_measured" in r]
+    assert [r["step"] for r in quick] == [2]
+    args = [f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}", f"out_dir={run}", "-q"]
+    assert main(["eval", "tiny", *args, *common, "eval.baseline_hf=false"]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["tau"] == pytest.approx(quick[0]["tau_measured"], rel=1e-9)

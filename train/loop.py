@@ -96,8 +96,8 @@ def peak_memory_mb(device: str) -> float:
 
 
 def _quick_eval_setup(recipe, tgt, acc):
-    """A closure that decodes the first train.eval_prompts eval prompts with the drafter as chains of
-    eval.draft_len at eval.temperature (see eval/quick.py)."""
+    """A closure that decodes the first train.eval_prompts eval prompts with the drafter as ``draftsmith eval``
+    would: eval.strategy (chain of eval.draft_len, or the tree), eval.stop and eval.temperature (eval/quick.py)."""
     from draftsmith.data.prompts import load_prompts
     from draftsmith.eval.quick import quick_eval
     from draftsmith.models.loading import encode_chat, first_turn
@@ -114,9 +114,16 @@ def _quick_eval_setup(recipe, tgt, acc):
         was_training = drafter.training
         drafter.eval()
         try:  # Medusa-2 decodes with its adapted target
+            from draftsmith.eval.bench import build_tree, stop_rule
+
             t = target if getattr(drafter, "base", None) is None else drafter.base
+            tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
+            stop = None
+            if ec.stop is not None:
+                dtype = next(drafter.parameters()).dtype
+                stop = stop_rule(ec, drafter, {"kind": recipe.drafter.kind}, None, dtype, acc.device)[2]
             return quick_eval(
-                t, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos, recipe.seed
+                t, drafter, encoded, tc.eval_max_new_tokens, ec.draft_len, ec.temperature, eos, recipe.seed, tree, stop
             )
         finally:
             drafter.train(was_training)
