@@ -38,6 +38,26 @@ PROMPTS = [
 ]
 
 
+def free_port() -> int:
+    """A free TCP port on loopback (a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 300):
+    """``torch.distributed.run --nproc_per_node=2 ARGS`` (``-m MODULE ...`` or a script) on a free port, one
+    thread per rank, offline -> the finished subprocess (stdout and stderr captured)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def pytest_collection_modifyitems(config, items):
     slow_ok = os.environ.get("DRAFTSMITH_SLOW") == "1"
     for item in items:
@@ -267,6 +287,19 @@ class AntiDrafter(torch.nn.Module):
 
     def forward(self, ids, **kw):  # any call the target takes (cache, pos, tree attn_mask)
         return -self.target(ids, **kw)
+
+
+# Token drafters of known quality for the lossless tests: a random model, a noisy copy of the target, the target
+# itself (every draft accepted) and one whose argmax is always wrong (none accepted).
+REFERENCE_DRAFTERS = ("bad", "noisy", "oracle", "anti")
+
+
+def reference_drafter(kind: str, target):
+    if kind == "bad":
+        return tiny_model(1)
+    if kind == "noisy":
+        return noisy_copy(target)
+    return target if kind == "oracle" else AntiDrafter(target)
 
 
 def tiny_heads(kind: str, target, k: int, noise: float):

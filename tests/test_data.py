@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
-import subprocess
 import sys
 import types
 
 import pytest
 import torch
-from conftest import shard_tensors
+from conftest import run_two_ranks, shard_tensors
 
 from draftsmith.cli import main
 from draftsmith.data.chat import chat_layout
@@ -655,27 +652,10 @@ def test_shards_hashed_with_prompts_n_still_resume(tmp_path, run_args, monkeypat
     assert written == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @ONE_GPU_SKIP
 def test_two_ranks_equal_one_rank(tmp_path, run_args):
     assert main(run_args(*SAMPLED, out="one")) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        "-m",
-        "draftsmith",
-        *run_args(*SAMPLED, out="two"),
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = run_two_ranks("-m", "draftsmith", *run_args(*SAMPLED, out="two"))
     assert res.returncode == 0, res.stderr[-2000:]
     _same(shard_tensors(tmp_path / "one" / "data"), shard_tensors(tmp_path / "two" / "data"))
     one, two = read_manifest(tmp_path / "one" / "data"), read_manifest(tmp_path / "two" / "data")

@@ -11,11 +11,12 @@ import torch
 from conftest import (
     DECODE_PROMPTS,
     NEW,
+    REFERENCE_DRAFTERS,
     TINY_CFG,
     TINY_CFG8,
-    AntiDrafter,
     check_tau_consistency,
     noisy_copy,
+    reference_drafter,
     sampled_joint,
     tiny_model,
     tv,
@@ -28,14 +29,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: one intra-op 
 
 
 @pytest.mark.parametrize("draft_len", [1, 3, 5])
-@pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
+@pytest.mark.parametrize("kind", REFERENCE_DRAFTERS)
 def test_greedy_lossless(target, ar_outputs, kind, draft_len):
-    drafter = {
-        "bad": lambda: tiny_model(1),
-        "noisy": lambda: noisy_copy(target),
-        "oracle": lambda: target,
-        "anti": lambda: AntiDrafter(target),
-    }[kind]()
+    drafter = reference_drafter(kind, target)
     total = DecodeStats()
     for prompt in DECODE_PROMPTS:
         out, st = speculative_generate(target, drafter, torch.tensor(prompt), NEW, draft_len=draft_len)

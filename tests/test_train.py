@@ -6,14 +6,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_SECTIONS, drafter_kinds, small_section
+from conftest import SMALL_SECTIONS, drafter_kinds, free_port, run_two_ranks, small_section
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
@@ -177,10 +176,19 @@ def test_grad_accumulation_equals_one_big_batch(train_run):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def train_two_ranks(out, tiny_model_dir, prompts_file, *overrides: str):
+    """`draftsmith train tiny` on 2 gloo processes into ``out`` (its records already there) -> the subprocess."""
+    return run_two_ranks(
+        "-m",
+        "draftsmith",
+        "train",
+        "tiny",
+        f"target.model={tiny_model_dir}",
+        f"eval.prompts.path={prompts_file}",
+        f"out_dir={out}",
+        "-q",
+        *overrides,
+    )
 
 
 @ONE_GPU_SKIP
@@ -188,25 +196,7 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
     one = train_run("one", "train.micro_batch_size=4", "train.steps=3")
     two = one.parent / "two"
     shutil.copytree(one / "data", two / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        "-m",
-        "draftsmith",
-        "train",
-        "tiny",
-        f"target.model={tiny_model_dir}",
-        f"eval.prompts.path={prompts_file}",
-        f"out_dir={two}",
-        "train.micro_batch_size=2",
-        "train.steps=3",
-        "-q",
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = train_two_ranks(two, tiny_model_dir, prompts_file, "train.micro_batch_size=2", "train.steps=3")
     assert res.returncode == 0, res.stderr[-3000:]
     _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
     for ra, rb in zip(_rows(one), _rows(two), strict=True):
@@ -222,25 +212,9 @@ def test_a_sharded_target_teaches_like_a_replicated_one(train_run, tiny_model_di
     one = train_run("one", "train.micro_batch_size=4", *common)
     two = one.parent / "sharded"
     shutil.copytree(one / "data", two / "data")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        "-m",
-        "draftsmith",
-        "train",
-        "tiny",
-        f"target.model={tiny_model_dir}",
-        f"eval.prompts.path={prompts_file}",
-        f"out_dir={two}",
-        "train.micro_batch_size=2",
-        "train.shard_target=true",
-        *common,
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    res = train_two_ranks(
+        two, tiny_model_dir, prompts_file, "train.micro_batch_size=2", "train.shard_target=true", *common
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "target layers sharded over 2 processes" in res.stdout
     _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
@@ -258,29 +232,17 @@ def test_two_gloo_processes_resume_each_ranks_own_sampling(data_dir, tiny_model_
     def two_procs(out):
         if not (out / "data").exists():
             shutil.copytree(data_dir, out / "data")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            f"--master_port={_free_port()}",
-            "-m",
-            "draftsmith",
-            "train",
-            "tiny",
-            f"target.model={tiny_model_dir}",
-            f"eval.prompts.path={prompts_file}",
-            f"out_dir={out}",
+        res = train_two_ranks(
+            out,
+            tiny_model_dir,
+            prompts_file,
             "train.micro_batch_size=2",
             "train.steps=4",
             "train.save_every=2",
             "train.keep_last=2",
             "train.loss.kind=tvdpp",
             "train.lr=3e-3",
-            "-q",
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        )
         assert res.returncode == 0, res.stderr[-3000:]
         return out
 
@@ -309,7 +271,7 @@ def test_shipped_fsdp2_config_launches_and_matches_one_process(train_run, tiny_m
     two = one.parent / "fsdp"
     shutil.copytree(one / "data", two / "data")
     cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / "fsdp2.yaml").read_text())
-    cfg.update(num_processes=2, mixed_precision="no", main_process_port=_free_port())
+    cfg.update(num_processes=2, mixed_precision="no", main_process_port=free_port())
     (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [
@@ -343,17 +305,8 @@ def test_fsdp2_checkpoints_gather_and_resume_sharded_or_not(tmp_path):
     """FSDP2 shards parameters as DTensors (safetensors cannot save them; found on an H100): checkpoints gather the
     full weights and optimizer state, in the unsharded layout, and resume onto shards or a plain model alike.
     Two gloo ranks on CPU with ``fully_shard`` applied directly (accelerate shards on GPUs only)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
-        str(Path(__file__).parent / "fsdp2_worker.py"),
-        str(tmp_path / "step-000002"),
-    ]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    worker = str(Path(__file__).parent / "fsdp2_worker.py")
+    res = run_two_ranks(worker, str(tmp_path / "step-000002"), env={"CUDA_VISIBLE_DEVICES": ""})
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
@@ -412,7 +365,7 @@ def test_shipped_launcher_configs_run_on_one_gpu(train_run, tiny_model_dir, prom
     two = one.parent / config.split(".")[0]
     shutil.copytree(one / "data", two / "data")
     cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / config).read_text())
-    cfg.update(num_processes=1, mixed_precision="no", main_process_port=_free_port())
+    cfg.update(num_processes=1, mixed_precision="no", main_process_port=free_port())
     (tmp_path / config).write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     cmd = [

@@ -10,7 +10,18 @@ import math
 
 import pytest
 import torch
-from conftest import DECODE_PROMPTS, NEW, TINY_CFG, TINY_CFG8, AntiDrafter, noisy_copy, sampled_joint, tiny_model, tv
+from conftest import (
+    DECODE_PROMPTS,
+    NEW,
+    REFERENCE_DRAFTERS,
+    TINY_CFG,
+    TINY_CFG8,
+    noisy_copy,
+    reference_drafter,
+    sampled_joint,
+    tiny_model,
+    tv,
+)
 from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
@@ -105,14 +116,9 @@ def test_compact_cache_moves_the_kept_slots(target):
 
 
 @pytest.mark.parametrize("tree", list(TREES), ids=str)
-@pytest.mark.parametrize("kind", ["bad", "noisy", "oracle", "anti"])
+@pytest.mark.parametrize("kind", REFERENCE_DRAFTERS)
 def test_tree_greedy_lossless(target, ar_outputs, kind, tree):
-    drafter = {
-        "bad": lambda: tiny_model(1),
-        "noisy": lambda: noisy_copy(target),
-        "oracle": lambda: target,
-        "anti": lambda: AntiDrafter(target),
-    }[kind]()
+    drafter = reference_drafter(kind, target)
     spec = TREES[tree]
     depth = spec.depth if isinstance(spec, DynamicTree) else max(spec.depths)
     for prompt in DECODE_PROMPTS:
