@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from draftsmith.kernels.verify import verify_greedy
+from draftsmith.kernels.launch import pick_impl
+from draftsmith.kernels.verify import verify_greedy, verify_sampling
 from draftsmith.models.sampling import process_logits
 
 
@@ -22,6 +23,7 @@ class Sampler:
     top_k: int = 0
     top_p: float = 1.0
     generator: torch.Generator | None = None
+    impl: str = "auto"  # acceptance kernels: "auto" (Triton on CUDA), "triton" or "reference" (kernels/launch.py)
     greedy: bool = field(init=False)
 
     def __post_init__(self):
@@ -44,14 +46,14 @@ def _accepted_prefix(ok: torch.Tensor) -> int:
     return int(ok.long().cumprod(0).sum())
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor, impl: str = "auto") -> tuple[int, int]:
     """draft_tokens (γ,), target_logits (γ+1, V) -> (n accepted, next token).
 
     Row i of the target logits predicts the token after draft i-1, so draft i is accepted while it equals the
     target argmax there; next token is the target argmax at row n (a correction, or the bonus if n == γ).
     One fused launch on CUDA (kernels/verify.py), the same rule in PyTorch elsewhere.
     """
-    n, nxt = verify_greedy(draft_tokens.view(1, -1), target_logits.unsqueeze(0))
+    n, nxt = verify_greedy(draft_tokens.view(1, draft_tokens.numel()), target_logits.unsqueeze(0), impl)
     return int(n[0]), int(nxt[0])
 
 
@@ -66,18 +68,31 @@ def judge_accept(
     return n, int(target_logits[n].argmax()), int((~match[:n]).sum())
 
 
+def _device_of(generator: torch.Generator | None) -> str:
+    return "cpu" if generator is None else generator.device.type
+
+
 def rejection_accept(
     draft_tokens: torch.Tensor,
     draft_probs: torch.Tensor,
     target_probs: torch.Tensor,
     generator: torch.Generator | None = None,
+    impl: str = "auto",
 ) -> tuple[int, int]:
     """Standard speculative sampling. draft_tokens (γ,), draft_probs q (γ, V), target_probs p (γ+1, V).
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) (fp32, q = 0 rejects); at the first rejection draw
     the correction from normalised max(0, p_i - q_i), else the bonus from p_{γ+1}. Returns (n, next token).
     ``draft_probs`` must be the exact distributions the drafts were sampled from (pitfall C7.1).
+    On CUDA (``impl`` "auto") one fused kernel launch applies the same rule (kernels/verify.py), its Philox stream
+    seeded by one draw from ``generator``; elsewhere the PyTorch rule below.
     """
+    if pick_impl(impl, target_probs) == "triton":
+        seed = int(torch.randint(2**31 - 1, (1,), generator=generator, device=_device_of(generator)))
+        n, nxt = verify_sampling(
+            draft_tokens.view(1, draft_tokens.numel()), draft_probs[None], target_probs[None], seed, "triton"
+        )
+        return int(n[0]), int(nxt[0])
     gamma = draft_tokens.numel()
     p = target_probs.float()
     q = draft_probs.float()

@@ -215,3 +215,59 @@ def test_kernels_natively_on_cuda():
     torch.testing.assert_close(softmax_scale_(z, lse, coef).float(), want, rtol=2e-2, atol=1e-5)
     mask, depth = tree_mask(_parents(60, 0).cuda())
     assert torch.equal(mask.cpu(), tree_mask_reference(_parents(60, 0))[0])
+
+
+def test_the_decoder_verifies_through_the_kernels_where_auto_picks_them(monkeypatch):
+    """The chain decoder's acceptance runs the fused kernels where ``impl`` picks them (auto: on CUDA; forced here
+    under the interpreter): one sampling launch per verify step, its Philox seed one draw from the decode's
+    generator (so a seeded decode repeats), and greedy decoding through the greedy kernel stays exact."""
+    from functools import partial
+
+    from draftsmith.eval import accept, decoder
+    from draftsmith.eval.accept import Sampler, rejection_accept
+    from tests.conftest import noisy_copy, tiny_model
+
+    target = tiny_model(0).double()
+    drafter = noisy_copy(target).double()
+    prompt = torch.arange(3, 11)
+    calls = {"sampling": 0, "greedy": 0}
+    for name in calls:
+        real = getattr(accept, f"verify_{name}")
+
+        def spy(*args, _real=real, _name=name):
+            calls[_name] += args[-1] == "triton"
+            return _real(*args)
+
+        monkeypatch.setattr(accept, f"verify_{name}", spy)
+    monkeypatch.setattr(decoder, "Sampler", partial(Sampler, impl="triton"))
+
+    def run(temperature, seed):
+        gen = torch.Generator().manual_seed(seed)
+        return decoder.speculative_generate(
+            target, drafter, prompt, 12, draft_len=3, temperature=temperature, generator=gen
+        )
+
+    out, st = run(1.0, 7)
+    assert calls["sampling"] == st.target_forwards and calls["greedy"] == 0
+    assert out == run(1.0, 7)[0]
+    greedy, st = run(0.0, 0)
+    assert calls["greedy"] == st.target_forwards
+    assert greedy == decoder.autoregressive_generate(target, prompt, 12)
+    # the rule's answer is the kernel's on the seed drawn from the generator
+    p = torch.softmax(torch.randn(3, 7, generator=torch.Generator().manual_seed(1)), -1)
+    q, d = p[:2].flip(-1).contiguous(), torch.tensor([2, 5])
+    seed = int(torch.randint(2**31 - 1, (1,), generator=torch.Generator().manual_seed(3)))
+    n, nxt = verify_sampling(d[None], q[None], p[None], seed, impl="triton")
+    assert rejection_accept(d, q, p, torch.Generator().manual_seed(3), impl="triton") == (int(n[0]), int(nxt[0]))
+
+
+@pytest.mark.gpu
+def test_sampling_acceptance_runs_the_kernel_on_cuda():
+    """On CUDA, ``auto`` sends the decoder's rejection sampling through the fused kernel, seeded from the generator."""
+    from draftsmith.eval.accept import rejection_accept
+
+    p = torch.softmax(torch.randn(5, 32000, device="cuda"), -1)
+    q, d = p[:4].roll(1, -1).contiguous(), torch.tensor([3, 1, 4, 1], device="cuda")
+    seed = int(torch.randint(2**31 - 1, (1,), generator=torch.Generator("cuda").manual_seed(9), device="cuda"))
+    n, nxt = verify_sampling(d[None], q[None], p[None], seed, impl="triton")
+    assert rejection_accept(d, q, p, torch.Generator("cuda").manual_seed(9)) == (int(n[0]), int(nxt[0]))
