@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.chat import ChatLayout, chat_layout, encode
 from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch, write_batch
-from draftsmith.data.prompts import load_prompts
+from draftsmith.data.prompts import prompts_from
 from draftsmith.data.records import (
     FORMAT,
     SOURCES,
@@ -53,7 +53,7 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def data_hash(recipe, with_n: bool = False) -> str:
     """Everything that changes the records: the target, the seed and the data section (not `enabled`, not the
-    batch sizes, and not ``prompts.n``).
+    batch sizes, ``prompts.n`` or ``prompts.streaming``).
 
     ``prompts.n`` stays out because the first n prompts are a prefix of the first n' > n (shuffling happens before
     the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
@@ -64,8 +64,13 @@ def data_hash(recipe, with_n: bool = False) -> str:
         "seed": recipe.seed,
         "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"}),
     }
+    prompts = d["data"]["prompts"]
+    prompts.pop("streaming")  # the same prompts either way
+    for key in ("subset", "columns"):  # unset: left out, so data written before these keys existed still resumes
+        if not prompts[key]:
+            prompts.pop(key)
     if not with_n:
-        d["data"]["prompts"].pop("n")
+        prompts.pop("n")
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -347,9 +352,7 @@ def generate(recipe) -> Path:
     barrier()
     prod = Producer(recipe, device)
     pc = dc.prompts
-    prompts = load_prompts(
-        pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns, text_ok=True
-    )
+    prompts = prompts_from(pc, pc.n, text_ok=True)
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
     starts = range(0, len(prompts), dc.shard_size)

@@ -207,19 +207,46 @@ def iter_file(path: Path, *, allow_truncated: bool = False) -> Iterator[tuple[in
     return iter_jsonl(path)
 
 
-def _iter_hub(name: str, split: str) -> Iterator[tuple[int, Any, str]]:
+FORMS = ("conversations", "turns", "messages", "text")  # the record forms, told apart by their key
+
+
+def hub_label(name: str, subset: str | None, split: str) -> str:
+    return f"hub dataset {name!r}" + (f" subset {subset!r}" if subset else "") + f" split {split!r}"
+
+
+def _iter_hub(
+    name: str, split: str, subset: str | None = None, columns: dict | None = None, streaming: bool = False
+) -> Iterator[tuple[int, Any, str]]:
+    """Rows of a `datasets` dataset (hub name or local folder) with ``columns`` ({record field: dataset column})
+    renamed. ``streaming``: rows arrive as they download, and a caller that stops early downloads no more."""
+    label, columns = hub_label(name, subset, split), dict(columns or {})
     try:
         import datasets
 
-        ds = datasets.load_dataset(name, split=split)
-    except Exception as e:  # noqa: BLE001 - datasets raises many types: network, offline, unknown split
+        ds = datasets.load_dataset(name, subset, split=split, streaming=streaming)
+    except Exception as e:  # noqa: BLE001 - datasets raises many types: network, offline, unknown split or subset
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0", "false", "False")
         hint = " (HF_HUB_OFFLINE is set: only datasets already in the local cache load)" if offline else ""
         first = (str(e).strip().splitlines() or [""])[0]
-        raise DraftsmithError(
-            f"cannot load hub dataset {name!r} split {split!r}{hint}: {type(e).__name__}: {first}"
-        ) from None
+        raise DraftsmithError(f"cannot load {label}{hint}: {type(e).__name__}: {first}") from None
+    have = getattr(ds, "column_names", None)  # None for a stream whose features are unknown: the first row tells
     for i, row in enumerate(ds):
+        if columns and i == 0:
+            have = have or list(row)
+            for field, col in columns.items():
+                if col not in have:
+                    raise DraftsmithError(
+                        f"{label}: prompts.columns.{field}: no column {col!r} (columns: {', '.join(map(str, have))})"
+                    )
+        if columns:
+            rec = dict(row)
+            if any(f in FORMS for f in columns):  # the mapped form is the one read
+                for f in FORMS:
+                    rec.pop(f, None)
+            if "id" in columns:
+                rec.pop("question_id", None)
+            rec.update({field: row[col] for field, col in columns.items()})
+            row = rec
         yield i, row, f"row {i}"
 
 
@@ -328,14 +355,19 @@ def load_prompts(
     split: str = "train",
     max_turns: int | None = None,
     text_ok: bool = False,
+    subset: str | None = None,
+    columns: dict | None = None,
+    streaming: bool = False,
 ) -> list[Prompt]:
     """Load the first ``n`` usable prompts (all when None), after shuffling with ``seed`` if asked.
     ``text_ok``: also accept raw text records ({"text": ...}, e.g. a pretraining corpus), as ``Prompt.text``;
     elsewhere they are an error naming the file and line.
 
-    ``path``: the file (source=file), the dataset name (source=hub) or, for packaged sources, an optional
-    replacement for the shipped file. Unusable records (unsupported role, empty first user turn) are skipped and
-    counted in one warning; malformed ones raise DraftsmithError naming the file and line.
+    ``path``: the file (source=file), the dataset name or folder (source=hub) or, for packaged sources, an
+    optional replacement for the shipped file. source=hub only: ``subset`` (config name), ``columns`` ({record
+    field: dataset column}) and ``streaming`` (read rows as they download; stops after n usable prompts).
+    Unusable records (unsupported role, empty first user turn) are skipped and counted in one warning; malformed
+    ones raise DraftsmithError naming the file and line.
     """
     if source not in SOURCES:
         raise DraftsmithError(f"unknown prompt source {source!r}; expected one of {', '.join(SOURCES)}")
@@ -343,8 +375,12 @@ def load_prompts(
         raise DraftsmithError(f"n and max_turns must be positive (got n={n}, max_turns={max_turns})")
     if source in ("file", "hub") and not path:
         raise DraftsmithError(f"prompt source {source!r} needs a path")
+    if source != "hub" and (subset or columns or streaming):
+        raise DraftsmithError(f"prompt source {source!r}: subset, columns and streaming apply to source 'hub' only")
+    if streaming and shuffle:
+        raise DraftsmithError("prompts: streaming reads rows in order and cannot shuffle (set shuffle false)")
     if source == "hub":
-        label, rows = f"hub dataset {path!r} ({split})", _iter_hub(path, split)
+        label, rows = hub_label(path, subset, split), _iter_hub(path, split, subset, columns, streaming)
     else:
         file = Path(path) if path else package_file(source)
         label, path = f"prompts file {file}", str(file)
@@ -361,6 +397,23 @@ def load_prompts(
     if shuffle:
         random.Random(seed).shuffle(prompts)
     return prompts[:n] if n is not None else prompts
+
+
+def prompts_from(pc, n: int | None, *, text_ok: bool = False) -> list[Prompt]:
+    """``load_prompts`` with every option of a recipe's prompts section (data.prompts, eval.prompts)."""
+    return load_prompts(
+        pc.source,
+        pc.path,
+        n,
+        shuffle=pc.shuffle,
+        seed=pc.seed,
+        split=pc.split,
+        max_turns=pc.max_turns,
+        text_ok=text_ok,
+        subset=pc.subset,
+        columns=pc.columns,
+        streaming=pc.streaming,
+    )
 
 
 def _collect(

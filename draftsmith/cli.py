@@ -46,11 +46,12 @@ STAGES = {
 }
 
 EPILOG = """\
-RECIPE is a path to a YAML file or the name of a shipped recipe (e.g. `quickstart`, `tiny`).
+RECIPE is a path to a YAML file or a recipe name: shipped (e.g. `quickstart`), or in a DRAFTSMITH_RECIPES folder.
 Overrides are dotted keys: `draftsmith run quickstart train.steps=50 eval.draft_len=3 data.prompts.n=64`;
 values are parsed as YAML (numbers, true/false, [lists]) and the recipe is re-validated.
 Multi-GPU: accelerate launch -m draftsmith train RECIPE [overrides]
-Environment: DRAFTSMITH_CACHE (model cache, default ~/.cache/draftsmith), HF_HUB_OFFLINE=1 (no hub access).
+Environment: DRAFTSMITH_CACHE (model cache, default ~/.cache/draftsmith), DRAFTSMITH_RECIPES (more recipe
+folders, separated like PATH), HF_HUB_OFFLINE=1 (no hub access).
 """
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.prompts import Prompt, load_prompts
+from draftsmith.data.prompts import Prompt, prompts_from
 from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.contention import CpuShare
@@ -133,9 +133,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
         tasks = load_tasks(jc.tasks, jc.tasks_path, pc.n, jc.tasks_start)
         prompts = [Prompt(f"{t.kind}:{t.id}", t.messages, t.kind) for t in tasks]
     else:
-        prompts = load_prompts(
-            pc.source, pc.path, pc.n, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns
-        )
+        prompts = prompts_from(pc, pc.n)
     encoded = [(p, encode_chat(tgt.tokenizer, first_turn(p.messages))) for p in prompts]
     judge = None
     if jc is not None:

@@ -5,6 +5,7 @@ Every failure becomes a one-line DraftsmithError naming the file, line or dotted
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -21,15 +22,24 @@ def shipped_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
 
 
+def recipe_folders() -> list[Path]:
+    """The shipped recipes' folder, then the folders listed in DRAFTSMITH_RECIPES (os.pathsep-separated): a
+    recipe name is looked up in them in this order, so a shipped name is never shadowed."""
+    extra = os.environ.get("DRAFTSMITH_RECIPES", "")
+    return [RECIPE_DIR, *(Path(d).expanduser() for d in extra.split(os.pathsep) if d)]
+
+
 def find_recipe(spec: str) -> Path:
     p = Path(spec).expanduser()
     if p.is_file():
         return p
-    shipped = RECIPE_DIR / f"{spec.removesuffix('.yaml')}.yaml"
-    if "/" not in spec and shipped.is_file():
-        return shipped
+    if "/" not in spec:
+        for folder in recipe_folders():
+            if (found := folder / f"{spec.removesuffix('.yaml')}.yaml").is_file():
+                return found
+    where = " or in the DRAFTSMITH_RECIPES folders" if len(recipe_folders()) > 1 else ""
     raise DraftsmithError(
-        f"recipe not found: {spec} (no such file, and not a shipped recipe: {', '.join(shipped_recipes())})"
+        f"recipe not found: {spec} (no such file, and not a shipped recipe{where}: {', '.join(shipped_recipes())})"
     )
 
 

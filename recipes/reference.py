@@ -23,6 +23,23 @@ A recipe is one YAML file per pipeline. The schema is strict: an unknown key is 
 and every value is type- and range-checked, also after command-line overrides (`draftsmith run RECIPE a.b=c`).
 `draftsmith show RECIPE` prints a recipe with every default filled in. `drafter.kind` picks the drafter section.
 
+`RECIPE` on the command line is a file path or a recipe name: the shipped recipes (recipes/*.yaml) first, then
+`NAME.yaml` in each folder listed in `DRAFTSMITH_RECIPES` (separated like `PATH`), so a shipped name is never
+shadowed.
+
+**What a shipped recipe needs.** Run from a fresh folder after the README's install command, a shipped recipe
+finds everything it names: packaged models and data (their packages are in the install command), its own run
+folder (`runs/<name>`, e.g. `eval.judge.head` reading the probe its train stage wrote), or the outputs of the
+recipes its header names, one per line and in run order:
+
+```yaml
+# needs: draftsmith run fastdraft-pretrain
+# needs: draftsmith run fastdraft-finetune
+```
+
+A recipe that downloads from the hub (a hub target or dataset) says `# needs: hub`.
+tests/test_shipped_recipes.py resolves every path-like key of every shipped recipe against these rules.
+
 This page is generated from the schema's field docstrings (recipes/schema.py); do not edit it by hand.
 """
 

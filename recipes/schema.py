@@ -34,9 +34,21 @@ class PromptsConfig(Strict):
     source: Literal["sharegpt", "mt_bench", "humaneval", "file", "hub"]
     """sharegpt / mt_bench / humaneval (packaged, offline), file (local JSON/JSONL), hub (datasets name)."""
     path: str | None = None
-    """File path (source=file) or hub dataset name (source=hub)."""
+    """File path (source=file), or what datasets.load_dataset loads (source=hub): a hub dataset name (org/name)
+    or a local dataset folder."""
     split: str = "train"
     """Dataset split for source=hub."""
+    subset: str | None = None
+    """source=hub: the dataset's subset (its config name, load_dataset's second argument); None = its default."""
+    columns: dict[Literal["conversations", "messages", "turns", "text", "id", "category"], str] = Field(
+        default_factory=dict
+    )
+    """source=hub: record fields read from differently named dataset columns, field: column, e.g. {messages:
+    dialog}. The fields are the record forms (conversations, messages, turns, text) and id, category; a mapped form
+    replaces any other form column of the row. A column the split lacks is an error naming the ones it has."""
+    streaming: bool = False
+    """source=hub: stream rows as they download and stop after n usable prompts (same prompts as without
+    streaming) instead of downloading and preparing the whole split first; needs shuffle false."""
     n: int | None = Field(None, gt=0)
     """Use the first n usable prompts (after shuffling, if on). None = all."""
     shuffle: bool = False
@@ -50,6 +62,11 @@ class PromptsConfig(Strict):
     def _path_needed(self):
         if self.source in ("file", "hub") and not self.path:
             raise ValueError(f"prompts.path is required when source is {self.source!r}")
+        hub_only = [k for k in ("subset", "columns", "streaming") if getattr(self, k)]
+        if self.source != "hub" and hub_only:
+            raise ValueError(f"prompts.{hub_only[0]} applies to source=hub only (source is {self.source!r})")
+        if self.streaming and self.shuffle:
+            raise ValueError("prompts.streaming reads rows in order: it cannot shuffle (set shuffle false)")
         return self
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():  # Triton kernels run in its CPU interpreter; must be set before triton loads
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests' own recipes (tests/recipes: `tiny`) are found by name, here and in the subprocesses tests start.
+_RECIPES = str(Path(__file__).resolve().parent / "recipes")
+os.environ["DRAFTSMITH_RECIPES"] = os.pathsep.join(filter(None, (_RECIPES, os.environ.get("DRAFTSMITH_RECIPES"))))
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

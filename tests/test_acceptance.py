@@ -152,7 +152,7 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     from draftsmith.data.dataset import RecordDataset, collate
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
     from draftsmith.recipes.schema import LossConfig
     from draftsmith.train.objectives import Context, acceptance_objective
 
@@ -178,7 +178,7 @@ def test_before_head_objective_trains_and_decodes_losslessly(specdec_run, tiny_m
     ref = -(6 * (1 - s) * torch.log1p(-a) + s * torch.log(a)).sum()
     torch.testing.assert_close(out.loss_sum.detach(), ref, rtol=1e-4, atol=1e-4)
 
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "acceptance_head", "draft": str(draft), "n_layers": 1, "state": "before"}
     recipe = tmp_path / "tiny-before.yaml"
     recipe.write_text(yaml.safe_dump(spec))
@@ -219,10 +219,10 @@ def test_acceptance_head_trains_and_drives_adaptive_decoding(specdec_run, tmp_pa
     import yaml
 
     from draftsmith.eval import sweep
-    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+    from draftsmith.recipes.loader import find_recipe, load_recipe
 
     root, draft, common = specdec_run
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "acceptance_head", "draft": str(draft), "n_layers": 1}
     recipe = tmp_path / "tiny-accept.yaml"
     recipe.write_text(yaml.safe_dump(spec))
@@ -317,10 +317,10 @@ def test_acceptance_head_on_an_eagle_drafter(specdec_run, tmp_path):
     import yaml
 
     from draftsmith.eval import sweep
-    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+    from draftsmith.recipes.loader import find_recipe, load_recipe
 
     root, _, common = specdec_run
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "eagle", "version": 3}
     (tmp_path / "tiny-eagle.yaml").write_text(yaml.safe_dump(spec))
     shutil.copytree(root / "draft" / "data", tmp_path / "eagle" / "data")
@@ -540,10 +540,10 @@ def test_acceptance_head_on_hydra_heads_trains_decodes_and_sweeps(specdec_run, t
     import yaml
 
     from draftsmith.eval import sweep
-    from draftsmith.recipes.loader import RECIPE_DIR, load_recipe
+    from draftsmith.recipes.loader import find_recipe, load_recipe
 
     root, _, common = specdec_run
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "hydra", "n_heads": 3, "prefix_attention": True}
     (tmp_path / "tiny-hydra.yaml").write_text(yaml.safe_dump(spec))
     shutil.copytree(root / "draft" / "data", tmp_path / "hydra" / "data")

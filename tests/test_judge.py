@@ -170,7 +170,7 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     from draftsmith.data.dataset import RecordDataset
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import load_drafter
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
 
     root, draft_ckpt, tasks, common = judge_data
     # A deterministic stand-in outcome that both keeps and flips, so both label values occur.
@@ -217,7 +217,7 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     assert main([*mine, f"out_dir={root / 'none-right'}", "data.judge_labels.only_correct=true"]) == 2
     assert not (root / "none-right" / "data" / "manifest.json").exists()
     # train the judge (a linear probe on the target's states) in the one loop
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "judge"}
     recipe = tmp_path / "tiny-judge.yaml"
     recipe.write_text(yaml.safe_dump(spec))

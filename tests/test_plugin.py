@@ -18,7 +18,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.registry import DRAFTERS, kinds, load_drafter, register_drafter, unregister_drafter
 from draftsmith.models.spec import DrafterSpec, Strict
-from draftsmith.recipes.loader import RECIPE_DIR, validate
+from draftsmith.recipes.loader import find_recipe, validate
 from draftsmith.train.objectives import StepOutput
 
 # ---- the new kind: a recipe section, a model, a builder, an objective, and the spec that ties them together ----
@@ -108,7 +108,7 @@ def bigram():
 
 
 def _recipe(tmp_path, **drafter) -> dict:
-    doc = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    doc = yaml.safe_load(find_recipe("tiny").read_text())
     doc["drafter"] = {"kind": "bigram", **drafter}
     doc["export"]["enabled"] = False
     return doc

@@ -241,7 +241,9 @@ def test_bad_arguments():
 
 def test_hub_rows_use_the_same_detection(monkeypatch):
     rows = [SHAREGPT, {"messages": [{"role": "user", "content": "x"}], "category": "c"}]
-    fake = types.SimpleNamespace(load_dataset=lambda name, split: rows if split == "train" else 1 / 0)
+    fake = types.SimpleNamespace(
+        load_dataset=lambda name, subset, split, streaming: rows if split == "train" else 1 / 0
+    )
     monkeypatch.setitem(sys.modules, "datasets", fake)
     prompts = load_prompts("hub", "org/set", max_turns=1)
     assert [(p.id, p.category, len(p.messages)) for p in prompts] == [("hub:0", None, 3), ("hub:1", "c", 1)]

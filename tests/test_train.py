@@ -533,11 +533,11 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
     from draftsmith.data.dataset import RecordDataset, collate, token_counts
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
     from draftsmith.train import objectives
 
     drafter_kind, section = _case(kind)
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = section.model_dump(exclude_defaults=True) | {"kind": drafter_kind}
     recipe = tmp_path / f"tiny-{kind}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
@@ -674,9 +674,9 @@ def test_a_deeper_eagle_grows_from_a_one_layer_checkpoint(train_run, tiny_model_
     checkpoint)."""
     import yaml
 
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
 
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "eagle", "version": 3, "ttt_steps": 2}
     recipe = tmp_path / "tiny-eagle3.yaml"
     recipe.write_text(yaml.safe_dump(spec))
@@ -716,12 +716,12 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(
     from draftsmith.data.dataset import RecordDataset, collate, token_counts
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import build_drafter
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
     from draftsmith.recipes.schema import EagleDrafterConfig
     from draftsmith.train import objectives
 
     drafter = {"kind": "eagle", "version": version, "ttt_steps": 3, "draft_vocab": 120}
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = drafter
     recipe = tmp_path / f"tiny-eagle{version}.yaml"
     recipe.write_text(yaml.safe_dump(spec))
@@ -845,7 +845,7 @@ def test_medusa2_self_distils_the_target_in_its_own_vocabulary(
     self-distillation then pulled the target away from itself."""
     import yaml
 
-    from draftsmith.recipes.loader import RECIPE_DIR
+    from draftsmith.recipes.loader import find_recipe
 
     out = tmp_path / f"m2-{vocab}"
     assert (
@@ -862,7 +862,7 @@ def test_medusa2_self_distils_the_target_in_its_own_vocabulary(
         )
         == 0
     )
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["drafter"] = {"kind": "medusa", "n_heads": 2, "lora_r": 4, "draft_vocab": vocab}
     recipe = tmp_path / "tiny-m2.yaml"
     recipe.write_text(yaml.safe_dump(spec))

@@ -98,15 +98,13 @@ def peak_memory_mb(device: str) -> float:
 def _quick_eval_setup(recipe, tgt, acc):
     """A closure that decodes the first train.eval_prompts eval prompts with the drafter as ``draftsmith eval``
     would: eval.strategy (chain of eval.draft_len, or the tree), eval.stop and eval.temperature (eval/quick.py)."""
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.data.prompts import prompts_from
     from draftsmith.eval.quick import quick_eval
     from draftsmith.models.loading import encode_chat, first_turn
 
     tc, ec = recipe.train, recipe.eval
     pc = ec.prompts
-    prompts = load_prompts(
-        pc.source, pc.path, tc.eval_prompts, shuffle=pc.shuffle, seed=pc.seed, split=pc.split, max_turns=pc.max_turns
-    )
+    prompts = prompts_from(pc, tc.eval_prompts)
     encoded = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in prompts]
     target, eos = tgt.model.to(acc.device), stop_ids(tgt.path, tgt.tokenizer)
 
