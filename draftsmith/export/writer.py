@@ -156,8 +156,11 @@ def _recipe_hub_id(path: Path | None) -> str | None:
         doc = yaml.safe_load(path.read_text()) if path is not None else None
     except (OSError, yaml.YAMLError):
         return None
-    t = doc.get("target") if isinstance(doc, dict) else None
-    return _hub_id(t.get("hub_id")) if isinstance(t, dict) else None
+    hub = doc.get("target", {}).get("hub_id") if isinstance(doc, dict) and isinstance(doc.get("target"), dict) else None
+    try:
+        return hub_repo_id(hub) if isinstance(hub, str) else None
+    except ValueError:
+        return None
 
 
 def _front_matter(text: str) -> dict:
