@@ -171,9 +171,12 @@ def _save_resolved(recipe) -> None:
 
 def _export(args, recipe) -> None:
     """`draftsmith export`: a recipe's checkpoint (or a checkpoint folder when recipe is None) in each format."""
-    from draftsmith.export.writer import checkpoint_of, export, push_to_hub
+    from draftsmith.export.writer import check_repo_id, checkpoint_of, export, push_to_hub
 
     ec = recipe.export if recipe is not None else None
+    repo = args.push_to_hub or (ec.push_to_hub if ec else None)
+    if repo:  # before anything is written or sent
+        check_repo_id(repo, "--push-to-hub" if args.push_to_hub else "export.push_to_hub")
     ckpt = Path(args.recipe) if recipe is None else checkpoint_of(recipe)
     formats = [args.format] if args.format else (list(ec.formats) if ec else ["hf"])
     if args.out and len(formats) > 1:
@@ -191,7 +194,6 @@ def _export(args, recipe) -> None:
     ]
     for out in outs:
         print(f"export: {out}")
-    repo = args.push_to_hub or (ec.push_to_hub if ec else None)
     if repo:
         dry = args.dry_run or bool(ec and ec.dry_run)
         files = push_to_hub(outs[0], repo, dry_run=dry)

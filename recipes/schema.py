@@ -14,12 +14,26 @@ from draftsmith.models import registry
 from draftsmith.models.draft_lm import DraftLMConfig
 from draftsmith.models.spec import Strict
 
-__all__ = ["Recipe", "Strict", "DrafterConfig", "DraftLMConfig"]  # + every kind's section, by its class name
+__all__ = ["Recipe", "Strict", "DrafterConfig", "DraftLMConfig", "hub_repo_id"]  # + every kind's section
+
+
+def hub_repo_id(value: str) -> str:
+    """``value`` if it is a valid hub repo id (``name`` or ``org/name``), else ValueError: never a local path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        raise ValueError(f"{value!r} is not a hub repo id like org/name") from None
+    return value
 
 
 class TargetConfig(Strict):
     model: str = "smollm2-135m-instruct"
     """Hub id (org/name), local HF folder, or the alias smollm2-135m-instruct (packaged GGUF, offline)."""
+    hub_id: str | None = None
+    """The hub id (org/name) of a local ``model`` folder, if it has one: exports name it as the verifier and
+    base_model. None = known only for hub ids and aliases; a local folder is then named by no one (never its path)."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``model`` is a hub id."""
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = "auto"
@@ -28,6 +42,11 @@ class TargetConfig(Strict):
     """auto = cuda if available, else cpu; or an explicit torch device string."""
     trust_remote_code: bool = False
     """Run the model repo's own Python code when loading its tokenizer. Off unless you ask."""
+
+    @field_validator("hub_id")
+    @classmethod
+    def _hub_id_is_a_repo_id(cls, v: str | None) -> str | None:
+        return v if v is None else hub_repo_id(v)
 
 
 class PromptsConfig(Strict):
@@ -418,9 +437,15 @@ class ExportConfig(Strict):
     include_embeddings: bool = False
     """vllm / sglang EAGLE-3: also write the (frozen, target-copied) input embeddings; engines take the target's."""
     push_to_hub: str | None = None
-    """Hub repo id (org/name) to upload the first format to; the token comes from HF_TOKEN, never printed."""
+    """Hub repo id (org/name) to upload the first format to; the token comes from HF_TOKEN, never printed.
+    Checked when the recipe loads, before any stage runs."""
     dry_run: bool = False
     """With push_to_hub: list what would be uploaded, upload nothing."""
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _push_to_hub_is_a_repo_id(cls, v: str | None) -> str | None:
+        return v if v is None else hub_repo_id(v)
 
 
 class OnlineConfig(Strict):

@@ -138,7 +138,7 @@ def test_eagle3_engine_contracts(checkpoints, tmp_path):
     assert conf["architectures"] == ["Eagle3Speculator"] and conf["norm_before_residual"] is False
     sc = conf["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["proposal_methods"][0]["speculative_tokens"] >= 1
-    assert sc["verifier"]["name_or_path"]
+    assert "name_or_path" in sc["verifier"]  # null here: the tiny target is a local folder with no hub id
     assert conf["draft_vocab_size"] == 120 and conf["transformer_layer_config"]["vocab_size"] == cfg["vocab_size"]
     assert conf["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]  # non-default layers: vLLM's input indices
     t = load_file(str(v / "model.safetensors"))
@@ -171,7 +171,7 @@ def test_medusa_layout_for_tensorrt_llm_and_tgi(checkpoints, tmp_path):
     out = export(checkpoints["medusa"], "medusa", tmp_path / "m")
     conf = json.loads((out / "config.json").read_text())
     assert "architectures" not in conf  # TGI disables Medusa when it sees one
-    assert (conf["medusa_num_heads"], conf["medusa_num_layers"]) == (3, 1) and conf["base_model_name_or_path"]
+    assert (conf["medusa_num_heads"], conf["medusa_num_layers"]) == (3, 1) and "base_model_name_or_path" in conf
     t = load_file(str(out / "medusa_lm_head.safetensors"))
     assert set(t) == {f"{h}.{k}" for h in range(3) for k in ("0.linear.weight", "0.linear.bias", "1.weight")}
     assert t["0.1.weight"].shape == (conf["vocab_size"], conf["hidden_size"])
@@ -209,7 +209,7 @@ def test_hf_draft_lm_loads_in_transformers_with_its_tokenizer_and_card(checkpoin
         torch.testing.assert_close(hf(ids).logits, drafter(ids), rtol=1e-4, atol=1e-4)
     card = (out / "README.md").read_text()
     assert "| mt_bench × 8 | kind=chain draft_len=3 | 2.50 | 0.60 | 1.70× | 2.00× |" in card
-    assert "library_name: draftsmith" in card and "test-draft_lm" in card
+    assert "library_name: transformers" in card and "test-draft_lm" in card
 
 
 def test_model_card_without_an_eval_says_so():

@@ -128,13 +128,14 @@ def _default_aux(cfg: dict) -> list[int]:
     return [1, L // 2 - 1, L - 4]  # EAGLE-3's; the engines' default capture (inputs 2, L/2, L-3) is the same
 
 
-def _speculators_block(info: dict, verifier: str, tokens: int) -> dict:
+def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
     return {
         "algorithm": "eagle3",
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
         ],
         "default_proposal_method": "greedy",
+        # the verifier's hub id, or null when unknown (vLLM's `serve ./folder` then needs the target named)
         "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
     }
 
@@ -239,21 +240,34 @@ def to_hf(model, info: dict):
     }
 
 
-def usage(fmt: str, kind: str, target: str) -> str:
+def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
+    """How an engine serves the export, as the card and the export log print it. ``target``: the verifier's hub id;
+    None (a local target) prints ``TARGET`` for the user to fill in, and never the ``vllm serve ./this-folder``
+    short form, which serves the verifier named in config.json (null then)."""
+    t = target or "TARGET"
+    spec = 'vllm serve {t} --speculative-config \'{{"model": "./this-folder", "method": "{m}", ' + (
+        '"num_speculative_tokens": {n}}}\''
+    )
     if fmt == "vllm" and kind == "draft_lm":
         return (
-            f'`vllm serve {target} --speculative-config \'{{"model": "./this-folder", '
-            f'"num_speculative_tokens": 4}}\'` (a plain HF Llama folder: vLLM versions with draft-model '
+            f"`{spec.format(t=t, m='draft_model', n=4)}` (a plain HF Llama folder: vLLM versions with draft-model "
             f"speculation)."
         )
+    eagle = f"`{spec.format(t=t, m='eagle3', n=tokens)}`"
     return {
-        "vllm": "`vllm serve ./this-folder` (vLLM reads the speculators config: the verifier named inside is served "
-        "with this EAGLE-3 drafter).",
-        "sglang": f"`python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
+        "vllm": (
+            f"`vllm serve ./this-folder` (vLLM reads the speculators config and serves the verifier named in it, "
+            f"`{target}`, with this EAGLE-3 drafter), or explicitly: {eagle}."
+            if target
+            else f"{eagle} (vLLM's speculators format; with no verifier named in config.json, name the target)."
+        ),
+        "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
         f"--speculative-draft-model-path ./this-folder`",
-        "medusa": "TGI: `text-generation-launcher --model-id ./this-folder` (base_model_name_or_path names the "
-        "target). TensorRT-LLM: `examples/medusa/convert_checkpoint.py --medusa_model_dir ./this-folder "
-        "--num_medusa_heads N`.",
+        "medusa": f"TGI: `text-generation-launcher --model-id ./this-folder` (config.json's base_model_name_or_path "
+        f"names the target{'' if target else ': set it first'}). TensorRT-LLM: `examples/medusa/convert_checkpoint.py "
+        "--model_dir TARGET_FOLDER --medusa_model_dir ./this-folder --num_medusa_heads N`. The heads are "
+        "`medusa_lm_head.safetensors` only (draftsmith writes no pickles): FasterDecoding/Medusa's own loader, "
+        "which reads only `medusa_lm_head.pt`, cannot load them.",
         "hf": (
             "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
             "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."

@@ -12,6 +12,12 @@ Formats (their tensor-name contracts live in draftsmith/export/formats.py):
 Every folder is written under ``<out>.tmp`` and renamed into place, so a killed export never leaves a complete-
 looking folder; each also carries ``drafter.json`` so ``load_export`` reads it back into draftsmith's decoder
 (round trip: same greedy output and τ, tested). Hub pushes read the token from the environment and never print it.
+
+The target is named by its hub id only (``Target``): a packaged alias by the hub model its GGUF came from, a hub
+target by its id, a local folder by ``target.hub_id`` when the recipe sets it. An unknown hub id is written as null
+and the card says how to name the target; a local path never reaches a config, the card or drafter.json, and a push
+that would carry one is refused. A folder's config.json ``_name_or_path`` is only a hint in the log: transformers
+stopped saving it, and where present it names the model the folder was loaded from, e.g. a fine-tune's base.
 """
 
 from __future__ import annotations
@@ -21,14 +27,17 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import formats as sf
-from draftsmith.models.loading import ALIASES, resolve_model_path
+from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
+from draftsmith.recipes.schema import hub_repo_id
 
 log = logging.getLogger("draftsmith.export")
 FORMATS = ("hf", "vllm", "sglang", "medusa")
@@ -64,40 +73,149 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    target = info.get("target", "")
+    target = info.get("target") or ""
+    run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
+    trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
+    tgt = _verifier(recipe, target, trained_by)
+    named = {**info, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
     if fmt == "hf":
-        tensors, config = sf.to_hf(model, info)
+        tensors, config = sf.to_hf(model, named)
     else:
-        verifier = _verifier(recipe, target)
         writer = {"vllm": sf.to_speculators, "sglang": sf.to_sglang_eagle3, "medusa": sf.to_medusa}[fmt]
-        tensors, config = writer(model, info, verifier, include_embeddings)
+        tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
     save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "drafter.json").write_text(json.dumps({**info, "export_format": fmt}, indent=2))
+    (tmp / "drafter.json").write_text(json.dumps({**named, "export_format": fmt}, indent=2))
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
-    run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
-    trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
     if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
-        shutil.copy2(trained_by, tmp / "recipe.yaml")
+        _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
     report = run_dir / "eval" / "report.json"
-    (tmp / "README.md").write_text(model_card(info, fmt, json.loads(report.read_text()) if report.is_file() else None))
+    card = model_card(info, fmt, json.loads(report.read_text()) if report.is_file() else None, tgt, _tokens(config))
+    (tmp / "README.md").write_text(card)
+    if tgt.hub_id is None:
+        log.warning(
+            "export: no hub id is known for target %r, so %s names no target (set "
+            "target.hub_id=org/name to name one%s); serve with: %s",
+            target,
+            out,
+            f"; its config.json says it was loaded from {tgt.hint}" if tgt.hint else "",
+            sf.usage(fmt, info["kind"], None, _tokens(config)),
+        )
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
 
 
-def _verifier(recipe, target: str) -> str:
-    """The target as a serving engine should name it: the recipe's hub id or folder. A packaged alias (a GGUF
-    de-quantised into the local cache) becomes that folder, the only name an engine can load."""
+@dataclass(frozen=True)
+class Target:
+    """The target as an export names it. ``hub_id`` is what engines and the card get (None: unknown, and then
+    nothing is named); a local folder's path is never kept."""
+
+    hub_id: str | None
+    license: str | None = None
+    packaged: str | None = None  # the alias of a packaged (GGUF, de-quantised) target
+    hint: str | None = None  # a local folder's config.json _name_or_path, when it looks like a hub id (log only)
+
+
+def is_local_path(name) -> bool:
+    """Whether ``name`` names a filesystem path rather than an alias or a hub id."""
+    if not isinstance(name, str) or not name:
+        return False
+    if name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.count("/") > 1 or name in (".", ".."):
+        return True
+    return Path(name).expanduser().exists()
+
+
+def _hub_id(name) -> str | None:
+    if not isinstance(name, str) or is_local_path(name) or name.count("/") != 1:
+        return None
+    try:
+        return hub_repo_id(name)
+    except ValueError:
+        return None
+
+
+def _verifier(recipe, target: str, trained_by: Path | None = None) -> Target:
+    """How the export names its target: a packaged alias by its hub model, a hub id as itself, a local folder by
+    ``target.hub_id`` (the recipe's, else the one in the checkpoint's recipe.yaml) or not at all."""
     name = recipe.target.model if recipe is not None else target
-    if name in ALIASES:
-        try:
-            return str(resolve_model_path(name))
-        except DraftsmithError:  # the alias's package is not installed here: keep the name, say so in the card
-            log.warning("export: target alias %r does not resolve here; the verifier is named as is", name)
-    return name
+    hub = recipe.target.hub_id if recipe is not None else _recipe_hub_id(trained_by)
+    if name in ALIAS_HUB:
+        alias_hub, lic = ALIAS_HUB[name]
+        return Target(hub or alias_hub, lic, packaged=name)
+    if is_local_path(name):
+        folder = Path(name).expanduser()
+        return Target(hub, _readme_license(folder), hint=None if hub else _name_or_path(folder))
+    return Target(hub or _hub_id(name))
+
+
+def _recipe_hub_id(path: Path | None) -> str | None:
+    try:
+        doc = yaml.safe_load(path.read_text()) if path is not None else None
+    except (OSError, yaml.YAMLError):
+        return None
+    hub = doc.get("target", {}).get("hub_id") if isinstance(doc, dict) and isinstance(doc.get("target"), dict) else None
+    try:
+        return hub_repo_id(hub) if isinstance(hub, str) else None
+    except ValueError:
+        return None
+
+
+def _front_matter(text: str) -> dict:
+    if not text.startswith("---"):
+        return {}
+    try:
+        doc = yaml.safe_load(text.split("---", 2)[1])
+    except (IndexError, yaml.YAMLError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _readme_license(folder: Path) -> str | None:
+    """The ``license:`` of a model folder's README.md front matter (hub model cards have one)."""
+    try:
+        lic = _front_matter((folder / "README.md").read_text())
+    except OSError:
+        return None
+    lic = lic.get("license")
+    return lic if isinstance(lic, str) and re.fullmatch(r"[\w.+-]+", lic) else None
+
+
+def _name_or_path(folder: Path) -> str | None:
+    try:
+        return _hub_id(json.loads((folder / "config.json").read_text()).get("_name_or_path"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _copy_recipe(src: Path, dst: Path, tgt: Target) -> None:
+    """The recipe that trained the checkpoint, except that a local target.model becomes the hub id (or, when none
+    is known, the folder's name): the path stays on this machine."""
+    text = src.read_text()
+    doc = _try_yaml(text)
+    t = doc.get("target") if isinstance(doc, dict) else None
+    if isinstance(t, dict) and is_local_path(t.get("model")):
+        t["model"] = tgt.hub_id or Path(t["model"]).name
+        note = "its hub id (target.hub_id)" if tgt.hub_id else "the folder's name"
+        text = f"# target.model was a local folder, named here by {note}\n" + yaml.safe_dump(doc, sort_keys=False)
+    dst.write_text(text)
+
+
+def _try_yaml(text: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+
+
+def _tokens(config: dict) -> int:
+    """Draft tokens per step as the export's speculators config proposes them (3 where it has none)."""
+    try:
+        return int(config["speculators_config"]["proposal_methods"][0]["speculative_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return 3
 
 
 def _copy_tokenizer(target: str, folder: Path, required: bool) -> None:
@@ -114,26 +232,41 @@ def _copy_tokenizer(target: str, folder: Path, required: bool) -> None:
             shutil.copy2(src / name, folder / name)
 
 
-def model_card(info: dict, fmt: str, report: dict | None) -> str:
-    """README.md for the hub: what it is, the target it was trained for, how to serve it, the measured eval."""
-    kind, target = info.get("kind", "?"), info.get("target", "?")
+def model_card(info: dict, fmt: str, report: dict | None, target: Target | None = None, tokens: int = 3) -> str:
+    """README.md for the hub: what it is, the target it was trained for, how to serve it, the measured eval. Its
+    front matter names the target by hub id only (``target``; default: from ``info["target"]``)."""
+    kind = info.get("kind", "?")
+    tgt = target or _verifier(None, info.get("target") or "")
+    meta = {"base_model": tgt.hub_id, "license": tgt.license}
+    meta = {k: v for k, v in meta.items() if v}
+    meta["library_name"] = "transformers" if kind == "draft_lm" and fmt in ("hf", "vllm") else "draftsmith"
+    meta["tags"] = ["speculative-decoding", "draftsmith", kind.replace("_", "-")]
     lines = [
         "---",
-        f"base_model: {target}" if "/" in target else f"# target: {target}",
-        "library_name: draftsmith",
-        "tags: [speculative-decoding, draftsmith, " + kind.replace("_", "-") + "]",
+        yaml.safe_dump(meta, sort_keys=False, default_flow_style=None).strip(),
         "---",
         "",
-        f"# {kind} drafter for `{target}`",
+        f"# {kind} drafter for " + (f"`{tgt.hub_id}`" if tgt.hub_id else "a local target model"),
         "",
         f"Trained with [draftsmith](https://pypi.org/project/draftsmith/) (recipe `{info.get('recipe', '?')}`, "
         f"step {info.get('step', '?')}). Exported as `{fmt}`.",
         "",
-        "## Use",
-        "",
-        sf.usage(fmt, kind, target),
-        "",
     ]
+    if tgt.packaged:
+        lines += [
+            f"The target during training was draftsmith's packaged `{tgt.packaged}`: the Q4_1 GGUF of "
+            f"`{tgt.hub_id}` de-quantised to float32. Engines serve the hub model, whose outputs can differ "
+            "slightly from the quantised copy's, so its acceptance may differ a little from draftsmith's.",
+            "",
+        ]
+    elif tgt.hub_id is None:
+        lines += [
+            "The target was a local model folder with no hub id, so this folder's config names no target "
+            "(null). Replace `TARGET` below with the target's hub id or its folder on the serving machine. "
+            "To record a hub id, set `target.hub_id=org/name` in the recipe and export again.",
+            "",
+        ]
+    lines += ["## Use", "", sf.usage(fmt, kind, tgt.hub_id, tokens), ""]
     if report:
         sp = report.get("speedup", {})
         pr = report.get("prompts", {})
@@ -171,8 +304,16 @@ def _x(v) -> str:
 
 def push_to_hub(folder: Path, repo: str, dry_run: bool = False, private: bool = False) -> list[tuple[str, int]]:
     """Upload an exported folder to the hub repo ``repo``; returns the (file, bytes) list. ``dry_run`` only lists.
-    The token comes from HF_TOKEN (or huggingface_hub's own login) and is never printed or written."""
+    The token comes from HF_TOKEN (or huggingface_hub's own login) and is never printed or written. Refused, dry
+    run included, when ``repo`` is no repo id or a file would carry a local path where the target is named."""
+    check_repo_id(repo, "push to hub")
     files = sorted((str(p.relative_to(folder)), p.stat().st_size) for p in Path(folder).rglob("*") if p.is_file())
+    local = _local_paths(Path(folder))
+    if local:
+        raise DraftsmithError(
+            f"push to hub {repo!r}: {local[0]} is a local path, which would be published and names nothing "
+            f"elsewhere; set target.hub_id=org/name (or clear the field) and export again"
+        )
     if dry_run:
         return files
     if os.environ.get("HF_HUB_OFFLINE") == "1":
@@ -189,6 +330,46 @@ def push_to_hub(folder: Path, repo: str, dry_run: bool = False, private: bool = 
     return files
 
 
+def check_repo_id(repo: str, what: str) -> str:
+    """``repo`` if it is a hub repo id, else a one-line DraftsmithError (checked before anything is written)."""
+    try:
+        return hub_repo_id(repo)
+    except ValueError as e:
+        raise DraftsmithError(f"{what}: {e}") from None
+
+
+def _local_paths(folder: Path) -> list[str]:
+    """Where the files of an export name the target by a local path: ``file: key = value`` for each."""
+
+    def read(name, parse):
+        try:
+            return parse((folder / name).read_text())
+        except (OSError, ValueError, yaml.YAMLError):
+            return None
+
+    def get(doc, *keys):
+        for k in keys:
+            doc = doc.get(k) if isinstance(doc, dict) else None
+        return doc
+
+    conf, meta = read("config.json", json.loads), read("drafter.json", json.loads)
+    card, recipe = read("README.md", _front_matter), read("recipe.yaml", yaml.safe_load)
+    fields = [
+        (
+            "config.json",
+            "speculators_config.verifier.name_or_path",
+            get(conf, "speculators_config", "verifier", "name_or_path"),
+        ),
+        ("config.json", "draftsmith_verifier", get(conf, "draftsmith_verifier")),
+        ("config.json", "base_model_name_or_path", get(conf, "base_model_name_or_path")),
+        ("config.json", "draftsmith.target", get(conf, "draftsmith", "target")),
+        ("drafter.json", "target", get(meta, "target")),
+        ("README.md", "base_model", get(card, "base_model")),
+        ("recipe.yaml", "target.model", get(recipe, "target", "model")),
+    ]
+    return [f"{f}: {k} = {v!r}" for f, k, v in fields if is_local_path(v)]
+
+
 def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     """An exported folder (any format) back into draftsmith's decoder: (drafter, info). Formats that omit the
     embeddings (vllm / sglang EAGLE-3) take them from ``target``, as the engines do."""
@@ -198,6 +379,8 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
 def run_export_stage(recipe) -> list[Path]:
     """The recipe's ``export:`` section: every listed format, then the optional hub push of the first."""
     ec, ckpt = recipe.export, checkpoint_of(recipe)
+    if ec.push_to_hub:  # the recipe loader checked it too; nothing is written before this
+        check_repo_id(ec.push_to_hub, "export.push_to_hub")
     base = Path(ec.out) if ec.out else recipe.run_dir / "export"
     outs = [export(ckpt, fmt, base / fmt, recipe, ec.include_embeddings) for fmt in ec.formats]
     for out in outs:
