@@ -82,7 +82,7 @@ def _judge_records(src: Path, dst: Path) -> None:
 
 def _recipe(path: Path, out: Path, section: dict, model: Path, prompts: Path, **train) -> Path:
     spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
-    spec["target"]["model"] = str(model)
+    spec["target"].update(model=str(model), device="cpu")  # on CPU wherever the test runs (the launch hides GPUs)
     spec["eval"]["prompts"]["path"] = str(prompts)
     spec.update(drafter=section, out_dir=str(out))
     spec["train"].update(steps=STEPS, lr=3e-3, warmup_steps=0, save_every=1, keep_last=2, **train)
