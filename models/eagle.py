@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Literal
 
 import torch
@@ -302,11 +303,9 @@ class Eagle(ReducedVocab, nn.Module):
             x, resid = self._inputs(self.embed_tokens(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
             out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], causal))
-            for j, block in enumerate(self.extra):
-                out = out + self._ttt_attention(
-                    block.self_attn, block.input_layernorm(out), cos, sin, *kv[j + 1], causal
-                )
-                out = out + block.mlp(block.post_attention_layernorm(out))
+            for j, block in enumerate(self.extra):  # through the block's call: FSDP2 gathers its weights there
+                ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=causal)
+                out = block(out, cos, sin, None, None, j + 1, attend=ttt)
             if head_fn is None:
                 results.append(out)
             else:

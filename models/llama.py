@@ -363,8 +363,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, cache, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer)
+    def forward(self, x, cos, sin, mask, cache, layer, attend=None):
+        """``attend(self_attn, normed x)``: another attention over this block's weights (EAGLE's TTT unroll). It
+        runs inside the block's own call, where sharding wrappers (FSDP2's per-block units) gather the weights."""
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, cos, sin, mask, cache, layer) if attend is None else attend(self.self_attn, h))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -72,11 +72,12 @@ def attach_lora(model: nn.Module, lora: dict) -> nn.Module:
     )
 
 
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The LoRA tensors of an adapted model, peft's key format (``layers.0.self_attn.q_proj.lora_A.weight``)."""
+def adapter_state(model: nn.Module, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The LoRA tensors of an adapted model, peft's key format (``layers.0.self_attn.q_proj.lora_A.weight``).
+    ``state``: the adapted model's full state dict when it had to be gathered first (FSDP2, train/state.py)."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().contiguous().cpu() for k, v in get_peft_model_state_dict(model, state).items()}
 
 
 @torch.no_grad()

@@ -105,7 +105,8 @@ def save_drafter(
     tmp.mkdir(parents=True)
     save_file(checkpoint_tensors(model, state), str(tmp / "model.safetensors"))
     if getattr(model, "base", None) is not None:  # Medusa-2: the target's LoRA adapters
-        save_file(adapter_state(model.base), str(tmp / ADAPTER_FILE))
+        base = None if state is None else {k[5:]: v for k, v in state.items() if k.startswith("base.")}
+        save_file(adapter_state(model.base, base), str(tmp / ADAPTER_FILE))
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
     if recipe_yaml is not None:

@@ -185,6 +185,8 @@ def train(recipe) -> Path:
     # process, which changes the schedule with the process count.
     _fsdp_wrap(acc, spec, drafter)
     drafter, opt = acc.prepare(drafter, opt)
+    if getattr(acc, "is_fsdp2", False) and acc.is_main_process:
+        print(f"train: FSDP2 units: {fsdp_units(drafter)}; the rest of the drafter is the root unit")
     if resume_from is not None:
         counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
     sampler = GlobalBatches(
@@ -284,12 +286,37 @@ def fsdp_wrap_names(spec, drafter) -> list[str]:
     return [c.__name__ for c in spec.fsdp_wrap if c in present]
 
 
+def fsdp_kept_whole(drafter) -> list[torch.nn.Module]:
+    """Frozen parts a drafter leaves out of its checkpoint (``checkpoint_exclude``: an acceptance head's draft).
+    Its objective runs them outside the drafter's forward, where FSDP2 would hand it shards, so every rank keeps
+    them whole, as it keeps the frozen target. (Medusa-2's adapted target trains: it is sharded.)"""
+    parts = [getattr(drafter, p.rstrip("."), None) for p in getattr(drafter, "checkpoint_exclude", ())]
+    return [m for m in parts if isinstance(m, torch.nn.Module) and not any(p.requires_grad for p in m.parameters())]
+
+
 def _fsdp_wrap(acc, spec, drafter) -> None:
-    """Under FSDP, wrap the drafter kind's own blocks (``DrafterSpec.fsdp_wrap``) as sharding units, whatever the
-    launcher config names (recipes/accelerate/fsdp2.yaml leaves it to the spec); the rest shards with the root."""
+    """Under FSDP, wrap the drafter kind's own blocks (``DrafterSpec.fsdp_wrap``) as sharding units and keep its
+    frozen parts whole (``fsdp_kept_whole``), whatever the launcher config names (recipes/accelerate/fsdp2.yaml
+    leaves both to the loop); the rest shards with the root."""
     plugin = getattr(acc.state, "fsdp_plugin", None)
     if acc.distributed_type.value == "FSDP" and plugin is not None:
         plugin.transformer_cls_names_to_wrap = fsdp_wrap_names(spec, drafter)
+        whole = fsdp_kept_whole(drafter)
+        plugin.ignored_modules = [m.to(acc.device) for m in whole] or None  # fully_shard moves what it shards
+
+
+def fsdp_units(drafter) -> str:
+    """The FSDP2 units ``prepare`` made below the root, by class: "Block x2, RMSNorm x1" (accelerate adds the final
+    norm), or "none" (the drafter is one unit)."""
+    from collections import Counter
+
+    from torch.distributed.fsdp import FSDPModule
+
+    def name(m) -> str:  # fully_shard swaps a module's class for FSDP<name>, a subclass of the original
+        return next(c for c in type(m).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+    units = Counter(name(m) for m in drafter.modules() if isinstance(m, FSDPModule) and m is not drafter)
+    return ", ".join(f"{name} x{n}" for name, n in sorted(units.items())) or "none"
 
 
 def _check_sharding(acc, tc) -> None:
