@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from draftsmith.cli import main
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import KIND_MODULES, load_drafter
-from draftsmith.recipes.loader import RECIPE_DIR
+from draftsmith.recipes.loader import RECIPE_DIR, find_recipe
 
 # run name -> (drafter section, the FSDP units the loop reports). "draft" stands for the one-process EAGLE-3
 # checkpoint trained first: an acceptance head judges it (its labels are made in the loop, with the target).
@@ -81,7 +81,7 @@ def _judge_records(src: Path, dst: Path) -> None:
 
 
 def _recipe(path: Path, out: Path, section: dict, model: Path, prompts: Path, **train) -> Path:
-    spec = yaml.safe_load((RECIPE_DIR / "tiny.yaml").read_text())
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
     spec["target"].update(model=str(model), device="cpu")  # on CPU wherever the test runs (the launch hides GPUs)
     spec["eval"]["prompts"]["path"] = str(prompts)
     spec.update(drafter=section, out_dir=str(out))
