@@ -28,9 +28,11 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 
 
 def save_tiny_target(path, tok, family: str, n_layers: int = 8):
-    """A tiny random HF folder of ``family`` (Qwen2: q/k/v bias; Qwen3: q/k-norm, head_dim != dim / heads)."""
+    """A tiny random HF folder of ``family`` (Qwen2: q/k/v bias; Qwen3: q/k-norm, head_dim != dim / heads), with a
+    RoPE base that is no library's default, so a reader that misses it computes another function."""
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
     if family == "llama":
-        return save_tiny_llama(path, tok, num_hidden_layers=n_layers)
+        return save_tiny_llama(path, tok, num_hidden_layers=n_layers, rope_parameters=rope)
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -46,6 +48,7 @@ def save_tiny_target(path, tok, family: str, n_layers: int = 8):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
+        rope_parameters=rope,
     )
     if family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
@@ -149,6 +152,7 @@ def engine_attention_tensors(layer_cfg: dict, engine: str) -> set[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layer_style_llama_is_the_default_and_target_copies_qwen_attention(targets, family):
     t = load_model(str(targets[family])).model
+    assert t.cfg.rope_theta == 50000.0
     plain = build_eagle({"version": 3}, t)
     assert not plain.cfg.qk_norm and not plain.cfg.attention_bias
     assert not any("q_norm" in k or k.endswith("_proj.bias") for k in plain.state_dict())
