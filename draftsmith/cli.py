@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
             sp.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list files, upload nothing")
             sp.add_argument(
                 "--include-embeddings",
-                action="store_true",
-                help="vllm/sglang EAGLE-3: also write the input embeddings (engines use the target's)",
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help="vllm/sglang EAGLE-3: write the input embeddings (default: export.include_embeddings, on)",
             )
     return p
 
@@ -188,7 +189,7 @@ def _export(args, recipe) -> None:
             f,
             Path(args.out) if args.out else base / f,
             recipe,
-            args.include_embeddings or bool(ec and ec.include_embeddings),
+            args.include_embeddings if args.include_embeddings is not None else (ec.include_embeddings if ec else True),
         )
         for f in formats
     ]

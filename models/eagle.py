@@ -91,6 +91,12 @@ class EagleDrafterConfig(Strict):
     as copies of target layers (init_layers). vLLM / SGLang load one layer: export a deeper one with --format hf."""
     init_layers: list[int] | None = None
     """Target layers (0-indexed) copied into the n_layers - 1 added blocks; None = identity blocks."""
+    layer_style: Literal["llama", "target"] = "llama"
+    """The layer's attention. llama: plain Llama attention (no q/k-norm, no q/k/v bias) for every target, as
+    SpecForge trains EAGLE-3 for Qwen targets: its vllm and sglang exports load in vLLM, SGLang and speculators.
+    target: the target's own (Qwen2's q/k/v bias, Qwen3's q/k-norm); vLLM and speculators load those exports,
+    SGLang's EAGLE-3 layer has neither, so --format sglang refuses them. Decoding stays exact either way; init_layers
+    from a Qwen target needs target."""
 
     @model_validator(mode="before")
     @classmethod
@@ -351,8 +357,9 @@ def default_aux_layers(n_layers: int) -> tuple[int, ...]:
 def build_eagle(
     cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(), **_
 ) -> Eagle:
-    """A fresh EAGLE drafter shaped like one target layer; embeddings (and EAGLE-1's LM head) copied frozen from
-    the target; EAGLE-3's head starts from the target's rows of the kept vocabulary and trains. With
+    """A fresh EAGLE drafter shaped like one target layer (plain Llama attention unless ``layer_style`` is target);
+    embeddings (and EAGLE-1's LM head) copied frozen from the target; EAGLE-3's head starts from the target's rows
+    of the kept vocabulary and trains. With
     ``draft_vocab``, EAGLE-1's frozen head is the target's rows of the kept vocabulary (FR-Spec): a draft step
     no longer pays for the whole vocabulary."""
     from draftsmith.models.draft_lm import select_vocab
@@ -377,8 +384,8 @@ def build_eagle(
         rope_theta=t.rope_theta,
         rope_scaling=t.rope_scaling,
         norm_eps=t.norm_eps,
-        attention_bias=t.attention_bias,
-        qk_norm=t.qk_norm,
+        attention_bias=t.attention_bias and p.layer_style == "target",
+        qk_norm=t.qk_norm and p.layer_style == "target",
         head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
         ttt_steps=p.ttt_steps,
         n_layers=p.n_layers,
@@ -391,6 +398,11 @@ def build_eagle(
         )
     if layers and cfg.hidden_dim != t.hidden_dim:
         raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
+    if layers and (cfg.qk_norm, cfg.attention_bias) != (t.qk_norm, t.attention_bias):
+        raise DraftsmithError(
+            "drafter.init_layers copies target layers with q/k-norm or q/k/v bias into llama-style blocks: "
+            "set drafter.layer_style=target"
+        )
     for j, src in enumerate(layers):
         if not 0 <= src < t.n_layers:
             raise DraftsmithError(f"drafter.init_layers[{j}] = {src} is outside the target's {t.n_layers} layers")

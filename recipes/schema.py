@@ -434,8 +434,11 @@ class ExportConfig(Strict):
     (EAGLE-3), medusa (TensorRT-LLM / TGI Medusa heads). Each goes to <out>/<format>."""
     out: str | None = None
     """Folder for the exports; None = <out_dir>/export."""
-    include_embeddings: bool = False
-    """vllm / sglang EAGLE-3: also write the (frozen, target-copied) input embeddings; engines take the target's."""
+    include_embeddings: bool = True
+    """vllm / sglang EAGLE-3: write the (frozen, target-copied) input embeddings. On by default: speculators 0.9
+    reads them from the checkpoint (without them its embeddings were uninitialised memory in some runs), vLLM
+    shares the target's when they are identical (and loads them under pipeline parallelism), SGLang always uses
+    the target's. False saves their size for vLLM / SGLang."""
     push_to_hub: str | None = None
     """Hub repo id (org/name) to upload the first format to; the token comes from HF_TOKEN, never printed.
     Checked when the recipe loads, before any stage runs."""

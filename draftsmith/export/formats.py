@@ -4,16 +4,19 @@
 - **speculators / vLLM** (EAGLE-3): config.json with ``speculators_model_type: eagle3`` and ``speculators_config``
   (proposal method, verifier) and *no* top-level ``model_type`` (vLLM routes on that); the layer under
   ``layers.0.*``; ``d2t`` int64 offsets (target id = draft id + d2t[id]) and ``t2d`` a bool mask over the target
-  vocabulary. Checked against the ``speculators`` package 0.9.0 (it loads the export as ``Eagle3DraftModel``).
-  A draft LM exports as a plain HF Llama folder, which vLLM's draft-model speculation loads.
+  vocabulary. ``transformer_layer_config.model_type`` picks the engine's layer class: qwen3 for a q/k-norm layer,
+  else llama. Checked against the ``speculators`` package 0.9.0 (it loads the export as ``Eagle3DraftModel``:
+  same tensors, same forward). A draft LM exports as a plain HF Llama folder, which vLLM's draft-model
+  speculation loads.
 - **SGLang** (EAGLE-3, ``LlamaForCausalLMEagle3``): the layer under ``midlayer.*``; SGLang silently skips names it
-  does not know, so the contract is checked here by the round trip. Its aux-layer ids name layer *outputs*
-  (0-indexed), the same as our ``aux_layers``; vLLM captures the residual *entering* layer i, hence ids + 1.
+  does not know, and its layer has no q/k-norm and no q/k/v bias, so such layers are refused. Its aux-layer ids
+  name layer *outputs* (0-indexed), the same as our ``aux_layers``; vLLM captures the residual *entering* layer
+  i, hence ids + 1 (written at the top level, which vLLM reads first).
 - **Medusa** (TensorRT-LLM, TGI): ``medusa_lm_head.safetensors`` with ``{head}.{block}.linear.{weight,bias}`` and
   ``{head}.{n_blocks}.weight``; config.json has medusa_num_heads / medusa_num_layers / base_model_name_or_path and
   no ``architectures`` (TGI would disable the heads).
-Embeddings of EAGLE drafters are frozen copies of the target's: omitted unless asked, and taken from the target
-on import, as the engines do.
+Embeddings of EAGLE drafters are frozen copies of the target's: written unless turned off (speculators reads them
+from the checkpoint), taken from the target on import when absent.
 """
 
 from __future__ import annotations
@@ -83,11 +86,18 @@ def _eagle3_tensors(model, layer_prefix: str, include_embeddings: bool) -> dict[
                 k = layer_prefix + theirs + k[len(ours) :]
                 break
         out[k] = v
+    if model.cfg.attention_bias:  # attention_bias means q, k, v *and* o to HF Llama, vLLM and speculators: ours
+        out[layer_prefix + "self_attn.o_proj.bias"] = torch.zeros(model.cfg.dim)  # has no o bias, i.e. zero
     return out
 
 
 def _eagle3_back(sd: dict, layer_prefix: str) -> dict:
     out = {}
+    o_bias = sd.pop(layer_prefix + "self_attn.o_proj.bias", None)
+    if o_bias is not None and o_bias.any():
+        raise DraftsmithError(
+            f"the export's {layer_prefix}self_attn.o_proj.bias is not zero: draftsmith's layer has none"
+        )
     for k, v in sd.items():
         if k.startswith(layer_prefix):
             rest = k[len(layer_prefix) :]
@@ -100,10 +110,13 @@ def _eagle3_back(sd: dict, layer_prefix: str) -> dict:
 
 
 def _layer_config(cfg: dict) -> dict:
-    """The EAGLE layer as an HF Llama config (vocab_size = the target's, one layer)."""
+    """The EAGLE layer as an HF config (vocab_size = the target's, one layer): Qwen3's with q/k-norm (vLLM then
+    builds its Qwen3 EAGLE-3 layer, speculators its Qwen3 one), else Llama's. num_aux_hidden_states sizes the
+    engines' fc (vLLM and SGLang assume 3 without it)."""
+    qwen3 = cfg.get("qk_norm", False)
     d = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": "qwen3" if qwen3 else "llama",
+        "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
         "vocab_size": cfg["vocab_size"],
         "hidden_size": cfg["dim"],
         "num_hidden_layers": 1,
@@ -117,15 +130,43 @@ def _layer_config(cfg: dict) -> dict:
         "hidden_act": "silu",
         "tie_word_embeddings": False,
         "attention_bias": cfg.get("attention_bias", False),
+        "num_aux_hidden_states": len(cfg["aux_layers"]),
+        "rope_parameters": {**(cfg.get("rope_scaling") or {"rope_type": "default"}), "rope_theta": cfg["rope_theta"]},
     }
     if cfg.get("rope_scaling"):
         d["rope_scaling"] = cfg["rope_scaling"]
     return d
 
 
-def _default_aux(cfg: dict) -> list[int]:
-    L = cfg["target_layers"]
-    return [1, L // 2 - 1, L - 4]  # EAGLE-3's; the engines' default capture (inputs 2, L/2, L-3) is the same
+def _eagle3_engine_checks(info: dict, fmt: str) -> None:
+    """Refuse, in one line, a drafter the engine would load as another function (docs/export.md has the table)."""
+    _one_layer(info, fmt)
+    cfg = info["config"]
+    aux = list(cfg["aux_layers"])
+    if any(b <= a for a, b in zip(aux, aux[1:])):  # both capture in layer order, each layer once
+        raise DraftsmithError(
+            f"export --format {fmt}: vLLM and SGLang pass the aux layers' states in ascending order, once each; "
+            f"drafter.aux_layers={aux} is not (use --format hf, or train with ascending distinct layers)"
+        )
+    qk, bias = cfg.get("qk_norm", False), cfg.get("attention_bias", False)
+    if fmt == "sglang" and (qk or bias):
+        what = "q/k-norm" if qk else "q/k/v bias"
+        raise DraftsmithError(
+            f"export --format sglang: SGLang's EAGLE-3 layer (LlamaForCausalLMEagle3) has no {what} and would drop "
+            f"this drafter's (drafter.layer_style=target on a Qwen target): use --format vllm, or train with "
+            f"drafter.layer_style=llama"
+        )
+    if fmt == "vllm" and qk and bias:
+        raise DraftsmithError(
+            "export --format vllm: a layer with both q/k-norm and q/k/v bias loads differently in vLLM (no o_proj "
+            "bias) and speculators (an o_proj bias): use --format hf"
+        )
+
+
+def _vllm_aux_ids(cfg: dict) -> list[int]:
+    """vLLM's (and speculators') aux ids: it captures the residual entering layer i, our output of layer i - 1.
+    Always written: the engines' defaults ((2, L/2, L-3), three layers) need not be ours."""
+    return [i + 1 for i in cfg["aux_layers"]]
 
 
 def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
@@ -149,7 +190,7 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
             f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
             f"(use --format hf, or medusa for Medusa heads)"
         )
-    _one_layer(info, "vllm")
+    _eagle3_engine_checks(info, "vllm")
     config = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -160,9 +201,8 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
         "target_hidden_size": cfg["dim"],
         "embed_requires_grad": False,
         "speculators_config": _speculators_block(info, verifier, max(cfg.get("ttt_steps", 1), 3)),
+        "eagle_aux_hidden_state_layer_ids": _vllm_aux_ids(cfg),  # speculators sizes fc by these, vLLM captures them
     }
-    if list(cfg["aux_layers"]) != _default_aux(cfg):  # vLLM captures the input of layer i: our output index + 1
-        config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg["aux_layers"]]
     return _eagle3_tensors(model, "layers.0.", include_embeddings), config
 
 
@@ -172,14 +212,17 @@ def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool)
             f"export --format sglang: the SGLang layout is EAGLE-3's, not {info['kind']} "
             f"(a draft LM serves as is from --format hf)"
         )
-    _one_layer(info, "sglang")
+    _eagle3_engine_checks(info, "sglang")
     cfg = info["config"]
     config = {
         **_layer_config(cfg),
         "architectures": ["LlamaForCausalLMEagle3"],
         "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"],
         "target_hidden_size": cfg["dim"],
+        # SGLang reads eagle_config's ids (layer outputs, ours); vLLM, loading this folder, reads the top-level
+        # ones first (inputs: ours + 1) and would take eagle_config's as inputs without them.
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg["aux_layers"]), "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": _vllm_aux_ids(cfg),
         "draftsmith_verifier": verifier,
     }
     return _eagle3_tensors(model, "midlayer.", include_embeddings), config

@@ -57,7 +57,7 @@ def checkpoint_of(recipe) -> Path:
     return Path(recipe.eval.checkpoint) if recipe.eval.checkpoint else recipe.run_dir / "checkpoints" / "final"
 
 
-def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: bool = False) -> Path:
+def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: bool = True) -> Path:
     """Write checkpoint ``ckpt`` in format ``fmt`` to folder ``out`` (replaced atomically); returns ``out``."""
     if fmt not in FORMATS:
         raise DraftsmithError(f"export: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
@@ -371,8 +371,8 @@ def _local_paths(folder: Path) -> list[str]:
 
 
 def load_export(folder: Path, target=None, dtype=None, device="cpu"):
-    """An exported folder (any format) back into draftsmith's decoder: (drafter, info). Formats that omit the
-    embeddings (vllm / sglang EAGLE-3) take them from ``target``, as the engines do."""
+    """An exported folder (any format) back into draftsmith's decoder: (drafter, info). A vllm / sglang EAGLE-3
+    export written without its embeddings takes them from ``target``."""
     return sf.load_export(Path(folder), target, dtype, device)
 
 
