@@ -27,7 +27,15 @@ from draftsmith.eval.report import rounding_note, shared_warning, write_category
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.judge import Judge
-from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
+from draftsmith.models.loading import (
+    encode_chat,
+    first_turn,
+    hf_model_from_folder,
+    load_model,
+    stop_ids,
+    to_hf_model,
+    tokenizer_hash,
+)
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
@@ -196,9 +204,7 @@ def evaluate(recipe) -> dict:
     encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
     hf_model = assistant = None
     if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
+        hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
     optimize_models(setup, ec)
     drafter = setup.drafter  # possibly wrapped for CUDA graphs
