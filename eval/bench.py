@@ -34,10 +34,9 @@ from draftsmith.models.loading import (
     load_model,
     stop_ids,
     to_hf_model,
-    tokenizer_hash,
 )
 from draftsmith.models.medusa import merge_adapter
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype
 
@@ -131,8 +130,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     stop_drafting, stop_info = None, None
     if info.get("kind") == "acceptance_head" or ec.stop is not None:
         drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
-    if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
-        raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")
+    check_fits_target(ckpt, info, tgt)
     adapted = getattr(drafter, "target_adapter", None) is not None
     if adapted:  # Medusa-2 serves the jointly trained target: decoding is lossless w.r.t. the adapted target
         merge_adapter(tgt.model, drafter.target_adapter, info["config"]["lora"])
