@@ -274,3 +274,57 @@ def test_every_transformers_model_load_in_the_product_is_safetensors_only():
                     assert kw.get("use_safetensors") == "True" or "gguf_file" in kw, f"{f}:{node.lineno}"
                     calls.append(f"{f.name}:{node.lineno}")
     assert len(calls) >= 2, calls  # the HF loader for a target folder and the GGUF alias
+
+
+DEEP = "[" * 200_000 + "]" * 200_000
+
+
+def test_a_request_or_request_log_nested_too_deeply_is_refused_not_a_crash(kit, tiny_model_dir, tmp_path):
+    """serve answers a request body nested 200,000 deep with a 400 (the handler does not die, the server goes on
+    answering); the online log follower skips such a line like any other that is not a request record."""
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from draftsmith.recipes.loader import load_recipe
+    from draftsmith.serving.online import LogFollower
+    from draftsmith.serving.server import make_server
+    from draftsmith.serving.traffic import TrafficBuffer
+
+    recipe = load_recipe(
+        "tiny",
+        [
+            f"target.model={tiny_model_dir}",
+            f"out_dir={tmp_path / 'run'}",
+            f"eval.checkpoint={kit['good']}",
+            "online.port=0",
+            "online.learn=false",
+            "online.max_tokens=4",
+        ],
+    )
+    httpd, engine = make_server(recipe)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions"
+
+    def post(body: bytes):
+        req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        code, body = post(DEEP.encode())
+        assert code == 400 and "nested too deeply" in body, (code, body)
+        ok = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+        assert post(ok)[0] == 200
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+    log_file = tmp_path / "requests.jsonl"
+    log_file.write_text(DEEP + "\n" + json.dumps({"prompt": [5, 6, 7], "response": [8, 9]}) + "\n")
+    buf = TrafficBuffer(tmp_path / "traffic")
+    follower = LogFollower([str(log_file)], buf, tmp_path / "offsets.json", engine.tok, engine.eos)
+    assert follower.poll() == 1 and buf.read()[0]["prompt"] == [5, 6, 7]

@@ -308,6 +308,8 @@ def _handler(engine: Engine):
                     raise ValueError("max_tokens must be > 0, temperature >= 0 and 0 < top_p <= 1")
             except (ValueError, TypeError, KeyError) as e:
                 return self._error(400, str(e))
+            except RecursionError:
+                return self._error(400, "request JSON nested too deeply")
             try:
                 job = engine.submit(prompt, min(max_tokens, oc.max_tokens), temperature, top_p)
             except queue.Full:
