@@ -100,6 +100,8 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
                 raise DraftsmithError(f"prompts file {path} line {lineno}: invalid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DraftsmithError(f"prompts file {path} line {lineno}: JSON nested too deeply") from None
             yield index, rec, f"line {lineno}"
             index += 1
 
@@ -185,6 +187,10 @@ class JsonArrayStream:
                 if self._eof:
                     self._cut_off(e.msg)
                     return _TAIL
+            except RecursionError:
+                raise DraftsmithError(
+                    f"prompts file {self.path} record {self.complete}: JSON nested too deeply"
+                ) from None
             # Grow geometrically so a record larger than a chunk costs O(size) in total, not O(size^2).
             self._fill(max(_CHUNK, len(self._buf) - self._pos))
 

@@ -4,12 +4,37 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.errors import DraftsmithError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-def resolve_device(device: str) -> str:
+def parse_device(device: str) -> torch.device:
+    """``device`` as a torch device, or ValueError naming what it accepts (the recipe checks it when read)."""
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError("not a torch device: auto, cpu, cuda, cuda:N, mps, ...") from None
+
+
+def resolve_device(device: str, key: str = "target.device") -> str:
+    """``auto`` -> cuda if available, else cpu; an explicit device only if this machine has it (a one-line error
+    naming ``key`` otherwise, before any model is built)."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        d = parse_device(device)
+    except ValueError as e:
+        raise DraftsmithError(f"{key}={device!r}: {e}") from None
+    if d.type == "cpu":
+        return device
+    mod = getattr(torch, d.type, None)  # torch.cuda, torch.mps, torch.xpu, ...
+    backend = torch.backends.mps if d.type == "mps" else mod
+    if backend is None or not backend.is_available():
+        raise DraftsmithError(f"{key}={device!r}: this machine has no {d.type} device (use auto or cpu)")
+    count = mod.device_count() if hasattr(mod, "device_count") else 1
+    if d.index is not None and d.index >= count:
+        raise DraftsmithError(f"{key}={device!r}: no such device, this machine has {count} {d.type} device(s)")
     return device
 
 

@@ -27,9 +27,16 @@ from draftsmith.eval.report import rounding_note, shared_warning, write_category
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.judge import Judge
-from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
+from draftsmith.models.loading import (
+    encode_chat,
+    first_turn,
+    hf_model_from_folder,
+    load_model,
+    stop_ids,
+    to_hf_model,
+)
 from draftsmith.models.medusa import merge_adapter
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.runtime import resolve_device, resolve_dtype
 
@@ -123,8 +130,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     stop_drafting, stop_info = None, None
     if info.get("kind") == "acceptance_head" or ec.stop is not None:
         drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
-    if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
-        raise DraftsmithError(f"{ckpt}: drafter was trained with a different tokenizer than {recipe.target.model!r}")
+    check_fits_target(ckpt, info, tgt)
     adapted = getattr(drafter, "target_adapter", None) is not None
     if adapted:  # Medusa-2 serves the jointly trained target: decoding is lossless w.r.t. the adapted target
         merge_adapter(tgt.model, drafter.target_adapter, info["config"]["lora"])
@@ -196,9 +202,7 @@ def evaluate(recipe) -> dict:
     encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
     hf_model = assistant = None
     if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
-        from transformers import AutoModelForCausalLM
-
-        hf_model = AutoModelForCausalLM.from_pretrained(str(tgt.path), dtype=dtype).to(device).eval()
+        hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
     optimize_models(setup, ec)
     drafter = setup.drafter  # possibly wrapped for CUDA graphs

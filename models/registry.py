@@ -151,6 +151,22 @@ def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.n
     return model.to(device=device, dtype=dtype).eval(), info
 
 
+def check_fits_target(path: Path, info: dict, tgt) -> None:
+    """A drafter decodes for a target only if it was trained on that target's tokenizer and vocabulary: draft ids
+    go to the target as they are. eval and serve both call this at start, before any prompt is decoded.
+    ``info``: the drafter.json of the drafter that decodes; ``tgt``: the loaded target (models.loading)."""
+    from draftsmith.models.loading import tokenizer_hash
+
+    if info.get("tokenizer_hash") not in (None, tokenizer_hash(tgt.tokenizer)):
+        raise DraftsmithError(f"{path}: drafter was trained with a different tokenizer than {tgt.name!r}")
+    v_draft, v_target = info.get("config", {}).get("vocab_size"), tgt.model.cfg.vocab_size
+    if v_draft is not None and v_draft != v_target:
+        raise DraftsmithError(
+            f"{path}: the drafter's vocabulary has {v_draft} tokens, target {tgt.name!r}'s has {v_target}: "
+            f"it was trained for another target"
+        )
+
+
 def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> torch.nn.Module:
     """Rebuild the drafter drafter.json describes and load ``sd`` (our tensor names) into it, strictly; a Medusa-2
     folder's LoRA tensors are attached for the caller (eval) to merge into the target."""

@@ -48,6 +48,15 @@ class TargetConfig(Strict):
     def _hub_id_is_a_repo_id(cls, v: str | None) -> str | None:
         return v if v is None else hub_repo_id(v)
 
+    @field_validator("device")
+    @classmethod
+    def _device_is_a_torch_device(cls, v: str) -> str:
+        from draftsmith.runtime import parse_device
+
+        if v != "auto":
+            parse_device(v)  # whether this machine has it is checked when a stage starts
+        return v
+
 
 class PromptsConfig(Strict):
     source: Literal["sharegpt", "mt_bench", "humaneval", "file", "hub"]

@@ -262,7 +262,7 @@ class LogFollower:
                     continue
                 try:
                     rec = _log_record(json.loads(raw), self.tok, self.eos)
-                except ValueError:
+                except (ValueError, RecursionError):  # RecursionError: JSON nested too deeply
                     rec = None
                 if rec is None:
                     log.warning(

@@ -33,8 +33,8 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.loading import encode_chat, load_model, stop_ids
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
+from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.serving.online import Learner, Versions, online_dir
 from draftsmith.serving.traffic import TrafficBuffer
@@ -72,6 +72,9 @@ class Engine:
         self.tok, self.eos = self.tgt.tokenizer, stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.root = online_dir(recipe)
         ckpt = Path(self.ec.checkpoint) if self.ec.checkpoint else recipe.run_dir / "checkpoints" / "final"
+        if not (self.root / "current.json").is_file() and (ckpt / "drafter.json").is_file():
+            # before it becomes version v0000: a drafter for another target is refused, and no state is written
+            check_fits_target(ckpt, read_json(ckpt / "drafter.json"), self.tgt)
         self.versions = Versions(self.root, ckpt)
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
         self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer; also the CUDA-graph cache
@@ -108,6 +111,7 @@ class Engine:
         stop = None
         if info.get("kind") == "acceptance_head" or self.ec.stop is not None:  # eval.stop, as eval decodes
             drafter, info, stop, _ = stop_rule(self.ec, drafter, info, path, self.dtype, self.device)
+        check_fits_target(path, info, self.tgt)  # as eval does: refused at start, not with a 500 per request
         if getattr(drafter, "target_adapter", None) is not None:
             raise DraftsmithError(
                 f"{path}: a Medusa-2 drafter carries target adapters, which serve does not merge into the served "
@@ -304,6 +308,8 @@ def _handler(engine: Engine):
                     raise ValueError("max_tokens must be > 0, temperature >= 0 and 0 < top_p <= 1")
             except (ValueError, TypeError, KeyError) as e:
                 return self._error(400, str(e))
+            except RecursionError:
+                return self._error(400, "request JSON nested too deeply")
             try:
                 job = engine.submit(prompt, min(max_tokens, oc.max_tokens), temperature, top_p)
             except queue.Full:
