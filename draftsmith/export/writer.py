@@ -8,6 +8,8 @@ Formats (their tensor-name contracts live in draftsmith/export/formats.py):
 - ``vllm``: the speculators format vLLM detects (EAGLE-3 and draft LMs).
 - ``sglang``: the EAGLE-3 layout SGLang loads (fc, midlayer, norm, lm_head, d2t, t2d).
 - ``medusa``: the Medusa heads layout TensorRT-LLM and TGI read.
+- ``mlp-speculator``: IBM's MLP speculator layout (vLLM, TGI).
+EAGLE-1 goes to ``vllm`` / ``sglang`` in the layout those engines' EAGLE loaders read.
 
 Every folder is written under ``<out>.tmp`` and renamed into place, so a killed export never leaves a complete-
 looking folder; each also carries ``drafter.json`` so ``load_export`` reads it back into draftsmith's decoder
@@ -31,7 +33,7 @@ from draftsmith.models.loading import ALIASES, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
 
 log = logging.getLogger("draftsmith.export")
-FORMATS = ("hf", "vllm", "sglang", "medusa")
+FORMATS = ("hf", "vllm", "sglang", "medusa", "mlp-speculator")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -69,11 +71,21 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         tensors, config = sf.to_hf(model, info)
     else:
         verifier = _verifier(recipe, target)
-        writer = {"vllm": sf.to_speculators, "sglang": sf.to_sglang_eagle3, "medusa": sf.to_medusa}[fmt]
+        writer = {
+            "vllm": sf.to_speculators,
+            "sglang": sf.to_sglang_eagle3,
+            "medusa": sf.to_medusa,
+            "mlp-speculator": sf.to_mlp_speculator,
+        }[fmt]
+        if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
+            writer = sf.to_eagle1(fmt)
         tensors, config = writer(model, info, verifier, include_embeddings)
     save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "drafter.json").write_text(json.dumps({**info, "export_format": fmt}, indent=2))
+    meta, files = sf.side_outputs(model, info, fmt)
+    (tmp / "drafter.json").write_text(json.dumps({**info, **meta, "export_format": fmt}, indent=2))
+    for name, write in files.items():
+        write(tmp / name)
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
@@ -131,7 +143,7 @@ def model_card(info: dict, fmt: str, report: dict | None) -> str:
         "",
         "## Use",
         "",
-        sf.usage(fmt, kind, target),
+        sf.usage(fmt, sf.usage_kind(info), target),
         "",
     ]
     if report:
