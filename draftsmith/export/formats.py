@@ -278,7 +278,7 @@ def side_outputs(model, info: dict, fmt: str) -> tuple[dict, dict]:
     if _is_eagle1(info) and fmt in ("vllm", "sglang"):
         meta = _vocab_meta(model)
         if reduced:
-            ids = torch.tensor(meta["head_vocab_ids"], dtype=torch.int64)
+            ids = meta["head_vocab_ids"]  # SGLang reads torch.tensor(torch.load(path, weights_only=True))
             files["hot_token_map.pt"] = lambda path: torch.save(ids, path)
     return meta, files
 
