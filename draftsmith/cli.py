@@ -25,7 +25,8 @@ STAGES = {
     "eval": "Speculative decoding with the trained drafter vs plain decoding: tau, acceptance, tokens/s, "
     "speedup and a token-for-token lossless check -> <out_dir>/eval/report.{json,md}.",
     "export": "Write the drafter for hubs and serving engines: --format hf (self-contained folder + model card), "
-    "vllm (speculators format), sglang (EAGLE-3) or medusa (TensorRT-LLM / TGI), to --out (default "
+    "vllm (speculators format, EAGLE-1), sglang (EAGLE-3, EAGLE-1), medusa (TensorRT-LLM / TGI) or mlp-speculator "
+    "(IBM's layout: vLLM / TGI), to --out (default "
     "<out_dir>/export/<format>); RECIPE may also be a checkpoint folder. --push-to-hub REPO uploads it "
     "(token from HF_TOKEN, never printed); --dry-run lists what would be uploaded.",
     "serve": "OpenAI-compatible HTTP server (chat/completions, streaming, /health, /metrics) on the bundled "
@@ -101,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "export":
             sp.add_argument(
                 "--format",
-                choices=("hf", "vllm", "sglang", "medusa"),
+                choices=("hf", "vllm", "sglang", "medusa", "mlp-speculator"),  # export.writer.FORMATS
                 default=None,
                 help="export format (default: the recipe's export.formats, else hf)",
             )

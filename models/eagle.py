@@ -91,6 +91,9 @@ class EagleDrafterConfig(Strict):
     as copies of target layers (init_layers). vLLM / SGLang load one layer: export a deeper one with --format hf."""
     init_layers: list[int] | None = None
     """Target layers (0-indexed) copied into the n_layers - 1 added blocks; None = identity blocks."""
+    fc_bias: bool = True
+    """EAGLE-1: a bias on fc (the EAGLE-1 paper's layout, which SGLang loads). false trains the bias-free fc that
+    vLLM's EAGLE-1 loads (export --format vllm refuses a nonzero bias). EAGLE-3's fc never has one."""
     layer_style: Literal["llama", "target"] = "llama"
     """The layer's attention. llama: plain Llama attention (no q/k-norm, no q/k/v bias) for every target, as
     SpecForge trains EAGLE-3 for Qwen targets: its vllm and sglang exports load in vLLM, SGLang and speculators.
@@ -104,6 +107,8 @@ class EagleDrafterConfig(Strict):
         if not isinstance(data, dict):
             return data
         v1 = data.get("version", 3) == 1
+        if not v1 and data.get("fc_bias") is False:
+            raise ValueError("drafter.fc_bias needs drafter.version=1 (EAGLE-3's fc has no bias)")
         if v1 and data.get("aux_layers") is not None:
             raise ValueError("drafter.aux_layers needs drafter.version=3")
         if not v1 and data.get("feature_loss_weight"):
@@ -140,6 +145,7 @@ class EagleConfig:
     head_vocab_size: int | None = None  # reduced draft LM head (EAGLE-3)
     ttt_steps: int = 1  # the unroll length it was trained with (informational; decoding drafts any length)
     n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
+    fc_bias: bool = True  # EAGLE-1's fc (EAGLE-3's never has one)
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -183,7 +189,7 @@ class Eagle(ReducedVocab, nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.self_attn = Attention(lc)
         if cfg.version == 1:
-            self.fc = nn.Linear(2 * d, d, bias=True)
+            self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         else:
             self.fc = nn.Linear(cfg.feature_dim, d, bias=False)
             self.embed_norm = RMSNorm(d, cfg.norm_eps)
@@ -389,6 +395,7 @@ def build_eagle(
         head_vocab_size=n_vocab if n_vocab and n_vocab < t.vocab_size else None,
         ttt_steps=p.ttt_steps,
         n_layers=p.n_layers,
+        fc_bias=p.fc_bias,
     )
     layers = p.init_layers or []
     if len(layers) not in (0, cfg.n_layers - 1):

@@ -438,9 +438,12 @@ class EvalConfig(Strict):
 class ExportConfig(Strict):
     enabled: bool = False
     """Run the export stage at the end of ``draftsmith run`` (``draftsmith export`` always runs it)."""
-    formats: list[Literal["hf", "vllm", "sglang", "medusa"]] = Field(default_factory=lambda: ["hf"], min_length=1)
-    """hf (self-contained hub folder + model card), vllm (speculators format: EAGLE-3, draft LMs), sglang
-    (EAGLE-3), medusa (TensorRT-LLM / TGI Medusa heads). Each goes to <out>/<format>."""
+    formats: list[Literal["hf", "vllm", "sglang", "medusa", "mlp-speculator"]] = Field(
+        default_factory=lambda: ["hf"], min_length=1
+    )
+    """hf (self-contained hub folder + model card), vllm (speculators format: EAGLE-3, draft LMs; EAGLE-1 in vLLM's
+    EAGLE layout), sglang (EAGLE-3, EAGLE-1), medusa (TensorRT-LLM / TGI Medusa heads), mlp-speculator (IBM's MLP
+    speculator layout: vLLM, TGI). Each goes to <out>/<format>."""
     out: str | None = None
     """Folder for the exports; None = <out_dir>/export."""
     include_embeddings: bool = True
@@ -551,13 +554,24 @@ class Recipe(Strict):
             raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
         if (
             d.kind == "eagle"
+            and d.version == 3
             and d.n_layers > 1
             and self.export.enabled
             and {"vllm", "sglang"} & set(self.export.formats)
         ):
             raise ValueError(
-                f"export.formats has vllm/sglang, which load a one-layer EAGLE, but drafter.n_layers is "
+                f"export.formats has vllm/sglang, which load a one-layer EAGLE-3, but drafter.n_layers is "
                 f"{d.n_layers}: export formats [hf] (draftsmith's layout) or train one layer"
+            )
+        if (
+            d.kind == "mlp_speculator"
+            and d.draft_vocab
+            and self.export.enabled
+            and "mlp-speculator" in self.export.formats
+        ):
+            raise ValueError(
+                "export.formats has mlp-speculator, but drafter.draft_vocab reduces the heads' vocabulary, "
+                "which IBM's layout cannot express: drop one of them (hf exports either)"
             )
         if d.kind == "medusa" and d.draft_vocab and self.export.enabled and "medusa" in self.export.formats:
             raise ValueError(

@@ -15,6 +15,18 @@
 - **Medusa** (TensorRT-LLM, TGI): ``medusa_lm_head.safetensors`` with ``{head}.{block}.linear.{weight,bias}`` and
   ``{head}.{n_blocks}.weight``; config.json has medusa_num_heads / medusa_num_layers / base_model_name_or_path and
   no ``architectures`` (TGI would disable the heads).
+- **EAGLE-1** (vLLM ``EagleLlamaForCausalLM``, SGLang ``LlamaForCausalLMEagle``): config.json is a Llama config with
+  ``architectures: [LlamaForCausalLMEagle]`` and ``num_hidden_layers`` = the drafter's depth; tensors ``fc.*`` and
+  ``layers.{i}.*``, layer 0 without ``input_layernorm``, no final norm; the engines take the embeddings and the LM
+  head from the target. SGLang's fc has a bias, vLLM's has none (a drafter with a nonzero ``fc.bias`` is refused
+  there; ``drafter.fc_bias: false`` trains one vLLM loads). A reduced head is refused: vLLM cannot express it and
+  SGLang reads it only as a pickled hot-token map, which draftsmith does not write.
+- **MLP speculator** (IBM's layout, vLLM and TGI): config.json with ``model_type: mlp_speculator`` (emb_dim,
+  inner_dim, n_predict, ...) and tensors ``speculator.{emb,proj,ln,head}.{i}.*``. IBM's stage norm has no mean
+  subtraction and eps 1e-6; ours is a LayerNorm (eps 1e-5): the export centres ``proj`` / ``emb`` and scales them
+  by sqrt(1e-6 / 1e-5), which makes IBM's norm compute ours exactly (``to_mlp_speculator``).
+- **Draft LM with a reduced head**: written as a plain LlamaForCausalLM whose head has every target row; a dropped
+  row is the mean of the kept rows, so its logit (the mean of the kept logits) never exceeds the best kept one.
 Embeddings of EAGLE drafters are frozen copies of the target's: written unless turned off (speculators reads them
 from the checkpoint), taken from the target on import when absent.
 """
@@ -22,12 +34,16 @@ from the checkpoint), taken from the target on import when absent.
 from __future__ import annotations
 
 import json
+import logging
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
@@ -39,11 +55,18 @@ __all__ = [
     "to_speculators",
     "to_sglang_eagle3",
     "to_medusa",
+    "to_mlp_speculator",
+    "to_eagle1",
+    "side_outputs",
+    "usage_kind",
     "usage",
     "load_export",
 ]
 
 SPECULATORS_VERSION = "0.1.0"
+
+
+log = logging.getLogger("draftsmith.export")
 
 
 def weights_file(fmt: str) -> str:
@@ -267,6 +290,193 @@ def _medusa_back(sd: dict, cfg: dict) -> dict:
     return out
 
 
+# ---- reduced heads, EAGLE-1, MLP speculator -----------------------------------------------------------------------
+
+
+def _kept_ids(d2t: torch.Tensor) -> torch.Tensor:
+    return torch.arange(len(d2t)) + d2t
+
+
+def full_vocab_head(head: torch.Tensor, keep: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """An N-row head as a full-vocabulary one (no bias: a plain Llama's head): the kept rows at their target ids,
+    every dropped row the mean of the kept rows. A dropped id's logit is then the mean of the kept logits, never
+    above the best kept one (equal only when every kept logit is equal), so it never wins the argmax; zero rows
+    would win wherever every kept logit is negative."""
+    full = head.mean(0, keepdim=True).expand(vocab_size, -1).clone()
+    full[keep] = head
+    return full
+
+
+def _vocab_meta(model) -> dict:
+    """Kept target ids of a reduced head, for ``load_export`` (the engines' folders drop d2t / t2d)."""
+    d2t = getattr(model, "d2t", None)
+    return {} if d2t is None else {"head_vocab_ids": _kept_ids(d2t.cpu()).tolist()}
+
+
+def side_outputs(model, info: dict, fmt: str) -> tuple[dict, dict]:
+    """What an export writes besides the weights and config: keys for drafter.json, and {file name: writer(path)}
+    (none today: every format fits its weights file and config)."""
+    meta, files = {}, {}
+    reduced = getattr(model, "d2t", None) is not None
+    if info["kind"] == "draft_lm" and fmt in ("hf", "vllm") and reduced:
+        meta = _vocab_meta(model)
+    if _is_eagle1(info) and fmt in ("vllm", "sglang"):
+        meta = _vocab_meta(model)
+    return meta, files
+
+
+def _vocab_back(info: dict) -> dict:
+    ids = info.get("head_vocab_ids")
+    if ids is None:
+        return {}
+    keep = torch.tensor(ids, dtype=torch.long)
+    t2d = torch.full((info["config"]["vocab_size"],), -1, dtype=torch.long)
+    t2d[keep] = torch.arange(len(keep))
+    return {"keep": keep, "d2t": keep - torch.arange(len(keep)), "t2d": t2d}
+
+
+def _is_eagle1(info: dict) -> bool:
+    return info.get("kind") == "eagle" and info.get("config", {}).get("version") == 1
+
+
+def to_eagle1(fmt: str):
+    """EAGLE-1 writer for ``fmt`` (vllm / sglang): both engines read the same names; they differ in fc's bias."""
+
+    def write(model, info: dict, verifier: str, include_embeddings: bool):
+        cfg = info["config"]
+        if cfg.get("qk_norm"):
+            raise DraftsmithError(f"export --format {fmt}: the engines' EAGLE-1 is a Llama layer, without q/k norms")
+        sd = checkpoint_tensors(model)
+        if cfg.get("head_vocab_size"):
+            raise DraftsmithError(
+                f"export --format {fmt}: this EAGLE-1 head keeps {cfg['head_vocab_size']} of {cfg['vocab_size']} "
+                f"tokens (drafter.draft_vocab), which "
+                + (
+                    "vLLM's EAGLE-1 cannot express"
+                    if fmt == "vllm"
+                    else "SGLang takes only as a pickled hot-token map, and draftsmith writes no pickles"
+                )
+                + "; train with drafter.draft_vocab=null, or use --format hf"
+            )
+        if fmt == "vllm":
+            bias = sd.pop("fc.bias", None)
+            if bias is not None and bool(bias.any()):
+                raise DraftsmithError(
+                    f"export --format vllm: vLLM's EAGLE-1 fc has no bias, and this drafter's fc.bias is nonzero "
+                    f"(max |b| = {bias.abs().max():.3g}); use --format sglang, or train with drafter.fc_bias=false"
+                )
+            if include_embeddings:  # vLLM skips them on load yet marks them as the draft's own
+                log.warning("export --format vllm: EAGLE-1 embeddings are never written (vLLM shares the target's)")
+            include_embeddings = False
+        elif "fc.bias" not in sd:  # drafter.fc_bias=false: SGLang's fc has a bias, loaded as zeros
+            sd["fc.bias"] = torch.zeros(sd["fc.weight"].shape[0], dtype=sd["fc.weight"].dtype)
+        out = {}
+        for k, v in sd.items():
+            if k in ("lm_head.weight", "d2t", "t2d") or (k == "embed_tokens.weight" and not include_embeddings):
+                continue  # the engines take the LM head from the target
+            if k.startswith("extra."):
+                j, rest = k[len("extra.") :].split(".", 1)
+                k = f"layers.{int(j) + 1}.{rest}"
+            elif k.split(".")[0] in ("self_attn", "post_attention_layernorm", "mlp"):
+                k = "layers.0." + k
+            out[k] = v
+        layer = EagleConfig(**{**cfg, "aux_layers": tuple(cfg.get("aux_layers", ()))}).layer_config()
+        config = {
+            **config_to_hf(replace(layer, n_layers=cfg.get("n_layers", 1))),
+            "architectures": ["LlamaForCausalLMEagle"],
+            "torch_dtype": "float32",
+            "draftsmith_verifier": verifier,
+        }
+        return out, config
+
+    return write
+
+
+def _eagle1_back(sd: dict, info: dict, target, folder: Path) -> dict:
+    out = {}
+    for k, v in sd.items():
+        if k.startswith("layers.0."):
+            k = k[len("layers.0.") :]
+        elif k.startswith("layers."):
+            i, rest = k[len("layers.") :].split(".", 1)
+            k = f"extra.{int(i) - 1}.{rest}"
+        out[k] = v
+    if not info["config"].get("fc_bias", True):  # a bias-free fc: SGLang's layout carries a zero bias
+        if bool(out.pop("fc.bias", torch.zeros(1)).any()):
+            raise DraftsmithError(f"{folder}: fc.bias is nonzero but drafter.json says the drafter has none")
+    elif "fc.bias" not in out:  # vLLM's layout: a bias-free fc
+        out["fc.bias"] = torch.zeros(out["fc.weight"].shape[0], dtype=out["fc.weight"].dtype)
+    if target is None:
+        raise DraftsmithError(f"{folder}: EAGLE-1 exports take the LM head from the target; pass the target")
+    if "embed_tokens.weight" not in out:
+        out["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu().clone()
+    head = target.lm_head.weight.detach().cpu()
+    vocab = _vocab_back(info)
+    if vocab:
+        head = head[vocab["keep"]]
+        out["d2t"], out["t2d"] = vocab["d2t"], vocab["t2d"]
+    out["lm_head.weight"] = head.clone()
+    return out
+
+
+_IBM_NORM_EPS = 1e-6  # fms-extras' LayerNormParameterized, as vLLM and TGI restate it
+
+
+def to_mlp_speculator(model, info: dict, verifier: str, include_embeddings: bool):
+    """IBM's MLP speculator layout (fms-extras; vLLM and TGI load it). IBM's stage norm is x / sqrt(mean(x^2) + 1e-6)
+    with a learned scale and shift; ours is a LayerNorm, (x - mean) / sqrt(var + eps). Centring proj and emb (so
+    their sum has zero mean) and scaling both by a = sqrt(1e-6 / eps) gives IBM's norm a x' with mean(x'^2) =
+    a^2 var(x): exactly our LayerNorm of x."""
+    if info["kind"] != "mlp_speculator":
+        raise DraftsmithError(f"export --format mlp-speculator: IBM's MLP speculator layout, not {info['kind']}")
+    cfg = info["config"]
+    if cfg.get("head_vocab_size"):
+        raise DraftsmithError(
+            f"export --format mlp-speculator: these heads keep {cfg['head_vocab_size']} of {cfg['vocab_size']} "
+            f"tokens (drafter.draft_vocab), which IBM's layout cannot express; export --format hf"
+        )
+    out = {}
+    for k, (emb, proj, ln, head) in enumerate(zip(model.emb, model.proj, model.ln, model.head, strict=True)):
+        a = math.sqrt(_IBM_NORM_EPS / ln.eps)
+        e, p = emb.weight.detach().cpu(), proj.weight.detach().cpu()
+        out[f"speculator.emb.{k}.weight"] = (a * (e - e.mean(1, keepdim=True))).contiguous()
+        out[f"speculator.proj.{k}.weight"] = (a * (p - p.mean(0, keepdim=True))).contiguous()
+        out[f"speculator.ln.{k}.weight"] = ln.weight.detach().cpu().clone()
+        out[f"speculator.ln.{k}.bias"] = ln.bias.detach().cpu().clone()
+        out[f"speculator.head.{k}.weight"] = head.weight.detach().cpu().contiguous()
+    n = cfg["n_predict"]
+    config = {
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": "mlp_speculator",
+        "vocab_size": cfg["vocab_size"],
+        "emb_dim": cfg["dim"],
+        "inner_dim": cfg.get("inner_dim") or cfg["dim"],  # explicit: TGI reads it as is (0 would break it)
+        "n_predict": n,
+        "top_k_tokens_per_head": [1] * n,  # a chain, as draftsmith drafts by default
+        "n_candidates": 1,
+        "tie_weights": False,
+        "scale_input": False,
+        "base_model_name_or_path": verifier,
+        "torch_dtype": "float32",
+    }
+    return out, config
+
+
+def _mlp_speculator_back(sd: dict) -> dict:
+    """Undo the scale (the centring stays: our LayerNorm is blind to it, so the function is the same)."""
+    a = math.sqrt(_IBM_NORM_EPS / torch.nn.LayerNorm(1).eps)  # models/mlp_speculator.py's stage norms
+    out = {}
+    for k, v in sd.items():
+        k = k.removeprefix("speculator.")
+        out[k] = v / a if k.startswith(("emb.", "proj.")) else v
+    return out
+
+
+def usage_kind(info: dict) -> str:
+    """The kind ``usage`` explains: EAGLE-1 serves differently from EAGLE-3."""
+    return "eagle1" if _is_eagle1(info) else info.get("kind", "?")
+
+
 # ---- hf ----------------------------------------------------------------------------------------------------------
 
 
@@ -274,7 +484,12 @@ def to_hf(model, info: dict):
     """A draft LM as a plain LlamaForCausalLM; any other kind with draftsmith's own tensor names."""
     meta = {k: v for k, v in info.items() if k != "config"}
     if info["kind"] == "draft_lm":
-        tensors = {own_to_hf_key(k): v for k, v in checkpoint_tensors(model).items()}
+        sd = checkpoint_tensors(model)
+        if "d2t" in sd:  # a reduced head: every target row, so transformers loads a plain LlamaForCausalLM
+            keep = _kept_ids(sd.pop("d2t"))
+            sd.pop("t2d")
+            sd["lm_head.weight"] = full_vocab_head(sd["lm_head.weight"], keep, model.cfg.vocab_size)
+        tensors = {own_to_hf_key(k): v for k, v in sd.items()}
         return tensors, {**config_to_hf(model.cfg), "torch_dtype": "float32", "draftsmith": meta}
     return checkpoint_tensors(model), {
         "architectures": [f"draftsmith:{info['kind']}"],
@@ -291,6 +506,13 @@ def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
     spec = 'vllm serve {t} --speculative-config \'{{"model": "./this-folder", "method": "{m}", ' + (
         '"num_speculative_tokens": {n}}}\''
     )
+    if kind == "eagle1" and fmt in ("vllm", "sglang"):
+        return {
+            "vllm": f"`{spec.format(t=t, m='eagle', n=tokens)}` (EAGLE-1; vLLM shares the target's embeddings and "
+            "LM head).",
+            "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE "
+            "--speculative-draft-model-path ./this-folder` (EAGLE-1).",
+        }[fmt]
     if fmt == "vllm" and kind == "draft_lm":
         return (
             f"`{spec.format(t=t, m='draft_model', n=4)}` (a plain HF Llama folder: vLLM versions with draft-model "
@@ -311,6 +533,9 @@ def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
         "--model_dir TARGET_FOLDER --medusa_model_dir ./this-folder --num_medusa_heads N`. The heads are "
         "`medusa_lm_head.safetensors` only (draftsmith writes no pickles): FasterDecoding/Medusa's own loader, "
         "which reads only `medusa_lm_head.pt`, cannot load them.",
+        "mlp-speculator": f"vLLM: `{spec.format(t=t, m='mlp_speculator', n=tokens)}`; TGI: `text-generation-launcher "
+        f"--model-id ./this-folder` (config.json's base_model_name_or_path names the target"
+        f"{'' if target else ': set it first'}). IBM's MLP speculator layout.",
         "hf": (
             "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
             "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
@@ -332,6 +557,10 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     sd = load_file(str(folder / weights_file(fmt)))
     if fmt == "medusa":
         sd = _medusa_back(sd, cfg)
+    elif fmt == "mlp-speculator":
+        sd = _mlp_speculator_back(sd)
+    elif fmt in ("vllm", "sglang") and _is_eagle1(info):
+        sd = _eagle1_back(sd, info, target, folder)
     elif fmt in ("vllm", "sglang") and info["kind"] == "eagle":
         sd = _eagle3_back(sd, "layers.0." if fmt == "vllm" else "midlayer.")
         if "t2d" in sd:  # the engines' bool mask back to draft indices
@@ -345,6 +574,10 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
             sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu()
     elif info["kind"] == "draft_lm":  # hf and vllm share the HF names
         sd = {hf_to_own_key(k): v for k, v in sd.items()}
+        vocab = _vocab_back(info)
+        if vocab:  # the full-vocabulary head back to the kept rows and their maps
+            sd["lm_head.weight"] = sd["lm_head.weight"][vocab["keep"]].clone()
+            sd["d2t"], sd["t2d"] = vocab["d2t"], vocab["t2d"]
         hf_cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
         if (hf_cfg.vocab_size, hf_cfg.dim, hf_cfg.n_layers) != (cfg["vocab_size"], cfg["dim"], cfg["n_layers"]):
             raise DraftsmithError(f"{folder}: config.json does not describe the drafter in drafter.json")

@@ -8,6 +8,8 @@ Formats (their tensor-name contracts live in draftsmith/export/formats.py):
 - ``vllm``: the speculators format vLLM detects (EAGLE-3 and draft LMs).
 - ``sglang``: the EAGLE-3 layout SGLang loads (fc, midlayer, norm, lm_head, d2t, t2d).
 - ``medusa``: the Medusa heads layout TensorRT-LLM and TGI read.
+- ``mlp-speculator``: IBM's MLP speculator layout (vLLM, TGI).
+EAGLE-1 goes to ``vllm`` / ``sglang`` in the layout those engines' EAGLE loaders read.
 
 Every folder is written under ``<out>.tmp`` and renamed into place, so a killed export never leaves a complete-
 looking folder; each also carries ``drafter.json`` so ``load_export`` reads it back into draftsmith's decoder
@@ -40,7 +42,7 @@ from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
 
 log = logging.getLogger("draftsmith.export")
-FORMATS = ("hf", "vllm", "sglang", "medusa")
+FORMATS = ("hf", "vllm", "sglang", "medusa", "mlp-speculator")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -81,11 +83,21 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     if fmt == "hf":
         tensors, config = sf.to_hf(model, named)
     else:
-        writer = {"vllm": sf.to_speculators, "sglang": sf.to_sglang_eagle3, "medusa": sf.to_medusa}[fmt]
+        writer = {
+            "vllm": sf.to_speculators,
+            "sglang": sf.to_sglang_eagle3,
+            "medusa": sf.to_medusa,
+            "mlp-speculator": sf.to_mlp_speculator,
+        }[fmt]
+        if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
+            writer = sf.to_eagle1(fmt)
         tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
     save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "drafter.json").write_text(json.dumps({**named, "export_format": fmt}, indent=2))
+    meta, files = sf.side_outputs(model, info, fmt)
+    (tmp / "drafter.json").write_text(json.dumps({**named, **meta, "export_format": fmt}, indent=2))
+    for name, write in files.items():
+        write(tmp / name)
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
@@ -101,7 +113,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
             target,
             out,
             f"; its config.json says it was loaded from {tgt.hint}" if tgt.hint else "",
-            sf.usage(fmt, info["kind"], None, _tokens(config)),
+            sf.usage(fmt, sf.usage_kind(info), None, _tokens(config)),
         )
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
@@ -266,7 +278,7 @@ def model_card(info: dict, fmt: str, report: dict | None, target: Target | None 
             "To record a hub id, set `target.hub_id=org/name` in the recipe and export again.",
             "",
         ]
-    lines += ["## Use", "", sf.usage(fmt, kind, tgt.hub_id, tokens), ""]
+    lines += ["## Use", "", sf.usage(fmt, sf.usage_kind(info), tgt.hub_id, tokens), ""]
     if report:
         sp = report.get("speedup", {})
         pr = report.get("prompts", {})
