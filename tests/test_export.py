@@ -324,7 +324,9 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
     out = export(ckpt, "vllm", tmp_path / "v")
     assert json.loads((out / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert speculators.SpeculatorModelConfig.from_pretrained(str(out)).speculators_model_type == "eagle3"
-    model = speculators.SpeculatorModel.from_pretrained(str(out))  # the verifier is the local tiny target
+    cfg = speculators.SpeculatorModelConfig.from_pretrained(str(out))
+    cfg.speculators_config.verifier.name_or_path = str(tdir)  # a local target: the export names none (null)
+    model = speculators.SpeculatorModel.from_pretrained(str(out), config=cfg)
     ours = load_file(str(out / "model.safetensors"))
     theirs = model.state_dict()
     for k in ours:  # every tensor; the embeddings too (run it under several PYTHONHASHSEED values)

@@ -304,6 +304,10 @@ def test_speculators_loads_every_tensor_and_computes_our_layer(targets, tmp_path
     ckpt, t = _drafter_ckpt(tmp_path, targets[family], layer_style=style, aux_layers=[0, 2, 3])
     out = export(ckpt, "vllm", tmp_path / "v")
     cfg = speculators.SpeculatorModelConfig.from_pretrained(str(out))
+    # a local target has no hub id, so the export names no verifier (null); speculators resolves one on load:
+    # name it in the config, as docs/export.md tells users to
+    assert cfg.speculators_config.verifier.name_or_path is None
+    cfg.speculators_config.verifier.name_or_path = str(targets[family])
     cfg.transformer_layer_config._attn_implementation = "eager"
     model = speculators.SpeculatorModel.from_pretrained(str(out), config=cfg).eval()
     ours, theirs = load_file(str(out / "model.safetensors")), model.state_dict()
