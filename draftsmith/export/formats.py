@@ -22,9 +22,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.integrity import load_tensors, read_json, verify_file
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
@@ -284,9 +284,11 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     meta = folder / "drafter.json"
     if not meta.is_file():
         raise DraftsmithError(f"{folder}: not a draftsmith export (no drafter.json)")
-    info = json.loads(meta.read_text())
+    info = read_json(meta)
     fmt, cfg = info.get("export_format", "hf"), info["config"]
-    sd = load_file(str(folder / weights_file(fmt)))
+    for name, digest in (info.get("sha256") or {}).items():  # exports written before checksums have none
+        verify_file(folder / Path(name).name, digest)
+    sd = load_tensors(folder / weights_file(fmt))
     if fmt == "medusa":
         sd = _medusa_back(sd, cfg)
     elif fmt in ("vllm", "sglang") and info["kind"] == "eagle":

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import formats as sf
+from draftsmith.integrity import checksums, save_safetensors
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
@@ -77,17 +77,19 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
     trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
     tgt = _verifier(recipe, target, trained_by)
-    named = {**info, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
+    own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
+    named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
     if fmt == "hf":
         tensors, config = sf.to_hf(model, named)
     else:
         writer = {"vllm": sf.to_speculators, "sglang": sf.to_sglang_eagle3, "medusa": sf.to_medusa}[fmt]
         tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
-    save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})
+    save_safetensors(tensors, tmp / sf.weights_file(fmt), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "drafter.json").write_text(json.dumps({**named, "export_format": fmt}, indent=2))
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
+    sums = checksums(tmp)  # load_export and `eval.checkpoint=EXPORT` verify them, as for a checkpoint
+    (tmp / "drafter.json").write_text(json.dumps({**named, "export_format": fmt, "sha256": sums}, indent=2))
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
     if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
         _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
