@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import formats as sf
-from draftsmith.integrity import checksums, save_safetensors
+from draftsmith.integrity import checksums
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
@@ -84,7 +85,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     else:
         writer = {"vllm": sf.to_speculators, "sglang": sf.to_sglang_eagle3, "medusa": sf.to_medusa}[fmt]
         tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
-    save_safetensors(tensors, tmp / sf.weights_file(fmt), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
