@@ -236,3 +236,27 @@ def test_two_clean_runs_write_byte_identical_files(tmp_path, tiny_model_dir, pro
     assert "checkpoints/step-000001/train_state.safetensors" in files
     for f in files:
         assert (outs[0] / f).read_bytes() == (outs[1] / f).read_bytes(), f
+
+
+def test_medusa2_target_adapter_is_verified(tmp_path):
+    """A Medusa-2 checkpoint's target_adapter.safetensors has its checksum in drafter.json; damage is named."""
+    from conftest import tiny_model
+
+    from draftsmith.models.registry import build_drafter, load_drafter, save_drafter
+
+    m2 = build_drafter("medusa", {"n_heads": 2, "lora_r": 2}, tiny_model(0).float())
+    ckpt = save_drafter(tmp_path / "m2", m2, "medusa", {})
+    assert "target_adapter.safetensors" in json.loads((ckpt / "drafter.json").read_text())["sha256"]
+    assert load_drafter(ckpt)[0].target_adapter
+    _flip(ckpt / "target_adapter.safetensors", n=8)
+    with pytest.raises(DraftsmithError, match="target_adapter.safetensors: checksum mismatch"):
+        load_drafter(ckpt)
+
+
+def test_the_console_script_prints_one_line_and_exits_2(trained, tmp_path):
+    """The real entry point (python -m draftsmith), not main(): exit code 2, one stderr line, no traceback."""
+    ckpt = _corrupt_copy(trained / "checkpoints" / "final", tmp_path / "ckpt", "flipped-bytes")
+    cmd = [sys.executable, "-m", "draftsmith", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "x")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"{ckpt / 'model.safetensors'}: checksum mismatch" in p.stderr
