@@ -5,24 +5,40 @@ teacher rows with student positions, and a ``datasets`` view for users who want 
 
 from __future__ import annotations
 
+import logging
+import os
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
-from draftsmith.data.records import SIGNALS, Record, Shard, load_shard, read_manifest
+from draftsmith.data.records import (
+    SIGNALS,
+    Record,
+    Shard,
+    check_shard_size,
+    load_shard,
+    read_manifest,
+    verify_shard,
+)
+
+log = logging.getLogger("draftsmith.data")
 
 
 class RecordDataset(Dataset):
     """All records of a data folder. ``signals``: signal groups to read (None = all stored), e.g. {"topk"}:
-    a drafter that does not need hidden states never reads them from disk."""
+    a drafter that does not need hidden states never reads them from disk. Every shard is verified against its
+    manifest entry (size, header, checksum) before the first record is read."""
 
     def __init__(self, data_dir: Path, max_seq_len: int, signals: set[str] | None = None, cache_shards: int = 4):
         self.dir = Path(data_dir)
         self.manifest = read_manifest(self.dir)
         self.max_seq_len, self.signals = max_seq_len, signals
-        self.index = [(si, j) for si, e in enumerate(self.manifest["shards"]) for j in range(e["n_sequences"])]
+        entries = self.manifest["shards"]
+        verify_shards(self.dir, entries)
+        self.index = [(si, j) for si, e in enumerate(entries) for j in range(e["n_sequences"])]
         self._cache: OrderedDict[int, Shard] = OrderedDict()
         self._cache_size = cache_shards
 
@@ -48,10 +64,26 @@ def token_counts(data_dir: Path, vocab_size: int) -> torch.Tensor:
     data_dir = Path(data_dir)
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for e in read_manifest(data_dir)["shards"]:
-        sh = load_shard(data_dir / e["file"], signals=set())
+        sh = load_shard(data_dir / e["file"], signals=set(), entry=e)
         ids = sh.tensor("input_ids").long()[sh.loss_mask.bool()]
         counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
+
+
+def verify_shards(data_dir: Path, entries: list[dict]) -> None:
+    """Every shard of a data folder against its manifest entry (``verify_shard``: one read of the data, hashed on
+    a few threads); shards whose entry has no checksum (written before shards had one) are named in a warning."""
+    for e in entries:  # the cheap checks first: a missing or truncated shard is reported before any hashing
+        check_shard_size(data_dir / e["file"], e)
+    with ThreadPoolExecutor(min(4, os.cpu_count() or 1)) as pool:  # hashlib releases the GIL on large blocks
+        list(pool.map(lambda e: verify_shard(data_dir / e["file"], e), entries))
+    old = [e["file"] for e in entries if not e.get("sha256")]
+    if old:
+        log.warning(
+            "%s: no checksums in manifest.json for %d shard(s) (written before shards had them); read unverified",
+            data_dir,
+            len(old),
+        )
 
 
 def truncate(r: Record, T: int) -> Record:
@@ -108,10 +140,11 @@ def hf_dataset(data_dir: Path, signals: set[str] | None = None):
 
     manifest = read_manifest(Path(data_dir))
     files = [str(Path(data_dir) / e["file"]) for e in manifest["shards"]]
+    entries = {f: e for f, e in zip(files, manifest["shards"])}
 
     def rows(shard_files):
         for f in shard_files:
-            shard = load_shard(Path(f), signals)
+            shard = load_shard(Path(f), signals, entries[f])
             for i in range(len(shard)):
                 r = shard.record(i)
                 yield {

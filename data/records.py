@@ -10,21 +10,27 @@ fp8 hidden states carry a per-row float32 scale in ``<name>_scale``.
 
 Shards are written to a temp name and renamed, so a killed run never leaves a partial shard that looks complete;
 each shard also carries its own manifest entry in its metadata, so the manifest can be rebuilt from the shards.
+Each shard stores the sha256 of its tensor data (metadata ``sha256``, copied into its manifest entry); reading a
+shard through its manifest entry verifies it (``verify_shard``), and a resumed ``generate`` writes a shard that
+fails it again. Metadata keys are written in sorted order, so clean runs give byte-identical shards.
 Reading is lazy: a record's rows are sliced out of the memory-mapped file, never the whole shard.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.integrity import data_start, open_safetensors, read_json, save_safetensors, verify_file
+
+log = logging.getLogger("draftsmith.data")
+REGENERATE = "; rerun `draftsmith generate` with the same recipe: it resumes and writes what is bad again"
 
 FORMAT = "draftsmith-records/2"
 SOURCES = {"target": 0, "drafter": 1, "dataset": 2}
@@ -120,9 +126,9 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
         "counts": counts or {},
     }
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": FORMAT, **meta, "entry": json.dumps(entry)})
+    digest = save_safetensors(tensors, tmp, {"format": FORMAT, **meta, "entry": json.dumps(entry)}, data_sha256=True)
     os.replace(tmp, path)
-    entry["bytes"] = path.stat().st_size
+    entry["bytes"], entry["sha256"] = path.stat().st_size, digest
     return entry
 
 
@@ -134,36 +140,69 @@ def shard_done(path: Path, data_hash: str, span: str | None = None, legacy_hash:
     as written before spans were recorded; such a shard counts as done as it is."""
     if not path.exists():
         return False
-    meta = read_shard_meta(path)
+    try:
+        meta = read_shard_meta(path)
+    except DraftsmithError as e:  # a damaged header: written again
+        log.warning("%s; writing it again", e)
+        return False
     if legacy_hash is not None and meta.get("data_hash") == legacy_hash:
         return True
     if meta.get("data_hash") != data_hash:
-        from draftsmith.errors import DraftsmithError
-
         raise DraftsmithError(
             f"{path} was written by a different recipe (data hash differs): use a new out_dir or delete {path.parent}"
         )
-    return span is None or meta.get("prompt_span") == span
+    if span is not None and meta.get("prompt_span") != span:
+        return False
+    try:
+        verify_file(path, meta.get("sha256"), data_start(path))
+    except DraftsmithError as e:
+        log.warning("%s; writing it again", e)
+        return False
+    return True
 
 
-def read_shard_meta(path: Path) -> dict[str, str]:
-    with safe_open(str(path), framework="pt") as fh:
+def read_shard_meta(path: Path, hint: str = "") -> dict[str, str]:
+    with open_safetensors(path, hint) as fh:
         return fh.metadata() or {}
 
 
 def shard_entry(path: Path) -> dict:
-    """The manifest entry a finished shard carries in its metadata."""
-    entry = json.loads(read_shard_meta(path)["entry"])
+    """The manifest entry a finished shard carries in its metadata, with its size and data checksum."""
+    meta = read_shard_meta(path)
+    entry = json.loads(meta["entry"])
     entry["bytes"] = path.stat().st_size
+    if "sha256" in meta:  # shards written before checksums have none
+        entry["sha256"] = meta["sha256"]
     return entry
+
+
+def check_shard_size(path: Path, entry: dict) -> None:
+    """The cheap check: the shard exists and has the size its manifest entry records (not truncated)."""
+    if not path.is_file():
+        raise DraftsmithError(f"{path}: missing{REGENERATE}")
+    if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+        raise DraftsmithError(
+            f"{path}: {path.stat().st_size} bytes, manifest.json says {entry['bytes']} (truncated?){REGENERATE}"
+        )
+
+
+def verify_shard(path: Path, entry: dict) -> None:
+    """A shard against its manifest entry: size, a readable header and the sha256 of its tensor data (when the
+    entry has one). One-line DraftsmithError naming the shard otherwise."""
+    check_shard_size(path, entry)
+    open_safetensors(path, REGENERATE).__exit__(None, None, None)
+    if entry.get("sha256"):
+        verify_file(path, entry["sha256"], data_start(path), REGENERATE)
 
 
 class Shard:
     """A shard opened for lazy reading: small per-sequence arrays in memory, signals sliced on demand."""
 
-    def __init__(self, path: Path, signals: set[str] | None = None):
+    def __init__(self, path: Path, signals: set[str] | None = None, entry: dict | None = None):
         self.path = Path(path)
-        self._fh = safe_open(str(path), framework="pt")  # memory-mapped; slices read only what they cover
+        if entry is not None:
+            verify_shard(self.path, entry)
+        self._fh = open_safetensors(path, REGENERATE)  # memory-mapped; slices read only what they cover
         keys = set(self._fh.keys())
         self.signals = sorted(k for k in keys if k in SIGNALS and (signals is None or _group(k) in signals))
         self.offsets = self._fh.get_tensor("offsets")
@@ -215,9 +254,10 @@ def _group(name: str) -> str:
     return next((g for g, names in GROUPS.items() if name in names), "tokens")
 
 
-def load_shard(path: Path, signals: set[str] | None = None) -> Shard:
-    """Open a shard; ``signals``: the signal groups to read (None = all), e.g. {"topk"}."""
-    return Shard(path, signals)
+def load_shard(path: Path, signals: set[str] | None = None, entry: dict | None = None) -> Shard:
+    """Open a shard; ``signals``: the signal groups to read (None = all), e.g. {"topk"}. ``entry``: its manifest
+    entry, to verify the shard against first (``verify_shard``)."""
+    return Shard(path, signals, entry)
 
 
 def bytes_per_token(entries: list[dict]) -> dict:
@@ -241,11 +281,15 @@ def read_manifest(data_dir: Path) -> dict:
     m = Path(data_dir) / "manifest.json"
     if not m.is_file():
         raise DraftsmithError(f"{data_dir}: no manifest.json (run `draftsmith generate` first, or it was interrupted)")
-    manifest = json.loads(m.read_text())
+    manifest = read_json(m, REGENERATE)
     if manifest.get("format") != FORMAT:
         raise DraftsmithError(
             f"{m}: unsupported records format {manifest.get('format')!r} (expected {FORMAT}; regenerate the data)"
         )
+    if not isinstance(manifest.get("shards"), list) or not all(
+        isinstance(e, dict) and isinstance(e.get("file"), str) for e in manifest["shards"]
+    ):
+        raise DraftsmithError(f"{m}: no list of shard entries{REGENERATE}")
     return manifest
 
 

@@ -4,21 +4,23 @@ Adding a drafter = a model file that ends with ``SPEC = DrafterSpec(...)``, its 
 if no existing objective fits, an objective in train/objectives.py (docs/adding-a-drafter.md). Code outside the
 package (tests, experiments) may ``register_drafter`` a spec instead. The recipe schema's ``drafter`` union follows
 this dict.
-A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``drafter.json`` (kind, config, meta).
+A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``drafter.json`` (kind, config, meta, and
+``sha256``: the checksum of every tensor file in the folder, verified by every load; draftsmith/integrity.py).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.integrity import checksums, load_tensors, read_json, save_safetensors, verify_file
 from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator
 from draftsmith.models.llama import Llama
 from draftsmith.models.medusa import ADAPTER_FILE, adapter_state
@@ -27,6 +29,7 @@ from draftsmith.models.spec import DrafterSpec, Strict
 KIND_MODULES = (draft_lm, medusa, mlp_speculator, hydra, eagle, acceptance, judge)
 DRAFTERS: dict[str, DrafterSpec] = {m.SPEC.kind: m.SPEC for m in KIND_MODULES}
 _listeners: list[Callable[[], None]] = []  # called after DRAFTERS changes (the recipe schema rebuilds its union)
+log = logging.getLogger("draftsmith.checkpoint")
 
 
 def register_drafter(spec: DrafterSpec) -> DrafterSpec:
@@ -96,35 +99,63 @@ def save_drafter(
     state: dict | None = None,
 ) -> Path:
     """Write atomically: a half-written checkpoint never sits under the final name. ``extra(folder)`` may add
-    files (the training state) before the folder is renamed into place. ``recipe_yaml``: the resolved recipe that
+    files (the training state) before the folder is renamed into place; drafter.json comes last and lists the
+    sha256 of every tensor file, the training state's included. ``recipe_yaml``: the resolved recipe that
     trained it, kept with the weights as ``recipe.yaml`` (the run folder's copy is rewritten by every later
     command on that folder, e.g. an eval with other overrides). ``state``: see ``checkpoint_tensors``."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(checkpoint_tensors(model, state), str(tmp / "model.safetensors"))
+    save_safetensors(checkpoint_tensors(model, state), tmp / "model.safetensors")
     if getattr(model, "base", None) is not None:  # Medusa-2: the target's LoRA adapters
         base = None if state is None else {k[5:]: v for k, v in state.items() if k.startswith("base.")}
-        save_file(adapter_state(model.base, base), str(tmp / ADAPTER_FILE))
-    info = {"kind": kind, "config": model.cfg.to_dict(), **meta}
-    (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
+        save_safetensors(adapter_state(model.base, base), tmp / ADAPTER_FILE)
     if recipe_yaml is not None:
         (tmp / "recipe.yaml").write_text(recipe_yaml)
     if extra is not None:
         extra(tmp)
+    info = {"kind": kind, "config": model.cfg.to_dict(), **meta, "sha256": checksums(tmp)}
+    (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
     if path.exists():
         shutil.rmtree(path)
     os.replace(tmp, path)
     return path
 
 
-def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False) -> None:
+def read_checkpoint(path: Path, hint: str = "") -> dict:
+    """A checkpoint folder's drafter.json, after checking every tensor file it lists against its checksum; any
+    problem is a one-line DraftsmithError naming the file (``hint`` appended). A checkpoint written before
+    checksums existed (no ``sha256``) is read with a warning, unverified."""
+    path = Path(path)
+    if not (path / "drafter.json").is_file():
+        raise DraftsmithError(f"{path}: not a drafter checkpoint (no drafter.json){hint}")
+    info = read_json(path / "drafter.json", hint)
+    if not isinstance(info.get("kind"), str) or not isinstance(info.get("config"), dict):
+        raise DraftsmithError(f"{path / 'drafter.json'}: no drafter kind and config{hint}")
+    sums = info.get("sha256")
+    if sums is None:
+        log.warning("%s: no checksums in drafter.json (written before checkpoints had them); loaded unverified", path)
+        sums = {}
+    if not isinstance(sums, dict) or not all(isinstance(v, str) for v in sums.values()):
+        raise DraftsmithError(f"{path / 'drafter.json'}: 'sha256' is not a {{file: checksum}} map{hint}")
+    for name in sorted({"model.safetensors", *sums}):
+        verify_file(path / Path(name).name, sums.get(name), hint=hint)
+    with torch.device("meta"):  # the config must describe a drafter (built without memory)
+        _from_config(info, path, hint)
+    return info
+
+
+def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False, hint: str = "") -> None:
     """Resume: a checkpoint's weights into an already built drafter of the same shape. ``grow`` (a warm start,
     train.init_checkpoint): parts the model marks ``growable`` (an EAGLE's added blocks) may be missing and keep
-    their initialisation."""
-    sd = load_file(str(Path(path) / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    their initialisation. ``hint``: appended to every error (what the user can do about it)."""
+    read_checkpoint(path, hint)
+    sd = load_tensors(Path(path) / "model.safetensors", hint)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a shape differs
+        raise DraftsmithError(f"{path}: checkpoint does not fit this recipe's drafter ({_first(e)}){hint}") from None
     skip = getattr(model, "checkpoint_exclude", ()) + (getattr(model, "growable", ()) if grow else ())
     missing = [m for m in missing if m != "lm_head.weight" and not (skip and m.startswith(skip))]
     if getattr(model, "base", None) is not None:
@@ -132,8 +163,8 @@ def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False) ->
 
         adapter = Path(path) / ADAPTER_FILE
         if not adapter.is_file():
-            raise DraftsmithError(f"{path}: no {ADAPTER_FILE} for this Medusa-2 drafter")
-        set_peft_model_state_dict(model.base, load_file(str(adapter)))
+            raise DraftsmithError(f"{path}: no {ADAPTER_FILE} for this Medusa-2 drafter{hint}")
+        set_peft_model_state_dict(model.base, load_tensors(adapter, hint))
     if missing or unexpected:
         raise DraftsmithError(
             f"{path}: checkpoint does not fit this recipe's drafter (missing {missing[:3]}, "
@@ -141,13 +172,28 @@ def load_weights_into(path: Path, model: torch.nn.Module, grow: bool = False) ->
         )
 
 
+def _from_config(info: dict, path: Path, hint: str = "") -> torch.nn.Module:
+    """The (untrained) drafter drafter.json describes; an unknown kind or a bad config is a one-line error."""
+    kind = info.get("kind")
+    if kind not in DRAFTERS:
+        raise DraftsmithError(f"{path / 'drafter.json'}: unknown drafter kind {kind!r}{hint}")
+    try:
+        return DRAFTERS[kind].from_config(info["config"])
+    except (TypeError, KeyError, ValueError) as e:  # a field missing, unknown or invalid
+        raise DraftsmithError(
+            f"{path / 'drafter.json'}: config is not a {kind} drafter's ({_first(e)}){hint}"
+        ) from None
+
+
+def _first(e: Exception) -> str:
+    return " ".join(str(e).split())[:200]
+
+
 def load_drafter(path: Path, dtype=torch.float32, device="cpu") -> tuple[torch.nn.Module, dict]:
+    """A checkpoint folder's drafter, verified (``read_checkpoint``), and its drafter.json."""
     path = Path(path)
-    meta_file = path / "drafter.json"
-    if not meta_file.is_file():
-        raise DraftsmithError(f"{path}: not a drafter checkpoint (no drafter.json)")
-    info = json.loads(meta_file.read_text())
-    model = drafter_from_state(info, load_file(str(path / "model.safetensors")), path)
+    info = read_checkpoint(path)
+    model = drafter_from_state(info, load_tensors(path / "model.safetensors"), path)
     return model.to(device=device, dtype=dtype).eval(), info
 
 
@@ -170,11 +216,11 @@ def check_fits_target(path: Path, info: dict, tgt) -> None:
 def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> torch.nn.Module:
     """Rebuild the drafter drafter.json describes and load ``sd`` (our tensor names) into it, strictly; a Medusa-2
     folder's LoRA tensors are attached for the caller (eval) to merge into the target."""
-    kind = info.get("kind")
-    if kind not in DRAFTERS:
-        raise DraftsmithError(f"{path / 'drafter.json'}: unknown drafter kind {kind!r}")
-    model = DRAFTERS[kind].from_config(info["config"])
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    model = _from_config(info, path)
+    try:
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+    except RuntimeError as e:  # a shape differs
+        raise DraftsmithError(f"{path}: weights do not match drafter.json ({_first(e)})") from None
     missing = [m for m in missing if m != "lm_head.weight"]
     if missing or unexpected:
         raise DraftsmithError(
@@ -183,5 +229,5 @@ def drafter_from_state(info: dict, sd: dict[str, torch.Tensor], path: Path) -> t
     if getattr(model.cfg, "tie_embeddings", False):
         model.lm_head.weight = model.embed_tokens.weight
     if (path / ADAPTER_FILE).is_file():  # Medusa-2: merged into the target by the caller (eval)
-        model.target_adapter = load_file(str(path / ADAPTER_FILE))
+        model.target_adapter = load_tensors(path / ADAPTER_FILE)
     return model

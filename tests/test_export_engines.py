@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.export.writer import export, load_export
+from draftsmith.integrity import checksums
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter, save_drafter
@@ -201,6 +202,9 @@ def test_import_refuses_a_nonzero_o_bias(targets, tmp_path):
     t = load_file(str(out / "model.safetensors"))
     t["layers.0.self_attn.o_proj.bias"] += 1
     save_file(t, str(out / "model.safetensors"))
+    meta = json.loads((out / "drafter.json").read_text())  # a well-formed folder (checksums right) an engine wrote
+    meta["sha256"] = checksums(out)
+    (out / "drafter.json").write_text(json.dumps(meta))
     with pytest.raises(DraftsmithError, match="o_proj.bias"):
         load_export(out)
 

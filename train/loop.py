@@ -177,10 +177,13 @@ def train(recipe) -> Path:
     loss_gen = torch.Generator(device=acc.device).manual_seed(recipe.seed * 1000 + acc.process_index)
     counters = {"step": 0, "batches": 0, "tokens": 0, "seconds": 0.0}
     resume_from = latest_resumable(ckpt_dir) if tc.resume else None
+    fresh = (
+        f" (resuming: delete {resume_from} to resume from an earlier step, or set train.resume=false to start fresh)"
+    )
     if resume_from is not None:
-        load_weights_into(resume_from, drafter)
+        load_weights_into(resume_from, drafter, hint=fresh)
     elif tc.init_checkpoint:
-        load_weights_into(Path(tc.init_checkpoint), drafter, grow=True)
+        load_weights_into(Path(tc.init_checkpoint), drafter, grow=True, hint=" (train.init_checkpoint)")
     # The scheduler is stepped by hand once per optimizer step: accelerate's wrapper would step it once per
     # process, which changes the schedule with the process count.
     _fsdp_wrap(acc, spec, drafter)
@@ -188,7 +191,9 @@ def train(recipe) -> Path:
     if getattr(acc, "is_fsdp2", False) and acc.is_main_process:
         print(f"train: FSDP2 units: {fsdp_units(drafter)}; the rest of the drafter is the root unit")
     if resume_from is not None:
-        counters = read_state(resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index)
+        counters = read_state(
+            resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index, hint=fresh
+        )
     sampler = GlobalBatches(
         len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
     )

@@ -4,7 +4,8 @@ A resumable checkpoint folder ``checkpoints/step-NNNNNN/`` holds the drafter (mo
 models/registry.py) plus ``train_state.safetensors`` (optimizer moments, RNG states) and ``train_state.json``
 (optimizer hyper-parameters and step counters, scheduler, step, data position, counters). RNG states are
 stored per rank, so a multi-process run resumes each rank's own sampling. The folder is written under a
-temporary name and renamed, so a folder with the final name is always complete.
+temporary name and renamed, so a folder with the final name is always complete; drafter.json, written last, holds
+the sha256 of train_state.safetensors too, checked before a resume reads anything.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.integrity import load_tensors, read_json, save_safetensors
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -140,7 +141,7 @@ def write_state(
         tensors[f"rng.gen.{name}"] = g.get_state().cpu()
     for r, states in enumerate(rank_rngs or ()):
         tensors.update({f"rng.rank{r}.{k}": v for k, v in states.items()})
-    save_file(tensors, str(folder / "train_state.safetensors"))
+    save_safetensors(tensors, folder / "train_state.safetensors")
     meta = {
         "param_groups": _jsonable(osd["param_groups"]),
         "scalars": scalars,
@@ -158,13 +159,22 @@ def read_state(
     generators: dict[str, torch.Generator],
     model: torch.nn.Module | None = None,
     rank: int = 0,
+    hint: str = "",
 ) -> dict:
     """Restore optimizer, scheduler and RNG states from ``folder``; returns the saved counters. ``model``: the
     prepared drafter, needed when it is sharded (FSDP2) to scatter the full optimizer state onto its shards.
     ``rank``: this process's rank, whose own RNG states are restored when the checkpoint has them (else the
-    saving process's: a checkpoint from a single process, or resumed on more processes than wrote it)."""
-    meta = json.loads((folder / "train_state.json").read_text())
-    tensors = load_file(str(folder / "train_state.safetensors"))
+    saving process's: a checkpoint from a single process, or resumed on more processes than wrote it).
+    ``hint``: appended to every error (how to start fresh)."""
+    meta = read_json(folder / "train_state.json", hint)
+    tensors = load_tensors(folder / "train_state.safetensors", hint)
+    try:
+        return _restore(folder, meta, tensors, opt, sched, generators, model, rank)
+    except (KeyError, TypeError, ValueError) as e:
+        raise DraftsmithError(f"{folder / 'train_state.json'}: not a training state ({e!r}){hint}") from None
+
+
+def _restore(folder, meta, tensors, opt, sched, generators, model, rank) -> dict:
     state: dict[int, dict] = {}
     for key, v in tensors.items():
         if key.startswith("opt."):

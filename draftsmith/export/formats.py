@@ -40,9 +40,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.integrity import load_tensors, read_json, verify_file
 from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
@@ -57,7 +57,7 @@ __all__ = [
     "to_medusa",
     "to_mlp_speculator",
     "to_eagle1",
-    "side_outputs",
+    "export_meta",
     "usage_kind",
     "usage",
     "load_export",
@@ -313,16 +313,15 @@ def _vocab_meta(model) -> dict:
     return {} if d2t is None else {"head_vocab_ids": _kept_ids(d2t.cpu()).tolist()}
 
 
-def side_outputs(model, info: dict, fmt: str) -> tuple[dict, dict]:
-    """What an export writes besides the weights and config: keys for drafter.json, and {file name: writer(path)}
-    (none today: every format fits its weights file and config)."""
-    meta, files = {}, {}
+def export_meta(model, info: dict, fmt: str) -> dict:
+    """Keys an export adds to drafter.json: the kept target ids of a reduced head where the engine's layout drops
+    d2t / t2d (a draft LM's full-vocabulary head, EAGLE-1's engine layouts), for ``load_export``."""
     reduced = getattr(model, "d2t", None) is not None
-    if info["kind"] == "draft_lm" and fmt in ("hf", "vllm") and reduced:
-        meta = _vocab_meta(model)
-    if _is_eagle1(info) and fmt in ("vllm", "sglang"):
-        meta = _vocab_meta(model)
-    return meta, files
+    if (info["kind"] == "draft_lm" and fmt in ("hf", "vllm") and reduced) or (
+        _is_eagle1(info) and fmt in ("vllm", "sglang")
+    ):
+        return _vocab_meta(model)
+    return {}
 
 
 def _vocab_back(info: dict) -> dict:
@@ -552,9 +551,11 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     meta = folder / "drafter.json"
     if not meta.is_file():
         raise DraftsmithError(f"{folder}: not a draftsmith export (no drafter.json)")
-    info = json.loads(meta.read_text())
+    info = read_json(meta)
     fmt, cfg = info.get("export_format", "hf"), info["config"]
-    sd = load_file(str(folder / weights_file(fmt)))
+    for name, digest in (info.get("sha256") or {}).items():  # exports written before checksums have none
+        verify_file(folder / Path(name).name, digest)
+    sd = load_tensors(folder / weights_file(fmt))
     if fmt == "medusa":
         sd = _medusa_back(sd, cfg)
     elif fmt == "mlp-speculator":

@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.export import formats as sf
+from draftsmith.integrity import checksums
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
@@ -79,7 +80,8 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
     trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
     tgt = _verifier(recipe, target, trained_by)
-    named = {**info, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
+    own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
+    named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
     if fmt == "hf":
         tensors, config = sf.to_hf(model, named)
     else:
@@ -92,14 +94,13 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
             writer = sf.to_eagle1(fmt)
         tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
-    save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})
+    save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    meta, files = sf.side_outputs(model, info, fmt)
-    (tmp / "drafter.json").write_text(json.dumps({**named, **meta, "export_format": fmt}, indent=2))
-    for name, write in files.items():
-        write(tmp / name)
     if (ckpt / sf.ADAPTER_FILE).is_file():
         shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
+    sums = checksums(tmp)  # load_export and `eval.checkpoint=EXPORT` verify them, as for a checkpoint
+    meta = {**named, **sf.export_meta(model, info, fmt), "export_format": fmt, "sha256": sums}
+    (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))
     _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
     if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
         _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
