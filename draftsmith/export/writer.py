@@ -62,6 +62,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     if fmt not in FORMATS:
         raise DraftsmithError(f"export: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     ckpt, out = Path(ckpt), Path(out)
+    check_out_folder(out)
     model, info = load_drafter(ckpt)
     if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
         raise DraftsmithError(f"export: a {info['kind']} is not a drafter a serving engine runs; export its draft")
@@ -106,6 +107,16 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse, before anything is written, an output folder that is an existing file or lies under one."""
+    for p in (out, *out.parents):
+        if p.is_dir():
+            return
+        if p.exists() or p.is_symlink():
+            where = "is a file" if p == out else f"lies under {p}, which is a file"
+            raise DraftsmithError(f"export: output folder {out} (--out or export.out) {where}; name a folder")
 
 
 @dataclass(frozen=True)
