@@ -30,7 +30,7 @@ from draftsmith.models.judge import Judge
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids, to_hf_model, tokenizer_hash
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import load_drafter
-from draftsmith.runlog import RunLog
+from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
 
 
@@ -185,6 +185,7 @@ def optimize_models(setup: EvalSetup, ec) -> None:
 def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
+    save_recipe(recipe)
     tgt, drafter, info, ckpt, device, dtype = (
         setup.tgt,
         setup.drafter,

@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 from safetensors.torch import save_file
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, redact
 from draftsmith.export import formats as sf
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.registry import DRAFTERS, load_drafter
@@ -336,8 +336,8 @@ def push_to_hub(folder: Path, repo: str, dry_run: bool = False, private: bool = 
         api.create_repo(repo, exist_ok=True, private=private)
         api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="draftsmith export")
     except Exception as e:  # auth, network, permissions: one line, never the token
-        msg = re.sub(r"hf_[A-Za-z0-9]+", "hf_***", (str(e).splitlines() or [""])[0][:200])
-        raise DraftsmithError(f"push to hub {repo!r} failed: {type(e).__name__}: {msg}") from None
+        msg = redact(str(e)).splitlines() or [""]  # masked whole, then cut: a cut never splits a token
+        raise DraftsmithError(f"push to hub {repo!r} failed: {type(e).__name__}: {msg[0][:200]}") from None
     return files
 
 
