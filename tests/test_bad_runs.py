@@ -247,3 +247,22 @@ def test_safe_defaults():
         for f in (root / folder).rglob("*.py"):
             assert "trust_remote_code=True" not in f.read_text().replace(" ", ""), f
 
+
+def test_probe_classifies_each_ending():
+    import importlib.util
+    from subprocess import CompletedProcess
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "probe_bad_inputs.py"
+    spec = importlib.util.spec_from_file_location("probe_bad_inputs", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    def ending(code: int, err: str) -> str:
+        return probe.classify(CompletedProcess([], code, "", err))[0]
+
+    assert ending(2, "bar 50%\rdraftsmith: error: x.yaml: bad\n") == "clean"
+    assert ending(1, "Traceback (most recent call last):\n  ...\nValueError: x\n") == "traceback"
+    assert ending(0, "") == "silent"
+    assert ending(2, "usage: draftsmith\ndraftsmith: error: a\ndraftsmith: error: b\n") == "other"
+    assert ending(1, "draftsmith: error: x\n") == "other"
+    assert {"export: --out is a file", "online: rollback ../x"} <= set(probe.cases(Path("/nonexistent")))
