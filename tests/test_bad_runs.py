@@ -206,7 +206,7 @@ def test_push_error_never_shows_the_token(tmp_path, monkeypatch):
 
 def test_cli_errors_are_redacted(capsys, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "s3cret-Value_1")
-    assert main(["show", "recipes/hf_oauth_SeCrEt123/s3cret-Value_1.yaml"]) == 2
+    assert main(["show", "hf_oauth_SeCrEt123+s3cret-Value_1"]) == 2  # an unknown recipe name, echoed
     line = _error_line(capsys)
     assert "SeCrEt" not in line and "s3cret" not in line and "hf_***" in line, line
 
