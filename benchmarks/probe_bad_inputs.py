@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -237,8 +238,9 @@ def classify(res: subprocess.CompletedProcess) -> tuple[str, str]:
     err = res.stderr.replace("\r", "\n")
     errors = [ln[ln.index("draftsmith: error:") :] for ln in err.splitlines() if "draftsmith: error:" in ln]
     last = errors[-1] if errors else next((ln for ln in reversed(err.splitlines()) if ln.strip()), "")
-    if "Traceback" in err:
-        return "traceback", last
+    if "Traceback" in err:  # the exception line, not a progress bar's redraw after it
+        raised = [ln for ln in err.splitlines() if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", ln)]
+        return "traceback", raised[-1] if raised else last
     if res.returncode == 0:
         return "silent", "exit 0"
     if res.returncode == 2 and len(errors) == 1:
