@@ -44,7 +44,7 @@ from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.sampling import row_generator
-from draftsmith.runlog import RunLog
+from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import barrier, init_distributed, resolve_device, resolve_dtype
 
 log = logging.getLogger("draftsmith.data")
@@ -343,16 +343,17 @@ def generate(recipe) -> Path:
     device = resolve_device(recipe.target.device)
     if device == "cuda" and world > 1:
         device = f"cuda:{local_rank}"
+    prod = Producer(recipe, device)  # the target and the prompts load first: a bad input changes nothing on disk
+    pc = dc.prompts
+    prompts = prompts_from(pc, pc.n, text_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         for stale in out.glob("*.tmp*"):  # left by a killed run; never read
             stale.unlink()
         # Written again last: a kill while a dataset grows must not leave the smaller run's manifest looking complete.
         (out / "manifest.json").unlink(missing_ok=True)
+        save_recipe(recipe)
     barrier()
-    prod = Producer(recipe, device)
-    pc = dc.prompts
-    prompts = prompts_from(pc, pc.n, text_ok=True)
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
     starts = range(0, len(prompts), dc.shard_size)

@@ -42,7 +42,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
 from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
-from draftsmith.runlog import RunLog
+from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
 
 COUNTS = ("tasks", "swaps", "acceptable", "base_pass", "broke", "fixed")  # per shard and in the manifest
@@ -128,6 +128,7 @@ def mine(recipe) -> Path:
     if info.get("tokenizer_hash") not in (None, tok_hash):
         raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
     tasks = load_tasks(jc.tasks, jc.path, jc.n, jc.start)
+    save_recipe(recipe)
     eos = stop_ids(tgt.path, tgt.tokenizer)
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
     meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash}

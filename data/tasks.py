@@ -1,10 +1,11 @@
 """Tasks with checkable outcomes, for judge labels (data/judge.py) and task accuracy in eval.
 
 - ``humaneval``: the packaged HumanEval problems (or a file of the same form). The outcome is whether the
-  completion passes the problem's unit tests, run in a separate, isolated Python process (``python -I`` in an
-  empty temporary folder, a minimal environment, CPU-time, memory and file-size limits, a wall-clock timeout,
-  and its whole process group killed when the check ends).
-  Generated code is untrusted: it never runs inside this process.
+  completion passes the problem's unit tests, run in a separate Python process (``python -I`` in an empty
+  temporary folder, a minimal environment, CPU-time, memory and file-size limits, a wall-clock timeout, and its
+  whole process group killed when the check ends). Generated code is untrusted: it never runs inside this
+  process, but that process is not a sandbox: it runs as the user, can read and write their files and reach the
+  network. Only recipes that set ``data.judge_labels`` (tasks humaneval) or ``eval.judge.tasks: humaneval`` run it.
 - ``gsm8k``: a JSON-lines file of ``{"question", "answer"}`` records in GSM8K's form (the answer ends with
   ``#### <number>``). The outcome is the final number of the response.
 """

@@ -7,12 +7,14 @@ Every user error is one line on stderr and exit code 2; no tracebacks for bad in
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, disk_full, redact
 
 STAGES = {
     "run": "Run every stage the recipe enables, in order: generate -> train -> eval.",
@@ -136,39 +138,71 @@ def dispatch(command: str, recipe) -> None:
         print(dump_recipe(recipe), end="")
         print(f"# stages for `run`: {' -> '.join(recipe.stages()) or '(none enabled)'}; out_dir: {recipe.run_dir}")
         return
-    _save_resolved(recipe)
     if command in ("generate", "run") and (command == "generate" or recipe.data.enabled):
-        if recipe.data.judge_labels is not None:
-            from draftsmith.data.judge import mine
+        with _stage("generate", recipe):
+            if recipe.data.judge_labels is not None:
+                from draftsmith.data.judge import mine
 
-            mine(recipe)
-        else:
-            from draftsmith.data.generate import generate
+                mine(recipe)
+            else:
+                from draftsmith.data.generate import generate
 
-            generate(recipe)
+                generate(recipe)
     if command in ("train", "run") and (command == "train" or recipe.train.enabled):
         from draftsmith.train.loop import train
 
-        train(recipe)
+        with _stage("train", recipe):
+            train(recipe)
     if command in ("eval", "run") and (command == "eval" or recipe.eval.enabled):
         from draftsmith.eval.bench import evaluate
 
-        evaluate(recipe)
+        with _stage("eval", recipe):
+            evaluate(recipe)
     if command == "run" and recipe.export.enabled:
         from draftsmith.export.writer import run_export_stage
 
-        for out in run_export_stage(recipe):
-            print(f"export: {out}")
+        with _stage("export", recipe):
+            for out in run_export_stage(recipe):
+                print(f"export: {out}")
 
 
-def _save_resolved(recipe) -> None:
-    """Every run folder holds the exact recipe it ran with (after overrides)."""
-    from draftsmith.recipes.loader import dump_recipe
+@contextmanager
+def _stage(stage: str, recipe):
+    """A stage that runs out of disk space ends in one line: where, what it kept, and that a rerun resumes."""
+    try:
+        yield
+    except Exception as e:
+        if not disk_full(e):
+            raise
+        raise DraftsmithError(_out_of_space(stage, recipe, e)) from None
 
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    recipe.run_dir.mkdir(parents=True, exist_ok=True)
-    (recipe.run_dir / "recipe.yaml").write_text(dump_recipe(recipe))
+
+def _out_of_space(stage: str, recipe, e: BaseException) -> str:
+    """The message for a full disk, after removing this process's partial files (it frees space too; their names
+    already mark them incomplete: ``*.tmp<pid>`` shards, ``*.tmp`` checkpoint folders)."""
+    run = recipe.run_dir
+    folder = {"generate": run / "data", "train": run / "checkpoints", "eval": run / "eval"}.get(stage, run)
+    if getattr(e, "filename", None):
+        folder = Path(e.filename).parent
+    head = f"{stage}: out of disk space writing {folder}"
+    if stage == "generate":
+        for p in (run / "data").glob(f"*.tmp{os.getpid()}"):
+            p.unlink(missing_ok=True)
+        n = len(list((run / "data").glob("shard-*.safetensors")))
+        return f"{head}; kept {n} finished shard{'s' * (n != 1)}; free space and rerun the same command to resume"
+    if stage == "train":
+        import shutil
+
+        from draftsmith.train.state import latest_resumable
+
+        if int(os.environ.get("RANK", "0")) == 0:  # only the main process writes checkpoints
+            for p in (run / "checkpoints").glob("*.tmp"):
+                shutil.rmtree(p, ignore_errors=True)
+        last = latest_resumable(run / "checkpoints")
+        kept = f"kept the checkpoint of step {int(last.name.split('-')[1])}" if last else "no checkpoint was complete"
+        then = "resume from it" if last else "start over"
+        return f"{head}; {kept}; free space and rerun the same command to {then}"
+    return f"{head}; free space and rerun the same command (finished stages are kept)"
 
 
 def _export(args, recipe) -> None:
@@ -208,6 +242,8 @@ def _tree(args, run_dir: Path) -> None:
 
     try:
         run_cli(args, run_dir)
+    except json.JSONDecodeError as e:  # before ValueError, its base
+        raise DraftsmithError(f"{run_dir / 'metrics.jsonl'}: not JSON lines ({e.msg})") from None
     except (OSError, ValueError) as e:
         raise DraftsmithError(str(e)) from None
 
@@ -283,7 +319,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             dispatch(args.command, recipe)
     except DraftsmithError as e:
-        print(f"draftsmith: error: {e}", file=sys.stderr)
+        print(f"draftsmith: error: {redact(str(e))}", file=sys.stderr)
+        _leave_process_group(ok=False)
+        return 2
+    except Exception as e:  # a full disk in any command: one line, no traceback
+        if not disk_full(e):
+            raise
+        print(
+            f"draftsmith: error: {args.command}: out of disk space ({redact(str(e))}); free space and rerun",
+            file=sys.stderr,
+        )
         _leave_process_group(ok=False)
         return 2
     except KeyboardInterrupt:

@@ -5,10 +5,28 @@ mirrors enabled from the recipe. Never log tokens or text: only numbers.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
+
+
+def save_recipe(recipe, main: bool = True) -> None:
+    """The run folder's ``recipe.yaml``: the exact recipe (after overrides) of the last stage that started on it.
+    Stages call this once their inputs loaded, so a command that fails validation or at start leaves the previous
+    copy as it was. Only the main process writes it."""
+    from draftsmith.recipes.loader import dump_recipe
+
+    if main:
+        recipe.run_dir.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(recipe.run_dir / "recipe.yaml", dump_recipe(recipe))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 class RunLog:

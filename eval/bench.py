@@ -37,7 +37,7 @@ from draftsmith.models.loading import (
 )
 from draftsmith.models.medusa import merge_adapter
 from draftsmith.models.registry import check_fits_target, load_drafter
-from draftsmith.runlog import RunLog
+from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
 
 
@@ -191,6 +191,7 @@ def optimize_models(setup: EvalSetup, ec) -> None:
 def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
+    save_recipe(recipe)
     tgt, drafter, info, ckpt, device, dtype = (
         setup.tgt,
         setup.drafter,

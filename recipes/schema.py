@@ -145,7 +145,9 @@ class JudgeLabelsConfig(Strict):
     checkpoint: str
     """The draft LM checkpoint whose tokens are swapped in (the drafter the judge will serve with)."""
     tasks: Literal["humaneval", "gsm8k"] = "humaneval"
-    """humaneval: unit tests in an isolated subprocess; gsm8k: final answers (needs path)."""
+    """humaneval: runs the model's generated code (its unit tests) in a subprocess with CPU, memory and time limits
+    only; it can read and write your files and reach the network, so mine labels where untrusted code may run.
+    gsm8k: compares final answers (needs path), runs no code."""
     path: str | None = None
     """Task file; None = the packaged HumanEval."""
     n: int | None = Field(None, gt=0)
@@ -349,7 +351,8 @@ class JudgeVerifyConfig(Strict):
     """Acceptance threshold on the judge's probability."""
     tasks: Literal["humaneval", "gsm8k"] | None = None
     """Also score task accuracy of every output on these tasks (the eval prompts are then the tasks: eval.prompts.n
-    of them from tasks_start)."""
+    of them from tasks_start). humaneval runs the generated code in a subprocess with resource limits only (no
+    filesystem or network isolation); None (default) runs no code."""
     tasks_path: str | None = None
     """Task file (JSONL); needed for gsm8k, default for humaneval: the packaged HumanEval."""
     tasks_start: int = Field(0, ge=0)

@@ -28,6 +28,7 @@ MAINTAINED = [
     "online_proof",
     "kind_table",
     "export_prompts",
+    "probe_bad_inputs",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

@@ -25,7 +25,7 @@ from draftsmith.eval.quick import tau_from_alpha
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
-from draftsmith.runlog import RunLog
+from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device
 from draftsmith.train.objectives import Context, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
@@ -200,6 +200,7 @@ def train(recipe) -> Path:
     batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
     objective = objective_for(kind)
     ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
+    save_recipe(recipe, acc.is_main_process)
     runlog = RunLog(
         run,
         "train",

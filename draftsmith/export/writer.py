@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 from safetensors.torch import save_file
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, redact
 from draftsmith.export import formats as sf
 from draftsmith.integrity import checksums
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
@@ -65,6 +65,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     if fmt not in FORMATS:
         raise DraftsmithError(f"export: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     ckpt, out = Path(ckpt), Path(out)
+    check_out_folder(out)
     model, info = load_drafter(ckpt)
     if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
         raise DraftsmithError(f"export: a {info['kind']} is not a drafter a serving engine runs; export its draft")
@@ -119,6 +120,16 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse, before anything is written, an output folder that is an existing file or lies under one."""
+    for p in (out, *out.parents):
+        if p.is_dir():
+            return
+        if p.exists() or p.is_symlink():
+            where = "is a file" if p == out else f"lies under {p}, which is a file"
+            raise DraftsmithError(f"export: output folder {out} (--out or export.out) {where}; name a folder")
 
 
 @dataclass(frozen=True)
@@ -338,8 +349,8 @@ def push_to_hub(folder: Path, repo: str, dry_run: bool = False, private: bool = 
         api.create_repo(repo, exist_ok=True, private=private)
         api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="draftsmith export")
     except Exception as e:  # auth, network, permissions: one line, never the token
-        msg = re.sub(r"hf_[A-Za-z0-9]+", "hf_***", (str(e).splitlines() or [""])[0][:200])
-        raise DraftsmithError(f"push to hub {repo!r} failed: {type(e).__name__}: {msg}") from None
+        msg = redact(str(e)).splitlines() or [""]  # masked whole, then cut: a cut never splits a token
+        raise DraftsmithError(f"push to hub {repo!r} failed: {type(e).__name__}: {msg[0][:200]}") from None
     return files
 
 

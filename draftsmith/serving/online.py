@@ -18,6 +18,7 @@ import glob
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ from draftsmith.runlog import RunLog
 from draftsmith.serving.traffic import TrafficBuffer
 
 log = logging.getLogger("draftsmith.online")
+VERSION = re.compile(r"v\d{4,}")
 
 
 def online_dir(recipe) -> Path:
@@ -60,6 +62,12 @@ class Versions:
         os.replace(tmp, self.dir / name)
         return self.dir / name
 
+    def names(self) -> list[str]:
+        """The published versions: vNNNN folders of the store holding a drafter (a rollback names one of these)."""
+        return sorted(
+            p.name for p in self.dir.iterdir() if VERSION.fullmatch(p.name) and (p / "drafter.json").is_file()
+        )
+
     def state(self) -> dict:
         return json.loads(self.file.read_text())
 
@@ -84,8 +92,10 @@ class Versions:
             to = hist[-2]
             hist = hist[:-1]
         else:
-            if not (self.dir / to).is_dir():
-                raise DraftsmithError(f"online: no version {to!r} in {self.dir}")
+            names = self.names()
+            if to not in names:
+                known = ", ".join(names) if len(names) <= 5 else f"{names[0]} .. {names[-1]}"
+                raise DraftsmithError(f"online: no version {to!r} in {self.dir} (known: {known})")
             hist = [*hist, to]
         write_json_atomic(self.file, {"version": to, "history": hist})
         return to

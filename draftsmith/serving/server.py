@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.eval.decoder import speculative_generate
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
@@ -263,7 +263,7 @@ def _handler(engine: Engine):
         protocol_version = "HTTP/1.1"
 
         def log_message(self, fmt, *args):  # requests are logged at debug level only: prompts stay out of logs
-            log.debug("%s " + fmt, self.address_string(), *args)
+            log.debug("%s %s", self.address_string(), redact(fmt % args))  # the request line; never headers
 
         def _send(self, code: int, body, ctype: str = "application/json") -> None:
             data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
@@ -274,7 +274,7 @@ def _handler(engine: Engine):
             self.wfile.write(data)
 
         def _error(self, code: int, msg: str, kind: str = "invalid_request_error") -> None:
-            self._send(code, {"error": {"message": msg, "type": kind, "code": code}})
+            self._send(code, {"error": {"message": redact(msg), "type": kind, "code": code}})
 
         def do_GET(self):  # noqa: N802 (http.server's naming)
             if self.path == "/health":

@@ -1,0 +1,297 @@
+"""Bad inputs through the real CLI: every case runs `python -m draftsmith ...` in a subprocess on a tiny random
+Llama target built in a temporary folder (offline, CPU, about a minute on 2 cores), after one good `run` made the
+run folder the cases damage copies of: missing and corrupt recipes, bad overrides, bad and corrupt targets, an
+unavailable target device, bad prompt files, corrupt records and checkpoints, `export --out` onto a file, hub
+repo ids, online rollbacks outside the version store.
+
+Reading the output: one line per case, then the totals. `clean` is what every bad input should give: exit code 2,
+exactly one `draftsmith: error: ...` line on stderr and no traceback. `traceback` means a Python traceback reached
+the user; `silent` means the command exited 0 (the bad input was accepted); `other` is any other ending (its exit
+code and the last stderr line are shown). The exit status is 1 when any case is not clean.
+
+    python benchmarks/probe_bad_inputs.py [--jobs 2] [--only NAME ...] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+RECIPE = """\
+name: probe
+target: {{model: {model}, dtype: float32}}
+data:
+  prompts: {{source: file, path: {prompts}}}
+  max_prompt_tokens: 64
+  max_new_tokens: 8
+  batch_size: 4
+  signals: {{topk: 8}}
+  shard_size: 4
+drafter: {{kind: draft_lm, n_layers: 1, init_layers: [0]}}
+train: {{steps: 4, micro_batch_size: 2, max_seq_len: 128, save_every: 2}}
+eval: {{prompts: {{source: file, path: {prompts}, n: 2}}, max_new_tokens: 8, draft_len: 3, warmup: 0}}
+export: {{enabled: true, formats: [hf]}}
+out_dir: {run}
+"""
+BINARY = b"\x00\xff\xfe\x80" * 64
+PROMPTS = [
+    {"messages": [{"role": "user", "content": "Tell me about foxes."}]},
+    {"messages": [{"role": "user", "content": "Write a poem about the sea."}]},
+    {"messages": [{"role": "user", "content": "What is 2+2?"}]},
+    {"messages": [{"role": "user", "content": "Explain speculative decoding."}]},
+]
+
+
+def build_target(path: Path) -> None:
+    """A tiny random Llama (2 layers, hidden 64) with a byte-level BPE tokenizer and a ChatML template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([json.dumps(p) for p in PROMPTS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        bos_token_id=fast.bos_token_id,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    fast.save_pretrained(path)
+
+
+def cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "draftsmith", *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def truncate(path: Path, keep: int = 100) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def cases(root: Path) -> dict:
+    """name -> (prepare(case folder) -> argv). Every case works on its own copy of what it damages."""
+    run, model = root / "run", root / "target"
+    recipe = root / "recipe.yaml"
+    final = run / "checkpoints" / "final"
+
+    def copy(src: Path, dst: Path) -> Path:
+        shutil.copytree(src, dst) if src.is_dir() else shutil.copy(src, dst)
+        return dst
+
+    def run_copy(d: Path, *names: str) -> Path:
+        (d / "run").mkdir()
+        for n in names:
+            copy(run / n, d / "run" / n)
+        return d / "run"
+
+    def text(d: Path, name: str, body: str | bytes) -> Path:
+        p = d / name
+        p.write_bytes(body) if isinstance(body, bytes) else p.write_text(body)
+        return p
+
+    def corrupt_target(d: Path, how: str) -> Path:
+        t = copy(model, d / "target")
+        if how == "config":
+            text(t, "config.json", "{not json")
+        elif how == "weights":
+            truncate(t / "model.safetensors")
+        else:
+            (t / "model.safetensors").unlink()
+        return t
+
+    def corrupt_shard(d: Path) -> list:
+        r = run_copy(d, "data")
+        truncate(r / "data" / "shard-00000.safetensors")
+        return ["train", recipe, f"out_dir={r}"]
+
+    def corrupt_step(d: Path) -> list:
+        r = run_copy(d, "data", "checkpoints")
+        shutil.rmtree(r / "checkpoints" / "final")
+        step = sorted((r / "checkpoints").glob("step-*"))[-1]
+        truncate(step / "model.safetensors")
+        return ["train", recipe, f"out_dir={r}", "train.steps=6"]
+
+    def ckpt_copy(d: Path, damage) -> Path:
+        c = copy(final, d / "final")
+        damage(c)
+        return c
+
+    return {
+        "recipe: missing file": lambda d: ["show", d / "missing.yaml"],
+        "recipe: YAML syntax error": lambda d: ["show", text(d, "r.yaml", "name: x\ndata: {prompts: [\n")],
+        "recipe: a list, not a mapping": lambda d: ["show", text(d, "r.yaml", "- 1\n- 2\n")],
+        "recipe: binary file": lambda d: ["show", text(d, "r.yaml", BINARY)],
+        "override: unknown key": lambda d: ["show", recipe, "train.bogus=1"],
+        "override: out of range": lambda d: ["show", recipe, "train.steps=-2"],
+        "override: wrong type": lambda d: ["show", recipe, "train.steps=[1,2]"],
+        "override: unparsable YAML value": lambda d: ["show", recipe, "train.steps={"],
+        "override: into a scalar": lambda d: ["show", recipe, "train.steps.x=1"],
+        "override: empty key": lambda d: ["show", recipe, "=3"],
+        "target: unknown name": lambda d: ["generate", recipe, "target.model=no-such-model", f"out_dir={d}/r"],
+        "target: missing folder": lambda d: ["generate", recipe, f"target.model={d}/nothing/", f"out_dir={d}/r"],
+        "target: corrupt config.json": lambda d: [
+            "generate",
+            recipe,
+            f"target.model={corrupt_target(d, 'config')}",
+            f"out_dir={d}/r",
+        ],
+        "target: truncated weights": lambda d: [
+            "generate",
+            recipe,
+            f"target.model={corrupt_target(d, 'weights')}",
+            f"out_dir={d}/r",
+        ],
+        "target: no weights file": lambda d: [
+            "generate",
+            recipe,
+            f"target.model={corrupt_target(d, 'none')}",
+            f"out_dir={d}/r",
+        ],
+        "target: unavailable device": lambda d: ["generate", recipe, "target.device=cuda:7", f"out_dir={d}/r"],
+        "prompts: missing file": lambda d: ["generate", recipe, f"data.prompts.path={d}/no.jsonl", f"out_dir={d}/r"],
+        "prompts: bad JSON line": lambda d: [
+            "generate",
+            recipe,
+            f"data.prompts.path={text(d, 'p.jsonl', json.dumps(PROMPTS[0]) + chr(10) + '{oops' + chr(10))}",
+            f"out_dir={d}/r",
+        ],
+        "prompts: only empty prompts": lambda d: [
+            "generate",
+            recipe,
+            f"data.prompts.path={text(d, 'p.jsonl', json.dumps({'messages': [{'role': 'user', 'content': ' '}]}))}",
+            f"out_dir={d}/r",
+        ],
+        "prompts: binary file": lambda d: [
+            "generate",
+            recipe,
+            f"data.prompts.path={text(d, 'p.jsonl', BINARY)}",
+            f"out_dir={d}/r",
+        ],
+        "prompts: a folder": lambda d: ["generate", recipe, f"data.prompts.path={d}", f"out_dir={d}/r"],
+        "train: no records": lambda d: ["train", recipe, f"out_dir={d}/r"],
+        "train: truncated shard": corrupt_shard,
+        "train: truncated resume checkpoint": corrupt_step,
+        "eval: missing checkpoint": lambda d: ["eval", recipe, f"eval.checkpoint={d}/none", f"out_dir={d}/r"],
+        "export: truncated checkpoint weights": lambda d: [
+            "export",
+            ckpt_copy(d, lambda c: truncate(c / "model.safetensors")),
+            "--out",
+            d / "out",
+        ],
+        "export: corrupt drafter.json": lambda d: [
+            "export",
+            ckpt_copy(d, lambda c: text(c, "drafter.json", "{")),
+            "--out",
+            d / "out",
+        ],
+        "export: --out is a file": lambda d: ["export", final, "--format", "hf", "--out", text(d, "f.bin", "x")],
+        "export: --out under a file": lambda d: ["export", final, "--out", text(d, "f.bin", "x") / "hf"],
+        "export: bad hub repo id": lambda d: ["export", final, "--out", d / "o", "--push-to-hub", "a/b/c", "--dry-run"],
+        "online: rollback ../x": lambda d: ["online", recipe, f"online.dir={d}", "--rollback", "../x"],
+        "online: rollback to an absolute path": lambda d: ["online", recipe, f"online.dir={d}", "--rollback", final],
+        "online: rollback to an unknown version": lambda d: [
+            "online",
+            recipe,
+            f"online.dir={d}",
+            "--rollback",
+            "v0042",
+        ],
+        "tree: not a run folder": lambda d: ["tree", text(d, "metrics.jsonl", "{bad\n").parent],
+    }
+
+
+def classify(res: subprocess.CompletedProcess) -> tuple[str, str]:
+    err = res.stderr.replace("\r", "\n")
+    errors = [ln[ln.index("draftsmith: error:") :] for ln in err.splitlines() if "draftsmith: error:" in ln]
+    last = errors[-1] if errors else next((ln for ln in reversed(err.splitlines()) if ln.strip()), "")
+    if "Traceback" in err:  # the exception line, not a progress bar's redraw after it
+        raised = [ln for ln in err.splitlines() if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", ln)]
+        return "traceback", raised[-1] if raised else last
+    if res.returncode == 0:
+        return "silent", "exit 0"
+    if res.returncode == 2 and len(errors) == 1:
+        return "clean", errors[0]
+    return "other", f"exit {res.returncode}: {last}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--jobs", type=int, default=2, help="cases run at once (one thread each)")
+    ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains one of these")
+    ap.add_argument("--keep", default=None, help="work in this folder and keep it (default: a temporary folder)")
+    a = ap.parse_args()
+    t0 = time.perf_counter()
+    root = Path(a.keep or tempfile.mkdtemp(prefix="probe-bad-inputs-")).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        build_target(root / "target")
+        (root / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+        fields = {"model": root / "target", "prompts": root / "prompts.jsonl"}
+        (root / "recipe.yaml").write_text(RECIPE.format(**fields, run=root / "run"))
+        good = cli("run", root / "recipe.yaml", "-q", cwd=root)
+        if good.returncode != 0:
+            raise SystemExit(f"the good run failed (exit {good.returncode}):\n{good.stderr[-3000:]}")
+        todo = {k: v for k, v in cases(root).items() if not a.only or any(s in k for s in a.only)}
+
+        def one(item):
+            i, (name, prepare) = item
+            d = root / "cases" / f"{i:02d}"
+            d.mkdir(parents=True)
+            return name, classify(cli(*prepare(d), "-q", cwd=d))
+
+        with ThreadPoolExecutor(a.jobs) as pool:
+            results = list(pool.map(one, enumerate(todo.items())))
+    finally:
+        if not a.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    width = max(len(n) for n, _ in results)
+    for name, (kind, line) in results:
+        print(f"{kind:9s} {name:{width}s}  {line[:160]}")
+    counts = {k: sum(r[1][0] == k for r in results) for k in ("clean", "traceback", "silent", "other")}
+    print(
+        f"tried {len(results)}: clean {counts['clean']}, tracebacks {counts['traceback']}, "
+        f"silent {counts['silent']}, other {counts['other']} ({time.perf_counter() - t0:.0f}s)"
+    )
+    for kind in ("traceback", "silent", "other"):
+        names = [n for n, (k, _) in results if k == kind]
+        if names:
+            print(f"{kind}: {'; '.join(names)}")
+    raise SystemExit(1 if counts["clean"] < len(results) else 0)
+
+
+if __name__ == "__main__":
+    main()
