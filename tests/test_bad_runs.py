@@ -46,12 +46,12 @@ def _fills_the_disk(module, after: int, exc=None):
 def test_generate_on_a_full_disk_keeps_finished_shards_and_resumes(
     exc, tmp_path, tiny_model_dir, prompts_file, data_dir, monkeypatch, capsys
 ):
-    from draftsmith.data import records
+    from draftsmith import integrity
 
     out = tmp_path / "run"
     args = ["generate", "tiny", f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}"]
     args += [f"out_dir={out}", "data.n_samples=2", "data.temperature=1.0", "-q"]  # data_dir's recipe: 2 shards
-    monkeypatch.setattr(records, "save_file", _fills_the_disk(records, after=1, exc=exc))
+    monkeypatch.setattr(integrity, "save_file", _fills_the_disk(integrity, after=1, exc=exc))  # every safetensors write
     assert main(args) == 2
     line = _error_line(capsys)
     assert "out of disk space" in line and str(out / "data") in line, line
@@ -87,12 +87,13 @@ def trained(tmp_path_factory, data_dir, tiny_model_dir, prompts_file):
 
 
 def test_train_on_a_full_disk_keeps_the_last_checkpoint_and_resumes(trained, tmp_path, monkeypatch, capsys):
-    from draftsmith.models import registry
+    from draftsmith import integrity
 
     full, args = trained
     out = tmp_path / "run"
     shutil.copytree(full / "data", out / "data")
-    monkeypatch.setattr(registry, "save_file", _fills_the_disk(registry, after=1))  # step 2 saved, step 4 not
+    # step 2's weights and training state saved, step 4's not
+    monkeypatch.setattr(integrity, "save_file", _fills_the_disk(integrity, after=2))
     assert main(args(out)) == 2
     line = _error_line(capsys)
     assert "out of disk space" in line and str(out / "checkpoints") in line, line
