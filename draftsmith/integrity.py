@@ -9,9 +9,10 @@
   order that changes with every process), so two clean runs give byte-identical files.
 
 sha256 (hashlib; hardware-accelerated on current x86 and ARM) hashed 1.3-2.0 GB/s on one core of the shared
-2-core test VM (benchmarks/checksum_cost.py): 0.28-0.41 s for a 540 MB float32 file (135M parameters). That file
-loads in 0.03 s from the page cache and 0.35 s from disk; the check reads it into the page cache first, so a load
-from disk costs about the same with the check (0.30 s + 0.03 s) as without, and a warm load about 0.3 s more.
+2-core test VM (benchmarks/experiments/checksum_cost.py): 0.28-0.41 s for a 540 MB float32 file (135M
+parameters). That file loads in 0.03 s from the page cache and 0.35 s from disk; the check reads it into the page
+cache first, so a load from disk costs about the same with the check (0.30 s + 0.03 s) as without, and a warm load
+about 0.3 s more.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ along its greedy answers to other (MT-bench) prompts. For each position it count
 kept id when the dropped rows are zero (logit 0) and when they are the mean of the kept rows (the export's choice),
 and how often the full head itself prefers a dropped id (what the reduction gives up).
 
-    python benchmarks/dropped_vocab.py [--keep 8192 --count-prompts 24 --eval-prompts 24 --new-tokens 64]
+    python benchmarks/experiments/dropped_vocab.py [--keep 8192 --count-prompts 24 --eval-prompts 24 --new-tokens 64]
 """
 
 from __future__ import annotations

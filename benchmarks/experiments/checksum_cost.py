@@ -7,7 +7,7 @@ cache (cold, ``posix_fadvise``): loading it into preallocated tensors
 every load runs), and, for comparison, streamed blake2b and zlib.crc32. Prints each time and its ratio to the
 load, then the machine and the load average around the run (other processes share the CPU).
 
-    python benchmarks/checksum_cost.py [--params 135e6 --repeats 3]
+    python benchmarks/experiments/checksum_cost.py [--params 135e6 --repeats 3]
 """
 
 from __future__ import annotations
