@@ -1,8 +1,9 @@
 """Bad inputs through the real CLI: every case runs `python -m draftsmith ...` in a subprocess on a tiny random
 Llama target built in a temporary folder (offline, CPU, about a minute on 2 cores), after one good `run` made the
 run folder the cases damage copies of: missing and corrupt recipes, bad overrides, bad and corrupt targets, an
-unavailable target device, bad prompt files, corrupt records and checkpoints, `export --out` onto a file, hub
-repo ids, online rollbacks outside the version store.
+unavailable target device, a target that only a pickle or remote code would load, bad prompt files, corrupt or
+bit-flipped records and checkpoints, `export --out` onto a file, hub repo ids, online rollbacks outside the version
+store.
 
 Reading the output: one line per case, then the totals. `clean` is what every bad input should give: exit code 2,
 exactly one `draftsmith: error: ...` line on stderr and no traceback. `traceback` means a Python traceback reached
@@ -19,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -102,6 +104,21 @@ def truncate(path: Path, keep: int = 100) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
+def flip(path: Path, n: int = 64) -> None:
+    """Invert ``n`` bytes in the middle of a safetensors file's tensor data (its header stays valid)."""
+    b = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", bytes(b[:8]))[0]
+    mid = start + (len(b) - start - n) // 2
+    b[mid : mid + n] = bytes(x ^ 0xFF for x in b[mid : mid + n])
+    path.write_bytes(bytes(b))
+
+
+def edit_json(path: Path, change) -> None:
+    doc = json.loads(path.read_text())
+    change(doc)
+    path.write_text(json.dumps(doc))
+
+
 def cases(root: Path) -> dict:
     """name -> (prepare(case folder) -> argv). Every case works on its own copy of what it damages."""
     run, model = root / "run", root / "target"
@@ -125,12 +142,27 @@ def cases(root: Path) -> dict:
 
     def corrupt_target(d: Path, how: str) -> Path:
         t = copy(model, d / "target")
+        w = t / "model.safetensors"
         if how == "config":
             text(t, "config.json", "{not json")
         elif how == "weights":
-            truncate(t / "model.safetensors")
+            truncate(w)
+        elif how == "header":
+            w.write_bytes(struct.pack("<Q", 19) + b"{not a header json}" + w.read_bytes()[8:])
+        elif how == "tokenizer":
+            text(t, "tokenizer.json", "{")
+        elif how == "vocab":
+            edit_json(t / "config.json", lambda c: c.update(vocab_size=c["vocab_size"] + 16))
+        elif how == "remote-code":
+            edit_json(t / "tokenizer_config.json", lambda c: c.update(auto_map={"AutoTokenizer": ["tok.Tok", None]}))
+        elif how == "pickle":
+            import torch
+            from safetensors.torch import load_file
+
+            torch.save(load_file(str(w)), t / "pytorch_model.bin")  # a benign weights-only pickle
+            w.unlink()
         else:
-            (t / "model.safetensors").unlink()
+            w.unlink()
         return t
 
     def corrupt_shard(d: Path) -> list:
@@ -149,6 +181,21 @@ def cases(root: Path) -> dict:
         c = copy(final, d / "final")
         damage(c)
         return c
+
+    def random_ckpt(c: Path) -> None:
+        for f in c.iterdir():
+            f.write_bytes(os.urandom(f.stat().st_size or 64))
+
+    def data_run(d: Path, damage) -> list:
+        r = run_copy(d, "data")
+        damage(r / "data")
+        return ["train", recipe, f"out_dir={r}"]
+
+    def drop_dim(doc: dict) -> None:
+        doc["config"].pop("dim")
+
+    def bad_target(how: str):
+        return lambda d: ["generate", recipe, f"target.model={corrupt_target(d, how)}", f"out_dir={d}/r"]
 
     return {
         "recipe: missing file": lambda d: ["show", d / "missing.yaml"],
@@ -182,6 +229,19 @@ def cases(root: Path) -> dict:
             f"out_dir={d}/r",
         ],
         "target: unavailable device": lambda d: ["generate", recipe, "target.device=cuda:7", f"out_dir={d}/r"],
+        "target: device banana": lambda d: ["generate", recipe, "target.device=banana", f"out_dir={d}/r"],
+        "target: corrupt safetensors header": bad_target("header"),
+        "target: invalid tokenizer.json": bad_target("tokenizer"),
+        "target: vocab_size disagrees with the weights": bad_target("vocab"),
+        "target: tokenizer needs remote code": bad_target("remote-code"),
+        "target: only a pickled pytorch_model.bin": bad_target("pickle"),
+        "target: pickle only, eval's HF baseline": lambda d: [
+            "eval",
+            recipe,
+            f"target.model={corrupt_target(d, 'pickle')}",
+            f"eval.checkpoint={final}",
+            f"out_dir={d}/r",
+        ],
         "prompts: missing file": lambda d: ["generate", recipe, f"data.prompts.path={d}/no.jsonl", f"out_dir={d}/r"],
         "prompts: bad JSON line": lambda d: [
             "generate",
@@ -202,13 +262,52 @@ def cases(root: Path) -> dict:
             f"out_dir={d}/r",
         ],
         "prompts: a folder": lambda d: ["generate", recipe, f"data.prompts.path={d}", f"out_dir={d}/r"],
+        "prompts: a line nested 200,000 deep": lambda d: [
+            "generate",
+            recipe,
+            f"data.prompts.path={text(d, 'p.jsonl', '[' * 200_000 + chr(10))}",
+            f"out_dir={d}/r",
+        ],
+        "train: corrupt manifest.json": lambda d: data_run(d, lambda p: text(p, "manifest.json", "{")),
+        "train: 64 flipped bytes in a shard": lambda d: data_run(d, lambda p: flip(p / "shard-00000.safetensors")),
+        "train: init_checkpoint is garbage": lambda d: [
+            "train",
+            recipe,
+            f"out_dir={run_copy(d, 'data')}",
+            f"train.init_checkpoint={ckpt_copy(d, random_ckpt)}",
+        ],
         "train: no records": lambda d: ["train", recipe, f"out_dir={d}/r"],
         "train: truncated shard": corrupt_shard,
         "train: truncated resume checkpoint": corrupt_step,
         "eval: missing checkpoint": lambda d: ["eval", recipe, f"eval.checkpoint={d}/none", f"out_dir={d}/r"],
+        "eval: 64 flipped bytes in the weights": lambda d: [
+            "eval",
+            recipe,
+            f"eval.checkpoint={ckpt_copy(d, lambda c: flip(c / 'model.safetensors'))}",
+            f"out_dir={d}/r",
+        ],
+        "eval: drafter.json config missing a field": lambda d: [
+            "eval",
+            recipe,
+            f"eval.checkpoint={ckpt_copy(d, lambda c: edit_json(c / 'drafter.json', drop_dim))}",
+            f"out_dir={d}/r",
+        ],
         "export: truncated checkpoint weights": lambda d: [
             "export",
             ckpt_copy(d, lambda c: truncate(c / "model.safetensors")),
+            "--out",
+            d / "out",
+        ],
+        "export: checkpoint of random bytes": lambda d: ["export", ckpt_copy(d, random_ckpt), "--out", d / "out"],
+        "export: no model.safetensors": lambda d: [
+            "export",
+            ckpt_copy(d, lambda c: (c / "model.safetensors").unlink()),
+            "--out",
+            d / "out",
+        ],
+        "export: 64 flipped bytes in the weights": lambda d: [
+            "export",
+            ckpt_copy(d, lambda c: flip(c / "model.safetensors")),
             "--out",
             d / "out",
         ],
