@@ -29,6 +29,7 @@ MAINTAINED = [
     "kind_table",
     "export_prompts",
     "probe_bad_inputs",
+    "probe_kills",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
