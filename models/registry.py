@@ -117,9 +117,12 @@ def save_drafter(
         extra(tmp)
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta, "sha256": checksums(tmp)}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
+    old = path.with_name(path.name + ".deleting")  # never a moment with a half-deleted folder under ``path``
+    shutil.rmtree(old, ignore_errors=True)
     if path.exists():
-        shutil.rmtree(path)
+        os.replace(path, old)
     os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 

@@ -168,6 +168,63 @@ def test_kill_and_resume_equals_uninterrupted(train_run, monkeypatch):
     assert sorted(p.name for p in (resumed / "checkpoints").iterdir()) == ["final", "step-000004"]
 
 
+def test_a_kill_anywhere_resumes_to_the_uninterrupted_run(train_run, monkeypatch):
+    """Kills that the step-boundary test above does not reach: before the first checkpoint (the killed run's
+    metric rows must not stay), mid-prune (no half-deleted step folder under a checkpoint's name, and keep_last
+    holds after the rerun), and the training state a resumed run writes later (its RNG included) equal to the
+    uninterrupted run's, file for file."""
+    from safetensors.torch import load_file
+
+    from draftsmith.models.registry import load_drafter
+    from draftsmith.train import loop, state
+
+    common = ["train.steps=10", "train.save_every=2", "train.keep_last=2", "train.loss.kind=tvdpp", "train.lr=3e-3"]
+    full = train_run("full", *common)
+    real_step, real_rmtree = loop._optimizer_step, state.shutil.rmtree
+
+    def dies_in(n):
+        calls = {"n": 0}
+
+        def step(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt
+            return real_step(*a, **kw)
+
+        return step
+
+    monkeypatch.setattr(loop, "_optimizer_step", dies_in(2))  # before the first checkpoint (step 2)
+    train_run("early", *common, expect=130)
+    monkeypatch.setattr(loop, "_optimizer_step", real_step)
+    early = train_run("early", *common)
+    assert [r["step"] for r in _rows(early)] == list(range(1, 11))  # the killed run's step-1 row is gone
+
+    def dies_mid_delete(path, *a, **kw):  # the first folder prune deletes loses a file, then the kill comes
+        files = sorted(p for p in Path(path).rglob("*") if p.is_file())
+        if not (Path(path).name.startswith("step-") and files):
+            return real_rmtree(path, *a, **kw)
+        files[0].unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(state.shutil, "rmtree", dies_mid_delete)
+    monkeypatch.setattr(loop, "_optimizer_step", dies_in(7))
+    mid = full.parent / "mid"
+    train_run("mid", *common, expect=130)  # killed inside the prune after step 6's checkpoint
+    for p in (mid / "checkpoints").iterdir():
+        if state.STEP_DIR.match(p.name):
+            load_drafter(p)  # every folder under a checkpoint's name is whole
+    monkeypatch.setattr(state.shutil, "rmtree", real_rmtree)
+    monkeypatch.setattr(loop, "_optimizer_step", real_step)
+    mid = train_run("mid", *common)  # resumes at step 6
+    assert sorted(p.name for p in (mid / "checkpoints").iterdir()) == ["final", "step-000006", "step-000008"]
+    assert [r["step"] for r in _rows(mid)] == list(range(1, 11))
+    for step in ("step-000006", "step-000008"):  # step 8 written after the resume: the same state, RNG's included
+        a = load_file(str(full / "checkpoints" / step / "train_state.safetensors"))
+        b = load_file(str(mid / "checkpoints" / step / "train_state.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), step
+    _close(_weights(full / "checkpoints" / "final"), _weights(mid / "checkpoints" / "final"), tol=0)
+
+
 def test_grad_accumulation_equals_one_big_batch(train_run):
     big = train_run("big", "train.micro_batch_size=4", "train.grad_accum=1", "train.steps=3")
     acc = train_run("acc", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=3")

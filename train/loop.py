@@ -197,7 +197,9 @@ def train(recipe) -> Path:
     sampler = GlobalBatches(
         len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
     )
-    batches = iter(torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate))
+    # its own generator: the loader's seed draw must not move the global RNG a resumed run has just restored
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
+    batches = iter(loader)
     objective = objective_for(kind)
     ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
     save_recipe(recipe, acc.is_main_process)
@@ -210,8 +212,9 @@ def train(recipe) -> Path:
         enabled=acc.is_main_process,
     )
     step = counters["step"]
-    if resume_from is not None:
-        runlog.drop_after(step)
+    runlog.drop_after(step)  # a killed run's rows past the step resumed from (all of them when starting afresh)
+    if acc.is_main_process:
+        prune(ckpt_dir, tc.keep_last)  # what a prune killed mid-way left
     if acc.is_main_process:
         print(
             f"train: {kind} drafter, {n_params / 1e6:.1f}M params "

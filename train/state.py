@@ -11,6 +11,7 @@ the sha256 of train_state.safetensors too, checked before a resume reads anythin
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -215,7 +216,21 @@ def latest_resumable(ckpt_dir: Path) -> Path | None:
 
 
 def prune(ckpt_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` step-N folders (the final checkpoint is not a step folder)."""
+    """Delete all but the newest ``keep_last`` step-N folders (the final checkpoint is not a step folder). Each is
+    renamed out of the step-N names before it is deleted, so a kill mid-delete never leaves a half-deleted folder
+    under a checkpoint's name; what a killed prune left (``*.deleting``) goes on the next call."""
+    if not ckpt_dir.is_dir():
+        return
+    for p in ckpt_dir.glob("*.deleting"):
+        shutil.rmtree(p, ignore_errors=True)
     steps = sorted((int(m.group(1)), p) for p in ckpt_dir.iterdir() if (m := STEP_DIR.match(p.name)))
     for _, p in steps[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+        remove_dir(p)
+
+
+def remove_dir(path: Path) -> None:
+    """Delete a folder so that a kill at any moment leaves it whole or gone from its name (renamed, then deleted)."""
+    gone = path.with_name(path.name + ".deleting")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
