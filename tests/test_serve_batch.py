@@ -190,24 +190,26 @@ def test_16_concurrent_clients_each_get_their_prompts_greedy_answer(server, tiny
     assert "draftsmith_requests_total 16.0" in engine.metrics_text()
 
 
-def _slow_steps(monkeypatch, seconds: float, live_seen: list | None = None):
-    """Every decoder the server makes sleeps before each step (so requests overlap); records live versions."""
+def _slow_steps(monkeypatch, seconds: float) -> dict:
+    """Every decoder the server makes sleeps before each step (so requests overlap); the returned dict's "s" sets
+    the sleep from then on."""
     import draftsmith.serving.server as srv
 
-    make = srv.make_decoder
+    make, delay = srv.make_decoder, {"s": seconds}
 
     def slow(*a, **k):
         dec = make(*a, **k)
         step = dec.step
 
         def slow_step():
-            time.sleep(seconds)
+            time.sleep(delay["s"])
             return step()
 
         dec.step = slow_step
         return dec
 
     monkeypatch.setattr(srv, "make_decoder", slow)
+    return delay
 
 
 def test_a_request_keeps_the_drafter_it_started_on_across_a_hot_swap(server, tiny, monkeypatch):
@@ -438,3 +440,37 @@ def test_an_api_key_guards_v1_and_never_shows(tiny, tmp_path, monkeypatch, caplo
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_client_that_leaves_a_plain_request_frees_its_row(server, tiny, monkeypatch):
+    port, engine = server
+    delay = _slow_steps(monkeypatch, 0.4)
+    body = json.dumps({"messages": [{"role": "user", "content": TEXTS[0]}], "max_tokens": 16})
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(head.encode() + body.encode())
+        deadline = time.time() + 10
+        while not engine.running and time.time() < deadline:
+            time.sleep(0.02)
+        assert engine.running == 1
+    deadline = time.time() + 10
+    while engine.running and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.running == 0
+    (rec,) = engine.buffer.read()
+    assert len(rec["response"]) < len(tiny["ref_ids"][TEXTS[0]])  # stopped early, not decoded to the end
+    delay["s"] = 0.6  # a client that stays, on a decode slower than the disconnect check, is answered
+    code, _, body = _chat(port, TEXTS[1], max_tokens=16)
+    assert code == 200 and json.loads(body)["choices"][0]["message"]["content"] == tiny["ref"][TEXTS[1]]
+
+
+def test_prompts_and_answers_never_reach_the_logs(server, tiny, caplog):
+    import logging
+
+    port, _ = server
+    caplog.set_level(logging.DEBUG)
+    marker = "zebra-unicorn-marker"
+    code, _, body = _request(port, "POST", "/v1/completions", {"prompt": marker, "max_tokens": 8})
+    answer = json.loads(body)["choices"][0]["text"]
+    assert _request(port, "POST", "/v1/completions", {"prompt": marker, "max_tokens": "x"})[0] == 400
+    assert code == 200 and marker not in caplog.text and (not answer.strip() or answer not in caplog.text)

@@ -535,14 +535,18 @@ def build_app(engine: Engine) -> FastAPI:
             return StreamingResponse(
                 _events(job, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        tokens, info = [], None
+        tokens, info, check = [], None, time.monotonic() + 0.5
         try:
             while info is None:
                 try:
-                    kind, val = await asyncio.wait_for(job.events.get(), 1.0)
+                    kind, val = await asyncio.wait_for(job.events.get(), 0.5)
                 except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() > check:  # twice a second: has the client left?
+                    check = time.monotonic() + 0.5
                     if await request.is_disconnected():
                         return Response(status_code=499)
+                if kind is None:
                     continue
                 if kind == "tokens":
                     tokens += val
