@@ -216,7 +216,7 @@ def test_a_request_keeps_the_drafter_it_started_on_across_a_hot_swap(server, tin
     """A publish while a request decodes: the running request finishes on v0000 (its own decoder drains), the
     next one starts on v0001 while the first is still running, and each answer is the target's own."""
     port, engine = server
-    _slow_steps(monkeypatch, 0.05)
+    _slow_steps(monkeypatch, 0.2)
     live_max = []
     first_token = threading.Event()
     results = {}
