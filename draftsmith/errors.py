@@ -18,9 +18,10 @@ _HF_TOKEN = re.compile(r"(?<![A-Za-z0-9])hf_[A-Za-z0-9_-]+")
 
 
 def redact(text: str) -> str:
-    """``text`` with every hub-token-shaped string (``hf_`` and what follows it) and the exact value of HF_TOKEN
-    masked: for anything printed, logged or returned that might carry one (errors, request lines)."""
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"):
+    """``text`` with every hub-token-shaped string (``hf_`` and what follows it) and the exact values of HF_TOKEN and
+    DRAFTSMITH_API_KEY (the server's key) masked: for anything printed, logged or returned that might carry one
+    (errors, request lines)."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "DRAFTSMITH_API_KEY"):
         secret = os.environ.get(var, "").strip()
         if len(secret) >= 4:
             text = text.replace(secret, "***")

@@ -478,12 +478,17 @@ class OnlineConfig(Strict):
     """serve: TCP port (0 = any free port, printed at start)."""
     max_tokens: int = Field(256, gt=0)
     """serve: cap on a request's max_tokens."""
-    max_queue: int = Field(16, gt=0)
-    """serve: requests waiting beyond this get HTTP 503."""
+    max_batch: int = Field(16, gt=0)
+    """serve: requests decoded together (rows of the running batch); later ones wait in the queue."""
+    max_queue: int = Field(256, gt=0)
+    """serve: requests waiting for a row beyond this get HTTP 503 with Retry-After."""
     request_timeout_s: float = Field(120.0, gt=0)
     """serve: a request still decoding after this stops with finish_reason "length"."""
     max_body_bytes: int = Field(1_000_000, gt=0)
     """serve: larger request bodies get HTTP 413."""
+    idle_timeout_s: float = Field(5.0, gt=0)
+    """serve: a connection idle this long between requests, or still sending a request's head after it, is closed;
+    a body still arriving after it gets HTTP 408."""
     learn: bool = True
     """serve: run the learner in the background (false = serve and record only)."""
     buffer_max_records: int = Field(2000, gt=0)

@@ -213,7 +213,7 @@ def never_pickle_nor_bind(monkeypatch):
         raise AssertionError("serve bound a port before refusing")
 
     monkeypatch.setattr(torch, "load", no_pickle)
-    monkeypatch.setattr(server, "ThreadingHTTPServer", no_bind)
+    monkeypatch.setattr(server, "_bind", no_bind)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -1,49 +1,83 @@
 """`draftsmith serve RECIPE`: an OpenAI-compatible HTTP server on the bundled speculative decoder that records its
 traffic and keeps the drafter learning from it (online distillation, draftsmith/serving/online.py).
 
-Endpoints:
+Endpoints (an ASGI app, FastAPI on uvicorn):
 - POST /v1/chat/completions, POST /v1/completions, with ``"stream": true`` as server-sent events;
 - GET /v1/models, GET /health;
-- GET /metrics in Prometheus text: requests, tokens, τ, acceptance, tokens/s, queue depth, drafter version, swaps.
+- GET /metrics in Prometheus text (prometheus_client): requests, tokens, τ, acceptance, tokens/s, queue depth,
+  running requests, latency and time-to-first-token histograms, drafter version, swaps.
 
 Serving:
-- One decode worker (the decoder is batch 1) takes requests from a bounded queue; HTTP threads wait on it.
-- Between requests the worker reloads the drafter when ``current.json`` names another version (a learner publish
-  or a ``draftsmith online --rollback``). A request in flight finishes on the drafter it started with, so
-  nothing is dropped.
-- The server binds to loopback by default. Request size, ``max_tokens``, queue length and decode time are
-  bounded.
+- Continuous batching: one decode thread owns the models. Requests wait in a bounded queue; between steps the
+  thread admits them into the running batch (up to ``online.max_batch`` rows), steps every row, pushes each row's
+  committed tokens to its request as they come, and drops rows that finished, were cancelled (the client left) or
+  ran out of time.
+- Hot swap: when ``current.json`` names another version (a learner publish, a rollback), new requests start on
+  the new drafter while rows already running keep the drafter they started with, in their own decoder, until they
+  drain; no answer mixes two drafters.
+- Loopback bind by default, optional API key (``DRAFTSMITH_API_KEY``) on /v1, bounded body, ``max_tokens``,
+  queue, decode time and connection idle time. Prompts and tokens are never logged.
 - Output is the target's own (greedy, or lossless sampling), whatever the drafter.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
+import math
+import os
 import queue
+import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import h11
 import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.bench import build_tree, fast_model, stop_rule
-from draftsmith.eval.decoder import speculative_generate
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
+from draftsmith.serving import _rowwise
 from draftsmith.serving.online import Learner, Versions, online_dir
 from draftsmith.serving.traffic import TrafficBuffer
 
 log = logging.getLogger("draftsmith.serve")
 
+API_KEY_ENV = "DRAFTSMITH_API_KEY"
+BACKLOG = 2048  # pending connections the kernel queues before accept (socketserver's default is 5)
+MIN_TEMPERATURE = 1e-5  # below it sampling is greedy: logits / t overflow fp32
+# fp32 reads a smaller top_p as 0, which drops every token (NaN probabilities). With under 10^6 tokens the most
+# probable one always holds more mass than this, so the clamp keeps exactly what the asked top_p keeps: that token.
+MIN_TOP_P = 1e-6
+DRAFT_ROOM = 1024  # cache slots past prompt + answer for a step's drafts (trees stay under 512)
 
-class _Deadline(Exception):
-    pass
+
+def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop_drafting=None, tree=None):
+    """The one place the server picks its decoder: rows that join and leave between steps (``BatchDecoder``'s
+    add / step / remove / active / stats). The row-wise stand-in decodes chains and trees."""
+    kw = dict(draft_len=draft_len, eos_ids=eos_ids, max_len=max_len, stop_drafting=stop_drafting)
+    return _rowwise.BatchDecoder(target, drafter, tree=tree, **kw)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
 
 
 @dataclass
@@ -53,12 +87,58 @@ class Job:
     temperature: float
     top_p: float
     deadline: float
-    events: queue.Queue = field(default_factory=queue.Queue)  # ("token", id) ... then ("done", info) or ("error", msg)
-    cancelled: bool = False
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("tokens", [id..]).. then ("done"|"error", ..)
+    cancelled: bool = False  # set by the request's side when its client left
+    tokens: list[int] = field(default_factory=list)  # the decode thread's copy
+    versions: set[str] = field(default_factory=set)  # the drafter versions that produced its tokens (one)
+    start: float = field(default_factory=time.perf_counter)
+
+    def push(self, kind: str, val) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, val))
+        except RuntimeError:  # the event loop is gone (server stopped): nobody waits for this answer
+            self.cancelled = True
+
+
+class _Collector:
+    """Prometheus view of the engine's counters, read under its lock at scrape time."""
+
+    def __init__(self, engine: Engine):
+        self.e = engine
+
+    def collect(self):
+        e = self.e
+        with e.lock:
+            m, running, live = dict(e.m), e.running, len(e.live)
+        tau = m["tokens"] / m["forwards"] if m["forwards"] else 0.0
+        acc = m["accepted"] / m["drafted"] if m["drafted"] else 0.0
+        tps = m["tokens"] / m["decode_s"] if m["decode_s"] else 0.0
+        for name, help_text, value in (
+            ("requests", "Requests decoded.", m["requests"]),
+            ("errors", "Requests that failed in the decoder.", m["errors"]),
+            ("generated_tokens", "Tokens generated.", m["tokens"]),
+            ("target_forwards", "Target verify forwards.", m["forwards"]),
+            ("drafter_swaps", "Hot swaps of the drafter.", m["swaps"]),
+            ("online_rounds", "Online updates run by this server.", m["rounds"]),
+            ("recorded_requests", "Requests recorded to the traffic buffer.", m["recorded"]),
+            ("rejected_requests", "Requests refused with 503 because the queue was full.", m["rejected"]),
+        ):
+            yield CounterMetricFamily(f"draftsmith_{name}", help_text, value=value)
+        for name, help_text, value in (
+            ("tau", "Tokens per target forward since start.", round(tau, 4)),
+            ("acceptance_rate", "Accepted / drafted tokens since start.", round(acc, 4)),
+            ("tokens_per_second", "Generated tokens per second of decode-loop time since start.", round(tps, 2)),
+            ("queue_depth", "Requests waiting for a row in the decode batch.", e.queue.qsize()),
+            ("running_requests", "Requests in the running decode batch.", running),
+            ("live_drafters", "Drafter versions with rows decoding (2 while an old version drains).", live),
+            ("drafter_version", "Serving drafter version number.", int(e.version[1:])),
+        ):
+            yield GaugeMetricFamily(f"draftsmith_{name}", help_text, value=value)
 
 
 class Engine:
-    """The target, the current drafter version, the traffic buffer, the metrics and the decode worker."""
+    """The target, the drafter versions, the traffic buffer, the metrics and the decode thread."""
 
     def __init__(self, recipe):
         self.recipe, self.oc, self.ec = recipe, recipe.online, recipe.eval
@@ -77,31 +157,38 @@ class Engine:
             check_fits_target(ckpt, read_json(ckpt / "drafter.json"), self.tgt)
         self.versions = Versions(self.root, ckpt)
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
-        self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer; also the CUDA-graph cache
+        self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer
         self.target = self._fast(self.tgt.model)
         self.version, self.drafter, self.tree, self.stop = None, None, None, None
+        self.live: dict[str, object] = {}  # version -> its decoder, while it has rows (or is current)
         self._load_current()
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=self.oc.max_queue)
         self.lock = threading.Lock()
-        self.m = {
-            "requests": 0,
-            "errors": 0,
-            "tokens": 0,
-            "forwards": 0,
-            "drafted": 0,
-            "accepted": 0,
-            "decode_s": 0.0,
-            "swaps": 0,
-            "rounds": 0,
-            "recorded": 0,
-        }
+        self.running = 0
+        self.m = dict.fromkeys(
+            ("requests", "errors", "tokens", "forwards", "drafted", "accepted", "decode_s", "swaps", "rounds"), 0
+        ) | {"recorded": 0, "rejected": 0}
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(self))
+        buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+        self.latency = Histogram(
+            "draftsmith_request_seconds", "Request time from queueing to the last token.", buckets=buckets,
+            registry=self.registry,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "draftsmith_time_to_first_token_seconds", "Request time from queueing to its first token.",
+            buckets=buckets, registry=self.registry,
+        )  # fmt: skip
         self.gen = torch.Generator(device=self.device).manual_seed(recipe.seed)
-        threading.Thread(target=self._worker, daemon=True, name="decode").start()
+        self._stop = threading.Event()
+        self._records: queue.Queue = queue.Queue()
+        threading.Thread(target=self._decode_loop, args=(self.queue,), daemon=True, name="decode").start()
+        threading.Thread(target=self._recorder, daemon=True, name="recorder").start()
         if self.oc.learn:
             threading.Thread(target=self._learn, daemon=True, name="learner").start()
 
     def _fast(self, model):
-        return fast_model(model, self.ec, self.device, self.max_len)
+        return fast_model(model, self.ec, self.device, self.max_len + DRAFT_ROOM)
 
     def _load_current(self) -> bool:
         version, path = self.versions.current()
@@ -118,85 +205,149 @@ class Engine:
                 f"target; serve Medusa-1 heads (drafter.lora_r=0) or evaluate it with draftsmith eval"
             )
         tree = build_tree(self.ec, getattr(drafter, "max_draft_len", None))  # eval.strategy: chain or a tree
-        # swapped between requests only
         self.drafter, self.tree, self.stop, self.version = self._fast(drafter), tree, stop, version
         log.info("serve: drafter %s loaded from %s", version, path)
         return True
 
-    # ---- the decode worker ---------------------------------------------------------------------------------
-
-    def _worker(self) -> None:
-        while True:
-            job = self.queue.get()
-            try:
-                if self._load_current():
-                    with self.lock:
-                        self.m["swaps"] += 1
-                self._run(job)
-            except Exception as e:  # a bad request must not take the worker down
-                log.exception("serve: decode failed")
-                with self.lock:
-                    self.m["errors"] += 1
-                job.events.put(("error", f"{type(e).__name__}: {e}"))
-
-    def _run(self, job: Job) -> None:
-        tokens: list[int] = []
-
-        def on_token(t: int) -> None:
-            tokens.append(t)
-            job.events.put(("token", t))
-            if job.cancelled or time.monotonic() > job.deadline:
-                raise _Deadline
-
-        t0 = time.perf_counter()
-        stats = None
+    def _decoder(self):
+        """The current version's decoder; a new version gets a new one, the old one drains its rows."""
         try:
-            _, stats = speculative_generate(
+            if self._load_current():
+                with self.lock:
+                    self.m["swaps"] += 1
+        except Exception:  # a broken publish must not stop serving: the loaded version goes on
+            log.exception("serve: loading the new drafter version failed; %s keeps serving", self.version)
+        if self.version not in self.live:
+            self.live[self.version] = make_decoder(
                 self.target,
                 self.drafter,
+                draft_len=self.ec.draft_len,
+                eos_ids=self.eos,
+                max_len=self.max_len + DRAFT_ROOM,
+                stop_drafting=self.stop,
+                tree=self.tree,
+            )
+        return self.live[self.version]
+
+    # ---- the decode thread ---------------------------------------------------------------------------------
+
+    def _decode_loop(self, pending: queue.Queue) -> None:
+        rows: dict[tuple[str, int], Job] = {}  # (version, row id) -> its request
+        while not self._stop.is_set():
+            if not rows:
+                try:
+                    job = pending.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._admit(job, rows)
+            while len(rows) < self.oc.max_batch:
+                try:
+                    self._admit(pending.get_nowait(), rows)
+                except queue.Empty:
+                    break
+            for version, dec in list(self.live.items()):
+                if dec.active():
+                    self._step(version, dec, rows)
+                if not dec.active() and version != self.version:
+                    del self.live[version]  # an old version drained
+            with self.lock:
+                self.running = len(rows)
+
+    def _admit(self, job: Job, rows: dict) -> None:
+        if job.cancelled:
+            return
+        try:
+            dec = self._decoder()
+            rid = dec.add(
                 torch.tensor(job.prompt),
                 job.max_tokens,
-                draft_len=self.ec.draft_len,
-                tree=self.tree,
-                stop_drafting=self.stop,
                 temperature=job.temperature,
                 top_p=job.top_p,
-                eos_ids=self.eos,
                 generator=self.gen,
-                on_token=on_token,
             )
-        except _Deadline:
-            pass
-        dt = time.perf_counter() - t0
+        except Exception as e:  # a bad request must not take the loop down
+            log.exception("serve: admitting a request failed")
+            self._fail(job, e)
+            return
+        rows[(self.version, rid)] = job
+
+    def _step(self, version: str, dec, rows: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            new = dec.step()
+        except Exception as e:  # the decoder's state is suspect: its rows fail, a fresh one serves new requests
+            log.exception("serve: decode step failed")
+            for key in [k for k in rows if k[0] == version]:
+                self._fail(rows.pop(key), e)
+            del self.live[version]
+            return
+        with self.lock:
+            self.m["decode_s"] += time.perf_counter() - t0
+        for rid, toks in new.items():
+            job = rows.get((version, rid))
+            if job is not None and toks:
+                if not job.tokens:
+                    self.ttft.observe(time.perf_counter() - job.start)
+                job.tokens += toks
+                job.versions.add(version)
+                job.push("tokens", toks)
+        active, now = set(dec.active()), time.monotonic()
+        for key in [k for k in rows if k[0] == version]:
+            job, rid = rows[key], key[1]
+            if rid in active and (job.cancelled or now > job.deadline):
+                dec.remove(rid)
+                active.discard(rid)
+            if rid not in active:
+                del rows[key]
+                self._finish(job, version, dec.stats.pop(rid, None))
+
+    def _fail(self, job: Job, e: Exception) -> None:
+        with self.lock:
+            self.m["errors"] += 1
+        job.push("error", f"{type(e).__name__}: {e}")
+
+    def _finish(self, job: Job, version: str, stats) -> None:
+        tokens = job.tokens
         finish = "stop" if tokens and tokens[-1] in self.eos else "length"
-        if tokens:  # the target's own continuation, whatever the drafter proposed: a valid teacher sequence
-            self.buffer.append(
-                {
-                    "prompt": job.prompt,
-                    "response": tokens,
-                    "version": self.version,
-                    "tau": stats.tau if stats else None,
-                    "accept_counts": stats.accept_counts if stats else None,
-                    "target_positions": stats.target_positions() if stats else None,
-                }
-            )
+        self.latency.observe(time.perf_counter() - job.start)
         with self.lock:
             m = self.m
             m["requests"] += 1
-            m["recorded"] += bool(tokens)
             m["tokens"] += len(tokens)
-            m["decode_s"] += dt
             if stats is not None:
                 m["forwards"] += stats.target_forwards
                 m["drafted"] += stats.drafted
                 m["accepted"] += stats.accepted
-        job.events.put(
-            ("done", {"finish_reason": finish, "completion_tokens": len(tokens), "prompt_tokens": len(job.prompt)})
-        )
+        record = None
+        if tokens:  # the target's own continuation, whatever the drafter proposed: a valid teacher sequence
+            record = {
+                "prompt": job.prompt,
+                "response": tokens,
+                "version": version,
+                "tau": stats.tau if stats else None,
+                "accept_counts": stats.accept_counts if stats else None,
+                "target_positions": stats.target_positions() if stats else None,
+            }
+        info = {"finish_reason": finish, "completion_tokens": len(tokens), "prompt_tokens": len(job.prompt)}
+        self._records.put((job, record, info))
+
+    def _recorder(self) -> None:
+        """Writes each finished request to the traffic log (fsync'd) before its answer completes, off the decode
+        thread."""
+        while True:
+            job, record, info = self._records.get()
+            if record is not None:
+                try:
+                    self.buffer.append(record)
+                    with self.lock:
+                        self.m["recorded"] += 1
+                except Exception:
+                    log.exception("serve: recording a request failed")
+            job.push("done", info)
 
     def _learn(self) -> None:
         learner = None
-        while True:
+        while not self._stop.is_set():
             time.sleep(1.0)
             try:
                 learner = learner or Learner(self.recipe, self.buffer, self.versions)
@@ -211,234 +362,365 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float) -> Job:
-        job = Job(prompt, max_tokens, temperature, top_p, time.monotonic() + self.oc.request_timeout_s)
-        self.queue.put_nowait(job)  # queue.Full -> 503
+        job = Job(
+            prompt, max_tokens, temperature, top_p, time.monotonic() + self.oc.request_timeout_s,
+            asyncio.get_running_loop(),
+        )  # fmt: skip
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            with self.lock:
+                self.m["rejected"] += 1
+            raise
         return job
 
     def metrics_text(self) -> str:
-        with self.lock:
-            m = dict(self.m)
-        tau = m["tokens"] / m["forwards"] if m["forwards"] else 0.0
-        lines = []
+        return generate_latest(self.registry).decode()
 
-        def metric(name, kind, help_text, value):
-            lines.extend(
-                [
-                    f"# HELP draftsmith_{name} {help_text}",
-                    f"# TYPE draftsmith_{name} {kind}",
-                    f"draftsmith_{name} {value}",
-                ]
-            )
-
-        metric("requests_total", "counter", "Requests decoded.", m["requests"])
-        metric("errors_total", "counter", "Requests that failed in the decoder.", m["errors"])
-        metric("generated_tokens_total", "counter", "Tokens generated.", m["tokens"])
-        metric("target_forwards_total", "counter", "Target forwards (prefill + verifies).", m["forwards"])
-        metric("tau", "gauge", "Tokens per target forward since start.", round(tau, 4))
-        metric(
-            "acceptance_rate",
-            "gauge",
-            "Accepted / drafted tokens since start.",
-            round(m["accepted"] / m["drafted"], 4) if m["drafted"] else 0.0,
-        )
-        metric(
-            "tokens_per_second",
-            "gauge",
-            "Generated tokens per second of decoding since start.",
-            round(m["tokens"] / m["decode_s"], 2) if m["decode_s"] else 0.0,
-        )
-        metric("queue_depth", "gauge", "Requests waiting for the decoder.", self.queue.qsize())
-        metric("drafter_version", "gauge", "Serving drafter version number.", int(self.version[1:]))
-        metric("drafter_swaps_total", "counter", "Hot swaps of the drafter.", m["swaps"])
-        metric("online_rounds_total", "counter", "Online updates run by this server.", m["rounds"])
-        metric("recorded_requests_total", "counter", "Requests recorded to the traffic buffer.", m["recorded"])
-        return "\n".join(lines) + "\n"
+    def close(self) -> None:
+        self._stop.set()
 
 
-def _handler(engine: Engine):
+# ---- the HTTP side -----------------------------------------------------------------------------------------------
+
+
+def _number(req: dict, name: str, default, integer: bool = False):
+    v = req.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise BadRequest(f"{name} must be a finite number", name)
+    if integer:
+        if isinstance(v, float) and not v.is_integer():
+            raise BadRequest(f"{name} must be an integer", name)
+        return int(v)
+    return float(v)
+
+
+def _text(content) -> str | None:
+    """A message's content: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        if all(isinstance(p.get("text"), str) for p in content):
+            return "".join(p["text"] for p in content)
+    return None
+
+
+def build_app(engine: Engine) -> FastAPI:
     oc, tok = engine.oc, engine.tok
     model_name = engine.recipe.target.model
+    api_key = os.environ.get(API_KEY_ENV, "").strip()
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
+    def error(code: int, msg: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
+        body = {"error": {"message": redact(msg), "type": kind, "param": param, "code": code}}
+        return JSONResponse(body, status_code=code, headers=headers)
 
-        def log_message(self, fmt, *args):  # requests are logged at debug level only: prompts stay out of logs
-            log.debug("%s %s", self.address_string(), redact(fmt % args))  # the request line; never headers
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        if exc.status_code in (404, 405):
+            return error(exc.status_code, f"no route {request.method} {request.url.path}")
+        return error(exc.status_code, str(exc.detail))
 
-        def _send(self, code: int, body, ctype: str = "application/json") -> None:
-            data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def denied(request: Request) -> JSONResponse | None:
+        if not api_key:
+            return None
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
+            return None
+        return error(
+            401, f"a valid API key is required (Authorization: Bearer <{API_KEY_ENV}>)", "authentication_error"
+        )
 
-        def _error(self, code: int, msg: str, kind: str = "invalid_request_error") -> None:
-            self._send(code, {"error": {"message": redact(msg), "type": kind, "code": code}})
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "drafter_version": engine.version, "queue_depth": engine.queue.qsize()}
 
-        def do_GET(self):  # noqa: N802 (http.server's naming)
-            if self.path == "/health":
-                self._send(
-                    200, {"status": "ok", "drafter_version": engine.version, "queue_depth": engine.queue.qsize()}
-                )
-            elif self.path == "/metrics":
-                self._send(200, engine.metrics_text(), "text/plain; version=0.0.4")
-            elif self.path == "/v1/models":
-                self._send(
-                    200, {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "draftsmith"}]}
-                )
-            else:
-                self._error(404, f"no route {self.path}")
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
 
-        def do_POST(self):  # noqa: N802
-            if self.path not in ("/v1/chat/completions", "/v1/completions"):
-                return self._error(404, f"no route {self.path}")
-            size = int(self.headers.get("Content-Length") or 0)
-            if size <= 0:
-                return self._error(411, "a JSON body with Content-Length is required")
-            if size > oc.max_body_bytes:
-                return self._error(413, f"body of {size} bytes exceeds online.max_body_bytes={oc.max_body_bytes}")
-            try:
-                req = json.loads(self.rfile.read(size))
-                chat = self.path == "/v1/chat/completions"
-                prompt = self._prompt(req, chat)
-                max_tokens = int(req.get("max_tokens") or req.get("max_completion_tokens") or oc.max_tokens)
-                temperature, top_p = float(req.get("temperature", 0.0)), float(req.get("top_p", 1.0))
-                if not (0 < max_tokens and 0 <= temperature and 0 < top_p <= 1):
-                    raise ValueError("max_tokens must be > 0, temperature >= 0 and 0 < top_p <= 1")
-            except (ValueError, TypeError, KeyError) as e:
-                return self._error(400, str(e))
-            except RecursionError:
-                return self._error(400, "request JSON nested too deeply")
-            try:
-                job = engine.submit(prompt, min(max_tokens, oc.max_tokens), temperature, top_p)
-            except queue.Full:
-                return self._error(503, f"server busy: {oc.max_queue} requests queued", "server_error")
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            if req.get("stream"):
-                return self._stream(job, rid, chat)
-            tokens, info = self._collect(job)
-            if info is None:
-                return
-            text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None}
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if (refused := denied(request)) is not None:
+            return refused
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "draftsmith"}]}
+
+    async def read_body(request: Request) -> bytes:
+        size = request.headers.get("content-length")
+        if size is not None and int(size) > oc.max_body_bytes:  # uvicorn refuses a non-numeric Content-Length
+            raise BadRequest(f"body of {size} bytes exceeds online.max_body_bytes={oc.max_body_bytes}", code=413)
+        chunks, total = [], 0
+
+        async def read():
+            nonlocal total
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > oc.max_body_bytes:
+                    raise BadRequest(f"body exceeds online.max_body_bytes={oc.max_body_bytes}", code=413)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), oc.idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise BadRequest(f"body not received within online.idle_timeout_s={oc.idle_timeout_s}", code=408) from None
+        if not total:
+            raise BadRequest("a JSON body is required")
+        return b"".join(chunks)
+
+    def parse(body: bytes, chat: bool) -> tuple[list[int], int, float, float, bool]:
+        try:
+            req = json.loads(body)
+        except RecursionError:
+            raise BadRequest("request JSON nested too deeply") from None
+        except ValueError as e:
+            raise BadRequest(f"body is not valid JSON ({e})") from None
+        if not isinstance(req, dict):
+            raise BadRequest("the request body must be a JSON object")
+        model = req.get("model")
+        if model is not None and model != model_name:
+            raise BadRequest(f"model {str(model)[:200]!r} is not served here; GET /v1/models lists it", "model")
+        name = "max_tokens" if req.get("max_tokens") is not None else "max_completion_tokens"
+        max_tokens = _number(req, name, oc.max_tokens, integer=True)
+        if max_tokens < 1:
+            raise BadRequest(f"{name} must be at least 1", name)
+        max_tokens = min(max_tokens, oc.max_tokens)
+        temperature, top_p = _number(req, "temperature", 0.0), _number(req, "top_p", 1.0)
+        if temperature < 0:
+            raise BadRequest("temperature must be >= 0", "temperature")
+        if not 0 < top_p <= 1:
+            raise BadRequest("top_p must be in (0, 1]", "top_p")
+        stream = req.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("stream must be true or false", "stream")
+        if chat:
+            msgs, field_name = req.get("messages"), "messages"
+            if not (
+                isinstance(msgs, list)
+                and msgs
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _text(m.get("content")) is not None
+                        for m in msgs)
+            ):  # fmt: skip
+                raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+            ids = encode_chat(tok, [{"role": m["role"], "content": _text(m["content"])} for m in msgs])
+        else:
+            p, field_name = req.get("prompt"), "prompt"
+            if not isinstance(p, str) or not p:
+                raise BadRequest("prompt must be a non-empty string", "prompt")
+            ids = tok.encode(p)
+        if len(ids) + max_tokens > engine.max_len:
+            raise BadRequest(
+                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the {engine.max_len}-token "
+                f"context", field_name,
+            )  # fmt: skip
+        temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
+        return ids, max_tokens, temperature, max(top_p, MIN_TOP_P), bool(stream)
+
+    async def complete(request: Request, chat: bool):
+        if (refused := denied(request)) is not None:
+            return refused
+        try:
+            body = await read_body(request)
+            prompt, max_tokens, temperature, top_p, stream = await run_in_threadpool(parse, body, chat)
+        except BadRequest as e:
+            return error(e.code, e.message, param=e.param)
+        try:
+            job = engine.submit(prompt, max_tokens, temperature, top_p)
+        except queue.Full:
+            msg = f"server busy: {oc.max_queue} requests queued (online.max_queue)"
+            return error(503, msg, "server_error", headers={"Retry-After": "1"})
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if stream:
+            return StreamingResponse(
+                _events(job, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-            choice["finish_reason"] = info["finish_reason"]
-            self._send(
-                200,
-                {
-                    "id": rid,
-                    "object": "chat.completion" if chat else "text_completion",
-                    "created": int(time.time()),
-                    "model": model_name,
-                    "choices": [choice],
-                    "usage": {
-                        "prompt_tokens": info["prompt_tokens"],
-                        "completion_tokens": info["completion_tokens"],
-                        "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
-                    },
-                },
-            )
-
-        def _prompt(self, req: dict, chat: bool) -> list[int]:
-            if chat:
-                msgs = req.get("messages")
-                if (
-                    not isinstance(msgs, list)
-                    or not msgs
-                    or not all(
-                        isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") for m in msgs
-                    )
-                ):
-                    raise ValueError("messages must be a non-empty list of {role, content} objects")
-                ids = encode_chat(tok, [{"role": m["role"], "content": m["content"]} for m in msgs])
-            else:
-                p = req.get("prompt")
-                if not isinstance(p, str) or not p:
-                    raise ValueError("prompt must be a non-empty string")
-                ids = tok.encode(p)
-            if len(ids) + oc.max_tokens > engine.max_len:
-                raise ValueError(f"prompt of {len(ids)} tokens is too long (limit {engine.max_len - oc.max_tokens})")
-            return ids
-
-        def _collect(self, job: Job):
-            tokens = []
-            while True:
-                kind, val = job.events.get()
-                if kind == "token":
-                    tokens.append(val)
+        tokens, info, check = [], None, time.monotonic() + 0.5
+        try:
+            while info is None:
+                try:
+                    kind, val = await asyncio.wait_for(job.events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() > check:  # twice a second: has the client left?
+                    check = time.monotonic() + 0.5
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                if kind is None:
+                    continue
+                if kind == "tokens":
+                    tokens += val
                 elif kind == "done":
-                    return tokens, val
+                    info = val
                 else:
-                    self._error(500, val, "server_error")
-                    return tokens, None
+                    return error(500, val, "server_error")
+        finally:
+            if info is None:
+                job.cancelled = True  # the client left (or the server stops): free its row
+        text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}}
+            if chat
+            else {"index": 0, "text": text, "logprobs": None}
+        )
+        choice["finish_reason"] = info["finish_reason"]
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": info["prompt_tokens"],
+                "completion_tokens": info["completion_tokens"],
+                "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
+            },
+        }
 
-        def _stream(self, job: Job, rid: str, chat: bool) -> None:
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            self.close_connection = True
-            tokens, sent = [], ""
-            obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _events(job: Job, rid: str, chat: bool):
+        obj = "chat.completion.chunk" if chat else "text_completion"
 
-            def chunk(delta: str | None, finish=None) -> dict:
-                c = (
-                    {"index": 0, "delta": {} if delta is None else {"content": delta}}
-                    if chat
-                    else {"index": 0, "text": delta or ""}
-                )
-                c["finish_reason"] = finish
-                return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [c]}
+        def chunk(delta: str | None, finish=None) -> bytes:
+            c = (
+                {"index": 0, "delta": {} if delta is None else {"content": delta}}
+                if chat
+                else {"index": 0, "text": delta or ""}
+            )
+            c["finish_reason"] = finish
+            return event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [c]})
 
-            try:
-                if chat:
-                    self._event(
-                        {
-                            **chunk(None),
-                            "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}],
-                        }
-                    )
-                while True:
-                    kind, val = job.events.get()
-                    if kind == "token":
-                        tokens.append(val)
-                        text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
-                        if len(text) > len(sent) and not text.endswith("\ufffd"):  # whole characters only
-                            self._event(chunk(text[len(sent) :]))
-                            sent = text
-                    elif kind == "done":
-                        self._event(chunk(None, val["finish_reason"]))
-                        break
-                    else:
-                        self._event({"error": {"message": val, "type": "server_error"}})
-                        break
-                self.wfile.write(b"data: [DONE]\n\n")
-                self.wfile.flush()
-            except (BrokenPipeError, ConnectionResetError):
-                job.cancelled = True  # the client left: the decoder stops at its next token
+        def event(o: dict) -> bytes:
+            return b"data: " + json.dumps(o).encode() + b"\n\n"
 
-        def _event(self, obj: dict) -> None:
-            self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-            self.wfile.flush()
+        tokens, sent, ended = [], "", False
+        try:
+            if chat:
+                first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
+                yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                             "choices": [first]})  # fmt: skip
+            while True:
+                kind, val = await job.events.get()
+                if kind == "tokens":
+                    tokens += val
+                    text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
+                    if len(text) > len(sent) and not text.endswith("\ufffd"):  # whole characters only
+                        yield chunk(text[len(sent) :])
+                        sent = text
+                elif kind == "done":
+                    ended = True
+                    yield chunk(None, val["finish_reason"])
+                    break
+                else:
+                    ended = True
+                    yield event({"error": {"message": redact(val), "type": "server_error", "param": None}})
+                    break
+            yield b"data: [DONE]\n\n"
+        finally:
+            if not ended:
+                job.cancelled = True  # the client left: the decode loop frees its row after the next step
 
-    return Handler
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await complete(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await complete(request, chat=True)
+
+    return app
 
 
-def make_server(recipe) -> tuple[ThreadingHTTPServer, Engine]:
+class _H11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on a request's head: a connection that sends nothing, or only
+    part of a request line and headers, is closed ``timeout_keep_alive`` seconds after it started (uvicorn itself
+    times out only the idle time between requests)."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_deadline(self) -> None:
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            self._cancel_head_timer()  # the head is in: the body has its own deadline (408), the decode its own
+        elif self._head_timer is None:  # armed once per head, so trickling bytes do not extend it
+            self._head_timer = self.loop.call_later(self.timeout_keep_alive, self._head_timeout)
+
+    def _head_timeout(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+
+class Server:
+    """uvicorn serving ``build_app(engine)`` on a socket bound up front (so port 0 is known and a bind failure is
+    one line before anything runs), with socketserver's serve_forever / shutdown / server_close."""
+
+    def __init__(self, engine: Engine, sock: socket.socket):
+        self.engine, self.socket, self.server_address = engine, sock, sock.getsockname()[:2]
+        config = uvicorn.Config(
+            build_app(engine),
+            http=_H11,
+            timeout_keep_alive=engine.oc.idle_timeout_s,
+            timeout_graceful_shutdown=2,
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,  # request lines stay out of the logs, like prompts
+            server_header=False,
+        )
+        self._uv = uvicorn.Server(config)
+        self._done = threading.Event()
+
+    def serve_forever(self) -> None:
+        try:
+            self._uv.run(sockets=[self.socket])
+        finally:
+            self._done.set()
+
+    def shutdown(self) -> None:
+        self._uv.should_exit = True
+        self._done.wait(10)
+
+    def server_close(self) -> None:
+        self.engine.close()
+        self.socket.close()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError as e:
+        sock.close()
+        raise DraftsmithError(f"online.host/port: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
+def make_server(recipe) -> tuple[Server, Engine]:
     engine = Engine(recipe)
     try:
-        httpd = ThreadingHTTPServer((recipe.online.host, recipe.online.port), _handler(engine))
-    except OSError as e:
-        raise DraftsmithError(
-            f"online.host/port: cannot listen on {recipe.online.host}:{recipe.online.port} ({e.strerror})"
-        ) from None
-    httpd.daemon_threads = True
-    return httpd, engine
+        sock = _bind(recipe.online.host, recipe.online.port)
+    except DraftsmithError:
+        engine.close()
+        raise
+    return Server(engine, sock), engine
 
 
 def serve(recipe) -> None:
@@ -446,7 +728,8 @@ def serve(recipe) -> None:
     host, port = httpd.server_address[:2]
     print(
         f"serve: http://{host}:{port}/v1 (OpenAI-compatible), drafter {engine.version}, traffic -> "
-        f"{engine.buffer.dir}, learning {'on' if recipe.online.learn else 'off'}",
+        f"{engine.buffer.dir}, learning {'on' if recipe.online.learn else 'off'}"
+        f"{', API key required' if os.environ.get(API_KEY_ENV, '').strip() else ''}",
         flush=True,
     )
     try:
