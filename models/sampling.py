@@ -33,7 +33,8 @@ def _top_p_drop(x: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_x, order = x.sort(dim=-1, descending=True)
     probs = torch.softmax(sorted_x, dim=-1)
     mass_before = probs.cumsum(-1) - probs  # mass of strictly more probable tokens
-    drop_sorted = mass_before >= top_p  # the top token always has mass_before 0, so it is always kept
+    drop_sorted = mass_before >= top_p
+    drop_sorted[..., 0] = False  # the top token is always kept (a top_p below fp32's range rounds to 0)
     return torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
 
 

@@ -156,6 +156,8 @@ def test_process_logits_filters():
     kept = process_logits(logits, 1.0, top_p=float(full[0, :2].sum()) + 1e-3) > 0
     assert kept[0].tolist() == [True, True, True, False, False]
     assert (process_logits(logits, 1.0, top_p=1e-6) > 0).sum() == 1
+    tiny = process_logits(logits, 1.0, top_p=1e-300)  # rounds to 0 in fp32: still the top token, never NaN
+    assert torch.equal(tiny, torch.tensor([[1.0, 0, 0, 0, 0]]))
     assert torch.equal(process_logits(logits, 0.0), torch.tensor([[1.0, 0, 0, 0, 0]]))
     sharp = process_logits(logits, 0.5)
     assert sharp[0, 0] > full[0, 0]
