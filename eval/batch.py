@@ -48,12 +48,14 @@ class RowCache:
     def length(self) -> int:
         return 0 if self.view is None else self.view.length
 
-    def _refresh(self, length: int) -> None:
+    def _refresh(self, length: int, padded: bool) -> None:
         f, v = self.full, object.__new__(KVCache)
         v.kv, v.valid = f.kv[:, :, : self.n], f.valid[: self.n]
         v.k = [v.kv[0, i] for i in range(v.kv.shape[1])]
         v.v = [v.kv[1, i] for i in range(v.kv.shape[1])]
-        v.length, v.max_len, v.padded, v.slots = length, self.max_len, True, None  # padded: holes need the mask
+        # padded: some row has an invalid slot below length (a hole, padding), so attention needs the mask; while
+        # none has (batch 1, rows in lockstep), a lone new token reads every slot unmasked, as at batch 1
+        v.length, v.max_len, v.padded, v.slots = length, self.max_len, padded, None
         self.view = v
 
     def _grow(self, rows: int) -> None:
@@ -76,6 +78,7 @@ class RowCache:
         self.compactions += 1
         counts = self.counts().tolist()
         S = max(counts + [min_len])
+        self.view.padded = min(counts) < S
         for b, c in enumerate(counts):
             idx = f.valid[b, :L].nonzero()[:, 0]
             if c and not (idx[0] == S - c and idx[-1] == S - 1):
@@ -99,7 +102,9 @@ class RowCache:
             return
         ar = torch.arange(width, device=kept.device)
         self.view.valid[:, s0 : s0 + width] &= ar[None] < kept[:, None]
-        self.view.length = s0 + int(kept.max())
+        lo, hi = torch.stack([kept.min(), kept.max()]).tolist()
+        self.view.length = s0 + hi
+        self.view.padded |= lo < hi
 
     def join(self, tmp: KVCache, rows: list[int], count: int) -> None:
         """Append rows ``rows`` of ``tmp`` (their first ``count`` slots all valid) as new active rows."""
@@ -107,11 +112,12 @@ class RowCache:
         if k == 0:
             return
         self._grow(self.n + k)
-        length = self.length
+        length, padded = self.length, self.n > 0 and self.view.padded
         if self.view is not None and self.n and length < count:
             self.compact(count)
             length = self.length
         length = max(length, count) if self.n else count
+        padded |= count < length or (self.n > 0 and bool((self.counts() < length).any()))
         src = torch.tensor(rows, device=self.full.valid.device)
         dst = slice(self.n, self.n + k)
         self.full.valid[dst] = False
@@ -119,7 +125,7 @@ class RowCache:
             self.full.kv[:, :, dst, :, length - count : length] = tmp.kv.index_select(2, src)[:, :, :, :, :count]
             self.full.valid[dst, length - count : length] = True
         self.n += k
-        self._refresh(length)
+        self._refresh(length, padded)
 
     def remove(self, i: int) -> None:
         """Drop active row i: the last active row takes its place."""
@@ -128,7 +134,7 @@ class RowCache:
             self.full.kv[:, :, i] = self.full.kv[:, :, last]
             self.full.valid[i] = self.full.valid[last]
         self.n = last
-        self._refresh(self.length if self.n else 0)
+        self._refresh(self.length if self.n else 0, self.n > 0 and self.view.padded)
 
 
 @dataclass
@@ -155,8 +161,8 @@ class _Row:
 
 
 def _aligned(rows: list[_Row], seqs: list[torch.Tensor], starts: list[int]):
-    """Right-align per-row sequences (u_b, ...) into (B, W, ...) -> (padded, valid (B, W), pos (B, W)); row b's
-    real entries sit at positions starts[b] .. starts[b] + u_b - 1."""
+    """Right-align per-row sequences (u_b, ...) into (B, W, ...) -> (padded, valid (B, W) or None when no row is
+    padded, pos (B, W)); row b's real entries sit at positions starts[b] .. starts[b] + u_b - 1."""
     B, W = len(seqs), max(len(s) for s in seqs)
     dev = seqs[0].device
     pad = seqs[0].new_zeros((B, W, *seqs[0].shape[1:]))
@@ -167,7 +173,7 @@ def _aligned(rows: list[_Row], seqs: list[torch.Tensor], starts: list[int]):
             pad[b, W - len(s) :] = s
     valid = ar[None] >= (W - us)[:, None]
     pos = torch.tensor(starts, device=dev)[:, None] - (W - us)[:, None] + ar[None]
-    return pad, valid, pos
+    return pad, None if bool(valid.all()) else valid, pos
 
 
 class _BatchTokens:

@@ -77,10 +77,12 @@ def make_drafter(kind: str, t):
 
 def check_caches(dec: BatchDecoder) -> None:
     """Every cache holds exactly each row's committed positions: the target's all but the current token, the
-    drafter's its own committed count (``dpos``)."""
-    assert dec.rc.counts().tolist() == [r.pos for r in dec.rows]
-    for c in [] if dec.prop is None else dec.prop.caches:
-        assert c.counts().tolist() == [r.dpos for r in dec.rows]
+    drafter's its own committed count (``dpos``); and a cache attends unmasked only while it has no hole."""
+    caches = [(dec.rc, [r.pos for r in dec.rows])]
+    caches += [(c, [r.dpos for r in dec.rows]) for c in ([] if dec.prop is None else dec.prop.caches)]
+    for c, want in caches:
+        assert c.counts().tolist() == want
+        assert c.view.padded or min(want) == c.length  # unmasked attention only while no row has a hole
 
 
 def run(dec: BatchDecoder, ids: list[int], check: bool = True) -> dict[int, list[int]]:
@@ -189,6 +191,23 @@ def test_rows_join_and_leave_mid_run(tgt, prompts, ar, kind):
     assert outs[g] == ar[4]
     with pytest.raises(KeyError):
         dec.remove(a)
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft_lm", "hydra++", "eagle3"])
+def test_rows_in_lockstep_until_their_accepts_differ(tgt, singles, kind):
+    """Prompts of one length start with no padding (attention unmasked for a lone token); the first ragged accept
+    makes holes, and from then on every cache must mask them."""
+    drafter, _ = singles(kind)
+    g = torch.Generator().manual_seed(1)
+    same = [torch.randint(0, CFG16.vocab_size, (9,), generator=g) for _ in range(4)]
+    dec = BatchDecoder(tgt, drafter, draft_len=GAMMA, max_len=9 + NEW + 2 * GAMMA + 4)
+    ids = [dec.add(p, NEW) for p in same]
+    first = dec.step()
+    assert not dec.rc.view.padded or drafter is not None
+    outs = run(dec, ids)
+    assert all(first[i] + outs[i] == autoregressive_generate(tgt, p, NEW) for i, p in zip(ids, same))
+    if drafter is not None:
+        assert len({dec.stats[i].accepted for i in ids}) > 1
 
 
 @pytest.mark.parametrize("kind", ["draft_lm", "hydra++", "eagle3"])
