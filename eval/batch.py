@@ -21,6 +21,7 @@ reports its last tokens and leaves the batch; its cache rows are swapped out, wh
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Sampler, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
 
 
@@ -153,6 +155,7 @@ class _Row:
     unread: torch.Tensor | None = None  # draft LM: committed tokens its cache has not read; EAGLE: their ids
     feats: torch.Tensor | None = None  # EAGLE: the unread features (len(unread) + 1, F)
     h: torch.Tensor | None = None  # heads: the context state that produced cur (D,)
+    stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
 
     @property
     def key(self):
@@ -176,15 +179,57 @@ def _aligned(rows: list[_Row], seqs: list[torch.Tensor], starts: list[int]):
     return pad, None if bool(valid.all()) else valid, pos
 
 
+def _chain(rows: list[_Row], gam: list[int], logits: torch.Tensor, state, pick, expand):
+    """Every row's chain after its root: logits (B, V) for the first draft, state (B, S) or None (what stop hooks
+    read), ``expand(tok (B,), i) -> (logits, state)`` feeds draft i to the drafter. Row b drafts until gam[b] or
+    until its stop hook ends its block (eval/shapes.py ``draft_chain``, per row); the loop runs while any row
+    drafts. -> (drafts [(B,)], q [(B, V) or None], drafts per row, drafts fed)."""
+    hooks = [split_stop(r.stop) for r in rows]
+    firsts = [first_stop(after) for after, _ in hooks]
+    count, live = [0] * len(rows), [g > 0 for g in gam]
+    toks, qs, fed = [], [], 0
+    for i in range(max(gam)):
+        for b, (after, _) in enumerate(hooks):
+            st = None if state is None else state[b]
+            if live[b] and after is not None and i >= firsts[b] and after(i, logits[b], st):
+                live[b] = False
+        if not any(live):
+            break
+        tok, q = pick(logits)
+        toks.append(tok)
+        qs.append(q)
+        for b, (_, before) in enumerate(hooks):
+            if not live[b]:
+                continue
+            count[b] = i + 1
+            st = None if state is None else state[b]
+            if i + 1 >= gam[b] or (before is not None and before(i + 1, logits[b], st, tok[b : b + 1])):
+                live[b] = False  # its last draft is never fed: the verify decides whether it survives
+        if not any(live):
+            break
+        logits, state = expand(tok, i)
+        fed += 1
+    return toks, qs, count, fed
+
+
 class _BatchTokens:
     """A draft LM's side: its own RowCache; per row ``dpos`` committed positions and ``unread`` tokens (the cache
     invariant of eval/proposers.py TokenProposer, per row)."""
 
-    def __init__(self, target, drafter, max_len: int):
+    def __init__(self, target, drafter, max_len: int, stop=None):
         self.t, self.d, self.depth = target, drafter, float("inf")
         self.layers: tuple[int, ...] = ()
         self.rc = RowCache(drafter.new_cache, max_len)
         self.caches = [self.rc]
+        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
+
+    def _call(self, ids: torch.Tensor, **kw):
+        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None)."""
+        if not self.hidden:
+            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, -1], None
+        L = self.d.cfg.n_layers
+        logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
+        return logits[:, -1], self.d.norm(cap[L][:, -1])
 
     def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
         k, P = ids.shape
@@ -196,30 +241,28 @@ class _BatchTokens:
         for j in live:
             rows[j].dpos, rows[j].unread = P, ids.new_empty(0)
 
-    def draft(self, rows: list[_Row], cur: torch.Tensor, G: int, pick):
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
         if G == 0:
+            self.fed = None
             for b, r in enumerate(rows):
                 r.unread = torch.cat([r.unread, cur[b : b + 1]])
             return None
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
         ids, valid, pos = _aligned(rows, seqs, [r.dpos for r in rows])
         self.rc.ensure(ids.shape[1] + G - 1)
-        logits = _run_drafter(self.d, ids, pos=pos, cache=self.rc.view, valid=valid)[:, -1]
+        logits, state = self._call(ids, pos=pos, valid=valid)
         for r, s in zip(rows, seqs):
             r.dpos, r.unread = r.dpos + len(s), s[:0]
         base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        self.s_exp, self.fed = self.rc.length, G - 1
-        toks, qs = [], []
-        for i in range(G):
-            tok, q = pick(logits)
-            toks.append(tok)
-            qs.append(q)
-            if i + 1 < G:
-                logits = _run_drafter(self.d, tok[:, None], pos=base + i, cache=self.rc.view)[:, -1]
-        return toks, qs
+        self.s_exp = self.rc.length
+        toks, qs, count, self.fed = _chain(
+            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
+        )
+        return toks, qs, count
 
     def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
-        if G == 0:
+        if self.fed is None:  # it read nothing this step
             return
         kept = n.clamp(max=self.fed)
         self.rc.keep(self.s_exp, self.fed, kept)
@@ -250,17 +293,17 @@ class _BatchHeads:
         for j in live:
             rows[j].h, rows[j].dpos = out[j, -1], P
 
-    def draft(self, rows: list[_Row], cur: torch.Tensor, G: int, pick):
-        if G == 0:
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        if max(gam) == 0:
             return None
-        h, path, toks, qs = torch.stack([r.h for r in rows]), [cur], [], []
-        for _ in range(G):
-            logits, _ = self.d.draft_step(h, path)  # (B, V)
-            tok, q = pick(logits)
+        h, path = torch.stack([r.h for r in rows]), [cur]
+
+        def expand(tok, i):
             path.append(tok)
-            toks.append(tok)
-            qs.append(q)
-        return toks, qs
+            return self.d.draft_step(h, path)  # (B, V), the state head i + 1 read them from
+
+        toks, qs, count, _ = _chain(rows, gam, *self.d.draft_step(h, path), pick, expand)
+        return toks, qs, count
 
     def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
         hs = self.t.norm(captured[self.layers[0]])  # (B, G+1, D): kept positions are 0..n_b
@@ -297,7 +340,9 @@ class _BatchFeatures:
         for j in live:
             rows[j].dpos, rows[j].unread, rows[j].feats = P - 1, ids.new_empty(0), f[j, -1:]
 
-    def draft(self, rows: list[_Row], cur: torch.Tensor, G: int, pick):
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        self.root_end = None
         if G == 0:
             return None
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
@@ -306,33 +351,33 @@ class _BatchFeatures:
         feats, _, _ = _aligned(rows, [r.feats for r in rows], starts)
         self.rc.ensure(ids.shape[1] + G - 1)
         logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
-        logits, state = logits[:, -1], out[:, -1:]
         for r, s in zip(rows, seqs):
             r.dpos += len(s)
         self.root_end = self.rc.length
         base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        toks, qs = [], []
-        for i in range(G):
-            tok, q = pick(logits)
-            toks.append(tok)
-            qs.append(q)
-            if i + 1 < G:
-                logits, state = self.d.step(state, tok[:, None], pos=base + i, cache=self.rc.view)
-                logits = logits[:, -1]
-        return toks, qs
+
+        def expand(tok, i):
+            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
+            state_in[0] = out
+            return logits[:, -1], out[:, -1]
+
+        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
+        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
+        return toks, qs, count
 
     def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
         f = self.d.features(captured, self.t)  # (B, G+1, F)
-        if G > 0:
+        read = self.root_end is not None
+        if read:
             self.rc.view.length = self.root_end  # drafted nodes are never kept: roll back every row at once
         for b, (r, m) in enumerate(zip(rows, n.tolist())):
-            if G == 0:  # it read nothing this step: the new pairs queue up behind the unread ones
+            if not read:  # it read nothing this step: the new pairs queue up behind the unread ones
                 r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
             else:
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
 
 
-def _proposer(target, drafter, max_len: int):
+def _proposer(target, drafter, max_len: int, stop=None):
     if drafter is None:
         return None
     kind = proposer_for(drafter)
@@ -340,7 +385,7 @@ def _proposer(target, drafter, max_len: int):
         return _BatchHeads(target, drafter, max_len)
     if kind is FeatureProposer:
         return _BatchFeatures(target, drafter, max_len)
-    return _BatchTokens(target, drafter, max_len)
+    return _BatchTokens(target, drafter, max_len, stop)
 
 
 class BatchDecoder:
@@ -353,12 +398,13 @@ class BatchDecoder:
 
     def __init__(self, target, drafter, *, draft_len: int = 4, eos_ids=None, max_len: int = 4096,
                  stop_drafting=None):  # fmt: skip
-        if stop_drafting is not None:
-            raise DraftsmithError("stop_drafting is not implemented for batched decoding (eval.batch); decode B=1")
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
         self.target, self.eos_ids, self.max_len = target, set(eos_ids or ()), max_len
-        self.prop = _proposer(target, drafter, max_len)
+        self.stop = stop_drafting
+        if stop_drafting is not None and drafter is None:
+            raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
+        self.prop = _proposer(target, drafter, max_len, stop_drafting)
         self.depth = 0 if self.prop is None else int(min(draft_len, self.prop.depth))
         self.layers = () if self.prop is None else tuple(self.prop.layers)
         self.device = next(target.parameters()).device
@@ -384,7 +430,9 @@ class BatchDecoder:
         rid, self._next_id = self._next_id, self._next_id + 1
         st = DecodeStats(accept_counts=[0] * (self.depth + 1))
         s = Sampler(temperature, top_k, top_p, generator)
-        self.pending.append(_Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st))
+        row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
+        row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
+        self.pending.append(row)
         self.stats[rid] = st
         return rid
 
@@ -497,17 +545,18 @@ class BatchDecoder:
         if not rows:
             return result
         dev, B = self.device, len(rows)
-        gam = torch.tensor([min(self.depth, r.max_new - len(r.out) - 1) for r in rows], device=dev)
-        G = int(gam.max())
+        gam = [min(self.depth, r.max_new - len(r.out) - 1) for r in rows]  # each row's budget
         cur = torch.tensor([r.cur for r in rows], device=dev)
         t0 = time.perf_counter()
-        drafted = None if self.prop is None else self.prop.draft(rows, cur, G, lambda lg: self._pick(rows, lg))
-        if G and drafted is not None:
-            toks, qs = drafted
+        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
+        if drafted is not None and drafted[0]:
+            toks, qs, gam = drafted  # gam: what each row drafted (its budget, or where its stop hook ended it)
             drafts = torch.stack(toks, 1)  # (B, G)
             qs = None if qs[0] is None else torch.stack(qs, 1)  # (B, G, V)
         else:
-            G, drafts, qs = 0, cur.new_zeros(B, 0), None
+            drafts, qs, gam = cur.new_zeros(B, 0), None, [0] * B
+        G = drafts.shape[1]
+        gam = torch.tensor(gam, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
         ids = torch.cat([cur[:, None], drafts], 1)  # (B, G+1)
@@ -516,7 +565,7 @@ class BatchDecoder:
         pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + torch.arange(G + 1, device=dev)
         out = self.target(ids, pos=pos, cache=self.rc.view, capture_layers=self.layers)
         logits, captured = out if self.layers else (out, {})
-        n, nxt = self._accept(rows, drafts, qs, logits, gam.clamp(max=G))
+        n, nxt = self._accept(rows, drafts, qs, logits, gam)
         self.rc.keep(s0, G + 1, n + 1)
         if self.prop is not None:
             self.prop.commit(rows, cur, drafts, n, captured, G)
@@ -528,7 +577,7 @@ class BatchDecoder:
             r.done = emit(r.out, drafts[b, : n_l[b]].tolist() + [nxt_l[b]], self.eos_ids, r.max_new)
             r.new += r.out[k:]
             r.cur, r.pos = nxt_l[b], r.pos + n_l[b] + 1
-            r.stats.step(int(gam[b].clamp(max=G)), n_l[b], t1 - t0, t2 - t1)
+            r.stats.step(int(gam[b]), n_l[b], t1 - t0, t2 - t1)
             r.stats.new_tokens = len(r.out)
             result[r.id] = r.new
             if r.done:

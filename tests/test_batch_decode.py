@@ -7,6 +7,7 @@ depend on its neighbours; sampled rows follow the target's distribution."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -261,10 +262,33 @@ def test_sampled_rows_follow_the_target_distribution(kind):
 def test_bad_arguments(tgt, prompts):
     with pytest.raises(DraftsmithError, match="max_len"):
         BatchDecoder(tgt, None, max_len=20).add(prompts[2], NEW)
-    with pytest.raises(DraftsmithError, match="stop_drafting"):
-        BatchDecoder(tgt, tgt, stop_drafting=lambda *a: True)
+    with pytest.raises(ValueError, match="stop_drafting"):
+        BatchDecoder(tgt, None, stop_drafting=lambda *a: True)
     with pytest.raises(ValueError, match="prompt"):
         BatchDecoder(tgt, None).add(torch.zeros(2, 3, dtype=torch.long), 4)
     dec = BatchDecoder(tgt, None)
     i = dec.add(prompts[0], 0)
     assert dec.step() == {i: []} and not dec.active()
+
+
+def _stop_rules():
+    from draftsmith.models.acceptance import ConfidenceStop, EntropyStop
+
+    return [EntropyStop(threshold=2.0), ConfidenceStop(0.5, min_len=0), ConfidenceStop(0.4, before_feed=True)]
+
+
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
+def test_stop_rules_end_each_rows_block_as_alone(tgt, prompts, ar, singles, kind):
+    """Adaptive draft length per row: every row drafts, and is verified, exactly as its own decode with the same
+    rule (after-feed, min_len 0 skipping, before-feed with per-block state); the output stays the target's."""
+    drafter, ref = singles(kind)
+    for rule in _stop_rules():
+        dec = BatchDecoder(tgt, drafter, draft_len=GAMMA, max_len=100, stop_drafting=rule)
+        ids = [dec.add(p, NEW) for p in prompts[:5]]
+        outs = run(dec, ids)
+        assert sum(dec.stats[i].drafted for i in ids) < sum(r[1].drafted for r in ref[:5])  # the rule did stop
+        for b, i in enumerate(ids):
+            alone = speculative_generate(tgt, drafter, prompts[b], NEW, draft_len=GAMMA, stop_drafting=copy.copy(rule))
+            assert outs[i] == ar[b]
+            st = dec.stats[i]
+            assert (st.accepted_per_step, st.drafted) == (alone[1].accepted_per_step, alone[1].drafted), (rule, b)
