@@ -271,10 +271,23 @@ def test_bad_arguments(tgt, prompts):
     assert dec.step() == {i: []} and not dec.active()
 
 
+class _SumStop:
+    """A rule whose decision depends on its block's history: stop once the argmaxes seen in this block add up to
+    more than ``limit`` (rows sharing one hook's state would decide differently)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.total = limit, 0
+
+    def __call__(self, n, logits, hidden, token=None) -> bool:
+        self.total = (0 if n == 1 else self.total) + int(logits.argmax())
+        return self.total > self.limit
+
+
 def _stop_rules():
     from draftsmith.models.acceptance import ConfidenceStop, EntropyStop
 
-    return [EntropyStop(threshold=2.0), ConfidenceStop(0.5, min_len=0), ConfidenceStop(0.4, before_feed=True)]
+    rules = [EntropyStop(threshold=2.0), ConfidenceStop(0.5, min_len=0), ConfidenceStop(0.4, before_feed=True)]
+    return [*rules, _SumStop(12)]
 
 
 @pytest.mark.parametrize("kind", PROPOSER_KINDS)
