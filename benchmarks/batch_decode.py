@@ -1,0 +1,104 @@
+"""Throughput of the bundled decoder at batch sizes B: plain batched decoding against batched speculative decoding
+(eval/batch.py ``speculative_generate_batch``), on the same MT-bench first turns and target, in one process.
+
+The drafter is ``--drafter`` (a checkpoint folder, e.g. a quickstart run's ``checkpoints/final``), else a draft LM
+built from the target's own layers ``--layers`` (with its embeddings, norm and LM head): an untrained self-draft,
+whose acceptance is low. For each B the --n prompts are decoded in batches of B, plain and speculative alternating
+chunk by chunk after an untimed warm-up, greedy; tokens/s = tokens emitted / wall seconds. Each row's output is
+checked against its own B=1 plain decode of the same prompt (float32: a batch may round differently, which the
+"match" column counts; list B=1 first).
+
+    python benchmarks/batch_decode.py [--n 16] [--batch 1,4,16] [--max-new 64] [--draft-len 3]
+        [--drafter RUN/checkpoints/final | --layers 0,29]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from draftsmith.data.prompts import load_prompts
+from draftsmith.eval.batch import speculative_generate_batch
+from draftsmith.eval.contention import CpuShare
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
+from draftsmith.models.registry import build_drafter, load_drafter
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--n", type=int, default=16, help="MT-bench first turns")
+    ap.add_argument("--batch", default="1,4,16", help="batch sizes")
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--layers", default="0,29", help="target layers the self-draft copies (no --drafter)")
+    ap.add_argument("--drafter", default=None, help="a drafter checkpoint folder (registry load_drafter)")
+    ap.add_argument("--optimize", type=int, default=1, help="fused, pre-packed matmuls (eval.optimize)")
+    a = ap.parse_args()
+    torch.manual_seed(0)
+    loaded = load_model(a.target)
+    target, tok = loaded.model.eval(), loaded.tokenizer
+    if a.drafter:
+        drafter = load_drafter(Path(a.drafter))[0].eval()
+    else:
+        layers = [int(x) for x in a.layers.split(",")]
+        drafter = build_drafter("draft_lm", {"n_layers": len(layers), "init_layers": layers}, target).eval()
+    if a.optimize:
+        target.optimize_for_inference()
+        drafter.optimize_for_inference()
+    eos = stop_ids(loaded.path, tok)
+    prompts = [torch.tensor(encode_chat(tok, first_turn(p.messages))) for p in load_prompts("mt_bench", n=a.n)]
+    ref = {}
+    name = a.drafter or f"self-draft from layers {a.layers}"
+    print(f"{a.n} MT-bench first turns, {a.max_new} new tokens max, greedy, draft_len {a.draft_len}, ", end="")
+    print(f"threads {torch.get_num_threads()}, drafter {name}")
+    print(f"{'B':>3} {'mode':>6} {'tok/s':>8} {'tokens':>7} {'s':>7} {'tau':>5} {'match':>6}")
+
+    def batched(d):
+        return lambda chunk, n: speculative_generate_batch(target, d, chunk, n, draft_len=a.draft_len, eos_ids=eos)
+
+    def plain1(chunk, n):  # eval/decoder.py's batch-1 loops, timed beside the batched ones at B = 1
+        return [autoregressive_generate(target, chunk[0], n, eos_ids=eos)], [None]
+
+    def spec1(chunk, n):
+        out, st = speculative_generate(target, drafter, chunk[0], n, draft_len=a.draft_len, eos_ids=eos)
+        return [out], [st]
+
+    share = CpuShare().start()
+    for B in [int(x) for x in a.batch.split(",")]:
+        modes = {"plain": batched(None), "spec": batched(drafter)}
+        if B == 1:
+            modes.update(plain1=plain1, spec1=spec1)
+        for fn in modes.values():  # untimed: first calls at new shapes build oneDNN kernels
+            fn(prompts[:B], 8)
+        res = {m: [0, 0.0, 0, 0] for m in modes}  # tokens, seconds, accepted, verify forwards
+        got: dict = {m: {} for m in modes}
+        for k, i in enumerate(range(0, a.n, B)):
+            chunk = prompts[i : i + B]
+            for mode in list(modes)[:: 1 if k % 2 == 0 else -1]:  # alternate the order: noise hits both alike
+                t0 = time.perf_counter()
+                outs, stats = modes[mode](chunk, a.max_new)
+                r = res[mode]
+                r[1] += time.perf_counter() - t0
+                for j, (o, st) in enumerate(zip(outs, stats)):
+                    got[mode][i + j] = o
+                    r[0] += len(o)
+                    if st is not None:
+                        r[2], r[3] = r[2] + st.accepted, r[3] + st.target_forwards
+        if B == 1:
+            ref = got["plain"]
+        for mode, (toks, secs, acc, fwd) in res.items():
+            tau = (acc + fwd) / fwd if fwd else 1.0
+            match = sum(o == ref.get(k) for k, o in got[mode].items())
+            print(f"{B:>3} {mode:>6} {toks / secs:8.1f} {toks:7d} {secs:7.1f} {tau:5.2f} {match:>3}/{a.n}", flush=True)
+    other = share.stop()
+    print(f"machine: {os.cpu_count()} CPUs; other processes used {other or 0:.0%} of them meanwhile")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,607 @@
+"""Batched speculative decoding (B >= 1) on the slot-addressed KV cache, with rows that join and leave between steps
+(continuous batching). Greedy output of every row equals that prompt's own ``autoregressive_generate`` /
+``speculative_generate`` output token for token; sampled rows follow the target's distribution (docs/decoding.md,
+"Batches").
+
+Layout. Every cache (the target's, a draft LM's or EAGLE's, Hydra++'s prefix context) is a ``RowCache``: rows share
+slots, and a step writes the same slots for every row. Each row keeps its own committed length, which is the RoPE
+position of its next token, so rows of different prompt lengths and different accept counts never need padding
+to line up. What a row rejects stays in its slots but is marked invalid in the cache's key-validity mask (a hole);
+slots past the longest kept run are rolled back for all rows at once. When a write would not fit, the cache is
+compacted: every row's valid slots, in order, are moved to the right end of ``[0, S)`` with S the largest row
+count. Keys carry their RoPE rotation from when they were written and queries only ever see valid slots at or
+before their own, so moving slots changes no attention score.
+
+A step: new rows are prefilled (rows of equal prompt length together, in temporary caches that are then copied
+into the batch), then every active row drafts a chain of up to ``draft_len`` tokens (its own budget may cut it
+shorter: a shorter row's extra drafts are ignored), one target forward verifies all rows, and each row accepts by
+its own rule (greedy prefix or rejection sampling with its own sampler). A row that hits EOS or its token budget
+reports its last tokens and leaves the batch; its cache rows are swapped out, which costs one row's copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.accept import Sampler, rejection_accept
+from draftsmith.eval.decoder import DecodeStats, _sync, emit
+from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.models.feature_heads import first_stop, split_stop
+from draftsmith.models.llama import KVCache
+
+
+class RowCache:
+    """A ``KVCache`` whose rows come and go. ``view`` is a KVCache over the active rows ``[0, n)`` that the models
+    write through (it shares storage with ``full``, which has ``cap`` rows); ``make(batch, max_len)`` builds the
+    storage (a model's ``new_cache`` / ``new_context``)."""
+
+    def __init__(self, make, max_len: int):
+        self.make, self.max_len, self.n = make, max_len, 0
+        self.compactions = 0
+        self.full: KVCache | None = None
+        self.view: KVCache | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.view is None else self.view.length
+
+    def _refresh(self, length: int, padded: bool) -> None:
+        f, v = self.full, object.__new__(KVCache)
+        v.kv, v.valid = f.kv[:, :, : self.n], f.valid[: self.n]
+        v.k = [v.kv[0, i] for i in range(v.kv.shape[1])]
+        v.v = [v.kv[1, i] for i in range(v.kv.shape[1])]
+        # padded: some row has an invalid slot below length (a hole, padding), so attention needs the mask; while
+        # none has (batch 1, rows in lockstep), a lone new token reads every slot unmasked, as at batch 1
+        v.length, v.max_len, v.padded, v.slots = length, self.max_len, padded, None
+        self.view = v
+
+    def _grow(self, rows: int) -> None:
+        cap = 0 if self.full is None else self.full.valid.shape[0]
+        if rows <= cap:
+            return
+        new = self.make(max(rows, 2 * cap), self.max_len)
+        if self.full is not None:
+            new.kv[:, :, : self.n] = self.full.kv[:, :, : self.n]
+            new.valid[: self.n] = self.full.valid[: self.n]
+        self.full = new
+
+    def counts(self) -> torch.Tensor:
+        """Valid slots per active row (n,)."""
+        return self.view.valid[:, : self.length].sum(1)
+
+    def compact(self, min_len: int = 0) -> None:
+        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len)."""
+        L, f = self.length, self.full
+        self.compactions += 1
+        counts = self.counts().tolist()
+        S = max(counts + [min_len])
+        self.view.padded = min(counts) < S
+        for b, c in enumerate(counts):
+            idx = f.valid[b, :L].nonzero()[:, 0]
+            if c and not (idx[0] == S - c and idx[-1] == S - 1):
+                row = f.kv[:, :, b]  # (2, layers, heads, slots, hd), a view
+                row[:, :, :, S - c : S] = row.index_select(3, idx)
+            f.valid[b] = False
+            f.valid[b, S - c : S] = True
+        self.view.length = S
+
+    def ensure(self, width: int) -> None:
+        """Room for ``width`` new slots, compacting if needed."""
+        if self.length + width > self.max_len:
+            self.compact()
+            if self.length + width > self.max_len:
+                raise DraftsmithError(f"batch KV cache: {self.length}+{width} slots exceed max_len={self.max_len}")
+
+    def keep(self, s0: int, width: int, kept: torch.Tensor) -> None:
+        """Of the ``width`` slots written from s0, row b keeps its first kept[b]; the rest become holes, and slots
+        no row kept are rolled back."""
+        if width == 0:
+            return
+        ar = torch.arange(width, device=kept.device)
+        self.view.valid[:, s0 : s0 + width] &= ar[None] < kept[:, None]
+        lo, hi = torch.stack([kept.min(), kept.max()]).tolist()
+        self.view.length = s0 + hi
+        self.view.padded |= lo < hi
+
+    def join(self, tmp: KVCache, rows: list[int], count: int) -> None:
+        """Append rows ``rows`` of ``tmp`` (their first ``count`` slots all valid) as new active rows."""
+        k = len(rows)
+        if k == 0:
+            return
+        self._grow(self.n + k)
+        length, padded = self.length, self.n > 0 and self.view.padded
+        if self.view is not None and self.n and length < count:
+            self.compact(count)
+            length = self.length
+        length = max(length, count) if self.n else count
+        padded |= count < length or (self.n > 0 and bool((self.counts() < length).any()))
+        src = torch.tensor(rows, device=self.full.valid.device)
+        dst = slice(self.n, self.n + k)
+        self.full.valid[dst] = False
+        if count:
+            self.full.kv[:, :, dst, :, length - count : length] = tmp.kv.index_select(2, src)[:, :, :, :, :count]
+            self.full.valid[dst, length - count : length] = True
+        self.n += k
+        self._refresh(length, padded)
+
+    def remove(self, i: int) -> None:
+        """Drop active row i: the last active row takes its place."""
+        last = self.n - 1
+        if i != last:
+            self.full.kv[:, :, i] = self.full.kv[:, :, last]
+            self.full.valid[i] = self.full.valid[last]
+        self.n = last
+        self._refresh(self.length if self.n else 0, self.n > 0 and self.view.padded)
+
+
+@dataclass
+class _Row:
+    id: int
+    prompt: torch.Tensor  # (P,) long on the target's device
+    max_new: int
+    sampler: Sampler
+    stats: DecodeStats
+    out: list[int] = field(default_factory=list)
+    new: list[int] = field(default_factory=list)  # tokens emitted during the current step()
+    done: bool = False
+    cur: int = 0  # the current token: committed, not yet in the target's cache
+    pos: int = 0  # tokens in the target's cache = RoPE position of cur
+    dpos: int = 0  # the drafter's committed positions (draft LM, EAGLE, Hydra++ context)
+    unread: torch.Tensor | None = None  # draft LM: committed tokens its cache has not read; EAGLE: their ids
+    feats: torch.Tensor | None = None  # EAGLE: the unread features (len(unread) + 1, F)
+    h: torch.Tensor | None = None  # heads: the context state that produced cur (D,)
+    stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
+
+    @property
+    def key(self):
+        s = self.sampler
+        return (s.temperature, s.top_k, s.top_p, None if s.generator is None else id(s.generator))
+
+
+def _aligned(rows: list[_Row], seqs: list[torch.Tensor], starts: list[int]):
+    """Right-align per-row sequences (u_b, ...) into (B, W, ...) -> (padded, valid (B, W) or None when no row is
+    padded, pos (B, W)); row b's real entries sit at positions starts[b] .. starts[b] + u_b - 1."""
+    B, W = len(seqs), max(len(s) for s in seqs)
+    dev = seqs[0].device
+    pad = seqs[0].new_zeros((B, W, *seqs[0].shape[1:]))
+    us = torch.tensor([len(s) for s in seqs], device=dev)
+    ar = torch.arange(W, device=dev)
+    for b, s in enumerate(seqs):
+        if len(s):
+            pad[b, W - len(s) :] = s
+    valid = ar[None] >= (W - us)[:, None]
+    pos = torch.tensor(starts, device=dev)[:, None] - (W - us)[:, None] + ar[None]
+    return pad, None if bool(valid.all()) else valid, pos
+
+
+def _chain(rows: list[_Row], gam: list[int], logits: torch.Tensor, state, pick, expand):
+    """Every row's chain after its root: logits (B, V) for the first draft, state (B, S) or None (what stop hooks
+    read), ``expand(tok (B,), i) -> (logits, state)`` feeds draft i to the drafter. Row b drafts until gam[b] or
+    until its stop hook ends its block (eval/shapes.py ``draft_chain``, per row); the loop runs while any row
+    drafts. -> (drafts [(B,)], q [(B, V) or None], drafts per row, drafts fed)."""
+    hooks = [split_stop(r.stop) for r in rows]
+    firsts = [first_stop(after) for after, _ in hooks]
+    count, live = [0] * len(rows), [g > 0 for g in gam]
+    toks, qs, fed = [], [], 0
+    for i in range(max(gam)):
+        for b, (after, _) in enumerate(hooks):
+            st = None if state is None else state[b]
+            if live[b] and after is not None and i >= firsts[b] and after(i, logits[b], st):
+                live[b] = False
+        if not any(live):
+            break
+        tok, q = pick(logits)
+        toks.append(tok)
+        qs.append(q)
+        for b, (_, before) in enumerate(hooks):
+            if not live[b]:
+                continue
+            count[b] = i + 1
+            st = None if state is None else state[b]
+            if i + 1 >= gam[b] or (before is not None and before(i + 1, logits[b], st, tok[b : b + 1])):
+                live[b] = False  # its last draft is never fed: the verify decides whether it survives
+        if not any(live):
+            break
+        logits, state = expand(tok, i)
+        fed += 1
+    return toks, qs, count, fed
+
+
+class _BatchTokens:
+    """A draft LM's side: its own RowCache; per row ``dpos`` committed positions and ``unread`` tokens (the cache
+    invariant of eval/proposers.py TokenProposer, per row)."""
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.layers: tuple[int, ...] = ()
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
+
+    def _call(self, ids: torch.Tensor, **kw):
+        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None)."""
+        if not self.hidden:
+            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, -1], None
+        L = self.d.cfg.n_layers
+        logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
+        return logits[:, -1], self.d.norm(cap[L][:, -1])
+
+    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+        k, P = ids.shape
+        tmp = self.d.new_cache(k, P)
+        v = _run_drafter(self.d, ids, cache=tmp).shape[-1]
+        if v != self.t.cfg.vocab_size:  # draft ids are fed to the target as they are: the vocabularies must agree
+            raise ValueError(f"drafter vocabulary {v} != target vocabulary {self.t.cfg.vocab_size}")
+        self.rc.join(tmp, live, P)
+        for j in live:
+            rows[j].dpos, rows[j].unread = P, ids.new_empty(0)
+
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        if G == 0:
+            self.fed = None
+            for b, r in enumerate(rows):
+                r.unread = torch.cat([r.unread, cur[b : b + 1]])
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        ids, valid, pos = _aligned(rows, seqs, [r.dpos for r in rows])
+        self.rc.ensure(ids.shape[1] + G - 1)
+        logits, state = self._call(ids, pos=pos, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        self.s_exp = self.rc.length
+        toks, qs, count, self.fed = _chain(
+            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
+        )
+        return toks, qs, count
+
+    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        if self.fed is None:  # it read nothing this step
+            return
+        kept = n.clamp(max=self.fed)
+        self.rc.keep(self.s_exp, self.fed, kept)
+        for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
+            r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
+
+
+class _BatchHeads:
+    """Medusa / Hydra / MLP-speculator heads: per row the context state ``h``; Hydra++'s prefix layer keeps a
+    RowCache of its own."""
+
+    def __init__(self, target, drafter, max_len: int):
+        self.t, self.d, self.depth = target, drafter, drafter.max_draft_len
+        self.layers = (target.cfg.n_layers,)
+        has_ctx = drafter.new_context(1, 1) is not None
+        self.rc = RowCache(lambda b, m: drafter.new_context(m, b), max_len) if has_ctx else None
+        self.caches = [self.rc] if has_ctx else []
+
+    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+        k, P = ids.shape
+        hs = self.t.norm(captured[self.layers[0]])  # (k, P, D)
+        if self.rc is None:
+            out = self.d.read_context(hs)
+        else:
+            tmp = self.d.new_context(P, k)
+            out = self.d.read_context(hs, tmp)
+            self.rc.join(tmp, live, P)
+        for j in live:
+            rows[j].h, rows[j].dpos = out[j, -1], P
+
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        if max(gam) == 0:
+            return None
+        h, path = torch.stack([r.h for r in rows]), [cur]
+
+        def expand(tok, i):
+            path.append(tok)
+            return self.d.draft_step(h, path)  # (B, V), the state head i + 1 read them from
+
+        toks, qs, count, _ = _chain(rows, gam, *self.d.draft_step(h, path), pick, expand)
+        return toks, qs, count
+
+    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        hs = self.t.norm(captured[self.layers[0]])  # (B, G+1, D): kept positions are 0..n_b
+        if self.rc is None:
+            out = self.d.read_context(hs)
+            for b, r in enumerate(rows):
+                r.h = out[b, int(n[b])]
+            return
+        seqs = [hs[b, : int(n[b]) + 1] for b in range(len(rows))]
+        x, valid, pos = _aligned(rows, seqs, [r.dpos for r in rows])
+        self.rc.ensure(x.shape[1])
+        out = self.d.read_context(x, self.rc.view, pos, valid)
+        for b, (r, s) in enumerate(zip(rows, seqs)):
+            r.h, r.dpos = out[b, -1], r.dpos + len(s)
+
+
+class _BatchFeatures:
+    """EAGLE: per row the unread (token, feature) pairs (eval/proposers.py FeatureProposer) and a RowCache whose
+    drafted slots are rolled back every step (only committed pairs are ever kept)."""
+
+    def __init__(self, target, drafter, max_len: int):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.layers = drafter.capture_layers
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+
+    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+        k, P = ids.shape
+        f = self.d.features(captured, self.t)  # (k, P, F): pair i is (f_i, x_{i+1}); the last waits for cur
+        tmp = self.d.new_cache(k, P - 1)
+        if P > 1:
+            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], cache=tmp, last_only=True)
+        self.rc.join(tmp, live, P - 1)
+        for j in live:
+            rows[j].dpos, rows[j].unread, rows[j].feats = P - 1, ids.new_empty(0), f[j, -1:]
+
+    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        self.root_end = None
+        if G == 0:
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = _aligned(rows, seqs, starts)
+        feats, _, _ = _aligned(rows, [r.feats for r in rows], starts)
+        self.rc.ensure(ids.shape[1] + G - 1)
+        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.root_end = self.rc.length
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+
+        def expand(tok, i):
+            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
+            state_in[0] = out
+            return logits[:, -1], out[:, -1]
+
+        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
+        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
+        return toks, qs, count
+
+    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        f = self.d.features(captured, self.t)  # (B, G+1, F)
+        read = self.root_end is not None
+        if read:
+            self.rc.view.length = self.root_end  # drafted nodes are never kept: roll back every row at once
+        for b, (r, m) in enumerate(zip(rows, n.tolist())):
+            if not read:  # it read nothing this step: the new pairs queue up behind the unread ones
+                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
+            else:
+                r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
+
+
+def _proposer(target, drafter, max_len: int, stop=None):
+    if drafter is None:
+        return None
+    kind = proposer_for(drafter)
+    if kind is HeadProposer:
+        return _BatchHeads(target, drafter, max_len)
+    if kind is FeatureProposer:
+        return _BatchFeatures(target, drafter, max_len)
+    return _BatchTokens(target, drafter, max_len, stop)
+
+
+class BatchDecoder:
+    """Continuous-batching speculative decoder: ``add`` rows, call ``step`` until ``active()`` is empty. drafter
+    None decodes plainly (one target forward per step for the whole batch). Chains only (no trees at B > 1).
+
+    ``stats[row_id]`` is kept after the row finishes or is removed (pop it when done). A step's draft and verify
+    wall times are added to every row in it, so ``new_tokens / (draft_time_s + verify_time_s)`` is a row's rate,
+    not the batch's: time the batch's tokens yourself."""
+
+    def __init__(self, target, drafter, *, draft_len: int = 4, eos_ids=None, max_len: int = 4096,
+                 stop_drafting=None):  # fmt: skip
+        if draft_len < 0:
+            raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+        self.target, self.eos_ids, self.max_len = target, set(eos_ids or ()), max_len
+        self.stop = stop_drafting
+        if stop_drafting is not None and drafter is None:
+            raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
+        self.prop = _proposer(target, drafter, max_len, stop_drafting)
+        self.depth = 0 if self.prop is None else int(min(draft_len, self.prop.depth))
+        self.layers = () if self.prop is None else tuple(self.prop.layers)
+        self.device = next(target.parameters()).device
+        self.rc = RowCache(target.new_cache, max_len)
+        self.rows: list[_Row] = []  # active, in cache-row order
+        self.pending: list[_Row] = []  # added, not prefilled yet
+        self.stats: dict[int, DecodeStats] = {}
+        self._next_id, self._finished = 0, []
+
+    # ---- rows -------------------------------------------------------------------------------------------------------
+
+    def add(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+            top_p: float = 1.0, generator: torch.Generator | None = None) -> int:  # fmt: skip
+        """Queue a prompt (T,) -> its row id. It is prefilled at the next ``step`` and joins that step's decode."""
+        if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
+            raise ValueError(f"a prompt is a non-empty (T,) tensor; got shape {tuple(prompt_ids.shape)}")
+        need = prompt_ids.numel() + max(max_new_tokens, 0) + 2 * self.depth + 4
+        if need > self.max_len:
+            raise DraftsmithError(
+                f"prompt of {prompt_ids.numel()} tokens + max_new_tokens={max_new_tokens} needs max_len >= {need}, "
+                f"the batch decoder has max_len={self.max_len}"
+            )
+        rid, self._next_id = self._next_id, self._next_id + 1
+        st = DecodeStats(accept_counts=[0] * (self.depth + 1))
+        s = Sampler(temperature, top_k, top_p, generator)
+        row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
+        row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
+        self.pending.append(row)
+        self.stats[rid] = st
+        return rid
+
+    def active(self) -> list[int]:
+        """Row ids still decoding (pending prefill included)."""
+        return [r.id for r in self.rows] + [r.id for r in self.pending]
+
+    def remove(self, row_id: int) -> None:
+        """Abandon a row (its client went away)."""
+        for i, r in enumerate(self.pending):
+            if r.id == row_id:
+                del self.pending[i]
+                return
+        for i, r in enumerate(self.rows):
+            if r.id == row_id:
+                self._drop(i)
+                return
+        raise KeyError(f"no active row {row_id}")
+
+    def _caches(self) -> list[RowCache]:
+        return [self.rc] + ([] if self.prop is None else self.prop.caches)
+
+    def _drop(self, i: int) -> None:
+        for c in self._caches():
+            c.remove(i)
+        self.rows[i] = self.rows[-1]
+        self.rows.pop()
+
+    # ---- sampling ---------------------------------------------------------------------------------------------------
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor):
+        """logits (B, V) -> (tokens (B,), the distributions sampled rows drew from (B, V) fp32, or None when every
+        row is greedy). Rows that share settings and generator draw together."""
+        tok = logits.argmax(-1)
+        groups: dict = {}
+        for i, r in enumerate(rows):
+            if not r.sampler.greedy:
+                groups.setdefault(r.key, []).append(i)
+        if not groups:
+            return tok, None
+        probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        for idx in groups.values():
+            s, ix = rows[idx[0]].sampler, torch.tensor(idx, device=logits.device)
+            p = s.probs(logits[ix])
+            probs[ix] = p
+            tok[ix] = torch.multinomial(p, 1, generator=s.generator)[:, 0]
+        return tok, probs
+
+    def _accept(self, rows, drafts, qs, logits, gam: torch.Tensor):
+        """Each row's rule on its first gam[b] drafts -> (n accepted (B,), next tokens (B,))."""
+        B, G1 = logits.shape[:2]
+        arg = logits.argmax(-1)  # (B, G+1)
+        ar = torch.arange(G1 - 1, device=arg.device)
+        ok = (drafts == arg[:, :-1]) & (ar[None] < gam[:, None])
+        n = ok.long().cumprod(1).sum(1)
+        nxt = arg.gather(1, n[:, None])[:, 0]
+        for b, r in enumerate(rows):
+            s = r.sampler
+            if s.greedy:
+                continue
+            g = int(gam[b])
+            p = s.probs(logits[b, : g + 1])
+            q = p.new_empty(0, p.shape[-1]) if g == 0 else qs[b, :g]
+            nb, tb = rejection_accept(drafts[b, :g], q, p, s.generator, s.impl)
+            n[b], nxt[b] = nb, tb
+        return n, nxt
+
+    # ---- the step ---------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _prefill(self) -> None:
+        """Prefill pending rows, rows of one prompt length together, and append those not done to the batch."""
+        by_len: dict[int, list[_Row]] = {}
+        for r in self.pending:
+            by_len.setdefault(r.prompt.numel(), []).append(r)
+        self.pending = []
+        for P, group in by_len.items():
+            ids = torch.stack([r.prompt for r in group])  # (k, P)
+            tmp = self.target.new_cache(len(group), P)
+            at = torch.zeros_like(ids, dtype=torch.bool)
+            at[:, -1] = True
+            out = self.target(ids, cache=tmp, capture_layers=self.layers, logits_at=at)
+            logits, captured = out if self.layers else (out, {})  # (k, V)
+            tok, _ = self._pick(group, logits)
+            live = []
+            for j, (r, t) in enumerate(zip(group, tok.tolist())):
+                r.cur, r.pos = t, P
+                r.done = r.max_new <= 0 or emit(r.out, [t], self.eos_ids, r.max_new)
+                r.new = list(r.out)
+                if not r.done:
+                    live.append(j)
+            self.rc.join(tmp, live, P)
+            if self.prop is not None and live:
+                self.prop.join(group, ids, captured, live)
+            for r in group:
+                r.stats.new_tokens = len(r.out)
+            self.rows += [group[j] for j in live]
+            self._finished += [r for r in group if r.done]
+
+    @torch.no_grad()
+    def step(self) -> dict[int, list[int]]:
+        """Prefill what was added, then one draft + verify for every active row -> {row id: tokens emitted this step}
+        (a row that finished reports its last tokens here and leaves the batch)."""
+        self._finished: list[_Row] = []
+        for r in self.rows:
+            r.new = []
+        self._prefill()
+        rows = self.rows
+        result = {r.id: r.new for r in self._finished}
+        if not rows:
+            return result
+        dev, B = self.device, len(rows)
+        gam = [min(self.depth, r.max_new - len(r.out) - 1) for r in rows]  # each row's budget
+        cur = torch.tensor([r.cur for r in rows], device=dev)
+        t0 = time.perf_counter()
+        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
+        if drafted is not None and drafted[0]:
+            toks, qs, gam = drafted  # gam: what each row drafted (its budget, or where its stop hook ended it)
+            drafts = torch.stack(toks, 1)  # (B, G)
+            qs = None if qs[0] is None else torch.stack(qs, 1)  # (B, G, V)
+        else:
+            drafts, qs, gam = cur.new_zeros(B, 0), None, [0] * B
+        G = drafts.shape[1]
+        gam = torch.tensor(gam, device=dev)
+        _sync(dev)
+        t1 = time.perf_counter()
+        ids = torch.cat([cur[:, None], drafts], 1)  # (B, G+1)
+        self.rc.ensure(G + 1)
+        s0 = self.rc.length
+        pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + torch.arange(G + 1, device=dev)
+        out = self.target(ids, pos=pos, cache=self.rc.view, capture_layers=self.layers)
+        logits, captured = out if self.layers else (out, {})
+        n, nxt = self._accept(rows, drafts, qs, logits, gam)
+        self.rc.keep(s0, G + 1, n + 1)
+        if self.prop is not None:
+            self.prop.commit(rows, cur, drafts, n, captured, G)
+        n_l, nxt_l = n.tolist(), nxt.tolist()  # the acceptance synced
+        t2 = time.perf_counter()
+        done = []
+        for b, r in enumerate(rows):
+            k = len(r.out)
+            r.done = emit(r.out, drafts[b, : n_l[b]].tolist() + [nxt_l[b]], self.eos_ids, r.max_new)
+            r.new += r.out[k:]
+            r.cur, r.pos = nxt_l[b], r.pos + n_l[b] + 1
+            r.stats.step(int(gam[b]), n_l[b], t1 - t0, t2 - t1)
+            r.stats.new_tokens = len(r.out)
+            result[r.id] = r.new
+            if r.done:
+                done.append(b)
+        for b in reversed(done):
+            self._drop(b)
+        return result
+
+
+@torch.no_grad()
+def speculative_generate_batch(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, *,
+                               draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                               eos_ids=None, generator: torch.Generator | None = None,
+                               max_len: int | None = None) -> tuple[list[list[int]], list[DecodeStats]]:  # fmt: skip
+    """Decode all ``prompts`` as one batch (drafter None: plain decoding) -> (new tokens per prompt, stats per
+    prompt), as ``speculative_generate`` would per prompt. ``max_len`` (slots per cache row) defaults to the
+    longest prompt + 2 * max_new_tokens + room: compaction is then rare."""
+    if max_len is None:
+        max_len = max(p.numel() for p in prompts) + 2 * max(max_new_tokens, 0) + 2 * draft_len + 4
+    dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len)
+    ids = [dec.add(p, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+           for p in prompts]  # fmt: skip
+    outs: dict[int, list[int]] = {i: [] for i in ids}
+    while dec.active():
+        for i, toks in dec.step().items():
+            outs[i] += toks
+    return [outs[i] for i in ids], [dec.stats[i] for i in ids]
