@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.prompts import Prompt, prompts_from
 from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.batches import batch_sweep, write_batch_plot
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.graphs import graph_decoding
@@ -205,6 +206,7 @@ def evaluate(recipe) -> dict:
     if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
         hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
+    plain_target, plain_drafter = tgt.model, setup.drafter  # the batched decoder takes them unwrapped
     optimize_models(setup, ec)
     drafter = setup.drafter  # possibly wrapped for CUDA graphs
     pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
@@ -255,7 +257,7 @@ def evaluate(recipe) -> dict:
         total, per_cat = DecodeStats(), defaultdict(DecodeStats)
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
         cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
-        solved = defaultdict(int)
+        solved, refs = defaultdict(int), []
         meter = CpuShare().start()  # tokens/s need the machine to ourselves: say if not
         for i, (p, ids) in enumerate(tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
             (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
@@ -280,12 +282,21 @@ def evaluate(recipe) -> dict:
                 ref = hf if hf is not None else ar
                 matches += spec == ref
                 n_cmp += 1
+            refs.append(ar)
+        if ec.batch_sizes:
+            prompts = [torch.tensor(ids, device=device) for _, ids in encoded]
+            batches = batch_sweep(plain_target, plain_drafter, prompts, ec.batch_sizes, ec.max_new_tokens,
+                                  draft_len=ec.draft_len, eos_ids=eos, sampling=sampling, seed=recipe.seed,
+                                  reference=refs if ec.temperature == 0 else None,
+                                  stop_drafting=stop_drafting)  # fmt: skip
         meter.stop()
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(
         recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded), device, cat_times
     )
     report["machine"] = meter.machine()
+    if ec.batch_sizes:
+        report["batches"] = batches
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
     if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
@@ -298,6 +309,8 @@ def evaluate(recipe) -> dict:
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     write_plot(report, out_dir / "acceptance.png")
     write_category_plot(report, out_dir / "by_category.png")
+    if ec.batch_sizes:
+        write_batch_plot(report, out_dir / "speedup_vs_batch.png")
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
     print(

@@ -135,4 +135,24 @@ def write_markdown(report: dict, path: Path) -> None:
         "![acceptance](acceptance.png)",
         "",
     ]
+    if r.get("batches"):
+        lines += batch_markdown(r) + ["![speedup vs batch size](speedup_vs_batch.png)", ""]
     Path(path).write_text("\n".join(lines))
+
+
+def batch_markdown(report: dict) -> list[str]:
+    sweep = report["batches"]
+    lines = [
+        "## Speedup by batch size",
+        "",
+        "| B | tau | acceptance | tokens/s own AR | tokens/s speculative | speedup | lossless |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in sweep["rows"]:
+        lines.append(
+            f"| {r['batch_size']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {r['tokens_per_s']['ar']:.1f} "
+            f"| {r['tokens_per_s']['spec']:.1f} | {r['speedup']:.2f}x | {r.get('lossless_match', '-')} |"
+        )
+    cross = sweep["crossover"]
+    lines += ["", f"Crossover: {'none in the sizes measured' if cross is None else f'B = {cross}'}.", ""]
+    return lines

@@ -436,6 +436,18 @@ class EvalConfig(Strict):
     stop: StopConfig | None = None
     """Adaptive draft length (chain only); None = always draft_len tokens. An acceptance-head checkpoint turns on
     the SpecDec++ rule with its defaults."""
+    batch_sizes: list[int] | None = None
+    """Also decode the prompts with B rows in flight for each B listed (e.g. [1, 4, 16]; a finished row is
+    replaced by the next prompt), own plain decoding and speculative with the same batched decoder: the report
+    gets tau, tokens/s, speedup and lossless match per B, the crossover B where speculation stops paying, and
+    speedup_vs_batch.png. Chains only; None = batch 1 only."""
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _sizes(cls, v):
+        if v is not None and (not v or any(b < 1 for b in v) or sorted(set(v)) != v):
+            raise ValueError("eval.batch_sizes: distinct sizes >= 1 in ascending order, e.g. [1, 4, 16]")
+        return v
 
 
 class ExportConfig(Strict):
@@ -556,6 +568,8 @@ class Recipe(Strict):
             raise ValueError("eval.judge (lossy judge verification) works with greedy chain decoding only")
         if d.kind == "judge" and self.train.eval_every:
             raise ValueError("train.eval_every does not apply to a judge: run `draftsmith eval` with eval.judge")
+        if self.eval.batch_sizes and (self.eval.strategy != "chain" or self.eval.judge is not None):
+            raise ValueError("eval.batch_sizes decodes chains only (eval.strategy=chain, no eval.judge)")
         if (d.kind == "acceptance_head" or self.eval.stop is not None) and self.eval.strategy != "chain":
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:
