@@ -48,6 +48,7 @@ from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from draftsmith.errors import DraftsmithError, redact
+from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
 from draftsmith.models.registry import check_fits_target, load_drafter
@@ -68,9 +69,13 @@ DRAFT_ROOM = 1024  # cache slots past prompt + answer for a step's drafts (trees
 
 
 def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop_drafting=None, tree=None):
-    """The one place the server picks its decoder: rows that join and leave between steps (``BatchDecoder``'s
-    add / step / remove / active / stats). The row-wise stand-in decodes chains and trees."""
+    """The one place the server picks its decoder: rows that join and leave between steps (add / step / remove /
+    active / stats). Chains and plain decoding (``drafter`` None) run as one batched forward per step
+    (eval/batch.py); trees run row by row (``_rowwise``: each row its own batch-1 decode, stepped in turn). Both
+    take the models without CUDA-graph wrappers, whose one static cache holds one row."""
     kw = dict(draft_len=draft_len, eos_ids=eos_ids, max_len=max_len, stop_drafting=stop_drafting)
+    if tree is None:
+        return BatchDecoder(_rowwise._eager(target), None if drafter is None else _rowwise._eager(drafter), **kw)
     return _rowwise.BatchDecoder(target, drafter, tree=tree, **kw)
 
 
