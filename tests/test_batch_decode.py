@@ -131,6 +131,24 @@ def test_greedy_rows_equal_their_own_decode(tgt, prompts, ar, singles, kind, B):
         assert dec.rc.compactions > 0
 
 
+@pytest.mark.parametrize("quality", ["bad", "oracle", "anti"])
+def test_draft_lms_of_every_quality(tgt, prompts, ar, quality):
+    """A random draft LM, the target drafting for itself (every draft accepted: the drafter's unread last draft
+    every step) and one that is always wrong (every draft rejected: holes everywhere), at B = 8, tight cache."""
+    from conftest import AntiDrafter
+
+    drafter = {"bad": tiny_model(7, CFG16), "oracle": tgt, "anti": AntiDrafter(tgt)}[quality]
+    dec = BatchDecoder(tgt, drafter, draft_len=GAMMA, max_len=max(LENS) + NEW + 2 * GAMMA + 4)
+    ids = [dec.add(p, NEW) for p in prompts]
+    outs = run(dec, ids)
+    assert [outs[i] for i in ids] == ar
+    accepted = [dec.stats[i].accepted for i in ids]
+    if quality == "oracle":
+        assert all(a == dec.stats[i].drafted for a, i in zip(accepted, ids))
+    if quality == "anti":
+        assert not any(accepted)
+
+
 def test_plain_batch_builds_on_one_forward_per_step(tgt, prompts, ar):
     outs, stats = speculative_generate_batch(tgt, None, prompts, NEW)
     assert outs == ar
