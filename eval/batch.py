@@ -567,7 +567,7 @@ class BatchDecoder:
             qs = None if qs[0] is None else torch.stack(qs, 1)  # (B, G, V)
         else:
             drafts, qs, gam = cur.new_zeros(B, 0), None, [0] * B
-        G = drafts.shape[1]
+        G, gam_l = drafts.shape[1], gam
         gam = torch.tensor(gam, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
@@ -581,15 +581,15 @@ class BatchDecoder:
         self.rc.keep(s0, G + 1, n + 1)
         if self.prop is not None:
             self.prop.commit(rows, cur, drafts, n, captured, G)
-        n_l, nxt_l = n.tolist(), nxt.tolist()  # the acceptance synced
+        n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), drafts.tolist()  # the acceptance synced
         t2 = time.perf_counter()
         done = []
         for b, r in enumerate(rows):
             k = len(r.out)
-            r.done = emit(r.out, drafts[b, : n_l[b]].tolist() + [nxt_l[b]], self.eos_ids, r.max_new)
+            r.done = emit(r.out, d_l[b][: n_l[b]] + [nxt_l[b]], self.eos_ids, r.max_new)
             r.new += r.out[k:]
             r.cur, r.pos = nxt_l[b], r.pos + n_l[b] + 1
-            r.stats.step(int(gam[b]), n_l[b], t1 - t0, t2 - t1)
+            r.stats.step(gam_l[b], n_l[b], t1 - t0, t2 - t1)
             r.stats.new_tokens = len(r.out)
             result[r.id] = r.new
             if r.done:
