@@ -30,6 +30,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Sampler, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
+from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
@@ -163,20 +164,19 @@ class _Row:
         return (s.temperature, s.top_k, s.top_p, None if s.generator is None else id(s.generator))
 
 
-def _aligned(rows: list[_Row], seqs: list[torch.Tensor], starts: list[int]):
+def _aligned(seqs: list[torch.Tensor], starts: list[int]):
     """Right-align per-row sequences (u_b, ...) into (B, W, ...) -> (padded, valid (B, W) or None when no row is
     padded, pos (B, W)); row b's real entries sit at positions starts[b] .. starts[b] + u_b - 1."""
-    B, W = len(seqs), max(len(s) for s in seqs)
-    dev = seqs[0].device
+    lens = [len(s) for s in seqs]
+    B, W, dev = len(seqs), max(lens), seqs[0].device
     pad = seqs[0].new_zeros((B, W, *seqs[0].shape[1:]))
-    us = torch.tensor([len(s) for s in seqs], device=dev)
-    ar = torch.arange(W, device=dev)
     for b, s in enumerate(seqs):
         if len(s):
             pad[b, W - len(s) :] = s
-    valid = ar[None] >= (W - us)[:, None]
-    pos = torch.tensor(starts, device=dev)[:, None] - (W - us)[:, None] + ar[None]
-    return pad, None if bool(valid.all()) else valid, pos
+    lead = torch.tensor([W - u for u in lens], device=dev)[:, None]  # padding slots before each row's entries
+    ar = torch.arange(W, device=dev)[None]
+    pos = torch.tensor(starts, device=dev)[:, None] - lead + ar
+    return pad, None if min(lens) == W else ar >= lead, pos
 
 
 def _chain(rows: list[_Row], gam: list[int], logits: torch.Tensor, state, pick, expand):
@@ -249,7 +249,7 @@ class _BatchTokens:
                 r.unread = torch.cat([r.unread, cur[b : b + 1]])
             return None
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
-        ids, valid, pos = _aligned(rows, seqs, [r.dpos for r in rows])
+        ids, valid, pos = _aligned(seqs, [r.dpos for r in rows])
         self.rc.ensure(ids.shape[1] + G - 1)
         logits, state = self._call(ids, pos=pos, valid=valid)
         for r, s in zip(rows, seqs):
@@ -313,7 +313,7 @@ class _BatchHeads:
                 r.h = out[b, int(n[b])]
             return
         seqs = [hs[b, : int(n[b]) + 1] for b in range(len(rows))]
-        x, valid, pos = _aligned(rows, seqs, [r.dpos for r in rows])
+        x, valid, pos = _aligned(seqs, [r.dpos for r in rows])
         self.rc.ensure(x.shape[1])
         out = self.d.read_context(x, self.rc.view, pos, valid)
         for b, (r, s) in enumerate(zip(rows, seqs)):
@@ -347,8 +347,8 @@ class _BatchFeatures:
             return None
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
         starts = [r.dpos for r in rows]
-        ids, valid, pos = _aligned(rows, seqs, starts)
-        feats, _, _ = _aligned(rows, [r.feats for r in rows], starts)
+        ids, valid, pos = _aligned(seqs, starts)
+        feats, _, _ = _aligned([r.feats for r in rows], starts)
         self.rc.ensure(ids.shape[1] + G - 1)
         logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
         for r, s in zip(rows, seqs):
@@ -377,6 +377,12 @@ class _BatchFeatures:
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
 
 
+def _unwrapped(model):
+    """The plain model inside a batch-1 CUDA-graph wrapper (eval/graphs.py), whose single static cache rows of a
+    batch would share."""
+    return model.model if isinstance(model, GraphedLlama) else model
+
+
 def _proposer(target, drafter, max_len: int, stop=None):
     if drafter is None:
         return None
@@ -400,7 +406,13 @@ class BatchDecoder:
                  stop_drafting=None):  # fmt: skip
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+        target, drafter = _unwrapped(target), _unwrapped(drafter)
         self.target, self.eos_ids, self.max_len = target, set(eos_ids or ()), max_len
+        if not isinstance(target.new_cache(1, 1), KVCache):
+            raise DraftsmithError(
+                f"batched decoding needs a Llama-family target on the slot cache (models/llama.py), not "
+                f"{type(target).__name__}: decode it at batch 1"
+            )
         self.stop = stop_drafting
         if stop_drafting is not None and drafter is None:
             raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
@@ -555,7 +567,7 @@ class BatchDecoder:
             qs = None if qs[0] is None else torch.stack(qs, 1)  # (B, G, V)
         else:
             drafts, qs, gam = cur.new_zeros(B, 0), None, [0] * B
-        G = drafts.shape[1]
+        G, gam_l = drafts.shape[1], gam
         gam = torch.tensor(gam, device=dev)
         _sync(dev)
         t1 = time.perf_counter()
@@ -569,15 +581,15 @@ class BatchDecoder:
         self.rc.keep(s0, G + 1, n + 1)
         if self.prop is not None:
             self.prop.commit(rows, cur, drafts, n, captured, G)
-        n_l, nxt_l = n.tolist(), nxt.tolist()  # the acceptance synced
+        n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), drafts.tolist()  # the acceptance synced
         t2 = time.perf_counter()
         done = []
         for b, r in enumerate(rows):
             k = len(r.out)
-            r.done = emit(r.out, drafts[b, : n_l[b]].tolist() + [nxt_l[b]], self.eos_ids, r.max_new)
+            r.done = emit(r.out, d_l[b][: n_l[b]] + [nxt_l[b]], self.eos_ids, r.max_new)
             r.new += r.out[k:]
             r.cur, r.pos = nxt_l[b], r.pos + n_l[b] + 1
-            r.stats.step(int(gam[b]), n_l[b], t1 - t0, t2 - t1)
+            r.stats.step(gam_l[b], n_l[b], t1 - t0, t2 - t1)
             r.stats.new_tokens = len(r.out)
             result[r.id] = r.new
             if r.done:
@@ -590,14 +602,16 @@ class BatchDecoder:
 @torch.no_grad()
 def speculative_generate_batch(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, *,
                                draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                               eos_ids=None, generator: torch.Generator | None = None,
+                               eos_ids=None, generator: torch.Generator | None = None, stop_drafting=None,
                                max_len: int | None = None) -> tuple[list[list[int]], list[DecodeStats]]:  # fmt: skip
     """Decode all ``prompts`` as one batch (drafter None: plain decoding) -> (new tokens per prompt, stats per
-    prompt), as ``speculative_generate`` would per prompt. ``max_len`` (slots per cache row) defaults to the
-    longest prompt + 2 * max_new_tokens + room: compaction is then rare."""
+    prompt), as ``speculative_generate`` would per prompt (``stop_drafting``: its stop rule, per row). ``max_len``
+    (slots per cache row) defaults to the longest prompt + 2 * max_new_tokens + room: compaction is then rare."""
     if max_len is None:
         max_len = max(p.numel() for p in prompts) + 2 * max(max_new_tokens, 0) + 2 * draft_len + 4
-    dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len)
+    dec = BatchDecoder(
+        target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len, stop_drafting=stop_drafting
+    )
     ids = [dec.add(p, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
            for p in prompts]  # fmt: skip
     outs: dict[int, list[int]] = {i: [] for i in ids}

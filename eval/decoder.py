@@ -113,9 +113,10 @@ def emit(out: list[int], new: list[int], eos_ids: set[int] | None, max_new_token
 def prepare_prompt(model, prompt_ids: torch.Tensor) -> torch.Tensor:
     """prompt_ids (T,) -> (1, T) long on the model's device."""
     if prompt_ids.dim() != 1:
-        # Batched speculative decoding needs per-row acceptance lengths and ragged caches to stay
-        # output-equivalent; until then, say so rather than flatten rows into one sequence.
-        raise ValueError(f"the decoder takes one prompt (T,) at a time; got shape {tuple(prompt_ids.shape)}")
+        # Say so rather than flatten rows into one sequence; batches have their own decoder.
+        raise ValueError(
+            f"the decoder takes one prompt (T,) at a time (batches: eval/batch.py); got shape {tuple(prompt_ids.shape)}"
+        )
     device = next(model.parameters()).device
     return prompt_ids.to(device=device, dtype=torch.long).view(1, -1)  # (1, T)
 

@@ -131,6 +131,24 @@ def test_greedy_rows_equal_their_own_decode(tgt, prompts, ar, singles, kind, B):
         assert dec.rc.compactions > 0
 
 
+@pytest.mark.parametrize("quality", ["bad", "oracle", "anti"])
+def test_draft_lms_of_every_quality(tgt, prompts, ar, quality):
+    """A random draft LM, the target drafting for itself (every draft accepted: the drafter's unread last draft
+    every step) and one that is always wrong (every draft rejected: holes everywhere), at B = 8, tight cache."""
+    from conftest import AntiDrafter
+
+    drafter = {"bad": tiny_model(7, CFG16), "oracle": tgt, "anti": AntiDrafter(tgt)}[quality]
+    dec = BatchDecoder(tgt, drafter, draft_len=GAMMA, max_len=max(LENS) + NEW + 2 * GAMMA + 4)
+    ids = [dec.add(p, NEW) for p in prompts]
+    outs = run(dec, ids)
+    assert [outs[i] for i in ids] == ar
+    accepted = [dec.stats[i].accepted for i in ids]
+    if quality == "oracle":
+        assert all(a == dec.stats[i].drafted for a, i in zip(accepted, ids))
+    if quality == "anti":
+        assert not any(accepted)
+
+
 def test_plain_batch_builds_on_one_forward_per_step(tgt, prompts, ar):
     outs, stats = speculative_generate_batch(tgt, None, prompts, NEW)
     assert outs == ar
@@ -269,6 +287,57 @@ def test_bad_arguments(tgt, prompts):
     dec = BatchDecoder(tgt, None)
     i = dec.add(prompts[0], 0)
     assert dec.step() == {i: []} and not dec.active()
+
+    class NotSlotCached(torch.nn.Module):  # e.g. a transformers-fallback target
+        def new_cache(self, batch, max_len):
+            return object()
+
+    with pytest.raises(DraftsmithError, match="batch 1"):
+        BatchDecoder(NotSlotCached(), None)
+
+
+def test_cuda_graph_wrappers_are_decoded_through_their_models(tgt, prompts, ar):
+    """eval's fast path wraps models for batch-1 CUDA graphs around one static cache (uncaptured on CPU): the batch
+    decoder uses the models inside, whose caches rows do not share."""
+    from draftsmith.eval.graphs import GraphedLlama
+
+    d = GraphedLlama(noisy_copy(tgt, 0.5), 200, graphs=False)
+    outs, _ = speculative_generate_batch(GraphedLlama(tgt, 200, graphs=False), d, prompts[:3], NEW, draft_len=GAMMA)
+    assert outs == ar[:3]
+
+
+def _filtered_joint(model, prompt: list[int], depth: int, **sampling) -> torch.Tensor:
+    """P(t1..t_depth | prompt) under ``process_logits(**sampling)`` at every step, by enumeration."""
+    from draftsmith.models.sampling import process_logits
+
+    V = model.cfg.vocab_size
+    seqs = torch.cartesian_prod(*[torch.arange(V)] * depth).view(-1, depth)
+    ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs[:, :-1]], dim=1)
+    with torch.no_grad():
+        probs = process_logits(model(ids)[:, len(prompt) - 1 :], **sampling)
+    return probs.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).view(*[V] * depth)
+
+
+def test_rows_keep_their_own_sampling_settings():
+    """Rows with different temperature / top-k / top-p in one batch: each group's first three tokens follow the
+    target under its own settings."""
+    t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
+    torch.manual_seed(5)
+    drafter, prompt, N = noisy_copy(t, 0.5), [1, 2, 3, 4], 3000
+    settings = [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}]
+    dec = BatchDecoder(t, drafter, draft_len=2, max_len=16)
+    gen = torch.Generator().manual_seed(0)
+    ids = {
+        k: [dec.add(torch.tensor(prompt), 3, generator=gen, **kw) for _ in range(N)] for k, kw in enumerate(settings)
+    }
+    outs = run(dec, [i for v in ids.values() for i in v], check=False)
+    for k, kw in enumerate(settings):
+        counts = torch.zeros(*[t.cfg.vocab_size] * 3)
+        for i in ids[k]:
+            counts[tuple(outs[i])] += 1
+        emp, joint = counts / N, _filtered_joint(t, prompt, 3, **{"top_k": 0, "top_p": 1.0, **kw})
+        for dims in [(1, 2), (0, 2), (0, 1)]:
+            assert tv(emp.sum(dims), joint.sum(dims)) < 0.035, (kw, dims)
 
 
 class _SumStop:
