@@ -29,6 +29,7 @@ MAINTAINED = [
     "kind_table",
     "export_prompts",
     "probe_bad_inputs",
+    "batch_decode",
     "probe_kills",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
