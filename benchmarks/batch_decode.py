@@ -31,11 +31,11 @@ from draftsmith.models.registry import build_drafter, load_drafter
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument("--target", default="smollm2-135m-instruct", help="target model: a packaged alias or folder")
     ap.add_argument("--n", type=int, default=16, help="MT-bench first turns")
     ap.add_argument("--batch", default="1,4,16", help="batch sizes")
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--draft-len", type=int, default=3)
+    ap.add_argument("--max-new", type=int, default=64, help="new tokens per prompt (greedy)")
+    ap.add_argument("--draft-len", type=int, default=3, help="drafts per verify step (chain)")
     ap.add_argument("--layers", default="0,29", help="target layers the self-draft copies (no --drafter)")
     ap.add_argument("--drafter", default=None, help="a drafter checkpoint folder (registry load_drafter)")
     ap.add_argument("--optimize", type=int, default=1, help="fused, pre-packed matmuls (eval.optimize)")
