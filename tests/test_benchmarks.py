@@ -30,6 +30,7 @@ MAINTAINED = [
     "export_prompts",
     "probe_bad_inputs",
     "probe_kills",
+    "load_serve",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import http.client
 import json
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from draftsmith.models.registry import save_drafter
 from draftsmith.recipes.loader import load_recipe
 
 TEXT = "Tell me about foxes."
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "load_serve.py"
 
 
 @pytest.fixture(scope="module")
@@ -63,3 +67,17 @@ def test_serve_without_speculation(tiny, tmp_path, speculate):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+@pytest.mark.slow  # three server processes: about 15 s on 2 CPU cores
+def test_load_benchmark_tiny_smoke(tmp_path):
+    out = tmp_path / "load.json"
+    cmd = [sys.executable, str(BENCH), "--tiny", "--requests", "4", "--concurrency", "1,4", "--max-tokens", "16"]
+    res = subprocess.run([*cmd, "--prompts", "4", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())["results"]
+    assert sorted(got) == ["batch-1", "spec-off", "spec-on"]
+    for name, cfg in got.items():
+        assert cfg["health"] == "ok", name
+        for row in cfg["levels"]:
+            assert (row["errors"], row["mismatches"], row["cut"], row["n"]) == (0, 0, 0, 4), (name, row)
