@@ -492,6 +492,9 @@ class OnlineConfig(Strict):
     """serve: cap on a request's max_tokens."""
     max_batch: int = Field(16, gt=0)
     """serve: requests decoded together (rows of the running batch); later ones wait in the queue."""
+    speculate: bool = True
+    """serve: decode with the serving drafter (false = plain decoding with the target alone, the baseline to compare
+    against; the drafter still loads, and the learner still runs when online.learn is on)."""
     max_queue: int = Field(256, gt=0)
     """serve: requests waiting for a row beyond this get HTTP 503 with Retry-After."""
     request_timeout_s: float = Field(120.0, gt=0)

@@ -31,6 +31,7 @@ MAINTAINED = [
     "probe_bad_inputs",
     "batch_decode",
     "probe_kills",
+    "load_serve",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

@@ -225,7 +225,7 @@ class Engine:
         if self.version not in self.live:
             self.live[self.version] = make_decoder(
                 self.target,
-                self.drafter,
+                self.drafter if self.oc.speculate else None,  # online.speculate: false decodes plainly
                 draft_len=self.ec.draft_len,
                 eos_ids=self.eos,
                 max_len=self.max_len + DRAFT_ROOM,
