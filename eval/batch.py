@@ -407,7 +407,7 @@ class BatchDecoder:
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
         target, drafter = _unwrapped(target), _unwrapped(drafter)
-        self.target, self.eos_ids, self.max_len = target, set(eos_ids or ()), max_len
+        self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
         if not isinstance(target.new_cache(1, 1), KVCache):
             raise DraftsmithError(
                 f"batched decoding needs a Llama-family target on the slot cache (models/llama.py), not "
