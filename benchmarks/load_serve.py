@@ -60,39 +60,13 @@ def build_tiny(root: Path) -> tuple[Path, Path]:
     """A tiny random Llama (2 layers, hidden 64, byte-level BPE, ChatML template) and a draft LM that copies its two
     layers with noise (so some drafts are rejected). Returns (target folder, drafter checkpoint)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     from draftsmith.models.draft_lm import build_draft_lm
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import save_drafter
+    from draftsmith.models.tiny import build_tiny_target
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(TINY_PROMPTS * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(fast), hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id, bos_token_id=fast.bos_token_id,
-    )  # fmt: skip
-    target = root / "target"
-    LlamaForCausalLM(cfg).save_pretrained(target, safe_serialization=True)
-    fast.save_pretrained(target)
+    target = build_tiny_target(root / "target", TINY_PROMPTS * 4)
     tgt = load_model(str(target), torch.float32, "cpu")
     torch.manual_seed(0)
     draft = build_draft_lm({"n_layers": 2, "init_from_target": True, "init_layers": [0, 1]}, tgt.model)

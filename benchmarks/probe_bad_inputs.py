@@ -55,43 +55,9 @@ PROMPTS = [
 
 def build_target(path: Path) -> None:
     """A tiny random Llama (2 layers, hidden 64) with a byte-level BPE tokenizer and a ChatML template."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from draftsmith.models.tiny import build_tiny_target
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([json.dumps(p) for p in PROMPTS] * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        bos_token_id=fast.bos_token_id,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    fast.save_pretrained(path)
+    build_tiny_target(path, [json.dumps(p) for p in PROMPTS] * 4)
 
 
 def cli(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -75,38 +75,9 @@ def prompts(n: int) -> list[dict]:
 
 def build_target(path: Path, corpus: list[str]) -> None:
     """A tiny random Llama (2 layers, hidden 64) with a byte-level BPE tokenizer and a ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from draftsmith.models.tiny import build_tiny_target
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=alphabet)
-    tok.train_from_iterator(corpus, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token=specials[1]
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    torch.manual_seed(0)
-    ids = {"eos_token_id": fast.eos_token_id, "pad_token_id": fast.pad_token_id, "bos_token_id": fast.bos_token_id}
-    cfg = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        **ids,
-    )
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    fast.save_pretrained(path)
+    build_tiny_target(path, corpus)
 
 
 def command(stage: str, recipe: Path, run: Path) -> list[str]:

@@ -18,10 +18,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _RECIPES = str(Path(__file__).resolve().parent / "recipes")
 os.environ["DRAFTSMITH_RECIPES"] = os.pathsep.join(filter(None, (_RECIPES, os.environ.get("DRAFTSMITH_RECIPES"))))
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+from draftsmith.models.tiny import save_tiny_llama  # noqa: E402, F401 (tests import it from here)
+from draftsmith.models.tiny import tiny_tokenizer as _tiny_tokenizer  # noqa: E402
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding lets a small draft model propose tokens that a large target verifies.",
@@ -72,48 +71,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def build_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
-    )
-    fast.chat_template = CHATML
-    return fast
-
-
-def save_tiny_llama(path, tok, seed: int = 0, **overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-    )
-    cfg.update(overrides)
-    model = LlamaForCausalLM(LlamaConfig(**cfg))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return _tiny_tokenizer(CORPUS)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,67 @@
+"""A tiny random Llama target built in code: 2 layers, hidden 64, a 300-token byte-level BPE tokenizer trained on a
+given corpus, and a ChatML chat template. The tests, the bad-input and kill probes and the load benchmark run on it,
+offline and in seconds; it is a real HF folder (config.json, model.safetensors, tokenizer files), loaded like any
+target."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer(corpus: list[str]):
+    """A byte-level BPE (300 tokens: <pad>, <|im_start|>, <|im_end|> and merges learned on ``corpus``), ChatML."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", bos_token="<|im_start|>"
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def save_tiny_llama(path, tok, seed: int = 0, **overrides) -> Path:
+    """A random LlamaForCausalLM over ``tok`` (weights from ``torch.manual_seed(seed)``) saved with its tokenizer to
+    ``path``; ``overrides`` change LlamaConfig fields."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
+    cfg.update(overrides)
+    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return Path(path)
+
+
+def build_tiny_target(path, corpus: list[str], seed: int = 0) -> Path:
+    """``save_tiny_llama`` with a tokenizer trained on ``corpus``."""
+    return save_tiny_llama(path, tiny_tokenizer(corpus), seed)
