@@ -32,6 +32,7 @@ from draftsmith.eval.accept import Sampler, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.kernels.verify import verify_greedy
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
 
@@ -414,6 +415,7 @@ class BatchDecoder:
                 f"{type(target).__name__}: decode it at batch 1"
             )
         self.stop = stop_drafting
+        self.impl = "auto"  # greedy acceptance: the fused kernel on CUDA, the PyTorch rule elsewhere
         if stop_drafting is not None and drafter is None:
             raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
         self.prop = _proposer(target, drafter, max_len, stop_drafting)
@@ -495,12 +497,11 @@ class BatchDecoder:
 
     def _accept(self, rows, drafts, qs, logits, gam: torch.Tensor):
         """Each row's rule on its first gam[b] drafts -> (n accepted (B,), next tokens (B,))."""
-        B, G1 = logits.shape[:2]
-        arg = logits.argmax(-1)  # (B, G+1)
-        ar = torch.arange(G1 - 1, device=arg.device)
-        ok = (drafts == arg[:, :-1]) & (ar[None] < gam[:, None])
-        n = ok.long().cumprod(1).sum(1)
-        nxt = arg.gather(1, n[:, None])[:, 0]
+        G = logits.shape[1] - 1
+        # greedy for every row at once (fused on CUDA): a draft past a row's own gam[b] is -1, which never matches
+        past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
+        n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
+        n = n.long()
         for b, r in enumerate(rows):
             s = r.sampler
             if s.greedy:
