@@ -474,3 +474,18 @@ def test_prompts_and_answers_never_reach_the_logs(server, tiny, caplog):
     answer = json.loads(body)["choices"][0]["text"]
     assert _request(port, "POST", "/v1/completions", {"prompt": marker, "max_tokens": "x"})[0] == 400
     assert code == 200 and marker not in caplog.text and (not answer.strip() or answer not in caplog.text)
+
+
+def test_a_stream_ends_with_the_same_text_as_the_plain_answer(tiny):
+    """A character whose bytes span tokens is held back until it completes; when the answer ends first (max_tokens
+    cut it), the held bytes go out with the last chunk, so the streamed pieces join to the plain answer's text."""
+    from draftsmith.serving.server import TextStream
+
+    tok = tiny["tgt"].tokenizer
+    a, b = tok.convert_tokens_to_ids(["Ã", "©"])  # the byte-level tokens of "é" (bytes C3 A9)
+    hi = tok.encode("hi", add_special_tokens=False)
+    for answer in ([*hi, a, b], [*hi, a], [a]):  # whole; cut after the first byte; nothing but the cut byte
+        stream = TextStream(tok, tiny["eos"])
+        pieces = [stream.push([t]) for t in answer] + [stream.finish()]
+        assert "".join(pieces) == tok.decode(answer, skip_special_tokens=True), answer
+        assert all("\ufffd" not in p for p in pieces[:-1])  # never half a character mid-stream

@@ -79,6 +79,31 @@ def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop
     return _rowwise.BatchDecoder(target, drafter, tree=tree, **kw)
 
 
+class TextStream:
+    """A streamed answer's text, sent in whole characters: a character whose bytes span tokens is held back until it
+    completes (``push``), and what is still held when the answer ends goes out with ``finish``, so the streamed
+    pieces always join to the non-streamed answer's text."""
+
+    def __init__(self, tok, eos: set[int]):
+        self.tok, self.eos, self.tokens, self.sent = tok, eos, [], ""
+
+    def _text(self) -> str:
+        return self.tok.decode([t for t in self.tokens if t not in self.eos], skip_special_tokens=True)
+
+    def push(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        text = self._text()
+        if len(text) <= len(self.sent) or text.endswith("\ufffd"):  # whole characters only
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    def finish(self) -> str:
+        text = self._text()
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, code: int = 400):
         super().__init__(message)
@@ -597,7 +622,7 @@ def build_app(engine: Engine) -> FastAPI:
         def event(o: dict) -> bytes:
             return b"data: " + json.dumps(o).encode() + b"\n\n"
 
-        tokens, sent, ended = [], "", False
+        text, ended = TextStream(tok, engine.eos), False
         try:
             if chat:
                 first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
@@ -606,13 +631,12 @@ def build_app(engine: Engine) -> FastAPI:
             while True:
                 kind, val = await job.events.get()
                 if kind == "tokens":
-                    tokens += val
-                    text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
-                    if len(text) > len(sent) and not text.endswith("\ufffd"):  # whole characters only
-                        yield chunk(text[len(sent) :])
-                        sent = text
+                    if delta := text.push(val):
+                        yield chunk(delta)
                 elif kind == "done":
                     ended = True
+                    if tail := text.finish():  # a character the answer's last token left incomplete
+                        yield chunk(tail)
                     yield chunk(None, val["finish_reason"])
                     break
                 else:
