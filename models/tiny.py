@@ -37,11 +37,13 @@ def tiny_tokenizer(corpus: list[str]):
     return fast
 
 
-def save_tiny_llama(path, tok, seed: int = 0, **overrides) -> Path:
-    """A random LlamaForCausalLM over ``tok`` (weights from ``torch.manual_seed(seed)``) saved with its tokenizer to
-    ``path``; ``overrides`` change LlamaConfig fields."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_tiny_target(path, tok, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random model of ``family`` (llama; qwen2: q/k/v bias; qwen3: q/k-norm and head_dim 32, not dim / heads)
+    over ``tok``, weights from ``torch.manual_seed(seed)``, saved with its tokenizer to ``path``; ``overrides``
+    change config fields."""
+    import transformers
 
+    arch = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
     torch.manual_seed(seed)
     cfg = dict(
         vocab_size=len(tok),
@@ -55,11 +57,18 @@ def save_tiny_llama(path, tok, seed: int = 0, **overrides) -> Path:
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
+        **({"head_dim": 32} if family == "qwen3" else {}),
     )
     cfg.update(overrides)
-    LlamaForCausalLM(LlamaConfig(**cfg)).save_pretrained(path, safe_serialization=True)
+    config = getattr(transformers, f"{arch}Config")(**cfg)
+    getattr(transformers, f"{arch}ForCausalLM")(config).save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return Path(path)
+
+
+def save_tiny_llama(path, tok, seed: int = 0, **overrides) -> Path:
+    """``save_tiny_target`` of the llama family."""
+    return save_tiny_target(path, tok, "llama", seed, **overrides)
 
 
 def build_tiny_target(path, corpus: list[str], seed: int = 0) -> Path:

@@ -15,7 +15,6 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import save_tiny_llama
 from safetensors.torch import load_file
 
 from draftsmith.errors import DraftsmithError
@@ -24,6 +23,7 @@ from draftsmith.integrity import checksums
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter, save_drafter
+from draftsmith.models.tiny import save_tiny_target as _save_tiny_target
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -32,32 +32,7 @@ def save_tiny_target(path, tok, family: str, n_layers: int = 8):
     """A tiny random HF folder of ``family`` (Qwen2: q/k/v bias; Qwen3: q/k-norm, head_dim != dim / heads), with a
     RoPE base that is no library's default, so a reader that misses it computes another function."""
     rope = {"rope_type": "default", "rope_theta": 50000.0}
-    if family == "llama":
-        return save_tiny_llama(path, tok, num_hidden_layers=n_layers, rope_parameters=rope)
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    torch.manual_seed(0)
-    common = dict(
-        vocab_size=len(tok),
-        hidden_size=64,
-        num_hidden_layers=n_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        rope_parameters=rope,
-    )
-    if family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return _save_tiny_target(path, tok, family, num_hidden_layers=n_layers, rope_parameters=rope)
 
 
 @pytest.fixture(scope="module")
