@@ -29,6 +29,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Sampler, rejection_accept
+from draftsmith.eval.batch_shapes import RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
@@ -110,6 +111,14 @@ class RowCache:
         self.view.length = s0 + hi
         self.view.padded |= lo < hi
 
+    def keep_slots(self, s0: int, keep: torch.Tensor) -> None:
+        """Of the keep.shape[1] slots written from s0, row b keeps those where keep[b] (any subset: a tree's root
+        and accepted path); the rest become holes, and slots past the last one any row kept are rolled back."""
+        self.view.valid[:, s0 : s0 + keep.shape[1]] &= keep
+        hi = int(keep.any(0).nonzero()[-1]) + 1
+        self.view.length = s0 + hi
+        self.view.padded |= not bool(keep[:, :hi].all())
+
     def join(self, tmp: KVCache, rows: list[int], count: int) -> None:
         """Append rows ``rows`` of ``tmp`` (their first ``count`` slots all valid) as new active rows."""
         k = len(rows)
@@ -158,6 +167,8 @@ class _Row:
     feats: torch.Tensor | None = None  # EAGLE: the unread features (len(unread) + 1, F)
     h: torch.Tensor | None = None  # heads: the context state that produced cur (D,)
     stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
+    prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/batch_shapes.py)
+    shape: object = None  # ... and its step shape
 
     @property
     def key(self):
@@ -384,9 +395,11 @@ def _unwrapped(model):
     return model.model if isinstance(model, GraphedLlama) else model
 
 
-def _proposer(target, drafter, max_len: int, stop=None):
+def _proposer(target, drafter, max_len: int, stop=None, tree=None, judge=None, draft_len: int = 0):
     if drafter is None:
         return None
+    if tree is not None or judge is not None:
+        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
     kind = proposer_for(drafter)
     if kind is HeadProposer:
         return _BatchHeads(target, drafter, max_len)
@@ -397,14 +410,16 @@ def _proposer(target, drafter, max_len: int, stop=None):
 
 class BatchDecoder:
     """Continuous-batching speculative decoder: ``add`` rows, call ``step`` until ``active()`` is empty. drafter
-    None decodes plainly (one target forward per step for the whole batch). Chains only (no trees at B > 1).
+    None decodes plainly (one target forward per step for the whole batch). Chains draft as one batch per drafter
+    step; ``tree`` (a ``TreeSpec`` or ``DynamicTree``) and ``judge`` (lossy Judge-Decoding chains) draft row by row
+    with batch-1 proposers and verify as one batch (eval/batch_shapes.py).
 
     ``stats[row_id]`` is kept after the row finishes or is removed (pop it when done). A step's draft and verify
     wall times are added to every row in it, so ``new_tokens / (draft_time_s + verify_time_s)`` is a row's rate,
     not the batch's: time the batch's tokens yourself."""
 
     def __init__(self, target, drafter, *, draft_len: int = 4, eos_ids=None, max_len: int = 4096,
-                 stop_drafting=None):  # fmt: skip
+                 stop_drafting=None, tree=None, judge=None):  # fmt: skip
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
         target, drafter = _unwrapped(target), _unwrapped(drafter)
@@ -418,8 +433,14 @@ class BatchDecoder:
         self.impl = "auto"  # greedy acceptance: the fused kernel on CUDA, the PyTorch rule elsewhere
         if stop_drafting is not None and drafter is None:
             raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
-        self.prop = _proposer(target, drafter, max_len, stop_drafting)
+        if drafter is None and (tree is not None or judge is not None):
+            raise ValueError("a tree or a judge needs a drafter; plain decoding (drafter None) has none")
+        self.prop = _proposer(target, drafter, max_len, stop_drafting, tree, judge, draft_len)
+        self.rowwise = isinstance(self.prop, RowShapes)
         self.depth = 0 if self.prop is None else int(min(draft_len, self.prop.depth))
+        if self.rowwise:
+            self.depth = self.prop.depth  # a tree's depth is its own
+        self.room = self.prop.room + 2 if self.rowwise else 2 * self.depth  # slots a step may write past a row's
         self.layers = () if self.prop is None else tuple(self.prop.layers)
         self.device = next(target.parameters()).device
         self.rc = RowCache(target.new_cache, max_len)
@@ -435,7 +456,7 @@ class BatchDecoder:
         """Queue a prompt (T,) -> its row id. It is prefilled at the next ``step`` and joins that step's decode."""
         if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
             raise ValueError(f"a prompt is a non-empty (T,) tensor; got shape {tuple(prompt_ids.shape)}")
-        need = prompt_ids.numel() + max(max_new_tokens, 0) + 2 * self.depth + 4
+        need = prompt_ids.numel() + max(max_new_tokens, 0) + self.room + 4
         if need > self.max_len:
             raise DraftsmithError(
                 f"prompt of {prompt_ids.numel()} tokens + max_new_tokens={max_new_tokens} needs max_len >= {need}, "
@@ -444,6 +465,8 @@ class BatchDecoder:
         rid, self._next_id = self._next_id, self._next_id + 1
         st = DecodeStats(accept_counts=[0] * (self.depth + 1))
         s = Sampler(temperature, top_k, top_p, generator)
+        if self.rowwise:
+            self.prop.check(s)
         row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
         row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
         self.pending.append(row)
@@ -558,8 +581,13 @@ class BatchDecoder:
         if not rows:
             return result
         dev, B = self.device, len(rows)
-        gam = [min(self.depth, r.max_new - len(r.out) - 1) for r in rows]  # each row's budget
         cur = torch.tensor([r.cur for r in rows], device=dev)
+        if self.rowwise:
+            acc, nxt_l, drafted, judged, t_draft, t_verify = self.prop.step(self, rows, cur)
+            for r, j in zip(rows, judged):
+                r.stats.judge_accepted += j
+            return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result)
+        gam = [min(self.depth, r.max_new - len(r.out) - 1) for r in rows]  # each row's budget
         t0 = time.perf_counter()
         drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
         if drafted is not None and drafted[0]:
@@ -584,13 +612,18 @@ class BatchDecoder:
             self.prop.commit(rows, cur, drafts, n, captured, G)
         n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), drafts.tolist()  # the acceptance synced
         t2 = time.perf_counter()
+        acc = [d[:k] for d, k in zip(d_l, n_l)]
+        return self._commit(rows, acc, nxt_l, gam_l, t1 - t0, t2 - t1, result)
+
+    def _commit(self, rows, acc, nxt, drafted, t_draft: float, t_verify: float, result: dict) -> dict:
+        """Emit each row's accepted drafts and next token, update its state and stats, drop finished rows."""
         done = []
         for b, r in enumerate(rows):
             k = len(r.out)
-            r.done = emit(r.out, d_l[b][: n_l[b]] + [nxt_l[b]], self.eos_ids, r.max_new)
+            r.done = emit(r.out, acc[b] + [nxt[b]], self.eos_ids, r.max_new)
             r.new += r.out[k:]
-            r.cur, r.pos = nxt_l[b], r.pos + n_l[b] + 1
-            r.stats.step(gam_l[b], n_l[b], t1 - t0, t2 - t1)
+            r.cur, r.pos = nxt[b], r.pos + len(acc[b]) + 1
+            r.stats.step(drafted[b], len(acc[b]), t_draft, t_verify)
             r.stats.new_tokens = len(r.out)
             result[r.id] = r.new
             if r.done:
@@ -604,15 +637,19 @@ class BatchDecoder:
 def speculative_generate_batch(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, *,
                                draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                                eos_ids=None, generator: torch.Generator | None = None, stop_drafting=None,
-                               max_len: int | None = None) -> tuple[list[list[int]], list[DecodeStats]]:  # fmt: skip
+                               max_len: int | None = None, tree=None,
+                               judge=None) -> tuple[list[list[int]], list[DecodeStats]]:  # fmt: skip
     """Decode all ``prompts`` as one batch (drafter None: plain decoding) -> (new tokens per prompt, stats per
     prompt), as ``speculative_generate`` would per prompt (``stop_drafting``: its stop rule, per row). ``max_len``
-    (slots per cache row) defaults to the longest prompt + 2 * max_new_tokens + room: compaction is then rare."""
+    (slots per cache row) defaults to the longest prompt + 2 * max_new_tokens + room: compaction is then rare.
+    ``tree`` / ``judge``: trees and judged chains, as ``speculative_generate`` takes them."""
     if max_len is None:
-        max_len = max(p.numel() for p in prompts) + 2 * max(max_new_tokens, 0) + 2 * draft_len + 4
-    dec = BatchDecoder(
-        target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len, stop_drafting=stop_drafting
-    )
+        room = 2 * draft_len
+        if tree is not None or judge is not None:
+            room = RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop_drafting).room + 2
+        max_len = max(p.numel() for p in prompts) + 2 * max(max_new_tokens, 0) + room + 4
+    dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
+                       stop_drafting=stop_drafting, tree=tree, judge=judge)  # fmt: skip
     ids = [dec.add(p, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
            for p in prompts]  # fmt: skip
     outs: dict[int, list[int]] = {i: [] for i in ids}

@@ -1,0 +1,105 @@
+"""Trees and judged chains at B > 1, for ``BatchDecoder`` (eval/batch.py): every drafter kind, static and dynamic
+trees, greedy and sampled, and lossy Judge-Decoding chains.
+
+Each row drafts with its own batch-1 proposer and step shape (eval/proposers.py, eval/shapes.py: the same drafting
+and acceptance code as ``speculative_generate``), so a row's drafts and accepted path are exactly its batch-1 ones.
+What is batched is the target: one forward verifies every row's tree. Row b's nodes are written at the same slots
+``[s0, s0 + W)`` for every row, each under its own tree mask (the committed prefix, its ancestors and itself) at RoPE
+positions ``pos_b + depth``; a row with fewer nodes than W pads with nodes no real node attends to (they attend
+only to themselves and are never kept). After each row's acceptance rule, the slots of its root and accepted path
+stay valid and every other slot becomes a hole in the key-validity mask: the path's keys were written at exactly
+the RoPE positions they hold as committed tokens, and later queries see every valid slot before their own, so
+nothing needs to move (the cache's compaction squeezes holes out when it runs out of room).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+
+from draftsmith.eval.accept import Sampler
+from draftsmith.eval.decoder import _sync
+from draftsmith.eval.proposers import proposer_for
+from draftsmith.eval.shapes import Draft, shape_for
+
+
+class RowShapes:
+    """The drafter's side of a batch whose steps draft trees (``tree``: a ``TreeSpec`` or ``DynamicTree``) or
+    judged chains (``judge``). Drafter caches are per row, inside each row's proposer."""
+
+    def __init__(self, target, drafter, *, tree, judge, draft_len: int, stop=None):
+        self.t, self.d, self.tree, self.judge, self.draft_len, self.stop = target, drafter, tree, judge, draft_len, stop
+        prop = self._proposer()
+        probe = self._shape(prop, Sampler(0.0))  # refuses what batch 1 refuses (a stop hook on a tree, ...)
+        self.depth, self.room = probe.depth, probe.room
+        self.layers = tuple(dict.fromkeys(prop.layers + probe.layers))
+        self.caches: list = []  # no shared drafter cache: each row's proposer holds its own
+
+    def _proposer(self):
+        stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
+        return proposer_for(self.d)(self.t, self.d, stop)
+
+    def _shape(self, prop, sampler: Sampler):
+        return shape_for(self.t, prop, self.tree, self.draft_len, sampler, self.judge)
+
+    def check(self, sampler: Sampler) -> None:
+        """Refuse at ``add`` what the shape would refuse at prefill (a judge decodes greedily)."""
+        self._shape(self._proposer(), sampler)
+
+    def join(self, rows, ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+        """Rows ``live`` of a prefill wave (``ids`` right-aligned, as ``captured``): each gets its proposer and
+        shape, prefilled on its own prompt and the target's states at it."""
+        W = ids.shape[1]
+        for j in live:
+            r = rows[j]
+            P = r.prompt.numel()
+            r.prop = self._proposer()
+            r.shape = self._shape(r.prop, r.sampler)
+            cap = {layer: c[j : j + 1, W - P :] for layer, c in captured.items()}
+            r.prop.prefill(r.prompt[None], cap, P + r.max_new + self.room + 2, check_vocab=self.tree is None)
+
+    @torch.no_grad()
+    def step(self, dec, rows, cur: torch.Tensor):
+        """One draft + batched verify + per-row accept -> (accepted tokens per row, next token per row, drafts per
+        row, judged per row, draft seconds, verify seconds)."""
+        t0 = time.perf_counter()
+        drafts: list[Draft] = [
+            r.shape.draft(r.prop, cur[b : b + 1], r.max_new - len(r.out) - 1) for b, r in enumerate(rows)
+        ]
+        _sync(dec.device)
+        t1 = time.perf_counter()
+        sizes = [d.tokens.numel() for d in drafts]
+        B, W, dev = len(rows), max(sizes) + 1, cur.device
+        ids = cur.new_zeros(B, W)
+        ids[:, 0] = cur
+        depth = torch.zeros(B, W, dtype=torch.long, device=dev)
+        anc = torch.eye(W, dtype=torch.bool, device=dev).repeat(B, 1, 1)  # a padding node sees only itself
+        for b, (d, n) in enumerate(zip(drafts, sizes)):
+            ids[b, 1 : n + 1] = d.tokens
+            if d.anc is None:  # a chain: each draft's ancestors are the drafts before it
+                anc[b, : n + 1, : n + 1] = torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev).tril()
+                depth[b, : n + 1] = torch.arange(n + 1, device=dev)
+            else:
+                anc[b, : n + 1, : n + 1] = d.anc
+                depth[b, : n + 1] = d.depths
+        dec.rc.ensure(W)
+        s0 = dec.rc.length
+        mask = torch.ones(B, W, s0 + W, dtype=torch.bool, device=dev)
+        mask[:, :, s0:] = anc
+        pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + depth
+        out = dec.target(ids, pos=pos, cache=dec.rc.view, attn_mask=mask, capture_layers=self.layers)
+        logits, captured = out if self.layers else (out, {})
+        keep = torch.zeros(B, W, dtype=torch.bool, device=dev)
+        results = []
+        for b, (r, d, n) in enumerate(zip(rows, drafts, sizes)):
+            cap = {layer: c[b : b + 1, : n + 1] for layer, c in captured.items()}
+            accepted, kept, nxt, judged = r.shape.accept(d, logits[b, : n + 1], cap)
+            keep[b, kept] = True
+            r.prop.commit(d, accepted, kept, cap)
+            results.append((accepted.tolist(), int(nxt), n, judged))
+        dec.rc.keep_slots(s0, keep)
+        t2 = time.perf_counter()
+        acc, nxt, drafted, judged = (list(x) for x in zip(*results))
+        return acc, nxt, drafted, judged, t1 - t0, t2 - t1

@@ -1,0 +1,217 @@
+"""Trees and judged chains at B > 1 (eval/batch_shapes.py through ``BatchDecoder``): every row decodes exactly as
+its prompt would alone. Greedy rows equal ``autoregressive_generate`` and their own batch-1 tree decode (same
+accepted count at every step) for every proposer kind, static and dynamic trees, B in {1, 2, 5, 8} with ragged
+prompts under a cache so tight that the holes left by rejected branches are compacted again and again; sampled
+rows follow the target's distribution; EOS on an accepted path ends only its row; rows join and leave; a row does
+not depend on its neighbours; judged rows equal their own batch-1 judged decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, noisy_copy, tiny_eagle, tiny_heads, tiny_model, tv
+from test_batch_decode import CFG16, LENS, NEW, check_caches, make_drafter, run
+
+from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.tree import DynamicTree, tree_from_choices
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TREES = {
+    "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+    "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8),
+}
+
+
+@pytest.fixture(scope="module")
+def tgt():
+    return tiny_model(1, CFG16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, CFG16.vocab_size, (n,), generator=g) for n in LENS]
+
+
+@pytest.fixture(scope="module")
+def ar(tgt, prompts):
+    return [autoregressive_generate(tgt, p, NEW) for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def singles(tgt, prompts):
+    """Per (kind, tree): the drafter and each prompt's own batch-1 tree decode (tokens, stats)."""
+    cache = {}
+
+    def get(kind, tree):
+        if (kind, tree) not in cache:
+            d = make_drafter(kind, tgt)
+            cache[kind, tree] = d, [speculative_generate(tgt, d, p, NEW, tree=TREES[tree]) for p in prompts]
+        return cache[kind, tree]
+
+    return get
+
+
+def tight(tgt, drafter, tree, B, **kw) -> BatchDecoder:
+    """A decoder whose cache holds only the longest row's own need, so rejected branches' holes force compaction."""
+    room = BatchDecoder(tgt, drafter, tree=tree, **kw).room
+    return BatchDecoder(tgt, drafter, tree=tree, max_len=max(LENS[:B]) + NEW + room + 4, **kw)
+
+
+@pytest.mark.parametrize("B", [1, 2, 5, 8])
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
+def test_greedy_tree_rows_equal_their_own_decode(tgt, prompts, ar, singles, kind, tree, B):
+    drafter, ref = singles(kind, tree)
+    dec = tight(tgt, drafter, TREES[tree], B)
+    ids = [dec.add(p, NEW) for p in prompts[:B]]
+    outs = run(dec, ids)
+    for b, i in enumerate(ids):
+        assert outs[i] == ar[b], (kind, tree, B, b)
+        assert outs[i] == ref[b][0]
+        assert dec.stats[i].accepted_per_step == ref[b][1].accepted_per_step, (kind, tree, B, b)
+        assert dec.stats[i].drafted == ref[b][1].drafted and dec.stats[i].new_tokens == NEW
+    if B == 8:
+        assert len({dec.stats[i].accepted for i in ids}) > 1  # the rows' accepted paths really were ragged
+    if B >= 5:
+        assert dec.rc.compactions > 0
+
+
+def test_accepted_paths_leave_the_top_branch(tgt, prompts, singles):
+    """The trees above are only a test if some accepted paths leave the top-1 branch (a hole below a kept slot)."""
+    drafter, _ = singles("draft_lm", "static")
+    dec = BatchDecoder(tgt, drafter, tree=TREES["static"], max_len=200)
+    for p in prompts:
+        dec.add(p, NEW)
+    holes = 0
+    while dec.active():
+        dec.step()
+        if dec.rows:
+            v = dec.rc.view.valid[:, : dec.rc.length]
+            first = v.int().argmax(1)  # each row's first valid slot: a hole is an invalid slot after it
+            holes += int(sum((~v[b, first[b] :]).sum() for b in range(v.shape[0])))
+    assert holes > 0
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("kind", ["draft_lm", "hydra++", "eagle3"])
+def test_eos_on_an_accepted_path_ends_only_its_row(tgt, prompts, ar, kind, tree):
+    drafter = tgt if kind == "draft_lm" else make_drafter(kind, tgt)  # the target drafting for itself: long paths
+    eos = {ar[2][9]}
+    want = []
+    for a in ar:
+        cut = next((j + 1 for j, t in enumerate(a) if t in eos), len(a))
+        want.append(a[:cut])
+    assert len({len(w) for w in want}) > 1
+    outs, stats = speculative_generate_batch(tgt, drafter, prompts, NEW, tree=TREES[tree], eos_ids=eos)
+    assert outs == want
+    assert [s.new_tokens for s in stats] == [len(w) for w in want]
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle1", "eagle3-vocab"])
+def test_tree_rows_join_and_leave_mid_run(tgt, prompts, ar, kind):
+    dec = BatchDecoder(tgt, make_drafter(kind, tgt), tree=TREES["dynamic"], max_len=160)
+    outs: dict[int, list[int]] = {}
+
+    def step(n=1):
+        for _ in range(n):
+            for i, toks in dec.step().items():
+                outs.setdefault(i, []).extend(toks)
+            if dec.rows:
+                check_caches(dec)
+
+    a, b, c = dec.add(prompts[1], NEW), dec.add(prompts[5], NEW), dec.add(prompts[7], 2)
+    step(3)
+    assert c not in dec.active() and outs[c] == ar[7][:2]
+    d, e = dec.add(prompts[2], NEW), dec.add(prompts[0], 5)
+    step(2)
+    dec.remove(b)
+    f = dec.add(prompts[6], 1)
+    step()
+    assert outs[f] == ar[6][:1] and f not in dec.active()
+    step(200)
+    assert not dec.active()
+    assert outs[a] == ar[1] and outs[d] == ar[2] and outs[e] == ar[0][:5]
+    assert outs[b] == ar[5][: len(outs[b])] and 0 < len(outs[b]) < NEW
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "hydra++", "eagle3"])
+def test_a_tree_row_does_not_depend_on_its_neighbours(tgt, prompts, singles, kind):
+    drafter, _ = singles(kind, "static")
+    x = prompts[3]
+    results = []
+    for batch in ([x], [prompts[2], x, prompts[0]], [x, *prompts[4:8]]):
+        dec = BatchDecoder(tgt, drafter, tree=TREES["static"], max_len=150)
+        ids = [dec.add(p, NEW) for p in batch]
+        outs = run(dec, ids, check=False)
+        i = ids[[k for k, p in enumerate(batch) if p is x][0]]
+        results.append((outs[i], dec.stats[i].accepted_per_step))
+    assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("tree", list(TREES))
+@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "eagle3"])
+def test_sampled_tree_rows_follow_the_target_distribution(kind, tree):
+    """4,000 rows of one prompt in one batch, temperature 1, tree verification (the point-mass walk): the joint of
+    their first three tokens matches the target's exact joint; greedy rows in the same batch stay exact."""
+    t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
+    torch.manual_seed(5)
+    drafter = {
+        "draft_lm": noisy_copy(t, 0.5),
+        "medusa": tiny_heads("medusa", t, 3, 0.3),
+        "eagle3": tiny_eagle(3, t, 0.3),
+    }[kind]
+    spec = {"static": tree_from_choices([[0], [1], [0, 0]]), "dynamic": DynamicTree(top_k=2, depth=2, total_tokens=4)}
+    prompt, N = [1, 2, 3, 4], 4000
+    gen = torch.Generator().manual_seed(0)
+    dec = BatchDecoder(t, drafter, tree=spec[tree], max_len=32)
+    ids = [dec.add(torch.tensor(prompt), 3, temperature=1.0, generator=gen) for _ in range(N)]
+    greedy = [dec.add(torch.tensor(prompt), 3) for _ in range(3)]
+    outs = run(dec, ids + greedy, check=False)
+    assert all(outs[i] == autoregressive_generate(t, torch.tensor(prompt), 3) for i in greedy)
+    counts = torch.zeros(*[t.cfg.vocab_size] * 3)
+    for i in ids:
+        counts[tuple(outs[i])] += 1
+    emp, joint = counts / N, exact_joint(t, prompt, 3)
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert tv(emp.sum(dims), joint.sum(dims)) < 0.03, dims
+    assert tv(emp.sum(2), joint.sum(2)) < 0.06
+    acc = sum(dec.stats[i].accepted for i in ids)
+    assert 0.05 * N < acc  # some sampled rows walked into the tree
+
+
+class _StateJudge:
+    """A judge whose verdict depends on the target state it is shown: keeps a draft when state[0] > 0."""
+
+    def accepts(self, states):
+        return states[:, 0] > 0
+
+
+@pytest.mark.parametrize("B", [1, 2, 5, 8])
+def test_judged_rows_equal_their_own_judged_decode(tgt, prompts, B):
+    """Lossy Judge-Decoding chains at B > 1: each row's output, accepted counts and judged count equal its own
+    batch-1 judged decode (the judge reads each row's own states at its own drafts)."""
+    drafter, judge = make_drafter("draft_lm", tgt), _StateJudge()
+    ref = [speculative_generate(tgt, drafter, p, NEW, draft_len=3, judge=judge) for p in prompts[:B]]
+    assert sum(st.judge_accepted for _, st in ref) > 0
+    outs, stats = speculative_generate_batch(tgt, drafter, prompts[:B], NEW, draft_len=3, judge=judge)
+    for b in range(B):
+        assert outs[b] == ref[b][0], b
+        assert stats[b].accepted_per_step == ref[b][1].accepted_per_step
+        assert stats[b].judge_accepted == ref[b][1].judge_accepted
+
+
+def test_what_batch_one_refuses_is_refused(tgt, prompts):
+    drafter = make_drafter("draft_lm", tgt)
+    with pytest.raises(ValueError, match="stop_drafting"):
+        BatchDecoder(tgt, drafter, tree=TREES["static"], stop_drafting=lambda *a: True)
+    with pytest.raises(ValueError, match="drafter"):
+        BatchDecoder(tgt, None, tree=TREES["static"])
+    with pytest.raises(ValueError, match="judge"):
+        BatchDecoder(tgt, drafter, judge=_StateJudge()).add(prompts[0], 4, temperature=1.0)
+    with pytest.raises(ValueError, match="judge"):
+        BatchDecoder(tgt, make_drafter("medusa", tgt), judge=_StateJudge())
+    with pytest.raises(ValueError, match="heads"):
+        BatchDecoder(tgt, make_drafter("medusa", tgt), tree=tree_from_choices([[0]] + [[0] * d for d in range(2, 7)]))
