@@ -633,6 +633,14 @@ class BatchDecoder:
         return result
 
 
+def step_room(target, drafter, draft_len: int, tree=None, judge=None, stop=None) -> int:
+    """Cache slots a step may write past a row's committed tokens (``BatchDecoder.room``): a row's prompt + its
+    max_new_tokens + this + 4 is the ``max_len`` that ``add`` asks for."""
+    if drafter is not None and (tree is not None or judge is not None):
+        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop).room + 2
+    return 2 * draft_len
+
+
 @torch.no_grad()
 def speculative_generate_batch(target, drafter, prompts: list[torch.Tensor], max_new_tokens: int, *,
                                draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -644,9 +652,7 @@ def speculative_generate_batch(target, drafter, prompts: list[torch.Tensor], max
     (slots per cache row) defaults to the longest prompt + 2 * max_new_tokens + room: compaction is then rare.
     ``tree`` / ``judge``: trees and judged chains, as ``speculative_generate`` takes them."""
     if max_len is None:
-        room = 2 * draft_len
-        if tree is not None or judge is not None:
-            room = RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop_drafting).room + 2
+        room = step_room(target, drafter, draft_len, tree, judge, stop_drafting)
         max_len = max(p.numel() for p in prompts) + 2 * max(max_new_tokens, 0) + room + 4
     dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
                        stop_drafting=stop_drafting, tree=tree, judge=judge)  # fmt: skip

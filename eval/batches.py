@@ -12,17 +12,20 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.batch import BatchDecoder
+from draftsmith.eval.batch import BatchDecoder, step_room
 from draftsmith.eval.decoder import DecodeStats, _sync
 
 
 def decode_at(target, drafter, prompts: list[torch.Tensor], B: int, max_new_tokens: int, *, draft_len: int,
-              eos_ids: set[int], sampling: dict, generator, stop_drafting=None):  # fmt: skip
+              eos_ids: set[int], sampling: dict, generator, stop_drafting=None, tree=None,
+              judge=None):  # fmt: skip
     """All ``prompts`` through one ``BatchDecoder`` holding at most ``B`` rows -> (outputs in prompt order (lists of
-    ints), merged ``DecodeStats``, seconds). ``drafter`` None: plain decoding."""
-    max_len = max(len(p) for p in prompts) + max_new_tokens + 2 * draft_len + 4  # what BatchDecoder.add asks
+    ints), merged ``DecodeStats``, seconds). ``drafter`` None: plain decoding; ``tree`` / ``judge``: as at batch 1."""
+    room = step_room(target, drafter, draft_len, tree, judge, stop_drafting)
+    max_len = max(len(p) for p in prompts) + max_new_tokens + room + 4  # what BatchDecoder.add asks
     dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
-                       stop_drafting=stop_drafting)  # fmt: skip
+                       stop_drafting=stop_drafting, tree=None if drafter is None else tree,
+                       judge=None if drafter is None else judge)  # fmt: skip
     pending, owner, outs, total = list(range(len(prompts))), {}, [[] for _ in prompts], DecodeStats()
     _sync(prompts[0].device)
     t0 = time.perf_counter()
@@ -43,16 +46,18 @@ def decode_at(target, drafter, prompts: list[torch.Tensor], B: int, max_new_toke
 
 def batch_sweep(target, drafter, prompts: list[torch.Tensor], sizes: list[int], max_new_tokens: int, *,
                 draft_len: int, eos_ids: set[int], sampling: dict, seed: int, reference: list[list[int]] | None,
-                stop_drafting=None) -> dict:  # fmt: skip
-    """-> {"rows": [{B, tau, tokens_per_s: {ar, spec}, speedup, lossless_match}], "crossover": B or None}.
-    ``reference``: each prompt's batch-1 output (greedy), which every row must equal."""
+                stop_drafting=None, tree=None, judge=None, batch1: list[list[int]] | None = None) -> dict:  # fmt: skip
+    """-> {"rows": [{B, tau, tokens_per_s: {ar, spec}, speedup, lossless_match, ...}], "crossover": B or None}.
+    ``reference``: each prompt's own greedy output, which every lossless row must equal; ``batch1``: each prompt's
+    batch-1 speculative output (greedy), which every row must equal at every B, lossy judge or not."""
     rows = []
     device = prompts[0].device
     for B in sizes:
         gen = torch.Generator(device=device).manual_seed(seed)
         common = {"draft_len": draft_len, "eos_ids": eos_ids, "sampling": sampling, "generator": gen}
         ar, _, t_ar = decode_at(target, None, prompts, B, max_new_tokens, **common)
-        spec, st, t_spec = decode_at(target, drafter, prompts, B, max_new_tokens, stop_drafting=stop_drafting, **common)
+        spec, st, t_spec = decode_at(target, drafter, prompts, B, max_new_tokens, stop_drafting=stop_drafting,
+                                     tree=tree, judge=judge, **common)  # fmt: skip
         n_ar, n_spec = sum(map(len, ar)), sum(map(len, spec))
         row = {
             "batch_size": B,
@@ -64,6 +69,8 @@ def batch_sweep(target, drafter, prompts: list[torch.Tensor], sizes: list[int], 
         if reference is not None:
             row["lossless_match"] = sum(a == b for a, b in zip(spec, reference)) / len(reference)
             row["ar_match"] = sum(a == b for a, b in zip(ar, reference)) / len(reference)
+        if batch1 is not None:
+            row["batch1_match"] = sum(a == b for a, b in zip(spec, batch1)) / len(batch1)
         rows.append(row)
     slow = [r["batch_size"] for r in rows if r["speedup"] < 1]
     return {"rows": rows, "crossover": min(slow) if slow else None}

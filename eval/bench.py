@@ -257,7 +257,7 @@ def evaluate(recipe) -> dict:
         total, per_cat = DecodeStats(), defaultdict(DecodeStats)
         times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
         cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
-        solved, refs = defaultdict(int), []
+        solved, refs, specs = defaultdict(int), [], []
         meter = CpuShare().start()  # tokens/s need the machine to ourselves: say if not
         for i, (p, ids) in enumerate(tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
             (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
@@ -283,12 +283,14 @@ def evaluate(recipe) -> dict:
                 matches += spec == ref
                 n_cmp += 1
             refs.append(ar)
+            specs.append(spec)
         if ec.batch_sizes:
             prompts = [torch.tensor(ids, device=device) for _, ids in encoded]
             batches = batch_sweep(plain_target, plain_drafter, prompts, ec.batch_sizes, ec.max_new_tokens,
                                   draft_len=ec.draft_len, eos_ids=eos, sampling=sampling, seed=recipe.seed,
                                   reference=refs if ec.temperature == 0 else None,
-                                  stop_drafting=stop_drafting)  # fmt: skip
+                                  batch1=specs if ec.temperature == 0 else None, stop_drafting=stop_drafting,
+                                  tree=tree, judge=setup.judge)  # fmt: skip
         meter.stop()
     tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
     report = build_report(

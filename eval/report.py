@@ -145,13 +145,14 @@ def batch_markdown(report: dict) -> list[str]:
     lines = [
         "## Speedup by batch size",
         "",
-        "| B | tau | acceptance | tokens/s own AR | tokens/s speculative | speedup | lossless |",
-        "|---|---|---|---|---|---|---|",
+        "| B | tau | acceptance | tokens/s own AR | tokens/s speculative | speedup | lossless | = batch 1 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in sweep["rows"]:
         lines.append(
             f"| {r['batch_size']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {r['tokens_per_s']['ar']:.1f} "
-            f"| {r['tokens_per_s']['spec']:.1f} | {r['speedup']:.2f}x | {r.get('lossless_match', '-')} |"
+            f"| {r['tokens_per_s']['spec']:.1f} | {r['speedup']:.2f}x | {r.get('lossless_match', '-')} "
+            f"| {r.get('batch1_match', '-')} |"
         )
     cross = sweep["crossover"]
     lines += ["", f"Crossover: {'none in the sizes measured' if cross is None else f'B = {cross}'}.", ""]

@@ -440,7 +440,8 @@ class EvalConfig(Strict):
     """Also decode the prompts with B rows in flight for each B listed (e.g. [1, 4, 16]; a finished row is
     replaced by the next prompt), own plain decoding and speculative with the same batched decoder: the report
     gets tau, tokens/s, speedup and lossless match per B, the crossover B where speculation stops paying, and
-    speedup_vs_batch.png. Chains only; None = batch 1 only."""
+    speedup_vs_batch.png. Every strategy (chains draft as a batch; trees and the judge's chains draft row by row
+    and verify as one batch); None = batch 1 only."""
 
     @field_validator("batch_sizes")
     @classmethod
@@ -571,8 +572,6 @@ class Recipe(Strict):
             raise ValueError("eval.judge (lossy judge verification) works with greedy chain decoding only")
         if d.kind == "judge" and self.train.eval_every:
             raise ValueError("train.eval_every does not apply to a judge: run `draftsmith eval` with eval.judge")
-        if self.eval.batch_sizes and (self.eval.strategy != "chain" or self.eval.judge is not None):
-            raise ValueError("eval.batch_sizes decodes chains only (eval.strategy=chain, no eval.judge)")
         if (d.kind == "acceptance_head" or self.eval.stop is not None) and self.eval.strategy != "chain":
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
         if d.kind == "acceptance_head" and self.train.eval_every:

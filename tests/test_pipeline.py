@@ -174,7 +174,7 @@ def test_eval_during_training_logs_measured_and_estimated_tau(tmp_path, tiny_ove
 
 def test_eval_at_several_batch_sizes_reports_each_and_stays_lossless(tmp_path, tiny_overrides, capsys):
     """eval.batch_sizes: per B, tau, both decoders' tokens/s, the speedup and the lossless match of every row
-    against that prompt's own batch-1 output; the crossover and the speedup-vs-B plot; chains only."""
+    against that prompt's own batch-1 output; the crossover and the speedup-vs-B plot; trees too."""
     args = ["run", "tiny", *tiny_overrides, "target.dtype=float64", "eval.baseline_hf=false", "-q"]
     assert main([*args, "eval.batch_sizes=[1,2,3]", "eval.prompts.n=5"]) == 0
     out = tmp_path / "run" / "eval"
@@ -182,7 +182,7 @@ def test_eval_at_several_batch_sizes_reports_each_and_stays_lossless(tmp_path, t
     rows = report["batches"]["rows"]
     assert [r["batch_size"] for r in rows] == [1, 2, 3]
     for r in rows:  # rows join as others finish, so neighbours and positions differ from batch 1
-        assert r["lossless_match"] == 1.0 and r["ar_match"] == 1.0, r
+        assert r["lossless_match"] == 1.0 and r["ar_match"] == 1.0 and r["batch1_match"] == 1.0, r
         assert r["tau"] >= 1.0 and r["tokens_per_s"]["ar"] > 0 and r["tokens_per_s"]["spec"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"]["spec"] / r["tokens_per_s"]["ar"])
     cross = report["batches"]["crossover"]
@@ -191,5 +191,7 @@ def test_eval_at_several_batch_sizes_reports_each_and_stays_lossless(tmp_path, t
     assert "## Speedup by batch size" in (out / "report.md").read_text()
     for bad in ("eval.batch_sizes=[4,1]", "eval.batch_sizes=[0]"):
         assert main(["show", "tiny", *tiny_overrides, bad]) == 2
-    assert main(["show", "tiny", *tiny_overrides, "eval.batch_sizes=[1,2]", "eval.strategy=tree"]) == 2
-    assert "chains only" in capsys.readouterr().err
+    assert main([*args, "eval.batch_sizes=[1,3]", "eval.prompts.n=4", "eval.strategy=dynamic_tree"]) == 0
+    rows = json.loads((out / "report.json").read_text())["batches"]["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert all(r["lossless_match"] == 1.0 and r["batch1_match"] == 1.0 and r["tau"] >= 1.0 for r in rows), rows

@@ -126,21 +126,24 @@ def _statuses(raw: bytes) -> list[int]:
     return [int(code) for code in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)]
 
 
-# ---- the row-wise decoder ----------------------------------------------------------------------------------------
+# ---- the server's decoder ----------------------------------------------------------------------------------------
 
 
-def test_rowwise_decoder_rows_join_between_steps_and_match_the_single_request_decoder(tiny):
-    """Rows added at different steps (chain drafts and plain decoding) give exactly speculative_generate's (and
-    the target's greedy) tokens, leave when done, and keep their stats."""
-    from draftsmith.serving._rowwise import BatchDecoder
+@pytest.mark.parametrize("tree", [None, "static", "dynamic"])
+def test_server_decoder_rows_join_between_steps_and_match_the_single_request_decoder(tiny, tree):
+    """``make_decoder`` (chains, static and dynamic trees, plain decoding): rows added at different steps give
+    exactly speculative_generate's (and the target's greedy) tokens, leave when done, and keep their stats."""
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
+    from draftsmith.serving.server import make_decoder
 
+    spec = {None: None, "static": tree_from_choices([[0], [1], [0, 0]]), "dynamic": DynamicTree(2, 2, 4)}[tree]
     tgt, eos = tiny["tgt"], tiny["eos"]
     drafter, _ = load_drafter(tiny["ckpt"])
     prompts = [torch.tensor(encode_chat(tgt.tokenizer, [{"role": "user", "content": t}])) for t in TEXTS[:4]]
-    want = [speculative_generate(tgt.model, drafter, p, 16, draft_len=3, eos_ids=eos)[0] for p in prompts]
+    want = [speculative_generate(tgt.model, drafter, p, 16, draft_len=3, eos_ids=eos, tree=spec)[0] for p in prompts]
     assert want == [autoregressive_generate(tgt.model, p, 16, eos_ids=eos) for p in prompts]
     for d in (drafter, None):
-        dec = BatchDecoder(tgt.model, d, draft_len=3, eos_ids=eos)
+        dec = make_decoder(tgt.model, d, draft_len=3, eos_ids=eos, max_len=1024, tree=spec)
         got, rid_of = {}, {}
         for step in range(200):
             if step < len(prompts):  # one more row joins before each of the first steps
@@ -151,7 +154,7 @@ def test_rowwise_decoder_rows_join_between_steps_and_match_the_single_request_de
                 break
         assert [got[i] for i in range(len(prompts))] == want
         assert all(dec.stats[r].new_tokens == len(want[i]) for r, i in rid_of.items())
-    dec = BatchDecoder(tgt.model, drafter, draft_len=3, eos_ids=eos)
+    dec = make_decoder(tgt.model, drafter, draft_len=3, eos_ids=eos, max_len=1024, tree=spec)
     rid = dec.add(prompts[0], 16)
     dec.step()
     dec.remove(rid)

@@ -53,7 +53,6 @@ from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
-from draftsmith.serving import _rowwise
 from draftsmith.serving.online import Learner, Versions, online_dir
 from draftsmith.serving.traffic import TrafficBuffer
 
@@ -70,13 +69,11 @@ DRAFT_ROOM = 1024  # cache slots past prompt + answer for a step's drafts (trees
 
 def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop_drafting=None, tree=None):
     """The one place the server picks its decoder: rows that join and leave between steps (add / step / remove /
-    active / stats). Chains and plain decoding (``drafter`` None) run as one batched forward per step
-    (eval/batch.py); trees run row by row (``_rowwise``: each row its own batch-1 decode, stepped in turn). Both
-    take the models without CUDA-graph wrappers, whose one static cache holds one row."""
-    kw = dict(draft_len=draft_len, eos_ids=eos_ids, max_len=max_len, stop_drafting=stop_drafting)
-    if tree is None:
-        return BatchDecoder(_rowwise._eager(target), None if drafter is None else _rowwise._eager(drafter), **kw)
-    return _rowwise.BatchDecoder(target, drafter, tree=tree, **kw)
+    active / stats), every row verified in one batched target forward per step (eval/batch.py; trees draft row by
+    row, eval/batch_shapes.py). It takes the models without CUDA-graph wrappers, whose one static cache holds one
+    row."""
+    return BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
+                        stop_drafting=stop_drafting, tree=None if drafter is None else tree)  # fmt: skip
 
 
 class TextStream:
