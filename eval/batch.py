@@ -29,10 +29,11 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Sampler, rejection_accept
-from draftsmith.eval.batch_shapes import RowShapes
+from draftsmith.eval.batch_shapes import HeadTrees, RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.eval.tree import TreeSpec
 from draftsmith.kernels.verify import verify_greedy
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
@@ -318,13 +319,17 @@ class _BatchHeads:
         return toks, qs, count
 
     def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
-        hs = self.t.norm(captured[self.layers[0]])  # (B, G+1, D): kept positions are 0..n_b
+        self.read_kept(rows, captured, [list(range(k + 1)) for k in n.tolist()])  # kept: cur and the accepted drafts
+
+    def read_kept(self, rows: list[_Row], captured: dict, kept: list[list[int]]) -> None:
+        """Read the target's states at each row's kept verify positions (kept[b], ascending) into the context."""
+        hs = self.t.norm(captured[self.layers[0]])  # (B, W, D)
         if self.rc is None:
             out = self.d.read_context(hs)
             for b, r in enumerate(rows):
-                r.h = out[b, int(n[b])]
+                r.h = out[b, kept[b][-1]]
             return
-        seqs = [hs[b, : int(n[b]) + 1] for b in range(len(rows))]
+        seqs = [hs[b, k] for b, k in enumerate(kept)]
         x, valid, pos = _aligned(seqs, [r.dpos for r in rows])
         self.rc.ensure(x.shape[1])
         out = self.d.read_context(x, self.rc.view, pos, valid)
@@ -398,9 +403,12 @@ def _unwrapped(model):
 def _proposer(target, drafter, max_len: int, stop=None, tree=None, judge=None, draft_len: int = 0):
     if drafter is None:
         return None
-    if tree is not None or judge is not None:
-        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
     kind = proposer_for(drafter)
+    if tree is not None or judge is not None:
+        if isinstance(tree, TreeSpec) and judge is None and stop is None and kind is HeadProposer:
+            heads = _BatchHeads(target, drafter, max_len)
+            return HeadTrees(target, drafter, tree=tree, draft_len=draft_len, heads=heads)
+        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
     if kind is HeadProposer:
         return _BatchHeads(target, drafter, max_len)
     if kind is FeatureProposer:

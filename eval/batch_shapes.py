@@ -22,7 +22,7 @@ import torch
 from draftsmith.eval.accept import Sampler
 from draftsmith.eval.decoder import _sync
 from draftsmith.eval.proposers import proposer_for
-from draftsmith.eval.shapes import Draft, shape_for
+from draftsmith.eval.shapes import Draft, StaticTree, shape_for
 
 
 class RowShapes:
@@ -60,14 +60,21 @@ class RowShapes:
             cap = {layer: c[j : j + 1, W - P :] for layer, c in captured.items()}
             r.prop.prefill(r.prompt[None], cap, P + r.max_new + self.room + 2, check_vocab=self.tree is None)
 
+    def draft(self, dec, rows, cur: torch.Tensor) -> list[Draft]:
+        """Every row's draft, each by its own batch-1 proposer and shape."""
+        return [r.shape.draft(r.prop, cur[b : b + 1], r.max_new - len(r.out) - 1) for b, r in enumerate(rows)]
+
+    def commit(self, rows, drafts: list[Draft], accepted: list, kept: list[list[int]], captured: dict) -> None:
+        """Each row's proposer reads its accepted path (``captured``: the verify's states, every row's nodes)."""
+        for b, (r, d, a, k) in enumerate(zip(rows, drafts, accepted, kept)):
+            r.prop.commit(d, a, k, {layer: c[b : b + 1, : d.tokens.numel() + 1] for layer, c in captured.items()})
+
     @torch.no_grad()
     def step(self, dec, rows, cur: torch.Tensor):
         """One draft + batched verify + per-row accept -> (accepted tokens per row, next token per row, drafts per
         row, judged per row, draft seconds, verify seconds)."""
         t0 = time.perf_counter()
-        drafts: list[Draft] = [
-            r.shape.draft(r.prop, cur[b : b + 1], r.max_new - len(r.out) - 1) for b, r in enumerate(rows)
-        ]
+        drafts = self.draft(dec, rows, cur)
         _sync(dec.device)
         t1 = time.perf_counter()
         sizes = [d.tokens.numel() for d in drafts]
@@ -92,14 +99,51 @@ class RowShapes:
         out = dec.target(ids, pos=pos, cache=dec.rc.view, attn_mask=mask, capture_layers=self.layers)
         logits, captured = out if self.layers else (out, {})
         keep = torch.zeros(B, W, dtype=torch.bool, device=dev)
-        results = []
+        accepted, kept, nxt, judged = [], [], [], []
         for b, (r, d, n) in enumerate(zip(rows, drafts, sizes)):
             cap = {layer: c[b : b + 1, : n + 1] for layer, c in captured.items()}
-            accepted, kept, nxt, judged = r.shape.accept(d, logits[b, : n + 1], cap)
-            keep[b, kept] = True
-            r.prop.commit(d, accepted, kept, cap)
-            results.append((accepted.tolist(), int(nxt), n, judged))
+            a, k, t, j = r.shape.accept(d, logits[b, : n + 1], cap)
+            keep[b, k] = True
+            accepted.append(a)
+            kept.append(k)
+            nxt.append(int(t))
+            judged.append(j)
+        self.commit(rows, drafts, accepted, kept, captured)
         dec.rc.keep_slots(s0, keep)
         t2 = time.perf_counter()
-        acc, nxt, drafted, judged = (list(x) for x in zip(*results))
-        return acc, nxt, drafted, judged, t1 - t0, t2 - t1
+        return [a.tolist() for a in accepted], nxt, sizes, judged, t1 - t0, t2 - t1
+
+
+class HeadTrees(RowShapes):
+    """Heads (Medusa, Hydra, Hydra++, MLP speculator) on a static tree, drafted as one batch: node i of every row
+    is the ``ranks[i]``-th best token of its parent's distribution, one ``logits_after`` per distinct parent for
+    all rows at once (eval/proposers.py ``HeadProposer.static_tree`` per row), and the accepted paths' states are
+    read into the heads' context as one batch (``heads``: eval/batch.py ``_BatchHeads``, its caches and
+    ``read_kept``). Verify and acceptance are ``RowShapes``'."""
+
+    def __init__(self, target, drafter, *, tree, draft_len: int, heads):
+        super().__init__(target, drafter, tree=tree, judge=None, draft_len=draft_len)
+        self.heads, self.caches = heads, heads.caches
+
+    def join(self, rows, ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+        self.heads.join(rows, ids, captured, live)
+        for j in live:
+            rows[j].shape = StaticTree(self.tree, self.d.max_draft_len, rows[j].sampler, ids.device)
+
+    def draft(self, dec, rows, cur: torch.Tensor) -> list[Draft]:
+        spec, h = self.tree, torch.stack([r.h for r in rows])
+        tokens = cur.new_zeros(len(rows), len(spec))
+        child = {}  # parent node (-1: the root) -> its children's logits (B, V)
+        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
+            if par not in child:
+                path, n = [], par
+                while n >= 0:
+                    path.append(tokens[:, n])
+                    n = spec.parents[n]
+                child[par] = self.d.logits_after(h, [cur, *reversed(path)])
+            tokens[:, i] = torch.topk(child[par], rank + 1, -1).indices[:, -1]
+        s = rows[0].shape
+        return [Draft(cur[b : b + 1], t, parents=s.parents, anc=s.anc, depths=s.depths) for b, t in enumerate(tokens)]
+
+    def commit(self, rows, drafts: list[Draft], accepted: list, kept: list[list[int]], captured: dict) -> None:
+        self.heads.read_kept(rows, captured, kept)
