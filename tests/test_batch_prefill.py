@@ -1,7 +1,8 @@
 """One-forward ragged prefill (eval/batch.py ``BatchDecoder._prefill``): rows of different prompt lengths added in
 one wave are prefilled together, right-aligned with left padding that no cache ever attends. Every row still
 decodes exactly as its prompt alone (greedy tokens and accept counts), for every proposer kind; the wave costs one
-target forward (and one drafter forward), or a few when ``max_prefill_tokens`` splits it longest-first."""
+target forward (and one drafter call), or a few when ``max_prefill_tokens`` or ``max_prefill_pad`` split it
+longest-first."""
 
 from __future__ import annotations
 
@@ -131,6 +132,31 @@ def test_max_prefill_tokens_splits_a_wave_longest_first(tgt, prompts, ar):
     assert [outs[i] for i in ids] == ar[:5]
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         BatchDecoder(tgt, None, max_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("pad, forwards", [(4, [[12], [7, 3], [2, 1]]), (0, [[12], [7], [3], [2], [1]])])
+def test_max_prefill_pad_keeps_short_prompts_out_of_long_forwards(tgt, prompts, ar, pad, forwards):
+    """A prompt shares a longer one's forward only while it needs at most ``max_prefill_pad`` padding tokens (0:
+    one forward per length); the default on CPU puts the test wave in one forward."""
+    dec = BatchDecoder(tgt, None, max_len=64, max_prefill_pad=pad)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    widths, fwd = [], tgt.forward
+
+    def spy(x, **kw):
+        widths.append([int(v.sum()) for v in kw["valid"]] if kw["valid"] is not None else [x.shape[1]] * len(x))
+        return fwd(x, **kw)
+
+    tgt.forward = spy
+    try:
+        dec._prefill()
+    finally:
+        del tgt.forward
+    assert widths == forwards and BatchDecoder(tgt, None).max_prefill_pad == 16
+    first = {r.id: list(r.out) for r in dec.rows}
+    outs = run(dec, ids)
+    assert [first[i] + outs[i] for i in ids] == ar[:5]
+    with pytest.raises(ValueError, match="max_prefill_pad"):
+        BatchDecoder(tgt, None, max_prefill_pad=-1)
 
 
 @pytest.mark.parametrize("kind", ["plain", "draft_lm", "hydra++", "eagle1"])
