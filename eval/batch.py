@@ -12,11 +12,12 @@ compacted: every row's valid slots, in order, are moved to the right end of ``[0
 count. Keys carry their RoPE rotation from when they were written and queries only ever see valid slots at or
 before their own, so moving slots changes no attention score.
 
-A step: new rows are prefilled (rows of equal prompt length together, in temporary caches that are then copied
-into the batch), then every active row drafts a chain of up to ``draft_len`` tokens (its own budget may cut it
-shorter: a shorter row's extra drafts are ignored), one target forward verifies all rows, and each row accepts by
-its own rule (greedy prefix or rejection sampling with its own sampler). A row that hits EOS or its token budget
-reports its last tokens and leaves the batch; its cache rows are swapped out, which costs one row's copy.
+A step: new rows are prefilled (prompts of different lengths together, right-aligned with their left padding
+invalid, in temporary caches that are then copied into the batch), then every active row drafts a chain of up to
+``draft_len`` tokens (its own budget may cut it shorter: a shorter row's extra drafts are ignored), one target
+forward verifies all rows, and each row accepts by its own rule (greedy prefix or rejection sampling with its own
+sampler). A row that hits EOS or its token budget reports its last tokens and leaves the batch; its cache rows are
+swapped out, which costs one row's copy.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ from draftsmith.eval.tree import TreeSpec
 from draftsmith.kernels.verify import verify_greedy
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
+
+# A prefill forward's fixed cost in prompt tokens, per device type: a prompt pads to a longer one's length (and
+# shares its forward) only while that padding costs less than a forward of its own. CPU: SmolLM2-135M in float32
+# on one thread takes about 55 ms per forward plus 3.7 ms per token (15 tokens); CUDA: launches and weight reads
+# cost a few hundred tokens' compute (an estimate).
+PREFILL_PAD = {"cpu": 16, "cuda": 256}
 
 
 class RowCache:
@@ -121,7 +128,8 @@ class RowCache:
         self.view.padded |= not bool(keep[:, :hi].all())
 
     def join(self, tmp: KVCache, rows: list[int], count: int) -> None:
-        """Append rows ``rows`` of ``tmp`` (their first ``count`` slots all valid) as new active rows."""
+        """Append rows ``rows`` of ``tmp`` as new active rows: their first ``count`` slots, each valid where
+        ``tmp.valid`` says (a ragged prefill's left padding is invalid there and stays a hole here)."""
         k = len(rows)
         if k == 0:
             return
@@ -131,13 +139,15 @@ class RowCache:
             self.compact(count)
             length = self.length
         length = max(length, count) if self.n else count
-        padded |= count < length or (self.n > 0 and bool((self.counts() < length).any()))
         src = torch.tensor(rows, device=self.full.valid.device)
+        valid = tmp.valid.index_select(0, src)[:, :count]
+        padded |= count < length or (self.n > 0 and bool((self.counts() < length).any()))
+        padded |= bool(count and not valid.all())
         dst = slice(self.n, self.n + k)
         self.full.valid[dst] = False
         if count:
             self.full.kv[:, :, dst, :, length - count : length] = tmp.kv.index_select(2, src)[:, :, :, :, :count]
-            self.full.valid[dst, length - count : length] = True
+            self.full.valid[dst, length - count : length] = valid
         self.n += k
         self._refresh(length, padded)
 
@@ -244,15 +254,15 @@ class _BatchTokens:
         logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
         return logits[:, -1], self.d.norm(cap[L][:, -1])
 
-    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
-        k, P = ids.shape
-        tmp = self.d.new_cache(k, P)
-        v = _run_drafter(self.d, ids, cache=tmp).shape[-1]
+    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        tmp = self.d.new_cache(k, W)
+        v = _run_drafter(self.d, ids, cache=tmp, pos=pos, valid=valid).shape[-1]
         if v != self.t.cfg.vocab_size:  # draft ids are fed to the target as they are: the vocabularies must agree
             raise ValueError(f"drafter vocabulary {v} != target vocabulary {self.t.cfg.vocab_size}")
-        self.rc.join(tmp, live, P)
+        self.rc.join(tmp, live, W)
         for j in live:
-            rows[j].dpos, rows[j].unread = P, ids.new_empty(0)
+            rows[j].dpos, rows[j].unread = rows[j].prompt.numel(), ids.new_empty(0)
 
     def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
         G = max(gam)
@@ -294,17 +304,17 @@ class _BatchHeads:
         self.rc = RowCache(lambda b, m: drafter.new_context(m, b), max_len) if has_ctx else None
         self.caches = [self.rc] if has_ctx else []
 
-    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
-        k, P = ids.shape
-        hs = self.t.norm(captured[self.layers[0]])  # (k, P, D)
+    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        hs = self.t.norm(captured[self.layers[0]])  # (k, W, D)
         if self.rc is None:
             out = self.d.read_context(hs)
-        else:
-            tmp = self.d.new_context(P, k)
-            out = self.d.read_context(hs, tmp)
-            self.rc.join(tmp, live, P)
+        else:  # the prefix layer attends only to each row's own prompt, at its own positions
+            tmp = self.d.new_context(W, k)
+            out = self.d.read_context(hs, tmp, pos, valid)
+            self.rc.join(tmp, live, W)
         for j in live:
-            rows[j].h, rows[j].dpos = out[j, -1], P
+            rows[j].h, rows[j].dpos = out[j, -1], rows[j].prompt.numel()
 
     def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
         if max(gam) == 0:
@@ -347,15 +357,16 @@ class _BatchFeatures:
         self.rc = RowCache(drafter.new_cache, max_len)
         self.caches = [self.rc]
 
-    def join(self, rows: list[_Row], ids: torch.Tensor, captured: dict, live: list[int]) -> None:
-        k, P = ids.shape
-        f = self.d.features(captured, self.t)  # (k, P, F): pair i is (f_i, x_{i+1}); the last waits for cur
-        tmp = self.d.new_cache(k, P - 1)
-        if P > 1:
-            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], cache=tmp, last_only=True)
-        self.rc.join(tmp, live, P - 1)
+    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        f = self.d.features(captured, self.t)  # (k, W, F): pair i is (f_i, x_{i+1}) at i; the last waits for cur
+        tmp = self.d.new_cache(k, W - 1)
+        if W > 1:  # a pair is valid where its feature is (a 1-token prompt has none)
+            v = None if valid is None else valid[:, :-1]
+            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], pos=pos[:, :-1], cache=tmp, last_only=True, valid=v)
+        self.rc.join(tmp, live, W - 1)
         for j in live:
-            rows[j].dpos, rows[j].unread, rows[j].feats = P - 1, ids.new_empty(0), f[j, -1:]
+            rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
 
     def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
         G = max(gam)
@@ -427,9 +438,14 @@ class BatchDecoder:
     not the batch's: time the batch's tokens yourself."""
 
     def __init__(self, target, drafter, *, draft_len: int = 4, eos_ids=None, max_len: int = 4096,
-                 stop_drafting=None, tree=None, judge=None):  # fmt: skip
+                 stop_drafting=None, tree=None, judge=None, max_prefill_tokens: int = 8192,
+                 max_prefill_pad: int | None = None):  # fmt: skip
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if max_prefill_pad is not None and max_prefill_pad < 0:
+            raise ValueError(f"max_prefill_pad must be >= 0, got {max_prefill_pad}")
         target, drafter = _unwrapped(target), _unwrapped(drafter)
         self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
         if not isinstance(target.new_cache(1, 1), KVCache):
@@ -451,6 +467,10 @@ class BatchDecoder:
         self.room = self.prop.room + 2 if self.rowwise else 2 * self.depth  # slots a step may write past a row's
         self.layers = () if self.prop is None else tuple(self.prop.layers)
         self.device = next(target.parameters()).device
+        self.max_prefill_tokens = max_prefill_tokens
+        if max_prefill_pad is None:  # about a forward's fixed cost in prompt tokens
+            max_prefill_pad = PREFILL_PAD.get(self.device.type, PREFILL_PAD["cpu"])
+        self.max_prefill_pad = max_prefill_pad
         self.rc = RowCache(target.new_cache, max_len)
         self.rows: list[_Row] = []  # active, in cache-row order
         self.pending: list[_Row] = []  # added, not prefilled yet
@@ -548,29 +568,36 @@ class BatchDecoder:
 
     @torch.no_grad()
     def _prefill(self) -> None:
-        """Prefill pending rows, rows of one prompt length together, and append those not done to the batch."""
-        by_len: dict[int, list[_Row]] = {}
-        for r in self.pending:
-            by_len.setdefault(r.prompt.numel(), []).append(r)
+        """Prefill pending rows and append those not done to the batch. Prompts of different lengths share a target
+        forward (and a drafter join): right-aligned, the left padding invalid in every cache, each row at its own
+        positions 0..P-1. Longest first, a prompt joins the forward of the longer ones before it while it needs at
+        most ``max_prefill_pad`` padding tokens and the forward stays within ``max_prefill_tokens`` tokens, padding
+        included (a longer prompt goes alone)."""
+        order = sorted(self.pending, key=lambda r: -r.prompt.numel())
         self.pending = []
-        for P, group in by_len.items():
-            ids = torch.stack([r.prompt for r in group])  # (k, P)
-            tmp = self.target.new_cache(len(group), P)
+        while order:
+            W, k = order[0].prompt.numel(), 1
+            rows = min(len(order), max(1, self.max_prefill_tokens // W))
+            while k < rows and W - order[k].prompt.numel() <= self.max_prefill_pad:
+                k += 1
+            group, order = order[:k], order[k:]
+            ids, valid, pos = _aligned([r.prompt for r in group], [0] * len(group))  # (k, W)
+            tmp = self.target.new_cache(*ids.shape)
             at = torch.zeros_like(ids, dtype=torch.bool)
             at[:, -1] = True
-            out = self.target(ids, cache=tmp, capture_layers=self.layers, logits_at=at)
+            out = self.target(ids, pos=pos, cache=tmp, valid=valid, capture_layers=self.layers, logits_at=at)
             logits, captured = out if self.layers else (out, {})  # (k, V)
             tok, _ = self._pick(group, logits)
             live = []
             for j, (r, t) in enumerate(zip(group, tok.tolist())):
-                r.cur, r.pos = t, P
+                r.cur, r.pos = t, r.prompt.numel()
                 r.done = r.max_new <= 0 or emit(r.out, [t], self.eos_ids, r.max_new)
                 r.new = list(r.out)
                 if not r.done:
                     live.append(j)
-            self.rc.join(tmp, live, P)
+            self.rc.join(tmp, live, ids.shape[1])
             if self.prop is not None and live:
-                self.prop.join(group, ids, captured, live)
+                self.prop.join(group, ids, valid, pos, captured, live)
             for r in group:
                 r.stats.new_tokens = len(r.out)
             self.rows += [group[j] for j in live]

@@ -48,7 +48,7 @@ class RowShapes:
         """Refuse at ``add`` what the shape would refuse at prefill (a judge decodes greedily)."""
         self._shape(self._proposer(), sampler)
 
-    def join(self, rows, ids: torch.Tensor, captured: dict, live: list[int]) -> None:
+    def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
         """Rows ``live`` of a prefill wave (``ids`` right-aligned, as ``captured``): each gets its proposer and
         shape, prefilled on its own prompt and the target's states at it."""
         W = ids.shape[1]
@@ -125,8 +125,8 @@ class HeadTrees(RowShapes):
         super().__init__(target, drafter, tree=tree, judge=None, draft_len=draft_len)
         self.heads, self.caches = heads, heads.caches
 
-    def join(self, rows, ids: torch.Tensor, captured: dict, live: list[int]) -> None:
-        self.heads.join(rows, ids, captured, live)
+    def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
+        self.heads.join(rows, ids, valid, pos, captured, live)
         for j in live:
             rows[j].shape = StaticTree(self.tree, self.d.max_draft_len, rows[j].sampler, ids.device)
 

@@ -127,8 +127,8 @@ def test_greedy_rows_equal_their_own_decode(tgt, prompts, ar, singles, kind, B):
             assert dec.stats[i].accepted_per_step == ref[b][1].accepted_per_step, (kind, B, b)
     if B == 8 and drafter is not None:
         assert len({dec.stats[i].accepted for i in ids}) > 1  # the rows' accepts really were ragged
-    if B >= 5:
-        assert dec.rc.compactions > 0
+    if B == 8 and kind not in ("plain", "hydra++"):  # plain rows make no holes, these Hydra++ rows too few
+        assert dec.rc.compactions > 0  # (the prompts, prefilled in one wave, need none)
 
 
 @pytest.mark.parametrize("quality", ["bad", "oracle", "anti"])

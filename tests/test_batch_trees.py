@@ -75,7 +75,6 @@ def test_greedy_tree_rows_equal_their_own_decode(tgt, prompts, ar, singles, kind
         assert dec.stats[i].drafted == ref[b][1].drafted and dec.stats[i].new_tokens == NEW
     if B == 8:
         assert len({dec.stats[i].accepted for i in ids}) > 1  # the rows' accepted paths really were ragged
-    if B >= 5:
         assert dec.rc.compactions > 0
 
 
