@@ -32,6 +32,7 @@ from draftsmith.eval.accept import Sampler, rejection_accept
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.kernels.kv import compact_rows
 from draftsmith.kernels.verify import verify_greedy
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
@@ -76,20 +77,14 @@ class RowCache:
         """Valid slots per active row (n,)."""
         return self.view.valid[:, : self.length].sum(1)
 
-    def compact(self, min_len: int = 0) -> None:
-        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len)."""
-        L, f = self.length, self.full
-        self.compactions += 1
+    def compact(self, min_len: int = 0, impl: str = "auto") -> None:
+        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len):
+        one operation for all rows, layers, K and V (kernels/kv.py ``compact_rows``; Triton on CUDA)."""
         counts = self.counts().tolist()
         S = max(counts + [min_len])
+        self.compactions += 1
         self.view.padded = min(counts) < S
-        for b, c in enumerate(counts):
-            idx = f.valid[b, :L].nonzero()[:, 0]
-            if c and not (idx[0] == S - c and idx[-1] == S - 1):
-                row = f.kv[:, :, b]  # (2, layers, heads, slots, hd), a view
-                row[:, :, :, S - c : S] = row.index_select(3, idx)
-            f.valid[b] = False
-            f.valid[b, S - c : S] = True
+        compact_rows(self.full.kv[:, :, : self.n], self.full.valid[: self.n], self.length, S, impl)
         self.view.length = S
 
     def ensure(self, width: int) -> None:

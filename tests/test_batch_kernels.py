@@ -1,0 +1,129 @@
+"""The batched decoder's fused bookkeeping (eval/batch.py): row compaction of every cache in one operation, and one
+rejection-sampling acceptance for every sampled row of a step.
+
+- ``compact_rows`` (kernels/kv.py) equals the per-row loop it replaced, slot for slot, on random masks (rows with
+  no valid slot, rows already right-aligned, moves in both directions overlapping their sources); the Triton kernel
+  runs under the CPU interpreter (TRITON_INTERPRET=1, set in conftest).
+- ``verify_sampling_rows`` (kernels/verify.py) gives every row exactly what ``rejection_accept`` gives it alone on
+  the same generator state: the PyTorch rule draws the same numbers, the kernel takes one Philox seed per row.
+- ``BatchDecoder`` routes through both; its sampled tokens equal the per-row loop's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY_CFG8
+
+from draftsmith.kernels.kv import compact_rows
+from draftsmith.kernels.launch import HAS_TRITON
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["reference", "loop", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))]
+
+
+def loop_compact(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int) -> None:
+    """The per-row loop RowCache.compact used before (kept verbatim as the reference)."""
+    counts = valid[:, :length].sum(1).tolist()
+    for b, c in enumerate(counts):
+        idx = valid[b, :length].nonzero()[:, 0]
+        if c and not (idx[0] == S - c and idx[-1] == S - 1):
+            row = kv[:, :, b]
+            row[:, :, :, S - c : S] = row.index_select(3, idx)
+        valid[b] = False
+        valid[b, S - c : S] = True
+
+
+def _case(B, L, H, dtype, seed, max_len=24, cap=None):
+    """A cache (2, L, cap, H, max_len, D) with B active rows of random validity up to ``length``: row 0 has no
+    valid slot, row 1 is already right-aligned, the rest random (B permitting)."""
+    g = torch.Generator().manual_seed(seed)
+    cap, D = cap or B, 5
+    kv = torch.randn(2, L, cap, H, max_len, D, generator=g, dtype=dtype)
+    length = max_len - 3
+    valid = torch.rand(cap, max_len, generator=g) < 0.6
+    valid[:, length:] = False
+    if B > 1:
+        valid[0] = False
+    if B > 2:
+        S = int(valid[2:B, :length].sum(1).max())
+        valid[1] = False
+        valid[1, S - 3 : S] = True
+    return kv.to(DEV), valid.to(DEV), length
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,L,H", [(1, 1, 1), (2, 3, 2), (5, 2, 3), (8, 4, 1)])
+def test_compact_rows_equals_the_loop(B, L, H, dtype, impl):
+    for seed in range(3):
+        for extra in (0, 2):  # S = the largest count, or more (RowCache.join's min_len)
+            kv, valid, length = _case(B, L, H, dtype, seed=100 * B + 10 * seed + L, cap=B + 2)
+            S = int(valid[:B, :length].sum(1).max()) + extra
+            kv_r, valid_r = kv.clone(), valid.clone()
+            loop_compact(kv_r[:, :, :B], valid_r[:B], length, S)
+            compact_rows(kv[:, :, :B], valid[:B], length, S, impl=impl)  # a view over the active rows
+            assert torch.equal(valid, valid_r)
+            assert torch.equal(kv, kv_r)  # every slot: moved ones and untouched ones (rows past B too)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compact_rows_moves_overlapping_their_sources(impl):
+    """Row 0's slots move right onto slots still to be read (2 -> 3 -> 4 -> 5); row 1's move left onto them
+    (3 -> 1, 4 -> 2, 5 -> 3); row 2's go both ways (0 -> 2, 9 -> 3). Any in-place walk in one direction breaks
+    one of them."""
+    L, H, D, max_len = 2, 2, 3, 12
+    kv = torch.arange(2 * L * 3 * H * max_len * D, dtype=torch.float32).view(2, L, 3, H, max_len, D).to(DEV)
+    valid = torch.zeros(3, max_len, dtype=torch.bool)
+    valid[0, [2, 3, 4]] = True
+    valid[1, [3, 4, 5]] = True
+    valid[2, [0, 9]] = True
+    valid = valid.to(DEV)
+    want = kv.clone()
+    for b, srcs, dsts in [(0, [2, 3, 4], [3, 4, 5]), (1, [3, 4, 5], [3, 4, 5]), (2, [0, 9], [4, 5])]:
+        want[:, :, b, :, dsts] = kv[:, :, b, :, srcs]
+    # S = 6: row 0 -> slots 3..5, row 1 already there; then S = 4 for rows 1 and 2 (row 1 moves left)
+    compact_rows(kv, valid, 10, 6, impl=impl)
+    assert torch.equal(kv, want)
+    assert valid.sum(1).tolist() == [3, 3, 2] and valid[:, 3:6].sum().item() == 8 and valid[2, 4:6].all()
+    sub_kv, sub_valid = kv[:, :, 1:], valid[1:]
+    want2 = sub_kv.clone()
+    want2[:, :, 0, :, [1, 2, 3]] = sub_kv[:, :, 0, :, [3, 4, 5]]
+    want2[:, :, 1, :, [2, 3]] = sub_kv[:, :, 1, :, [4, 5]]
+    compact_rows(sub_kv, sub_valid, 6, 4, impl=impl)
+    assert torch.equal(sub_kv, want2)
+    assert sub_valid[0].nonzero()[:, 0].tolist() == [1, 2, 3] and sub_valid[1].nonzero()[:, 0].tolist() == [2, 3]
+
+
+def test_compact_rows_checks_its_arguments():
+    kv, valid, length = _case(2, 1, 1, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="compact_rows"):
+        compact_rows(kv[0], valid, length, 4)
+    with pytest.raises(ValueError, match="compact_rows"):
+        compact_rows(kv, valid, length, valid.shape[1] + 1)
+    with pytest.raises(ValueError, match="impl"):
+        compact_rows(kv, valid, length, 4, impl="fast")
+
+
+def test_row_cache_compacts_all_rows_in_one_call(monkeypatch):
+    """RowCache.compact hands every row to one compact_rows call and ends as the loop would."""
+    from draftsmith.eval import batch
+    from draftsmith.models.llama import KVCache
+
+    cfg = TINY_CFG8
+    rc = batch.RowCache(lambda b, m: KVCache(cfg, b, m, torch.float64, "cpu"), 20)
+    tmp = KVCache(cfg, 5, 12, torch.float64, "cpu")
+    tmp.kv.normal_(generator=torch.Generator().manual_seed(0))
+    rc.join(tmp, [0, 1, 2, 3, 4], 12)
+    g = torch.Generator().manual_seed(1)
+    rc.view.valid[:, :12] &= torch.rand(5, 12, generator=g) < 0.5
+    rc.view.valid[2] = False  # a row with nothing valid
+    kv_r, valid_r = rc.full.kv.clone(), rc.full.valid.clone()
+    loop_compact(kv_r[:, :, :5], valid_r[:5], 12, int(valid_r[:5, :12].sum(1).max()))
+    calls = []
+    real = batch.compact_rows
+    monkeypatch.setattr(batch, "compact_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rc.compact()
+    assert calls == [1]
+    assert torch.equal(rc.full.valid, valid_r) and torch.equal(rc.full.kv, kv_r)
+    assert rc.length == int(valid_r.sum(1).max()) and rc.view.padded
