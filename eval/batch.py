@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.accept import Sampler, rejection_accept
+from draftsmith.eval.accept import Sampler
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
 from draftsmith.kernels.kv import compact_rows
-from draftsmith.kernels.verify import verify_greedy
+from draftsmith.kernels.verify import verify_greedy, verify_sampling_rows
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
 
@@ -497,15 +497,25 @@ class BatchDecoder:
         past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
         n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
         n = n.long()
-        for b, r in enumerate(rows):
-            s = r.sampler
-            if s.greedy:
-                continue
-            g = int(gam[b])
-            p = s.probs(logits[b, : g + 1])
-            q = p.new_empty(0, p.shape[-1]) if g == 0 else qs[b, :g]
-            nb, tb = rejection_accept(drafts[b, :g], q, p, s.generator, s.impl)
-            n[b], nxt[b] = nb, tb
+        idx = [b for b, r in enumerate(rows) if not r.sampler.greedy]
+        if not idx:
+            return n, nxt
+        # sampled rows: their target distributions, rows of equal settings processed together, then one
+        # rejection-sampling call for all of them, each row drawing from its own generator (fused on CUDA)
+        dev, V = logits.device, logits.shape[-1]
+        ix = torch.tensor(idx, device=dev)
+        groups: dict = {}
+        for j, b in enumerate(idx):
+            s = rows[b].sampler
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(j)
+        p = torch.empty(len(idx), G + 1, V, dtype=torch.float32, device=dev)
+        for js in groups.values():
+            jx = torch.tensor(js, device=dev)
+            p[jx] = rows[idx[js[0]]].sampler.probs(logits[ix[jx]])
+        q = qs[ix] if G else p[:, :0]
+        gens = [rows[b].sampler.generator for b in idx]
+        ns, ts = verify_sampling_rows(drafts[ix], q, p, gam[ix], gens, self.impl)
+        n[ix], nxt[ix] = ns.long(), ts
         return n, nxt
 
     # ---- the step ---------------------------------------------------------------------------------------------------

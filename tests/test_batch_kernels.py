@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_CFG8
+from conftest import TINY_CFG8, noisy_copy, tiny_model
 
+from draftsmith.eval.accept import rejection_accept
 from draftsmith.kernels.kv import compact_rows
 from draftsmith.kernels.launch import HAS_TRITON
+from draftsmith.kernels.verify import verify_sampling_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,3 +129,137 @@ def test_row_cache_compacts_all_rows_in_one_call(monkeypatch):
     assert calls == [1]
     assert torch.equal(rc.full.valid, valid_r) and torch.equal(rc.full.kv, kv_r)
     assert rc.length == int(valid_r.sum(1).max()) and rc.view.padded
+
+
+# ---- sampled rows ----------------------------------------------------------------------------------------------
+
+
+def _rows_case(B, G, V, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.softmax(torch.randn(B, G + 1, V, generator=g) * 2, -1)
+    q = torch.softmax(torch.randn(B, G, V, generator=g) * 2, -1)
+    q = 0.5 * q + 0.5 * p[:, :G]  # overlaps p: accepts and rejections both common
+    draft = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, G) if G else torch.zeros(B, 0).long()
+    gam = torch.randint(0, G + 1, (B,), generator=g)
+    gam[0] = G
+    if B > 1 and G:
+        p[1, 0] = 0.5 * q[1, 0]  # max(0, p - q) empty at row 1's first position: a rejection falls back to p
+    return draft.to(DEV), q.to(DEV), p.to(DEV), gam.to(DEV)
+
+
+def _alone(draft, q, p, gam, gens, impl):
+    out = [rejection_accept(draft[b, :g], q[b, :g], p[b, : g + 1], gens[b], impl) for b, g in enumerate(gam.tolist())]
+    return [o[0] for o in out], [o[1] for o in out]
+
+
+@pytest.mark.parametrize("B,G,V", [(1, 3, 7), (5, 2, 11), (16, 4, 33), (6, 0, 9)])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sampling_rows_equal_each_row_alone(B, G, V, shared):
+    """Row b's (accepted, next) equals ``rejection_accept`` on its first gam[b] drafts with the same generator
+    state: one generator per row, or one shared by all (then drawn from in row order)."""
+    draft, q, p, gam = _rows_case(B, G, V, seed=B + G)
+    for seed in range(4):
+
+        def gens(seed=seed):
+            if shared:
+                return [torch.Generator(DEV).manual_seed(seed)] * B
+            return [torch.Generator(DEV).manual_seed(1000 * seed + b) for b in range(B)]
+
+        n, nxt = verify_sampling_rows(draft, q, p, gam, gens(), impl="reference")
+        wn, wnxt = _alone(draft, q, p, gam, gens(), "reference")
+        assert n.tolist() == wn and nxt.tolist() == wnxt
+        assert (n <= gam).all()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no triton")
+@pytest.mark.parametrize("B,G,V", [(4, 3, 1030), (6, 2, 9), (3, 0, 5)])
+def test_sampling_rows_kernel_equals_each_row_alone(B, G, V):
+    """One launch for all rows, one Philox seed per row drawn from its generator: row b gets exactly the batch-1
+    kernel's answer on that seed (what rejection_accept runs on CUDA), whatever its neighbours and their gam."""
+    draft, q, p, gam = _rows_case(B, G, V, seed=7 * B + G)
+    seen = set()
+    for seed in range(5):
+        gens = [torch.Generator().manual_seed(10 * seed + b) for b in range(B)]
+        n, nxt = verify_sampling_rows(draft, q, p, gam, gens, impl="triton")
+        gens = [torch.Generator().manual_seed(10 * seed + b) for b in range(B)]
+        wn, wnxt = _alone(draft, q, p, gam, gens, "triton")
+        assert n.tolist() == wn and nxt.tolist() == wnxt
+        seen.add((*wn, *wnxt))
+    assert len(seen) > 1  # the seeds matter: equal answers come from equal draws
+
+
+def test_sampling_rows_check_shapes():
+    draft, q, p, gam = _rows_case(3, 2, 5, seed=0)
+    with pytest.raises(ValueError, match="verify_sampling_rows"):
+        verify_sampling_rows(draft, q[:, :1], p, gam, [None] * 3)
+    with pytest.raises(ValueError, match="verify_sampling_rows"):
+        verify_sampling_rows(draft, q, p, gam[:2], [None] * 3)
+    with pytest.raises(ValueError, match="verify_sampling_rows"):
+        verify_sampling_rows(draft, q, p, gam, [None] * 2)
+
+
+def _loop_accept(self, rows, drafts, qs, logits, gam):
+    """BatchDecoder._accept as it was: one rejection_accept per sampled row."""
+    from draftsmith.kernels.verify import verify_greedy
+
+    G = logits.shape[1] - 1
+    past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
+    n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
+    n = n.long()
+    for b, r in enumerate(rows):
+        s = r.sampler
+        if s.greedy:
+            continue
+        g = int(gam[b])
+        p = s.probs(logits[b, : g + 1])
+        q = p.new_empty(0, p.shape[-1]) if g == 0 else qs[b, :g]
+        nb, tb = rejection_accept(drafts[b, :g], q, p, s.generator, s.impl)
+        n[b], nxt[b] = nb, tb
+    return n, nxt
+
+
+@pytest.mark.parametrize("drafter", ["draft_lm", "plain"])
+def test_the_batch_decoder_accepts_sampled_rows_in_one_call(monkeypatch, drafter):
+    """Sampled rows (their own generators, mixed settings, ragged budgets) beside greedy rows: one
+    verify_sampling_rows call per step, and every row's tokens equal the per-row loop's on the same seeds."""
+    from draftsmith.eval import batch
+
+    t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
+    d = noisy_copy(t, 0.5) if drafter == "draft_lm" else None
+    settings = [{"temperature": 1.0}, {}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}]
+
+    def decode():
+        dec = batch.BatchDecoder(t, d, draft_len=3, max_len=40)
+        ids = [
+            dec.add(torch.tensor([1, 2, 3, 4][: 1 + i % 4]), 6 + i, generator=torch.Generator().manual_seed(i), **kw)
+            for i, kw in enumerate(settings * 3)
+        ]
+        outs, steps = {i: [] for i in ids}, 0
+        while dec.active():
+            steps += 1
+            for i, toks in dec.step().items():
+                outs[i] += toks
+        return outs, steps
+
+    calls = []
+    real = batch.verify_sampling_rows
+    monkeypatch.setattr(batch, "verify_sampling_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused, steps = decode()
+    assert 0 < len(calls) <= steps
+    monkeypatch.setattr(batch.BatchDecoder, "_accept", _loop_accept)
+    looped, _ = decode()
+    assert fused == looped
+
+
+@pytest.mark.gpu
+def test_batch_kernels_natively_on_cuda():
+    kv, valid, length = _case(8, 4, 2, torch.bfloat16, seed=3, max_len=300, cap=10)
+    S = int(valid[:8, :length].sum(1).max())
+    kv_r, valid_r = kv.clone(), valid.clone()
+    loop_compact(kv_r[:, :, :8], valid_r[:8], length, S)
+    compact_rows(kv[:, :, :8], valid[:8], length, S)  # auto on CUDA = the kernel
+    assert torch.equal(kv, kv_r) and torch.equal(valid, valid_r)
+    draft, q, p, gam = _rows_case(16, 4, 32000, seed=1)
+    n, nxt = verify_sampling_rows(draft, q, p, gam, [torch.Generator("cuda").manual_seed(b) for b in range(16)])
+    wn, wnxt = _alone(draft, q, p, gam, [torch.Generator("cuda").manual_seed(b) for b in range(16)], "auto")
+    assert n.tolist() == wn and nxt.tolist() == wnxt
