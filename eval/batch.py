@@ -84,7 +84,7 @@ class RowCache:
         S = max(counts + [min_len])
         self.compactions += 1
         self.view.padded = min(counts) < S
-        compact_rows(self.full.kv[:, :, : self.n], self.full.valid[: self.n], self.length, S, impl)
+        compact_rows(self.full.kv, self.full.valid[: self.n], self.length, S, impl)
         self.view.length = S
 
     def ensure(self, width: int) -> None:

@@ -81,14 +81,26 @@ def _new_valid(valid: torch.Tensor, counts: torch.Tensor, S: int) -> None:
     valid.copy_((ar >= S - counts[:, None]) & (ar < S))
 
 
-def compact_rows_reference(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int) -> None:
-    """Every row at once: each valid slot's destination from a cumsum over ``valid``, then one gather (a copy, so
-    overlapping moves are safe) and one scatter of every moved slot, all layers, K and V together."""
+def compact_rows_reference(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int, chunk: int = 4 << 20) -> None:
+    """Every row at once: each valid slot's destination from a cumsum over ``valid``, then a gather (a copy, so
+    overlapping moves are safe) and a scatter of every moved slot's hd-vector, for all rows and heads, over the
+    cache viewed as one plane of slot vectors per K/V and layer. Moves never cross planes, so planes go in groups
+    whose temporary stays under ``chunk`` bytes: on CPU a fresh temporary the size of the cache costs more in page
+    faults than the copy itself."""
     dest, counts = _right_aligned(valid, length, S)
     slot = torch.arange(length, device=valid.device)
-    b, s = (valid[:, :length] & (dest != slot)).nonzero(as_tuple=True)
+    b, s = (valid[:, :length] & (dest != slot)).nonzero(as_tuple=True)  # the slots that move
     if b.numel():
-        kv[:, :, b, :, dest[b, s]] = kv[:, :, b, :, s]  # (moved, 2, layers, heads, hd) on both sides
+        K, L, cap, H, M, D = kv.shape
+        planes = kv.view(K * L, cap * H * M, D)
+        at = (b * H + torch.arange(H, device=kv.device)[:, None]) * M  # (heads, moved): each one's (row, head) start
+        src, dst = (at + s).view(-1), (at + dest[b, s]).view(-1)
+        step = max(1, chunk // (src.numel() * D * kv.element_size()))
+        for k0 in range(0, K * L, step):
+            group = planes[k0 : k0 + step]
+            off = torch.arange(group.shape[0], device=kv.device)[:, None] * group.shape[1]
+            flat = group.view(-1, D)
+            flat.index_copy_(0, (off + dst).view(-1), flat.index_select(0, (off + src).view(-1)))
     _new_valid(valid, counts, S)
 
 
@@ -119,22 +131,22 @@ if HAS_TRITON:
 
 
 def compact_rows(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int, impl: str = "auto") -> None:
-    """Right-align every row's valid slots of [0, length) in [0, S), in place, in one operation for all rows,
-    layers, K and V. kv (2, layers, B, heads, max_len, hd) (a view over a batch's active rows is fine), valid
-    (B, max_len) bool, updated to mark [S - count, S) per row. S must be at least every row's count. ``impl``:
-    as in kernels/launch.py, or "loop" (one row at a time, the original)."""
-    if kv.dim() != 6 or kv.shape[0] != 2 or kv.shape[2] != valid.shape[0] or kv.shape[4] != valid.shape[1]:
+    """Right-align the valid slots of [0, length) of rows [0, B) in [0, S), in place, in one operation for all rows,
+    layers, K and V. kv (2, layers, cap, heads, max_len, hd) contiguous (a batch cache's whole buffer), valid
+    (B, max_len) bool for its first B <= cap rows, updated to mark [S - count, S) per row. S must be at least every
+    row's count. ``impl``: as in kernels/launch.py, or "loop" (one row at a time, the original)."""
+    if kv.dim() != 6 or kv.shape[0] != 2 or kv.shape[2] < valid.shape[0] or kv.shape[4] != valid.shape[1]:
         raise ValueError(
-            f"compact_rows: expected kv (2, layers, B, heads, max_len, hd) and valid (B, max_len), got "
+            f"compact_rows: expected kv (2, layers, cap, heads, max_len, hd) and valid (B <= cap, max_len), got "
             f"{tuple(kv.shape)} and {tuple(valid.shape)}"
         )
-    if not 0 <= length <= valid.shape[1] or not 0 <= S <= valid.shape[1] or kv.stride(-1) != 1:
-        raise ValueError(f"compact_rows: length={length} and S={S} must be in [0, {valid.shape[1]}], hd contiguous")
+    if not 0 <= length <= valid.shape[1] or not 0 <= S <= valid.shape[1] or not kv.is_contiguous():
+        raise ValueError(f"compact_rows: length={length} and S={S} must be in [0, {valid.shape[1]}], kv contiguous")
     if impl == "loop":
         return compact_rows_loop(kv, valid, length, S)
     if pick_impl(impl, kv) == "reference":
         return compact_rows_reference(kv, valid, length, S)
-    B, L, H, D = kv.shape[2], kv.shape[1], kv.shape[3], kv.shape[5]
+    B, L, H, D = valid.shape[0], kv.shape[1], kv.shape[3], kv.shape[5]
     dest, counts = _right_aligned(valid, length, S)
     src = torch.full((B, S + 1), -1, dtype=torch.int32, device=kv.device)  # column S collects the invalid slots
     slot = torch.arange(length, dtype=torch.int32, device=kv.device).expand(B, -1)

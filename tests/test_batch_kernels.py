@@ -15,13 +15,25 @@ import torch
 from conftest import TINY_CFG8, noisy_copy, tiny_model
 
 from draftsmith.eval.accept import rejection_accept
-from draftsmith.kernels.kv import compact_rows
+from draftsmith.kernels.kv import compact_rows, compact_rows_reference
 from draftsmith.kernels.launch import HAS_TRITON
 from draftsmith.kernels.verify import verify_sampling_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-IMPLS = ["reference", "loop", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton"))]
+IMPLS = [
+    "reference",
+    "plane by plane",  # the reference with a temporary too small for two (K/V, layer) planes
+    "planes in groups",  # ... or for a few of them
+    "loop",
+    pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton")),
+]
+
+
+def _compact(kv, valid, length, S, impl):
+    if impl.startswith("plane"):
+        return compact_rows_reference(kv, valid, length, S, chunk=1 if impl == "plane by plane" else 2000)
+    return compact_rows(kv, valid, length, S, impl=impl)
 
 
 def loop_compact(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int) -> None:
@@ -63,8 +75,8 @@ def test_compact_rows_equals_the_loop(B, L, H, dtype, impl):
             kv, valid, length = _case(B, L, H, dtype, seed=100 * B + 10 * seed + L, cap=B + 2)
             S = int(valid[:B, :length].sum(1).max()) + extra
             kv_r, valid_r = kv.clone(), valid.clone()
-            loop_compact(kv_r[:, :, :B], valid_r[:B], length, S)
-            compact_rows(kv[:, :, :B], valid[:B], length, S, impl=impl)  # a view over the active rows
+            loop_compact(kv_r, valid_r[:B], length, S)
+            _compact(kv, valid[:B], length, S, impl)  # the first B rows of a bigger cache
             assert torch.equal(valid, valid_r)
             assert torch.equal(kv, kv_r)  # every slot: moved ones and untouched ones (rows past B too)
 
@@ -85,16 +97,16 @@ def test_compact_rows_moves_overlapping_their_sources(impl):
     for b, srcs, dsts in [(0, [2, 3, 4], [3, 4, 5]), (1, [3, 4, 5], [3, 4, 5]), (2, [0, 9], [4, 5])]:
         want[:, :, b, :, dsts] = kv[:, :, b, :, srcs]
     # S = 6: row 0 -> slots 3..5, row 1 already there; then S = 4 for rows 1 and 2 (row 1 moves left)
-    compact_rows(kv, valid, 10, 6, impl=impl)
+    _compact(kv, valid, 10, 6, impl)
     assert torch.equal(kv, want)
     assert valid.sum(1).tolist() == [3, 3, 2] and valid[:, 3:6].sum().item() == 8 and valid[2, 4:6].all()
-    sub_kv, sub_valid = kv[:, :, 1:], valid[1:]
-    want2 = sub_kv.clone()
-    want2[:, :, 0, :, [1, 2, 3]] = sub_kv[:, :, 0, :, [3, 4, 5]]
-    want2[:, :, 1, :, [2, 3]] = sub_kv[:, :, 1, :, [4, 5]]
-    compact_rows(sub_kv, sub_valid, 6, 4, impl=impl)
-    assert torch.equal(sub_kv, want2)
-    assert sub_valid[0].nonzero()[:, 0].tolist() == [1, 2, 3] and sub_valid[1].nonzero()[:, 0].tolist() == [2, 3]
+    kv, valid = kv[:, :, 1:].contiguous(), valid[1:].clone()
+    want = kv.clone()
+    want[:, :, 0, :, [1, 2, 3]] = kv[:, :, 0, :, [3, 4, 5]]
+    want[:, :, 1, :, [2, 3]] = kv[:, :, 1, :, [4, 5]]
+    _compact(kv, valid, 6, 4, impl)
+    assert torch.equal(kv, want)
+    assert valid[0].nonzero()[:, 0].tolist() == [1, 2, 3] and valid[1].nonzero()[:, 0].tolist() == [2, 3]
 
 
 def test_compact_rows_checks_its_arguments():
@@ -103,6 +115,10 @@ def test_compact_rows_checks_its_arguments():
         compact_rows(kv[0], valid, length, 4)
     with pytest.raises(ValueError, match="compact_rows"):
         compact_rows(kv, valid, length, valid.shape[1] + 1)
+    with pytest.raises(ValueError, match="compact_rows"):
+        compact_rows(kv[:, :, :1], valid, length, 4)  # fewer cache rows than valid rows
+    with pytest.raises(ValueError, match="contiguous"):
+        compact_rows(kv.transpose(3, 5), valid, length, 4)
     with pytest.raises(ValueError, match="impl"):
         compact_rows(kv, valid, length, 4, impl="fast")
 
@@ -121,7 +137,7 @@ def test_row_cache_compacts_all_rows_in_one_call(monkeypatch):
     rc.view.valid[:, :12] &= torch.rand(5, 12, generator=g) < 0.5
     rc.view.valid[2] = False  # a row with nothing valid
     kv_r, valid_r = rc.full.kv.clone(), rc.full.valid.clone()
-    loop_compact(kv_r[:, :, :5], valid_r[:5], 12, int(valid_r[:5, :12].sum(1).max()))
+    loop_compact(kv_r, valid_r[:5], 12, int(valid_r[:5, :12].sum(1).max()))
     calls = []
     real = batch.compact_rows
     monkeypatch.setattr(batch, "compact_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -256,8 +272,8 @@ def test_batch_kernels_natively_on_cuda():
     kv, valid, length = _case(8, 4, 2, torch.bfloat16, seed=3, max_len=300, cap=10)
     S = int(valid[:8, :length].sum(1).max())
     kv_r, valid_r = kv.clone(), valid.clone()
-    loop_compact(kv_r[:, :, :8], valid_r[:8], length, S)
-    compact_rows(kv[:, :, :8], valid[:8], length, S)  # auto on CUDA = the kernel
+    loop_compact(kv_r, valid_r[:8], length, S)
+    compact_rows(kv, valid[:8], length, S)  # auto on CUDA = the kernel
     assert torch.equal(kv, kv_r) and torch.equal(valid, valid_r)
     draft, q, p, gam = _rows_case(16, 4, 32000, seed=1)
     n, nxt = verify_sampling_rows(draft, q, p, gam, [torch.Generator("cuda").manual_seed(b) for b in range(16)])
