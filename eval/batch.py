@@ -492,28 +492,36 @@ class BatchDecoder:
 
     def _accept(self, rows, drafts, qs, logits, gam: torch.Tensor):
         """Each row's rule on its first gam[b] drafts -> (n accepted (B,), next tokens (B,))."""
-        G = logits.shape[1] - 1
-        # greedy for every row at once (fused on CUDA): a draft past a row's own gam[b] is -1, which never matches
-        past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
-        n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
-        n = n.long()
+        G, dev = logits.shape[1] - 1, logits.device
         idx = [b for b, r in enumerate(rows) if not r.sampler.greedy]
-        if not idx:
-            return n, nxt
-        # sampled rows: their target distributions, rows of equal settings processed together, then one
-        # rejection-sampling call for all of them, each row drawing from its own generator (fused on CUDA)
-        dev, V = logits.device, logits.shape[-1]
-        ix = torch.tensor(idx, device=dev)
+        if len(idx) < len(rows):
+            # greedy for every row at once (fused on CUDA): a draft past a row's gam[b] is -1, which never matches
+            past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
+            n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
+            n = n.long()
+            if not idx:
+                return n, nxt
+        # sampled rows: their target distributions (rows of equal settings together), then one rejection-sampling
+        # call for all of them, each row drawing only from its own generator (fused on CUDA)
+        every = len(idx) == len(rows)
+        ix = None if every else torch.tensor(idx, device=dev)
         groups: dict = {}
         for j, b in enumerate(idx):
             s = rows[b].sampler
             groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(j)
-        p = torch.empty(len(idx), G + 1, V, dtype=torch.float32, device=dev)
-        for js in groups.values():
-            jx = torch.tensor(js, device=dev)
-            p[jx] = rows[idx[js[0]]].sampler.probs(logits[ix[jx]])
-        q = qs[ix] if G else p[:, :0]
+        sel = logits if every else logits[ix]
+        if len(groups) == 1:
+            p = rows[idx[0]].sampler.probs(sel)
+        else:
+            p = torch.empty(sel.shape, dtype=torch.float32, device=dev)
+            for js in groups.values():
+                jx = torch.tensor(js, device=dev)
+                p[jx] = rows[idx[js[0]]].sampler.probs(sel[jx])
+        q = p[:, :0] if not G else qs if every else qs[ix]
         gens = [rows[b].sampler.generator for b in idx]
+        if every:
+            ns, ts = verify_sampling_rows(drafts, q, p, gam, gens, self.impl)
+            return ns.long(), ts
         ns, ts = verify_sampling_rows(drafts[ix], q, p, gam[ix], gens, self.impl)
         n[ix], nxt[ix] = ns.long(), ts
         return n, nxt

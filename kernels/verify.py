@@ -56,8 +56,8 @@ def _row_draws(gam: list[int], generators: list, V: int, device) -> tuple[torch.
     u = torch.ones(len(gam), max(gam, default=0), device=device)
     e = torch.empty(len(gam), V, device=device)
     for b, (g, gen) in enumerate(zip(gam, generators)):
-        u[b, :g] = torch.rand(g, generator=gen, device=device)
-        e[b] = torch.empty(V, device=device).exponential_(generator=gen)
+        u[b, :g].uniform_(generator=gen)  # torch.rand(g) draws the same
+        e[b].exponential_(generator=gen)
     return u, e
 
 
@@ -69,17 +69,17 @@ def verify_sampling_rows_reference(
     fallback to p when max(0, p - q) is empty), with the draws of :func:`_row_draws`."""
     B, G = draft.shape
     V, dev = p.shape[-1], p.device
-    p, q = p.float(), q.float()
     u, e = _row_draws(gam.tolist(), generators, V, dev)
-    px = p[:, :G].gather(-1, draft[..., None])[..., 0]
-    qx = q.gather(-1, draft[..., None])[..., 0]
+    px = p[:, :G].gather(-1, draft[..., None])[..., 0].float()
+    qx = q.gather(-1, draft[..., None])[..., 0].float()
     ratio = torch.where(qx > 0, px / qx.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(px))
     ok = (u[:, :G] < ratio) & (torch.arange(G, device=dev)[None] < gam[:, None])
     n = ok.long().cumprod(-1).sum(-1)
     rows = torch.arange(B, device=dev)
-    pn = p[rows, n]
-    qn = torch.cat([q, q.new_zeros(B, 1, V)], 1)[rows, n]
-    w = (pn - qn).clamp_min(0)
+    pn = p[rows, n].float()
+    if G == 0:
+        return n.int(), (pn / e).argmax(-1)
+    w = (pn - q[rows, n.clamp(max=G - 1)].float()).clamp_min(0)
     w = torch.where((n == gam)[:, None] | ~(w.sum(-1, keepdim=True) > 0), pn, w)  # the bonus, or p == q
     return n.int(), (w / e).argmax(-1)
 

@@ -234,15 +234,19 @@ def _loop_accept(self, rows, drafts, qs, logits, gam):
     return n, nxt
 
 
-@pytest.mark.parametrize("drafter", ["draft_lm", "plain"])
-def test_the_batch_decoder_accepts_sampled_rows_in_one_call(monkeypatch, drafter):
-    """Sampled rows (their own generators, mixed settings, ragged budgets) beside greedy rows: one
-    verify_sampling_rows call per step, and every row's tokens equal the per-row loop's on the same seeds."""
+MIXED = [{"temperature": 1.0}, {}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}]
+
+
+@pytest.mark.parametrize(
+    "drafter,settings", [("draft_lm", MIXED), ("plain", MIXED), ("draft_lm", [{"temperature": 1}])]
+)
+def test_the_batch_decoder_accepts_sampled_rows_in_one_call(monkeypatch, drafter, settings):
+    """Sampled rows (their own generators, ragged budgets), with mixed settings beside greedy rows or all alike:
+    one verify_sampling_rows call per step, and every row's tokens equal the per-row loop's on the same seeds."""
     from draftsmith.eval import batch
 
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     d = noisy_copy(t, 0.5) if drafter == "draft_lm" else None
-    settings = [{"temperature": 1.0}, {}, {"temperature": 0.7, "top_k": 3}, {"temperature": 1.3, "top_p": 0.8}]
 
     def decode():
         dec = batch.BatchDecoder(t, d, draft_len=3, max_len=40)
