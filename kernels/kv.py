@@ -1,5 +1,6 @@
-"""KV-cache compaction after a tree verify (docs/algorithms.md A11.3): keep the accepted path's K/V slots and move
-them to consecutive slots, in place, in every layer.
+"""KV-cache compaction, in place, in every layer: ``compact_kv`` keeps a tree verify's accepted path
+(docs/algorithms.md A11.3); ``compact_rows`` right-aligns the valid slots of every row of a batch cache
+(eval/batch.py RowCache, below).
 
 Slots ``start + keep[j]`` move to ``start + j`` with ``keep`` ascending, so keep[j] >= j: walking j upwards
 never overwrites a source that is still to be read. One program per (batch row, head) does that walk, each step a
@@ -55,7 +56,8 @@ def compact_kv(x: torch.Tensor, start: int, keep: torch.Tensor, impl: str = "aut
 # S - c + r. Destinations step by exactly one while sources step by at least one, so dest - src never grows along a
 # row: a row's slots that move right (to higher slots) come first, those that move left come last. Moving the
 # right-movers from the last down and the left-movers from the first up never overwrites a slot still to be read,
-# so the kernel works in place with no copy of the cache.
+# so the kernel works in place with no copy of the cache. It moves a block of slots at a time, whose elements other
+# threads of the program load and store: a barrier between each block's loads and its stores keeps that order.
 
 
 def compact_rows_loop(kv: torch.Tensor, valid: torch.Tensor, length: int, S: int) -> None:
@@ -121,12 +123,14 @@ if HAS_TRITON:
             src = tl.load(src_ptr + b * S + j, mask=j < S, other=-1)
             m = (src > j)[:, None] & md[None, :]
             x = tl.load(base + src[:, None].to(tl.int64) * s_s + d[None, :], mask=m)
+            tl.debug_barrier()  # every thread's loads (this block's, the blocks' before) land before any store
             tl.store(base + j[:, None].to(tl.int64) * s_s + d[None, :], x, mask=m)
         for t in range(0, nt):  # right-movers, last block down
             j = (nt - 1 - t) * BLOCK_S + tl.arange(0, BLOCK_S)
             src = tl.load(src_ptr + b * S + j, mask=j < S, other=-1)
             m = ((src >= 0) & (src < j))[:, None] & md[None, :]
             x = tl.load(base + src[:, None].to(tl.int64) * s_s + d[None, :], mask=m)
+            tl.debug_barrier()
             tl.store(base + j[:, None].to(tl.int64) * s_s + d[None, :], x, mask=m)
 
 
