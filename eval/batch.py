@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.accept import Sampler, rejection_accept
+from draftsmith.eval.accept import Sampler
 from draftsmith.eval.batch_shapes import HeadTrees, RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
 from draftsmith.eval.tree import TreeSpec
-from draftsmith.kernels.verify import verify_greedy
+from draftsmith.kernels.kv import compact_rows
+from draftsmith.kernels.verify import verify_greedy, verify_sampling_rows
 from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
 
@@ -85,20 +86,14 @@ class RowCache:
         """Valid slots per active row (n,)."""
         return self.view.valid[:, : self.length].sum(1)
 
-    def compact(self, min_len: int = 0) -> None:
-        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len)."""
-        L, f = self.length, self.full
-        self.compactions += 1
+    def compact(self, min_len: int = 0, impl: str = "auto") -> None:
+        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len):
+        one operation for all rows, layers, K and V (kernels/kv.py ``compact_rows``; Triton on CUDA)."""
         counts = self.counts().tolist()
         S = max(counts + [min_len])
+        self.compactions += 1
         self.view.padded = min(counts) < S
-        for b, c in enumerate(counts):
-            idx = f.valid[b, :L].nonzero()[:, 0]
-            if c and not (idx[0] == S - c and idx[-1] == S - 1):
-                row = f.kv[:, :, b]  # (2, layers, heads, slots, hd), a view
-                row[:, :, :, S - c : S] = row.index_select(3, idx)
-            f.valid[b] = False
-            f.valid[b, S - c : S] = True
+        compact_rows(self.full.kv, self.full.valid[: self.n], self.length, S, impl)
         self.view.length = S
 
     def ensure(self, width: int) -> None:
@@ -548,20 +543,38 @@ class BatchDecoder:
 
     def _accept(self, rows, drafts, qs, logits, gam: torch.Tensor):
         """Each row's rule on its first gam[b] drafts -> (n accepted (B,), next tokens (B,))."""
-        G = logits.shape[1] - 1
-        # greedy for every row at once (fused on CUDA): a draft past a row's own gam[b] is -1, which never matches
-        past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
-        n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
-        n = n.long()
-        for b, r in enumerate(rows):
-            s = r.sampler
-            if s.greedy:
-                continue
-            g = int(gam[b])
-            p = s.probs(logits[b, : g + 1])
-            q = p.new_empty(0, p.shape[-1]) if g == 0 else qs[b, :g]
-            nb, tb = rejection_accept(drafts[b, :g], q, p, s.generator, s.impl)
-            n[b], nxt[b] = nb, tb
+        G, dev = logits.shape[1] - 1, logits.device
+        idx = [b for b, r in enumerate(rows) if not r.sampler.greedy]
+        if len(idx) < len(rows):
+            # greedy for every row at once (fused on CUDA): a draft past a row's gam[b] is -1, which never matches
+            past = torch.arange(G, device=drafts.device)[None] >= gam[:, None]
+            n, nxt = verify_greedy(drafts.masked_fill(past, -1), logits, self.impl)
+            n = n.long()
+            if not idx:
+                return n, nxt
+        # sampled rows: their target distributions (rows of equal settings together), then one rejection-sampling
+        # call for all of them, each row drawing only from its own generator (fused on CUDA)
+        every = len(idx) == len(rows)
+        ix = None if every else torch.tensor(idx, device=dev)
+        groups: dict = {}
+        for j, b in enumerate(idx):
+            s = rows[b].sampler
+            groups.setdefault((s.temperature, s.top_k, s.top_p), []).append(j)
+        sel = logits if every else logits[ix]
+        if len(groups) == 1:
+            p = rows[idx[0]].sampler.probs(sel)
+        else:
+            p = torch.empty(sel.shape, dtype=torch.float32, device=dev)
+            for js in groups.values():
+                jx = torch.tensor(js, device=dev)
+                p[jx] = rows[idx[js[0]]].sampler.probs(sel[jx])
+        q = p[:, :0] if not G else qs if every else qs[ix]
+        gens = [rows[b].sampler.generator for b in idx]
+        if every:
+            ns, ts = verify_sampling_rows(drafts, q, p, gam, gens, self.impl)
+            return ns.long(), ts
+        ns, ts = verify_sampling_rows(drafts[ix], q, p, gam[ix], gens, self.impl)
+        n[ix], nxt[ix] = ns.long(), ts
         return n, nxt
 
     # ---- the step ---------------------------------------------------------------------------------------------------
