@@ -191,22 +191,30 @@ class _Draft:
         return (out[0] if isinstance(out, tuple) else out)[0, -1]
 
 
-@dataclass
-class OwnVocabDrafter:
+class OwnVocabDrafter(torch.nn.Module):
     """A draft LM with its own tokenizer, ready for ``speculative_generate`` (which hands it to ``hetero_generate``).
     method: "slem", "tli", or "auto" (slem when greedy, tli when sampling); ngram: use an ``NgramCache``."""
 
-    lm: torch.nn.Module
-    tokenizer: object
-    target_tokenizer: object
-    method: str = "auto"
-    ngram: bool = False
     own_vocab = True
 
+    def __init__(self, lm: torch.nn.Module, tokenizer, target_tokenizer, method: str = "auto", ngram: bool = False):
+        super().__init__()
+        self.lm, self.tokenizer, self.target_tokenizer, self.method, self.ngram = (
+            lm,
+            tokenizer,
+            target_tokenizer,
+            method,
+            ngram,
+        )
+        self._vocabs: Vocabs | None = None
+
     def vocabs(self, target) -> Vocabs:
-        if getattr(self, "_vocabs", None) is None:
+        if self._vocabs is None:
             self._vocabs = Vocabs(self.target_tokenizer, self.tokenizer, target.cfg.vocab_size, self.lm.cfg.vocab_size)
         return self._vocabs
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.lm.parameters())
 
 
 @torch.no_grad()

@@ -218,3 +218,60 @@ def test_refuses_trees_and_hooks(toks):
     drafter = OwnVocabDrafter(tiny_model(1, cfg(len(ds[260]))), ds[260], t)
     with pytest.raises(ValueError, match="chains only"):
         speculative_generate(target, drafter, torch.tensor([5, 6]), 4, tree=TreeSpec(parents=(-1, 0), ranks=(0, 0)))
+
+
+def test_batched_decoder_refuses(toks):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.eval.batch import BatchDecoder
+
+    t, ds = toks
+    drafter = OwnVocabDrafter(tiny_model(1, cfg(len(ds[260]))), ds[260], t)
+    with pytest.raises(DraftsmithError, match="own tokenizer decodes at batch 1 only"):
+        BatchDecoder(tiny_model(0, cfg(len(t))), drafter, draft_len=3)
+
+
+# ---- the offline setting: a BPE learned on the run's records, a draft LM trained on the re-tokenized answers -------
+
+
+def test_retokenize_keeps_the_answer_mask(toks):
+    from draftsmith.data.records import Record
+    from draftsmith.models.own_vocab import retokenize
+
+    t, ds = toks
+    prompt, answer = Vocabs.ids(t, "What is the capital of France?"), Vocabs.ids(t, " Paris is the capital.")
+    r = Record(torch.tensor(prompt + answer), torch.tensor([0] * len(prompt) + [1] * len(answer)), 0)
+    out = retokenize(r, t, ds[400], 512)
+    ids, mask = out.input_ids.tolist(), out.loss_mask.tolist()
+    assert Vocabs.text(ds[400], [i for i, m in zip(ids, mask) if m]) == " Paris is the capital."
+    assert Vocabs.text(ds[400], ids) == Vocabs.text(t, prompt + answer) and not out.signals
+
+
+def test_own_vocab_needs_ce_and_no_target_embeddings(train_run, capsys):
+    own = ("drafter.tokenizer=train", "drafter.vocab_size=280")
+    train_run("kl", *own, "drafter.init_from_target=false", "train.loss.kind=fkl", expect=2)
+    assert "train.loss.kind=ce" in capsys.readouterr().err
+    train_run("emb", *own, "train.loss.kind=ce", expect=2)
+    assert "set drafter.init_from_target to false" in capsys.readouterr().err
+
+
+def test_own_vocab_trains_evals_losslessly_and_serve_refuses(train_run, tiny_model_dir, prompts_file, capsys):
+    import json
+
+    from draftsmith.cli import main
+
+    own = ("drafter.tokenizer=train", "drafter.vocab_size=280", "drafter.init_from_target=false")
+    run = train_run("own", *own, "train.loss.kind=ce", "train.eval_every=5")  # the in-training decode too
+    ckpt = run / "checkpoints" / "final"
+    info = json.loads((ckpt / "drafter.json").read_text())
+    assert info["draft_tokenizer"] == "tokenizer" and info["config"]["vocab_size"] == 280
+    assert (run / "draft_tokenizer" / "tokenizer.json").is_file() and (ckpt / "tokenizer" / "tokenizer.json").is_file()
+    common = [f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}", f"out_dir={run}", "-q"]
+    assert main(["eval", "tiny", *common]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and report["drafter"]["tokenizer"] == {"vocab_size": 280, "method": "slem"}
+    assert report["tau"] >= 1.0 and "vs_ar" in report["speedup"]
+    assert main(["eval", "tiny", *common, "eval.batch_sizes=[1,2]"]) == 2
+    capsys.readouterr()
+    assert main(["serve", "tiny", *common]) == 2
+    err = capsys.readouterr().err
+    assert "own tokenizer" in err and "serve decodes drafters in the target's vocabulary only" in err
