@@ -173,7 +173,8 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     ``before_feed`` and ``min_len`` 0 variants; eval/shapes.py ``draft_chain``); draft_len stays the cap and the
     output stays lossless. ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy
     chains of a draft LM (eval/shapes.py ``Judged``). ``on_token(t)`` sees each token as it is committed
-    (streaming); it may raise to abandon the decode.
+    (streaming); it may raise to abandon the decode. A drafter with its own tokenizer (eval/hetero.py
+    ``OwnVocabDrafter``) decodes chains through ``hetero_generate``.
     """
     if getattr(drafter, "own_vocab", False):  # a draft LM with its own tokenizer (eval/hetero.py)
         from draftsmith.eval.hetero import hetero_generate

@@ -138,6 +138,6 @@ def refuse_own_vocab(path: Path, info: dict, what: str) -> None:
     """One line for the decoders that take a drafter in the target's vocabulary only."""
     if info.get("draft_tokenizer"):
         raise DraftsmithError(
-            f"{path}: this drafter has its own tokenizer; {what} decodes drafters in the target's vocabulary only "
-            f"(draftsmith eval decodes it at batch 1)"
+            f"{path}: this drafter has its own tokenizer; {what} {'takes' if what == 'export' else 'decodes'} "
+            f"drafters in the target's vocabulary only (draftsmith eval decodes it at batch 1)"
         )

@@ -275,3 +275,5 @@ def test_own_vocab_trains_evals_losslessly_and_serve_refuses(train_run, tiny_mod
     assert main(["serve", "tiny", *common]) == 2
     err = capsys.readouterr().err
     assert "own tokenizer" in err and "serve decodes drafters in the target's vocabulary only" in err
+    assert main(["export", str(ckpt), "--out", str(run / "exported"), "-q"]) == 2
+    assert "export takes drafters in the target's vocabulary only" in capsys.readouterr().err
