@@ -12,10 +12,10 @@ The draft reads and writes its own token ids; the target verifies target ids. Te
 - ``tli`` (token-level intersection): the draft's distribution restricted to the tokens whose strings both
   vocabularies have, renormalised and moved to target ids, then standard rejection sampling.
 
-After every step the committed text is re-tokenized by the draft's tokenizer; the draft's KV cache keeps the
-longest unchanged prefix and reads the rest. ``NgramCache`` (OmniDraft-style) learns draft-token n-grams ->
-target tokens from verified steps and translates later drafts without the tokenizer; like everything on the draft
-side it changes only which candidates the target sees, never what is committed.
+After every step the committed text is re-tokenized by the draft's tokenizer (a tail of it: ``DraftContext``); the
+draft's KV cache keeps the longest unchanged prefix and reads the rest. ``NgramCache`` (OmniDraft-style) learns
+draft-token n-grams -> target tokens from verified steps and translates later drafts without the tokenizer; like
+everything on the draft side it changes only which candidates the target sees, never what is committed.
 """
 
 from __future__ import annotations
@@ -108,6 +108,32 @@ class Vocabs:
             if enc[:1] == [cur]:
                 return enc[1:]
         return self.ids(self.t, text)
+
+
+class DraftContext:
+    """The committed target ids as draft ids, re-tokenizing only a tail: once the tail holds more than 2·``window``
+    target tokens, its head up to a word boundary (a space next) is fixed, provided its draft tokens are the same
+    alone as in the whole tail. Each step then costs O(window), not O(text); it can only differ from re-tokenizing
+    everything where a draft token would span that boundary, which changes acceptance, never output."""
+
+    def __init__(self, vocabs: Vocabs, window: int = 64):
+        self.v, self.window = vocabs, window
+        self.n, self.fixed = 0, []  # target tokens before the anchor, their draft ids
+
+    def __call__(self, seq: list[int]) -> list[int]:
+        v, tail = self.v, seq[self.n :]
+        tail_ids = v.ids(v.d, v.text(v.t, tail).rstrip(BAD))
+        out = self.fixed + tail_ids
+        if len(tail) > 2 * self.window:
+            for k in range(len(tail) - self.window, len(tail) - self.window - 8, -1):
+                head, rest = v.text(v.t, tail[:k]), v.text(v.t, tail[k:])
+                if head.endswith(BAD) or not rest[:1].isspace():
+                    continue
+                head_ids = v.ids(v.d, head)
+                if tail_ids[: len(head_ids)] == head_ids:
+                    self.n, self.fixed = self.n + k, self.fixed + head_ids
+                break
+        return out
 
 
 @dataclass
@@ -247,7 +273,8 @@ def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, 
     logits, _ = target_pass(target, prompt, tcache, last_only=True)
     cur, _ = sampler.pick(logits)
     seq = prompt[0].tolist() + [int(cur)]  # every committed target id; the last (cur) is not in the target cache
-    context = vocabs.draft_context(seq)
+    draft_context = DraftContext(vocabs)
+    context = draft_context(seq)
     draft = _Draft(drafter.lm, len(context) + 4 * max_new_tokens + draft_len + 8)
     d2t, shared = vocabs.d2t.to(device), vocabs.shared.to(device)
     V = target.cfg.vocab_size
@@ -300,6 +327,6 @@ def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, 
         done = emit(out, cand[:n] + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(len(cand), n, t1 - t0, t2 - t1)
         if not done:
-            context = vocabs.draft_context(seq)
+            context = draft_context(seq)
     stats.new_tokens = len(out)
     return out, stats

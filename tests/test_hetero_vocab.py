@@ -277,3 +277,19 @@ def test_own_vocab_trains_evals_losslessly_and_serve_refuses(train_run, tiny_mod
     assert "own tokenizer" in err and "serve decodes drafters in the target's vocabulary only" in err
     assert main(["export", str(ckpt), "--out", str(run / "exported"), "-q"]) == 2
     assert "export takes drafters in the target's vocabulary only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("vocab", [260, 400])
+def test_draft_context_retokenizes_a_tail_like_the_whole_text(toks, vocab):
+    """The draft's context grows by a few target tokens per step; re-tokenizing a window gives what re-tokenizing
+    the whole text gives, while its anchor moves on."""
+    from draftsmith.eval.hetero import DraftContext
+
+    t, ds = toks
+    v = Vocabs(t, ds[vocab])
+    seq, ctx, g = Vocabs.ids(t, (TEXT + " ") * 3), DraftContext(v, window=8), torch.Generator().manual_seed(0)
+    n = 3
+    while n < len(seq):
+        assert ctx(seq[:n]) == v.draft_context(seq[:n]), n
+        n += int(torch.randint(1, 6, (1,), generator=g))
+    assert ctx.n > len(seq) - 40  # only a window is re-tokenized
