@@ -293,3 +293,36 @@ def test_draft_context_retokenizes_a_tail_like_the_whole_text(toks, vocab):
         assert ctx(seq[:n]) == v.draft_context(seq[:n]), n
         n += int(torch.randint(1, 6, (1,), generator=g))
     assert ctx.n > len(seq) - 40  # only a window is re-tokenized
+
+
+@pytest.mark.slow
+def test_smollm2_with_a_learned_8k_bpe_draft():
+    """The real setting (DRAFTSMITH_SLOW=1): SmolLM2-135M-Instruct and an 8,192-token BPE learned on ShareGPT. A
+    random draft decodes losslessly by slem and tli; a draft that writes the target's own greedy text in its own
+    tokens (the ceiling of string-level matching) keeps nearly every candidate."""
+    from draftsmith.data.prompts import prompts_from
+    from draftsmith.models.llama import Llama
+    from draftsmith.models.loading import encode_chat, load_model
+    from draftsmith.models.own_vocab import train_bpe
+    from draftsmith.recipes.schema import PromptsConfig
+
+    tgt = load_model("smollm2-135m-instruct")
+    t, model = tgt.tokenizer, tgt.model.eval()
+    convs = prompts_from(PromptsConfig(source="sharegpt", n=3000), 3000)
+    d = train_bpe([m["content"] for p in convs for m in p.messages], 8192, t)
+    assert int(Vocabs(t, d).shared.sum()) > 7000
+    small = LlamaConfig(vocab_size=len(d), dim=32, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=64, max_seq_len=4096)
+    torch.manual_seed(1)
+    rnd = Llama(small).eval()
+    total = DecodeStats(accept_counts=[0] * 9)
+    for p in prompts_from(PromptsConfig(source="mt_bench", n=4, shuffle=True, seed=0, max_turns=1), 4):
+        ids = encode_chat(t, p.messages[:1])
+        ar = autoregressive_generate(model, torch.tensor(ids), 48)
+        for m in ("slem", "tli"):
+            out, _ = speculative_generate(model, OwnVocabDrafter(rnd, d, t, method=m), torch.tensor(ids), 48)
+            assert out == ar, m
+        oracle = OwnVocabDrafter(TextOracle(rnd, d, Vocabs.text(t, ids + ar)), d, t)
+        out, st = speculative_generate(model, oracle, torch.tensor(ids), 48, draft_len=4)
+        assert out == ar
+        total.merge(st)
+    assert total.acceptance_rate > 0.9 and total.tau > 4.0, (total.acceptance_rate, total.tau)
