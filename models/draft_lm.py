@@ -20,7 +20,8 @@ from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
 class DraftLMConfig(Strict):
-    """A standalone small Llama-style draft LM sharing the target's tokenizer (FastDraft / DistillSpec)."""
+    """A standalone small Llama-style draft LM (FastDraft / DistillSpec), sharing the target's tokenizer unless
+    ``tokenizer`` gives it its own."""
 
     kind: Literal["draft_lm"] = "draft_lm"
     n_layers: int = Field(2, gt=0)
