@@ -441,6 +441,10 @@ class BatchDecoder:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if max_prefill_pad is not None and max_prefill_pad < 0:
             raise ValueError(f"max_prefill_pad must be >= 0, got {max_prefill_pad}")
+        if getattr(drafter, "own_vocab", False):
+            raise DraftsmithError(
+                "a drafter with its own tokenizer decodes at batch 1 only (eval/hetero.py), not in the batched decoder"
+            )
         target, drafter = _unwrapped(target), _unwrapped(drafter)
         self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
         if not isinstance(target.new_cache(1, 1), KVCache):

@@ -37,6 +37,7 @@ from draftsmith.models.loading import (
     to_hf_model,
 )
 from draftsmith.models.medusa import merge_adapter
+from draftsmith.models.own_vocab import own_vocab_drafter
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
@@ -80,7 +81,7 @@ def _hf_generate(
 
 def _hf_assistant(drafter, info: dict, draft_len: int):
     """Our draft LM as a transformers assistant model with a fixed draft length (a like-for-like baseline)."""
-    if info["kind"] != "draft_lm" or getattr(drafter, "d2t", None) is not None:
+    if info["kind"] != "draft_lm" or getattr(drafter, "d2t", None) is not None or info.get("draft_tokenizer"):
         return None  # transformers has no reduced-vocabulary assistant: no like-for-like baseline
     assistant = to_hf_model(drafter)
     assistant.generation_config.num_assistant_tokens = draft_len
@@ -128,10 +129,19 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
         recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision, fallback=True
     )
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
+    if info.get("draft_tokenizer"):  # its own vocabulary: decoded by eval/hetero.py, chains at batch 1
+        bad = ec.strategy != "chain" or ec.stop is not None or ec.judge is not None or ec.batch_sizes
+        if bad:
+            raise DraftsmithError(
+                f"{ckpt}: a drafter with its own tokenizer decodes chains at batch 1 only: set eval.strategy=chain "
+                f"and leave eval.stop, eval.judge and eval.batch_sizes unset"
+            )
+        drafter = own_vocab_drafter(ckpt, drafter, info, tgt.tokenizer)
     stop_drafting, stop_info = None, None
     if info.get("kind") == "acceptance_head" or ec.stop is not None:
         drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
-    check_fits_target(ckpt, info, tgt)
+    if not info.get("draft_tokenizer"):
+        check_fits_target(ckpt, info, tgt)
     adapted = getattr(drafter, "target_adapter", None) is not None
     if adapted:  # Medusa-2 serves the jointly trained target: decoding is lossless w.r.t. the adapted target
         merge_adapter(tgt.model, drafter.target_adapter, info["config"]["lora"])
@@ -186,7 +196,11 @@ def optimize_models(setup: EvalSetup, ec) -> None:
     # Room for the longest prompt, the answer and the widest draft block or tree (EAGLE-2 trees stay < 512).
     max_len = max((len(ids) for _, ids in setup.encoded), default=0) + ec.max_new_tokens + 512
     setup.tgt.model = fast_model(setup.tgt.model, ec, setup.device, max_len)
-    setup.drafter = fast_model(setup.drafter, ec, setup.device, max_len)
+    if getattr(setup.drafter, "own_vocab", False):  # eval/hetero.py runs the draft LM eagerly
+        if ec.optimize and hasattr(setup.drafter.lm, "optimize_for_inference"):
+            setup.drafter.lm.optimize_for_inference()
+    else:
+        setup.drafter = fast_model(setup.drafter, ec, setup.device, max_len)
 
 
 def evaluate(recipe) -> dict:
@@ -297,6 +311,9 @@ def evaluate(recipe) -> dict:
         recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded), device, cat_times
     )
     report["machine"] = meter.machine()
+    if getattr(drafter, "own_vocab", False):  # the draft's vocabulary and how its drafts reach the target's
+        method = "slem" if ec.temperature <= 0 else "tli"
+        report["drafter"]["tokenizer"] = {"vocab_size": len(drafter.tokenizer), "method": method}
     if ec.batch_sizes:
         report["batches"] = batches
     if setup.stop_info is not None:

@@ -173,8 +173,17 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
     ``before_feed`` and ``min_len`` 0 variants; eval/shapes.py ``draft_chain``); draft_len stays the cap and the
     output stays lossless. ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy
     chains of a draft LM (eval/shapes.py ``Judged``). ``on_token(t)`` sees each token as it is committed
-    (streaming); it may raise to abandon the decode.
+    (streaming); it may raise to abandon the decode. A drafter with its own tokenizer (eval/hetero.py
+    ``OwnVocabDrafter``) decodes chains through ``hetero_generate``.
     """
+    if getattr(drafter, "own_vocab", False):  # a draft LM with its own tokenizer (eval/hetero.py)
+        from draftsmith.eval.hetero import hetero_generate
+
+        if tree is not None or judge is not None or stop_drafting is not None:
+            raise ValueError("a drafter with its own vocabulary decodes chains only: no tree, judge or stop hook")
+        return hetero_generate(target, drafter, prompt_ids, max_new_tokens, draft_len=draft_len,
+                               temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
+                               generator=generator, on_token=on_token)  # fmt: skip
     sampler = Sampler(temperature, top_k, top_p, generator)
     proposer = proposer_for(drafter)(target, drafter, stop_drafting)
     shape = shape_for(target, proposer, tree, draft_len, sampler, judge)

@@ -62,7 +62,9 @@ def quick_eval(
             generator=gen,
         )
         stats.merge(st)
-        if len(out) > 1 and not reads_target(drafter):  # heads / EAGLE: the loop logs alpha per head or TTT step
+        # heads / EAGLE: the loop logs alpha per head or TTT step; a draft with its own vocabulary has no per-token
+        # distribution over the target's tokens to score
+        if len(out) > 1 and not reads_target(drafter) and not getattr(drafter, "own_vocab", False):
             seq = torch.cat([prompt, torch.tensor(out, device=device)])
             alphas.append(teacher_forced_alpha(target, drafter, seq, len(ids), temperature))
     out = {"tau_measured": stats.tau, "acceptance_rate": stats.acceptance_rate}

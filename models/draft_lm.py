@@ -20,7 +20,8 @@ from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
 class DraftLMConfig(Strict):
-    """A standalone small Llama-style draft LM sharing the target's tokenizer (FastDraft / DistillSpec)."""
+    """A standalone small Llama-style draft LM (FastDraft / DistillSpec), sharing the target's tokenizer unless
+    ``tokenizer`` gives it its own."""
 
     kind: Literal["draft_lm"] = "draft_lm"
     n_layers: int = Field(2, gt=0)
@@ -45,6 +46,14 @@ class DraftLMConfig(Strict):
     draft_vocab: int | None = Field(None, gt=1)
     """Keep only the N most frequent tokens of the training responses in the draft's LM head (VocabTrim /
     FR-Spec, docs/algorithms.md A10); EOS ids are always kept. The head rows start from the target's LM head."""
+    tokenizer: str | None = None
+    """The draft's own tokenizer (a vocabulary unlike the target's): a tokenizer folder, or ``train`` to learn a
+    byte-level BPE of ``vocab_size`` tokens on the run's records (prompts and the target's answers), kept in
+    RUN/draft_tokenizer. The draft trains on the answers re-tokenized (train.loss.kind=ce: stored top-k log-probs
+    are over the target's vocabulary) and decodes with eval/hetero.py (string-level exact match, or the
+    intersection of the vocabularies when sampling). Needs init_from_target=false; None = the target's."""
+    vocab_size: int = Field(8192, gt=256)
+    """Tokens of the BPE learned for tokenizer=train."""
 
 
 def draft_lm_config(cfg: DraftLMConfig, target_cfg: LlamaConfig) -> LlamaConfig:
@@ -104,9 +113,13 @@ def build_draft_lm(
     counts: torch.Tensor | None = None,
     tokenizer=None,
     eos_ids: set[int] = frozenset(),
+    draft_tokenizer=None,
 ) -> Llama:
-    """counts: token frequencies of the training responses (needed for draft_vocab)."""
+    """counts: token frequencies of the training responses (needed for draft_vocab); draft_tokenizer: the loaded
+    tokenizer drafter.tokenizer names (models/own_vocab.py)."""
     cfg = as_section(DraftLMConfig, cfg)
+    if cfg.tokenizer is not None:
+        return _build_own_vocab(cfg, target, draft_tokenizer)
     if cfg.init_from:
         draft = _init_from(cfg.init_from, target, tokenizer)
         if cfg.freeze_embeddings:
@@ -139,6 +152,31 @@ def _reduce_head(draft: Llama, keep: torch.Tensor) -> Llama:
     small.set_head_vocab(keep)
     small.embed_tokens.weight.requires_grad_(draft.embed_tokens.weight.requires_grad)
     return small
+
+
+def _build_own_vocab(section: DraftLMConfig, target: Llama, tok) -> Llama:
+    """A draft over its own tokenizer's vocabulary: embeddings and head start random (untied); init_layers may
+    still copy target layers of the same shape. The model carries the tokenizer (saved with its checkpoints)."""
+    if tok is None:
+        raise DraftsmithError("drafter.tokenizer: the training loop loads the draft tokenizer (none was given)")
+    bad = [k for k in ("init_from_target", "init_from", "draft_vocab") if getattr(section, k)]
+    if bad:
+        raise DraftsmithError(
+            f"drafter.tokenizer: the draft's vocabulary is its own; set drafter.{bad[0]} to "
+            f"{'false' if bad[0] == 'init_from_target' else 'null'}"
+        )
+    layer_cfg = draft_lm_config(section, target.cfg)
+    cfg = replace(layer_cfg, vocab_size=len(tok), tie_embeddings=False, head_vocab_size=None)
+    draft = Llama(cfg).to(target.embed_tokens.weight.dtype)
+    if section.init_layers is not None:
+        if layer_cfg != replace(target.cfg, n_layers=layer_cfg.n_layers):
+            raise DraftsmithError("drafter.init_layers needs the draft's layer shape to equal the target's")
+        for i, src in enumerate(section.init_layers):
+            if not 0 <= src < target.cfg.n_layers:
+                raise DraftsmithError(f"drafter.init_layers[{i}] = {src} is outside the target's layers")
+            draft.layers[i].load_state_dict(target.layers[src].state_dict())
+    draft.draft_tokenizer = tok
+    return draft
 
 
 def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:

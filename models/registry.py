@@ -115,6 +115,9 @@ def save_drafter(
         (tmp / "recipe.yaml").write_text(recipe_yaml)
     if extra is not None:
         extra(tmp)
+    if getattr(model, "draft_tokenizer", None) is not None:  # a draft with its own vocabulary (models/own_vocab.py)
+        model.draft_tokenizer.save_pretrained(tmp / "tokenizer")
+        meta = {**meta, "draft_tokenizer": "tokenizer"}
     info = {"kind": kind, "config": model.cfg.to_dict(), **meta, "sha256": checksums(tmp)}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
     old = path.with_name(path.name + ".deleting")  # never a moment with a half-deleted folder under ``path``

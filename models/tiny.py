@@ -15,8 +15,9 @@ CHATML = (
 )
 
 
-def tiny_tokenizer(corpus: list[str]):
-    """A byte-level BPE (300 tokens: <pad>, <|im_start|>, <|im_end|> and merges learned on ``corpus``), ChatML."""
+def tiny_tokenizer(corpus: list[str], vocab_size: int = 300):
+    """A byte-level BPE (``vocab_size`` tokens: <pad>, <|im_start|>, <|im_end|> and merges learned on ``corpus``),
+    ChatML."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -24,7 +25,7 @@ def tiny_tokenizer(corpus: list[str]):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=["<pad>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

@@ -21,7 +21,9 @@ from tqdm.auto import tqdm
 from draftsmith.data.dataset import RecordDataset, collate, token_counts
 from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.hetero import OwnVocabDrafter
 from draftsmith.eval.quick import tau_from_alpha
+from draftsmith.models import own_vocab
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
@@ -115,6 +117,8 @@ def _quick_eval_setup(recipe, tgt, acc):
             from draftsmith.eval.bench import build_tree, stop_rule
 
             t = target if getattr(drafter, "base", None) is None else drafter.base
+            if getattr(drafter, "draft_tokenizer", None) is not None:  # its own vocabulary: eval/hetero.py
+                drafter = OwnVocabDrafter(drafter, drafter.draft_tokenizer, tgt.tokenizer)
             tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
             stop = None
             if ec.stop is not None:
@@ -153,6 +157,10 @@ def train(recipe) -> Path:
     kind, params = recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
     spec = drafter_spec(kind)
     facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
+    target_tok, own_tok = tgt.tokenizer, None
+    if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (models/own_vocab.py)
+        own_vocab.check_loss(tc)
+        own_tok = facts["draft_tokenizer"] = own_vocab.draft_tokenizer(params, run, tgt.tokenizer, data_dir)
     if getattr(params, "draft_vocab", None):  # (a field of the kinds that can reduce their vocabulary)
         facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
     drafter = build_drafter(kind, params, tgt.model, **facts).float().train()
@@ -168,7 +176,9 @@ def train(recipe) -> Path:
     teacher = teacher.to(acc.device) if teacher is not None else None
     del tgt
     signals = spec.signals_for(drafter) - (set() if stored else {"hidden_last", "hidden_aux"})
-    ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals)
+    ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals if own_tok is None else set())
+    if own_tok is not None:  # the target's answers in the draft's tokens
+        ds = own_vocab.RetokenizedDataset(ds, target_tok, own_tok, tc.max_seq_len)
     if len(ds) == 0:
         raise DraftsmithError(f"{data_dir}: no records to train on")
     opt, sched = build_optimizer(drafter, tc)

@@ -39,6 +39,7 @@ from draftsmith.errors import DraftsmithError, redact
 from draftsmith.export import formats as sf
 from draftsmith.integrity import checksums
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
+from draftsmith.models.own_vocab import refuse_own_vocab
 from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
 
@@ -67,6 +68,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     ckpt, out = Path(ckpt), Path(out)
     check_out_folder(out)
     model, info = load_drafter(ckpt)
+    refuse_own_vocab(ckpt, info, "export")
     if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
         raise DraftsmithError(f"export: a {info['kind']} is not a drafter a serving engine runs; export its draft")
     if getattr(model, "target_adapter", None) is not None and fmt != "hf":

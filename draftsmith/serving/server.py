@@ -51,6 +51,7 @@ from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_model, stop_rule
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
+from draftsmith.models.own_vocab import refuse_own_vocab
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.serving.online import Learner, Versions, online_dir
@@ -181,7 +182,9 @@ class Engine:
         ckpt = Path(self.ec.checkpoint) if self.ec.checkpoint else recipe.run_dir / "checkpoints" / "final"
         if not (self.root / "current.json").is_file() and (ckpt / "drafter.json").is_file():
             # before it becomes version v0000: a drafter for another target is refused, and no state is written
-            check_fits_target(ckpt, read_json(ckpt / "drafter.json"), self.tgt)
+            info = read_json(ckpt / "drafter.json")
+            refuse_own_vocab(ckpt, info, "serve")
+            check_fits_target(ckpt, info, self.tgt)
         self.versions = Versions(self.root, ckpt)
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
         self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer
@@ -221,6 +224,7 @@ class Engine:
         version, path = self.versions.current()
         if version == self.version:
             return False
+        refuse_own_vocab(path, read_json(path / "drafter.json"), "serve")
         drafter, info = load_drafter(path, dtype=self.dtype, device=self.device)
         stop = None
         if info.get("kind") == "acceptance_head" or self.ec.stop is not None:  # eval.stop, as eval decodes

@@ -1,0 +1,332 @@
+"""Speculative decoding with a draft LM whose tokenizer differs from the target's, batch 1, lossless
+(docs/decoding.md "Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv
+2507.02659).
+
+The draft reads and writes its own token ids; the target verifies target ids. Text is the common ground:
+
+- ``slem`` (string-level exact match): the draft continues the committed text by γ of its tokens; their text is
+  re-tokenized by the target's tokenizer from the last committed target token's text onward (so a merge across
+  the boundary is seen) and the target verifies those tokens in one forward. Greedy keeps the longest prefix equal
+  to the target's argmax; with sampling each candidate is a point proposal (accept x with probability p(x), else
+  draw from p without x), which is lossless for any proposal.
+- ``tli`` (token-level intersection): the draft's distribution restricted to the tokens whose strings both
+  vocabularies have, renormalised and moved to target ids, then standard rejection sampling.
+
+After every step the committed text is re-tokenized by the draft's tokenizer (a tail of it: ``DraftContext``); the
+draft's KV cache keeps the longest unchanged prefix and reads the rest. ``NgramCache`` (OmniDraft-style) learns
+draft-token n-grams -> target tokens from verified steps and translates later drafts without the tokenizer; like
+everything on the draft side it changes only which candidates the target sees, never what is committed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import torch
+
+from draftsmith.eval.accept import Sampler, greedy_accept, rejection_accept
+
+BAD = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
+
+@lru_cache(maxsize=1)
+def _byte_level_chars() -> dict[str, int]:
+    """The GPT-2 byte-level alphabet: printable stand-in character -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_surfaces(tok) -> dict[int, bytes | str]:
+    """id -> what the token writes: its bytes (byte-level BPE, or SentencePiece with ``▁`` and ``<0xNN>``), or
+    its content string for special/added tokens. Two vocabularies share a token when the surfaces are equal."""
+    chars = _byte_level_chars()
+    special = {t.content if hasattr(t, "content") else str(t) for t in tok.added_tokens_decoder.values()}
+    vocab = tok.get_vocab()
+    byte_level = all(c in chars for s in vocab if s not in special for c in s)
+    out: dict[int, bytes | str] = {}
+    for s, i in vocab.items():
+        if s in special:
+            out[i] = s
+        elif byte_level:
+            out[i] = bytes(chars[c] for c in s)
+        elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out[i] = bytes([int(s[3:5], 16)])
+        else:
+            out[i] = s.replace("\u2581", " ").encode()
+    return out
+
+
+class Vocabs:
+    """The target's and the draft's tokenizers: text in both directions, and the shared tokens (``d2t``: draft id
+    -> target id, -1 where the target has no token with that surface)."""
+
+    def __init__(self, target_tok, draft_tok, target_size: int | None = None, draft_size: int | None = None):
+        self.t, self.d = target_tok, draft_tok
+        t_of = {s: i for i, s in token_surfaces(target_tok).items() if target_size is None or i < target_size}
+        d_surf = token_surfaces(draft_tok)
+        n_d = draft_size or max(d_surf) + 1
+        self.d2t = torch.full((n_d,), -1, dtype=torch.long)
+        for i, s in d_surf.items():
+            if i < n_d and s in t_of:
+                self.d2t[i] = t_of[s]
+        self.shared = self.d2t >= 0
+
+    @staticmethod
+    def text(tok, ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    @staticmethod
+    def ids(tok, text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    def draft_context(self, target_ids: list[int]) -> list[int]:
+        """The committed target ids as draft ids: their text (a trailing partial character dropped) re-tokenized."""
+        return self.ids(self.d, self.text(self.t, target_ids).rstrip(BAD))
+
+    def draft_text(self, context: list[int], drafts: list[int], window: int = 4) -> str:
+        """The text the drafts add after the draft context (decoded with a few context tokens, so decoders that
+        depend on the left neighbour write it right); a trailing partial character dropped."""
+        ctx = context[-window:]
+        before = self.text(self.d, ctx)
+        return self.text(self.d, ctx + drafts)[len(before) :].rstrip(BAD)
+
+    def to_target(self, cur: int, text: str) -> list[int]:
+        """``text`` after the committed token ``cur`` as target ids: re-tokenized together with cur's text, so a
+        merge across the boundary is seen; if the re-tokenization no longer starts with cur (cur's text merges
+        with the draft's), the text alone."""
+        head = self.text(self.t, [cur])
+        if BAD not in head:
+            enc = self.ids(self.t, head + text)
+            if enc[:1] == [cur]:
+                return enc[1:]
+        return self.ids(self.t, text)
+
+
+class DraftContext:
+    """The committed target ids as draft ids, re-tokenizing only a tail: once the tail holds more than 2·``window``
+    target tokens, its head up to a word boundary (a space next) is fixed, provided its draft tokens are the same
+    alone as in the whole tail. Each step then costs O(window), not O(text); it can only differ from re-tokenizing
+    everything where a draft token would span that boundary, which changes acceptance, never output."""
+
+    def __init__(self, vocabs: Vocabs, window: int = 64):
+        self.v, self.window = vocabs, window
+        self.n, self.fixed = 0, []  # target tokens before the anchor, their draft ids
+
+    def __call__(self, seq: list[int]) -> list[int]:
+        v, tail = self.v, seq[self.n :]
+        tail_ids = v.ids(v.d, v.text(v.t, tail).rstrip(BAD))
+        out = self.fixed + tail_ids
+        if len(tail) > 2 * self.window:
+            for k in range(len(tail) - self.window, len(tail) - self.window - 8, -1):
+                head, rest = v.text(v.t, tail[:k]), v.text(v.t, tail[k:])
+                if head.endswith(BAD) or not rest[:1].isspace():
+                    continue
+                head_ids = v.ids(v.d, head)
+                if tail_ids[: len(head_ids)] == head_ids:
+                    self.n, self.fixed = self.n + k, self.fixed + head_ids
+                break
+        return out
+
+
+@dataclass
+class NgramCache:
+    """OmniDraft-style translation table: a tuple of up to ``max_n`` draft ids -> the target ids that write the
+    same text, learned from verified steps (segments whose boundaries agree in both tokenizations). ``translate``
+    covers a draft by longest matches or gives None (the caller re-tokenizes)."""
+
+    max_n: int = 4
+    table: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+
+    def translate(self, drafts: list[int]) -> list[int] | None:
+        """Draft ids -> target ids by longest matches in the table; None unless it covers every draft."""
+        out, i = [], 0
+        while i < len(drafts):
+            for n in range(min(self.max_n, len(drafts) - i), 0, -1):
+                tgt = self.table.get(tuple(drafts[i : i + n]))
+                if tgt is not None:
+                    out += tgt
+                    i += n
+                    break
+            else:
+                self.misses += 1
+                return None
+        self.hits += 1
+        return out
+
+    def learn(self, vocabs: Vocabs, drafts: list[int], kept: list[int]) -> None:
+        """Record the aligned segments of a step: ``drafts`` (draft ids) and ``kept``, target ids the target
+        accepted that write a prefix of the drafts' text."""
+        if not Vocabs.text(vocabs.d, drafts).startswith(Vocabs.text(vocabs.t, kept).rstrip(BAD)):
+            return  # the kept ids do not write the drafts' text from its start: nothing lines up
+        cut_d = _boundaries(vocabs.d, drafts)
+        cut_t = _boundaries(vocabs.t, kept)
+        i = j = 0  # tokens consumed on each side
+        for c in sorted(set(cut_d) & set(cut_t)):
+            a, b = cut_d[c], cut_t[c]
+            if 0 < a - i <= self.max_n:
+                self.table[tuple(drafts[i:a])] = tuple(kept[j:b])
+            i, j = a, b
+
+
+def _boundaries(tok, ids: list[int]) -> dict[int, int]:
+    """Character offset after each whole-character prefix of ``ids`` -> how many tokens that prefix has."""
+    out = {}
+    for n in range(1, len(ids) + 1):
+        s = Vocabs.text(tok, ids[:n])
+        if not s.endswith(BAD):
+            out[len(s)] = n
+    return out
+
+
+class _Draft:
+    """The draft LM with its KV cache and the ids in it; ``logits_after(context)`` keeps the longest cached prefix
+    of the new context, rolls back the rest and reads what is new."""
+
+    def __init__(self, lm, max_len: int):
+        self.lm, self.max_len = lm, max_len
+        self.cache, self.ids = lm.new_cache(1, max_len), []
+        self.device = next(iter(lm.parameters())).device
+
+    def logits_after(self, context: list[int]) -> torch.Tensor:
+        n = 0
+        for a, b in zip(self.ids, context[:-1]):  # at least the last token is read again: its logits are needed
+            if a != b:
+                break
+            n += 1
+        self.cache.length, self.ids = n, self.ids[:n]
+        return self.feed(context[n:])
+
+    def feed(self, ids: list[int]) -> torch.Tensor:
+        """Read ``ids`` -> the logits after the last one (V_draft,)."""
+        if len(self.ids) + len(ids) > self.max_len:  # a longer text than sized for: a bigger cache, read again
+            self.max_len = 2 * (len(self.ids) + len(ids))
+            ids, self.ids = self.ids + ids, []
+            self.cache = self.lm.new_cache(1, self.max_len)
+        out = self.lm(torch.tensor(ids, device=self.device).view(1, -1), cache=self.cache)
+        self.ids += ids
+        return (out[0] if isinstance(out, tuple) else out)[0, -1]
+
+
+class OwnVocabDrafter(torch.nn.Module):
+    """A draft LM with its own tokenizer, ready for ``speculative_generate`` (which hands it to ``hetero_generate``).
+    method: "slem", "tli", or "auto" (slem when greedy, tli when sampling); ngram: use an ``NgramCache``."""
+
+    own_vocab = True
+
+    def __init__(self, lm: torch.nn.Module, tokenizer, target_tokenizer, method: str = "auto", ngram: bool = False):
+        super().__init__()
+        self.lm, self.tokenizer, self.target_tokenizer, self.method, self.ngram = (
+            lm,
+            tokenizer,
+            target_tokenizer,
+            method,
+            ngram,
+        )
+        self._vocabs: Vocabs | None = None
+
+    def vocabs(self, target) -> Vocabs:
+        if self._vocabs is None:
+            self._vocabs = Vocabs(self.target_tokenizer, self.tokenizer, target.cfg.vocab_size, self.lm.cfg.vocab_size)
+        return self._vocabs
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.lm.parameters())
+
+
+@torch.no_grad()
+def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
+                    draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    eos_ids: set[int] | None = None, generator: torch.Generator | None = None, on_token=None,
+                    ngram: NgramCache | None = None):  # fmt: skip
+    """Speculative decoding with an ``OwnVocabDrafter``: prompt_ids (T,) target ids -> (new target ids, truncated
+    after the first EOS and to max_new_tokens; stats), as ``speculative_generate``. Each step the draft writes
+    ``draft_len`` of its tokens; a slem step verifies up to 2·draft_len target tokens of their text, a tli step
+    exactly the drafts. Counters: drafted/accepted are target tokens."""
+    from draftsmith.eval.decoder import DecodeStats, _sync, emit, prepare_prompt, target_pass
+
+    sampler = Sampler(temperature, top_k, top_p, generator)
+    method = drafter.method if drafter.method != "auto" else ("slem" if sampler.greedy else "tli")
+    if method not in ("slem", "tli"):
+        raise ValueError(f"own-vocabulary drafting method must be slem, tli or auto, got {drafter.method!r}")
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be >= 1 for an own-vocabulary drafter, got {draft_len}")
+    vocabs = drafter.vocabs(target)
+    if ngram is None and drafter.ngram:
+        ngram = NgramCache()
+    depth = 2 * draft_len if method == "slem" else draft_len
+    stats = DecodeStats(accept_counts=[0] * (depth + 1))
+    if max_new_tokens <= 0:
+        return [], stats
+    prompt = prepare_prompt(target, prompt_ids)
+    device = prompt.device
+    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + depth + 2)
+    logits, _ = target_pass(target, prompt, tcache, last_only=True)
+    cur, _ = sampler.pick(logits)
+    seq = prompt[0].tolist() + [int(cur)]  # every committed target id; the last (cur) is not in the target cache
+    draft_context = DraftContext(vocabs)
+    context = draft_context(seq)
+    draft = _Draft(drafter.lm, len(context) + 4 * max_new_tokens + draft_len + 8)
+    d2t, shared = vocabs.d2t.to(device), vocabs.shared.to(device)
+    V = target.cfg.vocab_size
+    out: list[int] = []
+    done = emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
+    while not done:
+        budget = min(depth, max_new_tokens - len(out) - 1)
+        t0 = time.perf_counter()
+        dl = draft.logits_after(context)
+        drafts, q = [], []
+        for i in range(min(draft_len, budget)):
+            if method == "tli":  # the draft's distribution on the shared tokens, renormalised
+                probs = sampler.probs(dl).masked_fill(~shared[: dl.shape[-1]], 0)
+                if not float(probs.sum()) > 0:
+                    break
+                probs = probs / probs.sum()
+                tok = int(probs.argmax()) if sampler.greedy else int(torch.multinomial(probs, 1, generator=generator))
+                q.append(torch.zeros(V, device=device, dtype=probs.dtype).index_add_(0, d2t[shared], probs[shared]))
+            else:
+                tok = int(dl.argmax())
+            drafts.append(tok)
+            if i + 1 < min(draft_len, budget):
+                dl = draft.feed([tok])
+        if method == "tli":
+            cand = d2t[torch.tensor(drafts, dtype=torch.long, device=device)].tolist() if drafts else []
+        else:
+            cand = ngram.translate(drafts) if ngram is not None and drafts else None
+            if cand is None:
+                cand = vocabs.to_target(seq[-1], vocabs.draft_text(context, drafts)) if drafts else []
+            cand = cand[:budget]
+        _sync(device)
+        t1 = time.perf_counter()
+        t_len = tcache.length
+        cand_t = torch.tensor(cand, dtype=torch.long, device=device)
+        logits, _ = target_pass(target, torch.cat([cur, cand_t]).view(1, -1), tcache)
+        if sampler.greedy:
+            n, nxt = greedy_accept(cand_t, logits[0], sampler.impl)
+        else:
+            if method == "tli":
+                qs = torch.stack(q) if q else logits.new_empty(0, V)
+            else:  # a point proposal at each candidate (lossless for any proposal: see the module docstring)
+                qs = torch.zeros(len(cand), V, device=device).scatter_(1, cand_t.view(-1, 1), 1.0)
+            n, nxt = rejection_accept(cand_t, qs, sampler.probs(logits[0]), generator, sampler.impl)
+        t2 = time.perf_counter()
+        tcache.length = t_len + n + 1  # cur and the accepted candidates
+        if ngram is not None and method == "slem" and n:
+            ngram.learn(vocabs, drafts, cand[:n])
+        cur = cur.new_tensor([nxt])
+        seq += cand[:n] + [nxt]
+        done = emit(out, cand[:n] + [nxt], eos_ids, max_new_tokens, on_token)
+        stats.step(len(cand), n, t1 - t0, t2 - t1)
+        if not done:
+            context = draft_context(seq)
+    stats.new_tokens = len(out)
+    return out, stats
