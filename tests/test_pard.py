@@ -308,3 +308,16 @@ def test_tiny_training_lowers_the_loss_and_the_checkpoint_decodes_losslessly(tra
         x = torch.tensor(prompt)
         out, st = speculative_generate(tgt, drafter, x, 16, draft_len=3)
         assert out == autoregressive_generate(tgt, x, 16)
+
+
+def test_tiny_pipeline_runs_with_pard(tmp_path, tiny_overrides):
+    """`draftsmith run tiny drafter.kind=pard`: generate, train, eval (lossless, one draft block per step) and the
+    recipe's export, end to end."""
+    import json
+
+    from draftsmith.cli import main
+
+    args = [*tiny_overrides, "target.dtype=float64", "drafter.kind=pard", "drafter.pard_k=3", "-q"]
+    assert main(["run", "tiny", *args]) == 0
+    report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
+    assert report["lossless_match"] == 1.0 and 1.0 <= report["tau"] <= 4.0
