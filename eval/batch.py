@@ -285,7 +285,7 @@ class _BatchTokens:
         at the next positions; the masks' slots are rolled back at once and nothing is fed after it."""
         B, G = len(rows), max(gam)
         ar = torch.arange(1, G, device=ids.device)
-        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.vocab_size)], 1)
+        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
         valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
         pos = torch.cat([pos, pos[:, -1:] + ar], 1)
         logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None

@@ -156,7 +156,7 @@ class PardProposer(TokenProposer):
 
     def __init__(self, target, drafter, stop=None):
         super().__init__(target, drafter, stop)
-        self.max_draft_len, self.mask_id = drafter.parallel_drafts, drafter.cfg.vocab_size
+        self.max_draft_len, self.mask_id = drafter.parallel_drafts, drafter.cfg.mask_id
         self.width = 1  # distributions the next root reads: set by the shape before it
 
     def root(self, cur: torch.Tensor):

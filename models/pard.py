@@ -6,11 +6,13 @@ and at mask i are its distributions for draft 1 and draft i+1 (eval/proposers.py
 distribution depends on the committed context only, never on the other drafts, so sampling draft i from its own
 q_i is a valid proposal for the chain's rejection rule.
 
-The mask token is id ``vocab_size`` (one past the target's vocabulary): its input embedding is its own trained
-vector ``mask_embed`` (started at the mean token embedding), so the copied target embeddings can stay frozen and
-the LM head still scores target ids only. Everything else is the ``draft_lm`` architecture (models/draft_lm.py),
-built the same way (target layers, ``init_from`` an existing draft LM: PARD adapts an autoregressive draft into a
-parallel one, ``draft_vocab``).
+The mask token is id ``vocab_size`` (one past the target's vocabulary) by default, or a reserved id of the
+target's vocabulary (``drafter.mask_token``, what PARD's own checkpoints and vLLM's ``pard_token`` use). Its input
+embedding is its own trained vector ``mask_embed`` (started at the mean token embedding), so the copied target
+embeddings can stay frozen and the LM head still scores target ids only. Everything else is the ``draft_lm``
+architecture (models/draft_lm.py), built the same way (target layers, ``init_from`` an existing draft LM: PARD
+adapts an autoregressive draft into a parallel one, ``draft_vocab``). The HF export (draftsmith/export/formats.py
+``_pard_hf``) is a LlamaForCausalLM with ``pard_token`` and ``pard_k`` in its config.
 
 Training (``cod_layout``; train/objectives.py ``pard_objective``): the paper's conditional drop-token (COD)
 scheme. Besides the plain sequence (distance 1 everywhere), segment i = 1..k-1 adds mask tokens: a mask at RoPE
@@ -32,6 +34,7 @@ import torch
 from pydantic import Field
 from torch import nn
 
+from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.models.llama import Block, Llama, LlamaConfig
 from draftsmith.models.spec import DrafterSpec, as_section
@@ -48,19 +51,25 @@ class PardDrafterConfig(DraftLMConfig):
     """COD: segment i (distance i + 1) keeps a random cod_retain**i fraction of the response positions."""
     cod_retain_min: float = Field(0.2, ge=0, le=1)
     """COD: the least fraction any segment keeps (before its predecessors' limits)."""
+    mask_token: int | None = Field(None, ge=0)
+    """The mask token's id. None: one past the target's vocabulary (the HF export then has one row more). An id of
+    the target's vocabulary that it never writes (a reserved or unused token, as PARD uses for Llama 3) keeps the
+    vocabulary size, which vLLM's parallel drafting needs (--format vllm). Either way its input embedding is the
+    drafter's own trained vector."""
 
 
 @dataclass(frozen=True)
 class PardConfig(LlamaConfig):
-    pard_k: int = 4  # parallel drafts per forward; the mask token is id vocab_size
+    pard_k: int = 4  # parallel drafts per forward
+    mask_token: int | None = None  # None: the mask token is id vocab_size
 
     @property
     def mask_id(self) -> int:
-        return self.vocab_size
+        return self.vocab_size if self.mask_token is None else self.mask_token
 
 
 class Pard(Llama):
-    """A draft LM with a mask token (id ``cfg.vocab_size``) whose embedding is the parameter ``mask_embed``."""
+    """A draft LM with a mask token (id ``cfg.mask_id``) whose input embedding is the parameter ``mask_embed``."""
 
     def __init__(self, cfg: PardConfig):
         super().__init__(cfg)
@@ -79,8 +88,14 @@ class Pard(Llama):
 def build_pard(cfg: PardDrafterConfig | dict, target: Llama, **data) -> Pard:
     """The draft_lm builder's draft (the same fields), turned into a Pard with a mask embedding."""
     cfg = as_section(PardDrafterConfig, cfg)
+    if cfg.mask_token is not None and cfg.mask_token >= target.cfg.vocab_size:
+        raise DraftsmithError(
+            f"drafter.mask_token={cfg.mask_token} is outside the target's vocabulary ({target.cfg.vocab_size} "
+            f"tokens): name a reserved id, or leave it unset for one past the vocabulary"
+        )
     draft = build_draft_lm(cfg, target, **data)
-    pard = Pard(PardConfig(**draft.cfg.to_dict(), pard_k=cfg.pard_k)).to(draft.embed_tokens.weight.dtype)
+    pard = Pard(PardConfig(**draft.cfg.to_dict(), pard_k=cfg.pard_k, mask_token=cfg.mask_token))
+    pard = pard.to(draft.embed_tokens.weight.dtype)
     pard.load_state_dict(draft.state_dict(), strict=False)  # all but mask_embed; d2t / t2d of a reduced head too
     if pard.cfg.tie_embeddings:
         pard.lm_head.weight = pard.embed_tokens.weight

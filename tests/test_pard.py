@@ -3,6 +3,7 @@ greedy and sampled losslessness, trees, the COD training layout and a tiny train
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -321,3 +322,119 @@ def test_tiny_pipeline_runs_with_pard(tmp_path, tiny_overrides):
     assert main(["run", "tiny", *args]) == 0
     report = json.loads((tmp_path / "run" / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and 1.0 <= report["tau"] <= 4.0
+
+
+# ---- the mask token, recipe checks, export --------------------------------------------------------------------------
+
+
+def test_a_reserved_mask_token_inside_the_vocabulary_decodes_losslessly(target, ar_outputs):
+    """drafter.mask_token: an id of the target's vocabulary stands for the mask (its input embedding is
+    mask_embed); decoding feeds that id and stays lossless. An id outside the vocabulary is a one-line error."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.registry import build_drafter
+
+    d = build_drafter("pard", {"n_layers": 2, "mask_token": 3}, target).double().eval()
+    assert d.cfg.mask_id == 3 and d.embed_tokens.weight.shape[0] == target.cfg.vocab_size
+    with torch.no_grad():
+        torch.testing.assert_close(d.embed(torch.tensor([[3]]))[0, 0], d.mask_embed)
+    d.layers.load_state_dict(noisy_copy(target).layers.state_dict())
+    ev = Events(target, d)
+    for prompt in DECODE_PROMPTS:
+        out, _ = speculative_generate(target, d, torch.tensor(prompt), NEW, draft_len=3)
+        assert out == ar_outputs[tuple(prompt)]
+    ev.close()
+    assert any(bool((ids == 3).any()) for k, ids in ev.log if k == "D")
+    with pytest.raises(DraftsmithError, match="mask_token=97 is outside"):
+        build_drafter("pard", {"mask_token": 97}, target)
+
+
+def test_recipe_checks_init_layers_length_for_pard(tiny_overrides):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.recipes.loader import load_recipe
+
+    with pytest.raises(DraftsmithError, match="init_layers has 1 entries but n_layers is 2"):
+        load_recipe("tiny", [*tiny_overrides, "drafter.kind=pard", "drafter.n_layers=2"])
+
+
+@pytest.fixture(scope="module")
+def pard_checkpoints(tmp_path_factory, tiny_model_dir):
+    """Saved PARD drafters for the tiny HF target: the mask appended or a reserved id, with tied or untied
+    embeddings, and a reduced head."""
+    from dataclasses import replace
+
+    from draftsmith.models.llama import Llama
+    from draftsmith.models.loading import load_model
+    from draftsmith.models.registry import build_drafter, save_drafter
+
+    tgt = load_model(str(tiny_model_dir)).model
+    root, out = tmp_path_factory.mktemp("pard-ckpts"), {}
+    counts = torch.arange(tgt.cfg.vocab_size, dtype=torch.float64)
+    assert tgt.cfg.tie_embeddings  # as SmolLM2's; the "untied" drafters come from an untied copy
+    untied = Llama(replace(tgt.cfg, tie_embeddings=False))
+    untied.load_state_dict({**tgt.state_dict(), "lm_head.weight": tgt.embed_tokens.weight * 0.5})
+    sections = {
+        "appended": {"n_layers": 1, "pard_k": 3},
+        "reserved": {"n_layers": 1, "pard_k": 3, "mask_token": 5},
+        "vocab": {"n_layers": 1, "pard_k": 3, "draft_vocab": 120},
+        "untied-appended": {"n_layers": 1, "pard_k": 3},
+        "untied-reserved": {"n_layers": 1, "pard_k": 3, "mask_token": 5},
+    }
+    for i, (name, section) in enumerate(sections.items()):
+        torch.manual_seed(i)
+        d = build_drafter("pard", section, untied if name.startswith("un") else tgt, counts=counts, eos_ids={2})
+        assert d.cfg.tie_embeddings == (name in ("appended", "reserved"))
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        meta = {"target": str(tiny_model_dir), "recipe": f"test-pard-{name}", "step": 3}
+        out[name] = save_drafter(root / name / "checkpoints" / "final", d, "pard", meta)
+    return tgt, out
+
+
+@pytest.mark.parametrize("name", ["appended", "reserved", "vocab", "untied-appended", "untied-reserved"])
+def test_hf_export_is_a_llama_folder_with_the_mask_token_in_its_config(pard_checkpoints, tmp_path, name):
+    """--format hf writes a plain LlamaForCausalLM with pard_token and pard_k in config.json: transformers gives
+    our logits on ids with the mask token in them (an appended mask adds one row, whose logit is the mean of the
+    others, so never the argmax); load_export reads it back to the same greedy decode."""
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.export.writer import export, load_export
+    from draftsmith.models.registry import load_drafter
+
+    tgt, ckpts = pard_checkpoints
+    out = export(ckpts[name], "hf", tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    drafter, _ = load_drafter(ckpts[name])
+    V = tgt.cfg.vocab_size
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["pard_k"] == 3
+    assert cfg["pard_token"] == drafter.cfg.mask_id and cfg["vocab_size"] == (V if name.endswith("reserved") else V + 1)
+    hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    m = drafter.cfg.mask_id
+    ids = torch.tensor([[4, 9, 17, 33, m, m]])
+    with torch.no_grad():
+        logits = hf(ids).logits
+        ours = drafter(ids)
+    kept = torch.isfinite(ours)  # a reduced head: -inf outside its rows in ours, the mean row's logit in HF's
+    torch.testing.assert_close(logits[..., :V][kept], ours[kept], rtol=1e-4, atol=1e-4)
+    assert bool((logits[..., :V].argmax(-1) == ours.argmax(-1)).all())
+    if not name.endswith("reserved"):
+        assert bool((logits[..., V] < logits[..., :V].max(-1).values).all())
+    back, info = load_export(out, tgt)
+    assert isinstance(back, Pard) and back.cfg == drafter.cfg
+    prompt = torch.tensor([3, 14, 15, 92, 65])
+    (a, sa), (b, sb) = (speculative_generate(tgt, d, prompt, 16, draft_len=3) for d in (back, drafter))
+    assert a == b and sa.accept_counts == sb.accept_counts
+
+
+def test_vllm_export_needs_a_reserved_mask_token(pard_checkpoints, tmp_path):
+    """--format vllm: vLLM's draft-model path needs the target's vocabulary size and reads the mask id from
+    config.json's pard_token; an appended mask is refused in one line, a reserved id exports."""
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.export.writer import export
+
+    _, ckpts = pard_checkpoints
+    with pytest.raises(DraftsmithError, match="mask_token"):
+        export(ckpts["appended"], "vllm", tmp_path / "a")
+    out = export(ckpts["reserved"], "vllm", tmp_path / "r")
+    assert json.loads((out / "config.json").read_text())["pard_token"] == 5
+    assert '"parallel_drafting": true' in (out / "README.md").read_text()
