@@ -438,3 +438,20 @@ def test_vllm_export_needs_a_reserved_mask_token(pard_checkpoints, tmp_path):
     out = export(ckpts["reserved"], "vllm", tmp_path / "r")
     assert json.loads((out / "config.json").read_text())["pard_token"] == 5
     assert '"parallel_drafting": true' in (out / "README.md").read_text()
+
+
+def test_stop_rules_shorten_pard_blocks_and_stay_lossless(target, ar_outputs):
+    """The chain stop hooks over the precomputed distributions: a confidence rule that trusts nothing drafts
+    nothing (plain target steps), an entropy rule shortens blocks; the output stays the target's."""
+    from draftsmith.models.acceptance import ConfidenceStop, EntropyStop
+
+    drafter, x = tiny_pard(target), torch.tensor(DECODE_PROMPTS[2])
+    want = ar_outputs[tuple(DECODE_PROMPTS[2])]
+    _, fixed = speculative_generate(target, drafter, x, NEW, draft_len=3)
+    out, never = speculative_generate(
+        target, drafter, x, NEW, draft_len=3, stop_drafting=ConfidenceStop(1e-9, min_len=0)
+    )
+    assert out == want and never.drafted == 0
+    out, short = speculative_generate(target, drafter, x, NEW, draft_len=3, stop_drafting=EntropyStop(threshold=3.0))
+    assert out == want and 0 < short.drafted < fixed.drafted
+    check_tau_consistency(short)
