@@ -455,3 +455,21 @@ def test_stop_rules_shorten_pard_blocks_and_stay_lossless(target, ar_outputs):
     out, short = speculative_generate(target, drafter, x, NEW, draft_len=3, stop_drafting=EntropyStop(threshold=3.0))
     assert out == want and 0 < short.drafted < fixed.drafted
     check_tau_consistency(short)
+
+
+def test_init_from_a_trained_draft_lm_adapts_it(tmp_path):
+    """PARD's own use: drafter.init_from a draft_lm checkpoint gives a Pard with that draft's weights (so its
+    draft-1 distribution is the autoregressive draft's) and a fresh mask embedding."""
+    from draftsmith.models.registry import build_drafter, save_drafter
+
+    target = tiny_model(0).float()
+    ar = build_drafter("draft_lm", {"n_layers": 1}, target)
+    with torch.no_grad():
+        for p in ar.layers.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ckpt = save_drafter(tmp_path / "ar", ar, "draft_lm", {})
+    pard = build_drafter("pard", {"init_from": str(ckpt), "pard_k": 2}, target)
+    assert isinstance(pard, Pard) and pard.cfg.n_layers == 1 and pard.mask_embed.requires_grad
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(pard(ids), ar(ids))
