@@ -473,3 +473,28 @@ def test_init_from_a_trained_draft_lm_adapts_it(tmp_path):
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(pard(ids), ar(ids))
+
+
+def test_reduced_vocabulary_pard_decodes_and_trains(target, ar_outputs):
+    """drafter.draft_vocab: the head keeps the most frequent ids (here the highest); decoding stays lossless and
+    the COD objective with CE drops positions whose label the head lacks, at every distance."""
+    from draftsmith.models.registry import build_drafter
+    from draftsmith.recipes.schema import LossConfig
+    from draftsmith.train.objectives import Context, pard_objective
+
+    counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)
+    d = build_drafter("pard", {"n_layers": 2, "draft_vocab": 48}, target, counts=counts, eos_ids={2}).double()
+    d.layers.load_state_dict(noisy_copy(target).layers.state_dict())
+    d.eval()
+    for prompt in DECODE_PROMPTS:
+        assert speculative_generate(target, d, torch.tensor(prompt), NEW, draft_len=3)[0] == ar_outputs[tuple(prompt)]
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(3))
+    pm = torch.zeros(2, 20, dtype=torch.bool)
+    pm[:, 3:19] = True
+    batch = {"input_ids": ids, "predict_mask": pm, "labels": ids[:, 1:][pm[:, :-1]]}
+    ctx = Context(unwrapped=d, generator=torch.Generator().manual_seed(0), params=drafter_spec_section("pard"))
+    out = pard_objective(d.train(), batch, LossConfig(kind="ce"), ctx)
+    kept = int((d.t2d[batch["labels"]] >= 0).sum())  # the labels the head has (EOS 2 and ids 50..96)
+    assert out.n == kept and torch.isfinite(out.loss_sum)
+    out.loss_sum.backward()
+    assert d.mask_embed.grad is not None and bool(d.mask_embed.grad.abs().sum() > 0)
