@@ -236,18 +236,23 @@ class _BatchTokens:
 
     def __init__(self, target, drafter, max_len: int, stop=None):
         self.t, self.d, self.depth = target, drafter, float("inf")
+        self.pard = getattr(drafter, "parallel_drafts", 0)  # PARD: every draft from one forward over masks
+        if self.pard:
+            self.depth = self.pard
         self.layers: tuple[int, ...] = ()
         self.rc = RowCache(drafter.new_cache, max_len)
         self.caches = [self.rc]
         self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
 
-    def _call(self, ids: torch.Tensor, **kw):
-        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None)."""
+    def _call(self, ids: torch.Tensor, last: int = 0, **kw):
+        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None);
+        last > 0: at the last ``last`` positions instead ((B, last, V), (B, last, D))."""
+        at = slice(-last, None) if last else -1
         if not self.hidden:
-            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, -1], None
+            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, at], None
         L = self.d.cfg.n_layers
         logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
-        return logits[:, -1], self.d.norm(cap[L][:, -1])
+        return logits[:, at], self.d.norm(cap[L][:, at])
 
     def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
         k, W = ids.shape
@@ -269,6 +274,8 @@ class _BatchTokens:
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
         ids, valid, pos = _aligned(seqs, [r.dpos for r in rows])
         self.rc.ensure(ids.shape[1] + G - 1)
+        if self.pard:
+            return self._draft_parallel(rows, seqs, ids, valid, pos, gam, pick)
         logits, state = self._call(ids, pos=pos, valid=valid)
         for r, s in zip(rows, seqs):
             r.dpos, r.unread = r.dpos + len(s), s[:0]
@@ -277,6 +284,29 @@ class _BatchTokens:
         toks, qs, count, self.fed = _chain(
             rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
         )
+        return toks, qs, count
+
+    def _draft_parallel(self, rows: list[_Row], seqs, ids, valid, pos, gam: list[int], pick):
+        """PARD (eval/proposers.py PardProposer, per row): one forward over each row's unread + cur and G-1 masks
+        at the next positions; the masks' slots are rolled back at once and nothing is fed after it."""
+        B, G = len(rows), max(gam)
+        ar = torch.arange(1, G, device=ids.device)
+        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
+        valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + ar], 1)
+        logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None
+        s0 = self.rc.length - (G - 1)
+        self.rc.keep(s0, G - 1, torch.zeros(B, dtype=torch.long, device=ids.device))  # the masks' slots
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        self.s_exp = self.rc.length
+
+        def expand(tok, i):
+            return logits[:, i + 1], None if states is None else states[:, i + 1]
+
+        first = None if states is None else states[:, 0]
+        toks, qs, count, _ = _chain(rows, gam, logits[:, 0], first, pick, expand)
+        self.fed = 0
         return toks, qs, count
 
     def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:

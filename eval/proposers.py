@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -41,6 +42,8 @@ def proposer_for(drafter) -> type[Proposer]:
         return HeadProposer
     if getattr(drafter, "reads_target_features", False):
         return FeatureProposer
+    if getattr(drafter, "parallel_drafts", 0):
+        return PardProposer
     return TokenProposer
 
 
@@ -140,6 +143,57 @@ class TokenProposer(Proposer):
         kept = min(accepted.numel(), draft.fed)  # accepted drafts it read in order after the root (a chain's)
         self.cache.length = self.root_len + kept
         self.unread, self.root_len = accepted[kept:], None
+
+
+class PardProposer(TokenProposer):
+    """PARD (models/pard.py): every step is ONE drafter forward over (unread + cur + γ-1 mask tokens); its logits at
+    cur and at mask i are the distributions of draft 1 and draft i+1, none depending on another draft. The mask
+    slots are rolled back at once, so the cache invariant is TokenProposer's with nothing fed after the root: the
+    accepted drafts become ``unread``. Chains pick each draft from its own distribution (stop hooks are asked as
+    for any chain, over the precomputed distributions); a tree node at depth d is a top token of distribution d
+    (static: the ranks[i]-th best; dynamic: EAGLE-2's scoring, children of every frontier node from the same
+    distribution). Drafts at most ``pard_k`` deep, the distances it was trained for."""
+
+    def __init__(self, target, drafter, stop=None):
+        super().__init__(target, drafter, stop)
+        self.max_draft_len, self.mask_id = drafter.parallel_drafts, drafter.cfg.mask_id
+        self.width = 1  # distributions the next root reads: set by the shape before it
+
+    def root(self, cur: torch.Tensor):
+        n = self.width
+        ids = torch.cat([self.unread, cur, cur.new_full((n - 1,), self.mask_id)]).view(1, -1)
+        if self.hidden:
+            L = self.d.cfg.n_layers
+            logits, cap = _run_drafter(self.d, ids, cache=self.cache, capture_layers=(L,))
+            self.states = self.d.norm(cap[L][0, -n:])
+        else:
+            logits, self.states = _run_drafter(self.d, ids, cache=self.cache), None
+        self.logits, self.depth = logits[0, -n:], 0  # (n, V): draft i+1's distribution in row i
+        self.cache.length -= n - 1  # the masks' slots: rolled back at once
+        self.root_len = self.cache.length
+        return self.logits[0], None if self.states is None else self.states[0]
+
+    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None, paths=None):
+        """No forward: the next depth's distribution for every node (depth from ``paths`` in a dynamic tree,
+        else the next one in a chain)."""
+        self.depth = paths.shape[1] if paths is not None else self.depth + 1
+        n = tokens.numel()
+        st = None if self.states is None else self.states[self.depth].expand(n, -1)
+        return self.logits[self.depth].expand(n, -1), st
+
+    def chain(self, cur: torch.Tensor, gamma: int, pick) -> Draft:
+        self.width = max(gamma, 1)
+        return replace(draft_chain(self, cur, gamma, pick, self.stop), fed=0)  # no draft was fed
+
+    def static_tree(self, cur: torch.Tensor, spec: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
+        self.width = max(spec.depths)
+        self.root(cur)
+        top = self.logits.topk(max(spec.ranks) + 1, -1).indices  # (depth, r)
+        return top[torch.tensor(spec.depths, device=cur.device) - 1, torch.tensor(spec.ranks, device=cur.device)]
+
+    def dynamic_tree(self, cur: torch.Tensor, spec: DynamicTree):
+        self.width = spec.depth
+        return draft_dynamic(self, cur, spec)
 
 
 class FeatureProposer(Proposer):

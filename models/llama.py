@@ -116,8 +116,8 @@ def prepare_cache(cache: KVCache, T: int, valid: torch.Tensor | None, attn_mask:
 def step_mask(cache: KVCache | None, T: int, valid: torch.Tensor | None, attn_mask: torch.Tensor | None):
     """-> (attention mask for T new tokens, static). Static-shape mode (eval/graphs.py sets ``cache.slots``): the
     wrapper passes the (B, T, max_len) mask over the whole buffer and keeps ``cache.length`` itself."""
-    if cache is None:
-        return None, False
+    if cache is None:  # no cache: causal, or the caller's (B|1, T, T) mask (PARD's training layout)
+        return (None if attn_mask is None else attn_mask[:, None]), False
     if cache.slots is not None:
         return attn_mask[:, None], True
     return prepare_cache(cache, T, valid, attn_mask), False
@@ -396,6 +396,10 @@ class Llama(ReducedVocab, nn.Module):
     def target_vocab_size(self) -> int:
         return self.cfg.vocab_size
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings (B, T, D); a subclass may map extra ids (PARD's mask token, models/pard.py)."""
+        return self.embed_tokens(ids)
+
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.cfg, batch, max_len, p.dtype, p.device)
@@ -417,7 +421,8 @@ class Llama(ReducedVocab, nn.Module):
         pos: (B, T) RoPE positions (default 0..T-1, or continuing after ``cache.length``).
         cache: write K/V at slots [cache.length, cache.length + T) and advance ``length``.
         valid: (B, T) bool, False for padding tokens (only meaningful with a cache).
-        attn_mask: (1|B, T, cache.length + T) bool, a custom (tree) mask replacing the causal one.
+        attn_mask: (1|B, T, cache.length + T) bool, a custom (tree) mask replacing the causal one (without a cache:
+            (1|B, T, T), used as given).
         capture_layers: indices i of hidden states to return; i is the output of block i-1, 0 the embeddings,
             n_layers the final (pre-norm) hidden state.
         logits_at: optional bool mask (B, T): compute the LM head only there (returns (N, V)), which saves the
@@ -429,7 +434,7 @@ class Llama(ReducedVocab, nn.Module):
         """
         B, T = ids.shape
         pos = default_pos(ids, cache) if pos is None else pos
-        x = self.embed_tokens(ids)
+        x = self.embed(ids)
         if getattr(self, "_rope_interleaved", False):
             cos, sin = rope_cis(pos, self.inv_freq), None
         else:

@@ -21,12 +21,12 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.integrity import checksums, load_tensors, read_json, save_safetensors, verify_file
-from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator
+from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator, pard
 from draftsmith.models.llama import Llama
 from draftsmith.models.medusa import ADAPTER_FILE, adapter_state
 from draftsmith.models.spec import DrafterSpec, Strict
 
-KIND_MODULES = (draft_lm, medusa, mlp_speculator, hydra, eagle, acceptance, judge)
+KIND_MODULES = (draft_lm, pard, medusa, mlp_speculator, hydra, eagle, acceptance, judge)
 DRAFTERS: dict[str, DrafterSpec] = {m.SPEC.kind: m.SPEC for m in KIND_MODULES}
 _listeners: list[Callable[[], None]] = []  # called after DRAFTERS changes (the recipe schema rebuilds its union)
 log = logging.getLogger("draftsmith.checkpoint")

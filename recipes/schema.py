@@ -566,7 +566,7 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self):
         d = self.drafter
-        if d.kind == "draft_lm" and d.init_layers is not None and len(d.init_layers) != d.n_layers:
+        if d.kind in ("draft_lm", "pard") and d.init_layers is not None and len(d.init_layers) != d.n_layers:
             raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
         if self.eval.judge is not None and (self.eval.strategy != "chain" or self.eval.temperature > 0):
             raise ValueError("eval.judge (lossy judge verification) works with greedy chain decoding only")

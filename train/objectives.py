@@ -137,6 +137,43 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(loss, n, m)
 
 
+def _take(t: losses.Teacher, idx: torch.Tensor) -> losses.Teacher:
+    """The teacher at some of its positions (a bool mask or row indices); the LM head is shared."""
+    f = {n: getattr(t, n) for n in ("labels", "topk_ids", "topk_logprobs", "logits", "hidden")}
+    return losses.Teacher(**{n: None if v is None else v[idx] for n, v in f.items()}, head=t.head)
+
+
+def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """PARD: the records' sequences with COD mask segments added (models/pard.py ``cod_layout``); every trained
+    position, plain or mask, is scored like a draft LM's against the teacher's distribution for the token it
+    predicts (its predict_mask row), all with the same weight. The loss is summed over them, so a step weighs
+    every distance's positions (about 2.5x the response tokens at the default retention). Metrics per distance
+    (``top1_draft{j}``: draft j+1) and the chain tau they imply."""
+    from draftsmith.models.pard import cod_layout
+
+    m, p = ctx.unwrapped, ctx.params
+    retain, retain_min = (p.cod_retain, p.cod_retain_min) if p is not None else (0.7, 0.2)
+    lay = cod_layout(
+        batch["input_ids"], batch["predict_mask"], m.cfg.pard_k, m.cfg.mask_id, retain, retain_min, ctx.generator
+    )
+    teacher, dist, keep = _take(draft_lm_teacher(batch, cfg, ctx), lay.rows), lay.dist, None
+    if cfg.kind == "ce" and getattr(m, "t2d", None) is not None:  # labels outside the draft vocabulary: no CE
+        keep = teacher.labels >= 0
+        teacher, dist = _take(teacher, keep), dist[keep]
+    counts = [(j, int((dist == j).sum())) for j in range(1, m.cfg.pard_k + 1)]
+
+    def head_fn(h, head):  # inside the drafter's forward (Llama.forward head_fn)
+        h = h if keep is None else h[keep]
+        loss = losses.head_loss(h, head, teacher, _spec(cfg), ctx.generator) * h.shape[0]
+        sub = [(n, dist == j) for j, n in counts if n]
+        return loss, [(None, n, _metrics(h[s], head, _take(teacher, s), cfg)) for n, s in sub]
+
+    loss, outs = model(lay.ids, pos=lay.pos, attn_mask=lay.attn_mask, logits_at=lay.train, head_fn=head_fn)
+    metrics = _per_step_metrics(outs, "draft")
+    metrics["cod_tokens"] = float(lay.train.sum()) / max(1, outs[0][1])  # trained positions per response token
+    return StepOutput(loss, outs[0][1], metrics)
+
+
 def target_features(batch: dict, ctx: Context) -> torch.Tensor:
     """The target's final hidden states after its norm (B, T, D): stored (data.signals.hidden_last) or computed
     by the frozen target in the loop (both give the same loss; tested)."""

@@ -25,6 +25,11 @@
   inner_dim, n_predict, ...) and tensors ``speculator.{emb,proj,ln,head}.{i}.*``. IBM's stage norm has no mean
   subtraction and eps 1e-6; ours is a LayerNorm (eps 1e-5): the export centres ``proj`` / ``emb`` and scales them
   by sqrt(1e-6 / 1e-5), which makes IBM's norm compute ours exactly (``to_mlp_speculator``).
+- **PARD** (hf, and vllm's parallel drafting: ``"method": "draft_model", "parallel_drafting": true``): a plain
+  LlamaForCausalLM whose config.json adds ``pard_token`` (the mask id vLLM feeds for the masked slots, as PARD's
+  own checkpoints name it) and ``pard_k``; the mask's embedding is its row of embed_tokens. vLLM's draft-model path
+  needs the target's vocabulary size, so ``--format vllm`` wants the mask on a reserved id (``drafter.mask_token``);
+  an appended mask is one extra row (hf only). Checked against vLLM's ``llm_base_proposer.py`` (82720b1).
 - **Draft LM with a reduced head**: written as a plain LlamaForCausalLM whose head has every target row; a dropped
   row is the mean of the kept rows, so its logit (the mean of the kept logits) never exceeds the best kept one.
 Embeddings of EAGLE drafters are frozen copies of the target's: written unless turned off (speculators reads them
@@ -36,7 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +49,7 @@ import torch
 from draftsmith.errors import DraftsmithError
 from draftsmith.integrity import load_tensors, read_json, verify_file
 from draftsmith.models.eagle import EagleConfig
+from draftsmith.models.llama import LlamaConfig
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
 from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
@@ -208,6 +214,13 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
     cfg = info["config"]
     if info["kind"] == "draft_lm":  # vLLM's draft-model path takes a plain HF folder (speculators 0.9 has no
         return to_hf(model, info)  # standalone type: its "independent" was dropped)
+    if info["kind"] == "pard":  # vLLM's parallel drafting: the same folder, pard_token inside the vocabulary
+        if cfg.get("mask_token") is None:
+            raise DraftsmithError(
+                "export --format vllm: vLLM's parallel drafting needs the PARD mask inside the target's vocabulary; "
+                "this drafter appends it (train with drafter.mask_token=<a reserved id>, or use --format hf)"
+            )
+        return to_hf(model, info)
     if not _is_eagle3(info):
         raise DraftsmithError(
             f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
@@ -317,7 +330,7 @@ def export_meta(model, info: dict, fmt: str) -> dict:
     """Keys an export adds to drafter.json: the kept target ids of a reduced head where the engine's layout drops
     d2t / t2d (a draft LM's full-vocabulary head, EAGLE-1's engine layouts), for ``load_export``."""
     reduced = getattr(model, "d2t", None) is not None
-    if (info["kind"] == "draft_lm" and fmt in ("hf", "vllm") and reduced) or (
+    if (info["kind"] in ("draft_lm", "pard") and fmt in ("hf", "vllm") and reduced) or (
         _is_eagle1(info) and fmt in ("vllm", "sglang")
     ):
         return _vocab_meta(model)
@@ -480,8 +493,11 @@ def usage_kind(info: dict) -> str:
 
 
 def to_hf(model, info: dict):
-    """A draft LM as a plain LlamaForCausalLM; any other kind with draftsmith's own tensor names."""
+    """A draft LM (or PARD, ``_pard_hf``) as a plain LlamaForCausalLM; any other kind with draftsmith's own tensor
+    names."""
     meta = {k: v for k, v in info.items() if k != "config"}
+    if info["kind"] == "pard":
+        return _pard_hf(model, meta)
     if info["kind"] == "draft_lm":
         sd = checkpoint_tensors(model)
         if "d2t" in sd:  # a reduced head: every target row, so transformers loads a plain LlamaForCausalLM
@@ -495,6 +511,52 @@ def to_hf(model, info: dict):
         "draftsmith": meta,
         "note": "draftsmith's own layout: load with draftsmith (drafter.json holds the config)",
     }
+
+
+def _pard_hf(model, meta: dict):
+    """PARD as the folder PARD's checkpoints and vLLM's parallel drafting read: a LlamaForCausalLM whose config
+    names the mask id (``pard_token``) and the drafts per forward (``pard_k``). The mask's input embedding is its
+    row of embed_tokens: a reserved id's row is overwritten, an appended mask adds row V, and the head gets a
+    row V too, the mean of the others (its logit never the argmax). The head is written untied: with tied
+    embeddings the mask row would change its logit."""
+    cfg, sd = model.cfg, checkpoint_tensors(model)
+    mask = sd.pop("mask_embed")
+    embed = sd["embed_tokens.weight"].clone()
+    head = sd.get("lm_head.weight", sd["embed_tokens.weight"]).clone()
+    if "d2t" in sd:  # a reduced head: every target row, as for a draft LM
+        keep = _kept_ids(sd.pop("d2t"))
+        sd.pop("t2d")
+        head = full_vocab_head(head, keep, cfg.vocab_size)
+    if cfg.mask_token is None:
+        embed = torch.cat([embed, mask[None]])
+        head = torch.cat([head, head.mean(0, keepdim=True)])
+    else:
+        embed[cfg.mask_token] = mask
+    sd["embed_tokens.weight"], sd["lm_head.weight"] = embed, head
+    llama = LlamaConfig(**{f.name: getattr(cfg, f.name) for f in fields(LlamaConfig)})
+    hf = config_to_hf(replace(llama, vocab_size=embed.shape[0], tie_embeddings=False))
+    extra = {"pard_token": cfg.mask_id, "pard_k": cfg.pard_k, "spd_type": "pard"}
+    return {own_to_hf_key(k): v for k, v in sd.items()}, {**hf, **extra, "torch_dtype": "float32", "draftsmith": meta}
+
+
+def _pard_back(sd: dict, cfg: dict, vocab: dict) -> dict:
+    """``_pard_hf`` undone: mask_embed from its embedding row, V rows, the original tied / reduced head."""
+    sd = {hf_to_own_key(k): v for k, v in sd.items()}
+    V, mask_id = cfg["vocab_size"], cfg["mask_token"] if cfg.get("mask_token") is not None else cfg["vocab_size"]
+    embed, head = sd["embed_tokens.weight"], sd["lm_head.weight"][:V]
+    sd["mask_embed"] = embed[mask_id].clone()
+    embed = embed[:V].clone()
+    if cfg.get("mask_token") is not None:
+        embed[mask_id] = head[mask_id]  # never read (the mask reads mask_embed); a tied head needs it back
+    sd["embed_tokens.weight"] = embed
+    if cfg.get("tie_embeddings"):
+        sd.pop("lm_head.weight")
+    elif vocab:
+        sd["lm_head.weight"] = head[vocab["keep"]].clone()
+        sd["d2t"], sd["t2d"] = vocab["d2t"], vocab["t2d"]
+    else:
+        sd["lm_head.weight"] = head.clone()
+    return sd
 
 
 def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
@@ -512,6 +574,12 @@ def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
             "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE "
             "--speculative-draft-model-path ./this-folder` (EAGLE-1).",
         }[fmt]
+    if kind == "pard" and fmt in ("hf", "vllm"):
+        pard = spec.format(t=t, m="draft_model", n=tokens).replace("}'", ', "parallel_drafting": true}\'')
+        return (
+            f"vLLM (parallel drafting, the mask id from config.json's pard_token): `{pard}`; "
+            "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+        )
     if fmt == "vllm" and kind == "draft_lm":
         return (
             f"`{spec.format(t=t, m='draft_model', n=4)}` (a plain HF Llama folder: vLLM versions with draft-model "
@@ -573,6 +641,8 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
             if target is None:
                 raise DraftsmithError(f"{folder}: the export omits the embeddings; pass the target to take them from")
             sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu()
+    elif info["kind"] == "pard":  # hf and vllm share the HF names
+        sd = _pard_back(sd, cfg, _vocab_back(info))
     elif info["kind"] == "draft_lm":  # hf and vllm share the HF names
         sd = {hf_to_own_key(k): v for k, v in sd.items()}
         vocab = _vocab_back(info)

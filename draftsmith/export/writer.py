@@ -104,7 +104,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     sums = checksums(tmp)  # load_export and `eval.checkpoint=EXPORT` verify them, as for a checkpoint
     meta = {**named, **sf.export_meta(model, info, fmt), "export_format": fmt, "sha256": sums}
     (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))
-    _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] == "draft_lm")
+    _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] in ("draft_lm", "pard"))
     if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
         _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
     report = run_dir / "eval" / "report.json"
@@ -265,7 +265,7 @@ def model_card(info: dict, fmt: str, report: dict | None, target: Target | None 
     tgt = target or _verifier(None, info.get("target") or "")
     meta = {"base_model": tgt.hub_id, "license": tgt.license}
     meta = {k: v for k, v in meta.items() if v}
-    meta["library_name"] = "transformers" if kind == "draft_lm" and fmt in ("hf", "vllm") else "draftsmith"
+    meta["library_name"] = "transformers" if kind in ("draft_lm", "pard") and fmt in ("hf", "vllm") else "draftsmith"
     meta["tags"] = ["speculative-decoding", "draftsmith", kind.replace("_", "-")]
     lines = [
         "---",
