@@ -651,9 +651,11 @@ class BatchDecoder:
             self._finished += [r for r in group if r.done]
 
     @torch.no_grad()
-    def step(self) -> dict[int, list[int]]:
+    def step(self, speculate: bool = True) -> dict[int, list[int]]:
         """Prefill what was added, then one draft + verify for every active row -> {row id: tokens emitted this step}
-        (a row that finished reports its last tokens here and leaves the batch)."""
+        (a row that finished reports its last tokens here and leaves the batch). ``speculate=False``: nothing is
+        drafted this step, every row takes one plain target step (the drafter still reads what was committed), as
+        an engine does above the batch size where speculation stops paying."""
         self._finished: list[_Row] = []
         for r in self.rows:
             r.new = []
@@ -665,11 +667,11 @@ class BatchDecoder:
         dev, B = self.device, len(rows)
         cur = torch.tensor([r.cur for r in rows], device=dev)
         if self.rowwise:
-            acc, nxt_l, drafted, judged, t_draft, t_verify = self.prop.step(self, rows, cur)
+            acc, nxt_l, drafted, judged, t_draft, t_verify = self.prop.step(self, rows, cur, speculate)
             for r, j in zip(rows, judged):
                 r.stats.judge_accepted += j
             return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result)
-        gam = [min(self.depth, r.max_new - len(r.out) - 1) for r in rows]  # each row's budget
+        gam = [min(self.depth, r.max_new - len(r.out) - 1) if speculate else 0 for r in rows]  # each row's budget
         t0 = time.perf_counter()
         drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
         if drafted is not None and drafted[0]:

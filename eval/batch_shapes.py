@@ -70,11 +70,15 @@ class RowShapes:
             r.prop.commit(d, a, k, {layer: c[b : b + 1, : d.tokens.numel() + 1] for layer, c in captured.items()})
 
     @torch.no_grad()
-    def step(self, dec, rows, cur: torch.Tensor):
+    def step(self, dec, rows, cur: torch.Tensor, speculate: bool = True):
         """One draft + batched verify + per-row accept -> (accepted tokens per row, next token per row, drafts per
-        row, judged per row, draft seconds, verify seconds)."""
+        row, judged per row, draft seconds, verify seconds). ``speculate=False`` drafts nothing: every row takes
+        the target's next token by its own sampler."""
         t0 = time.perf_counter()
-        drafts = self.draft(dec, rows, cur)
+        if speculate:
+            drafts = self.draft(dec, rows, cur)
+        else:
+            drafts = [Draft(cur[b : b + 1], cur.new_empty(0)) for b in range(len(rows))]
         _sync(dec.device)
         t1 = time.perf_counter()
         sizes = [d.tokens.numel() for d in drafts]
@@ -102,7 +106,10 @@ class RowShapes:
         accepted, kept, nxt, judged = [], [], [], []
         for b, (r, d, n) in enumerate(zip(rows, drafts, sizes)):
             cap = {layer: c[b : b + 1, : n + 1] for layer, c in captured.items()}
-            a, k, t, j = r.shape.accept(d, logits[b, : n + 1], cap)
+            if speculate:
+                a, k, t, j = r.shape.accept(d, logits[b, : n + 1], cap)
+            else:  # a plain step: the target's own next token
+                a, k, t, j = d.tokens, [0], r.sampler.pick(logits[b, 0])[0], 0
             keep[b, k] = True
             accepted.append(a)
             kept.append(k)

@@ -496,6 +496,11 @@ class OnlineConfig(Strict):
     speculate: bool = True
     """serve: decode with the serving drafter (false = plain decoding with the target alone, the baseline to compare
     against; the drafter still loads, and the learner still runs when online.learn is on)."""
+    speculate_max_batch: int | None = Field(None, ge=0)
+    """serve: speculate only while at most this many requests are decoding; a step with more rows drafts nothing
+    and every row takes one plain target step (lossless either way). Speculation's gain shrinks as the batch
+    grows: set it to the largest batch size at which `draftsmith eval` with eval.batch_sizes still shows a
+    speedup. None = always speculate."""
     max_queue: int = Field(256, gt=0)
     """serve: requests waiting for a row beyond this get HTTP 503 with Retry-After."""
     request_timeout_s: float = Field(120.0, gt=0)

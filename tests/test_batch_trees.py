@@ -214,3 +214,25 @@ def test_what_batch_one_refuses_is_refused(tgt, prompts):
         BatchDecoder(tgt, make_drafter("medusa", tgt), judge=_StateJudge())
     with pytest.raises(ValueError, match="heads"):
         BatchDecoder(tgt, make_drafter("medusa", tgt), tree=tree_from_choices([[0]] + [[0] * d for d in range(2, 7)]))
+
+
+@pytest.mark.parametrize("shape", ["chain", "static", "dynamic"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
+def test_steps_without_speculation_keep_every_row_exact(tgt, prompts, ar, kind, shape):
+    """``step(speculate=False)`` (the server above online.speculate_max_batch) drafts nothing; steps with and
+    without drafts mixed leave every row equal to the target's own greedy output and every cache consistent."""
+    drafter = make_drafter(kind, tgt)
+    tree = None if shape == "chain" else TREES[shape]
+    dec = BatchDecoder(tgt, drafter, draft_len=3, tree=tree, max_len=200)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    outs, n, plain = {i: [] for i in ids}, 0, 0
+    while dec.active():
+        speculate = n % 3 != 1
+        for i, toks in dec.step(speculate=speculate).items():
+            outs[i] += toks
+        if dec.rows:
+            check_caches(dec)
+        plain += not speculate
+        n += 1
+    assert all(outs[i] == ar[b] for b, i in enumerate(ids)), (kind, shape)
+    assert plain > 3 and sum(dec.stats[i].accepted for i in ids) > 0

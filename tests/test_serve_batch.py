@@ -161,6 +161,39 @@ def test_server_decoder_rows_join_between_steps_and_match_the_single_request_dec
     assert dec.active() == [] and dec.step() == {}
 
 
+@pytest.mark.parametrize("strategy", ["chain", "tree"])
+def test_above_speculate_max_batch_rows_decode_plainly_and_exactly(tiny, tmp_path, strategy):
+    """online.speculate_max_batch=2 with 8 concurrent clients: steps with more than 2 rows draft nothing (counted
+    in /metrics as plain steps), the others speculate; every answer is still the prompt's greedy answer."""
+    extra = ["online.speculate_max_batch=2"] + (["eval.strategy=tree"] if strategy == "tree" else [])
+    httpd, engine = _start(tiny, tmp_path, *extra)
+    port, results = httpd.server_address[1], {}
+    try:
+
+        def ask(i):
+            text = TEXTS[i % len(TEXTS)]
+            code, _, body = _chat(port, text, max_tokens=16)
+            results[i] = (code, text, json.loads(body)["choices"][0]["message"]["content"])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        ask(8)  # alone: it speculates
+        assert len(results) == 9
+        for code, text, answer in results.values():
+            assert code == 200 and answer == tiny["ref"][text], text
+        metrics = _request(port, "GET", "/metrics")[2]
+        value = {k: float(re.search(rf"^draftsmith_{k}(?:_total)? (\S+)$", metrics, re.M).group(1))
+                 for k in ("plain_steps", "decode_steps", "generated_tokens", "target_forwards")}  # fmt: skip
+        assert 0 < value["plain_steps"] < value["decode_steps"]
+        assert engine.m["drafted"] > 0  # the steps with few rows drafted
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 # ---- exactness and swaps under load ------------------------------------------------------------------------------
 
 

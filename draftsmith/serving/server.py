@@ -151,6 +151,12 @@ class _Collector:
             ("online_rounds", "Online updates run by this server.", m["rounds"]),
             ("recorded_requests", "Requests recorded to the traffic buffer.", m["recorded"]),
             ("rejected_requests", "Requests refused with 503 because the queue was full.", m["rejected"]),
+            ("decode_steps", "Batched decode steps.", m["steps"]),
+            (
+                "plain_steps",
+                "Decode steps that drafted nothing (more rows than online.speculate_max_batch).",
+                m["plain_steps"],
+            ),  # fmt: skip
         ):
             yield CounterMetricFamily(f"draftsmith_{name}", help_text, value=value)
         for name, help_text, value in (
@@ -197,7 +203,7 @@ class Engine:
         self.running = 0
         self.m = dict.fromkeys(
             ("requests", "errors", "tokens", "forwards", "drafted", "accepted", "decode_s", "swaps", "rounds"), 0
-        ) | {"recorded": 0, "rejected": 0}
+        ) | {"recorded": 0, "rejected": 0, "plain_steps": 0, "steps": 0}
         self.registry = CollectorRegistry()
         self.registry.register(_Collector(self))
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -304,8 +310,10 @@ class Engine:
 
     def _step(self, version: str, dec, rows: dict) -> None:
         t0 = time.perf_counter()
+        cap = self.oc.speculate_max_batch
+        speculate = cap is None or len(dec.rows) + len(dec.pending) <= cap
         try:
-            new = dec.step()
+            new = dec.step(speculate=speculate)
         except Exception as e:  # the decoder's state is suspect: its rows fail, a fresh one serves new requests
             log.exception("serve: decode step failed")
             for key in [k for k in rows if k[0] == version]:
@@ -314,6 +322,8 @@ class Engine:
             return
         with self.lock:
             self.m["decode_s"] += time.perf_counter() - t0
+            self.m["plain_steps"] += not speculate
+            self.m["steps"] += 1
         for rid, toks in new.items():
             job = rows.get((version, rid))
             if job is not None and toks:
