@@ -154,7 +154,8 @@ def cod_layout(
     themselves and are not trained."""
     B, T = ids.shape
     dev = ids.device
-    segs = [cod_segments(pm[b], k, retain, retain_min, generator) for b in range(B)]
+    gens = generator if isinstance(generator, list) else [generator] * B  # one per row, or one for all
+    segs = [cod_segments(pm[b], k, retain, retain_min, gens[b]) for b in range(B)]
     extra = [sum(s.numel() for s in row) for row in segs]
     W = T + max(extra, default=0)
     out_ids = torch.full((B, W), mask_id, dtype=ids.dtype, device=dev)

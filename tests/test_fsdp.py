@@ -33,6 +33,7 @@ from draftsmith.recipes.loader import RECIPE_DIR, find_recipe
 # checkpoint trained first: an acceptance head judges it (its labels are made in the loop, with the target).
 FAMILIES = {
     "draft_lm": ({"kind": "draft_lm", "n_layers": 1, "init_layers": None}, "Block x1, RMSNorm x1"),
+    "pard": ({"kind": "pard", "n_layers": 1, "init_layers": None, "pard_k": 3}, "Block x1, RMSNorm x1"),
     "eagle3": ({"kind": "eagle", "version": 3, "ttt_steps": 2}, "RMSNorm x1"),  # one layer: no Block
     "eagle3-2layers": ({"kind": "eagle", "version": 3, "ttt_steps": 2, "n_layers": 2}, "Block x1, RMSNorm x1"),
     "medusa": ({"kind": "medusa", "n_heads": 3}, "ResBlock x3"),

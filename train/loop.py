@@ -211,7 +211,9 @@ def train(recipe) -> Path:
     loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
     batches = iter(loader)
     objective = objective_for(kind)
-    ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params)
+    ctx = Context(
+        unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params, seed=recipe.seed
+    )
     save_recipe(recipe, acc.is_main_process)
     runlog = RunLog(
         run,
@@ -239,6 +241,7 @@ def train(recipe) -> Path:
         total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process, dynamic_ncols=True
     )
     while step < tc.steps:
+        ctx.step = step
         out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
         counters["batches"] += tc.grad_accum
         counters["tokens"] += out["tokens"]

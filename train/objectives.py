@@ -40,6 +40,8 @@ class Context:
     target: torch.nn.Module | None = None  # frozen target, for loss.teacher = target
     generator: torch.Generator | None = None  # sampling inside losses (TVD++), checkpointed with the run
     params: BaseModel | None = None  # the recipe's drafter section (the kind's typed config, models/spec.py)
+    seed: int = 0  # the recipe's seed and ...
+    step: int = 0  # ... the optimizer step being taken (the loop sets it): draws that must not depend on the rank
 
     def __post_init__(self):
         if isinstance(self.params, dict):
@@ -143,6 +145,21 @@ def _take(t: losses.Teacher, idx: torch.Tensor) -> losses.Teacher:
     return losses.Teacher(**{n: None if v is None else v[idx] for n, v in f.items()}, head=t.head)
 
 
+def _row_generators(batch: dict, ctx: Context) -> list[torch.Generator]:
+    """One generator per row, seeded by (recipe seed, step, the row's tokens): a record's random draws are the same
+    whichever process or micro-batch it lands in, so data-parallel training equals one process."""
+    import zlib
+
+    ids = batch["input_ids"].cpu()
+    real = batch.get("attention_mask", torch.ones_like(ids)).cpu().bool()  # padding depends on the neighbours
+    base = (ctx.seed * 1_000_003 + ctx.step) % (1 << 31)
+    dev = batch["input_ids"].device
+    return [
+        torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(row[m].numpy().tobytes()))
+        for row, m in zip(ids, real)
+    ]
+
+
 def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     """PARD: the records' sequences with COD mask segments added (models/pard.py ``cod_layout``); every trained
     position, plain or mask, is scored like a draft LM's against the teacher's distribution for the token it
@@ -154,7 +171,13 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     m, p = ctx.unwrapped, ctx.params
     retain, retain_min = (p.cod_retain, p.cod_retain_min) if p is not None else (0.7, 0.2)
     lay = cod_layout(
-        batch["input_ids"], batch["predict_mask"], m.cfg.pard_k, m.cfg.mask_id, retain, retain_min, ctx.generator
+        batch["input_ids"],
+        batch["predict_mask"],
+        m.cfg.pard_k,
+        m.cfg.mask_id,
+        retain,
+        retain_min,
+        _row_generators(batch, ctx),
     )
     teacher, dist, keep = _take(draft_lm_teacher(batch, cfg, ctx), lay.rows), lay.dist, None
     if cfg.kind == "ce" and getattr(m, "t2d", None) is not None:  # labels outside the draft vocabulary: no CE
