@@ -5,12 +5,13 @@ prompts under a cache so tight that the holes left by rejected branches are comp
 rows follow the target's distribution; EOS on an accepted path ends only its row; rows join and leave; a row does
 not depend on its neighbours; judged rows equal their own batch-1 judged decode."""
 
+# ruff: noqa: F811  (the module fixtures tgt, prompts and ar are test_batch_decode's: the same target and prompts)
 from __future__ import annotations
 
 import pytest
 import torch
 from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, noisy_copy, tiny_eagle, tiny_heads, tiny_model, tv
-from test_batch_decode import CFG16, LENS, NEW, check_caches, make_drafter, run
+from test_batch_decode import LENS, NEW, ar, check_caches, make_drafter, prompts, run, tgt  # noqa: F401
 
 from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
@@ -22,22 +23,6 @@ TREES = {
     "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
     "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8),
 }
-
-
-@pytest.fixture(scope="module")
-def tgt():
-    return tiny_model(1, CFG16)
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, CFG16.vocab_size, (n,), generator=g) for n in LENS]
-
-
-@pytest.fixture(scope="module")
-def ar(tgt, prompts):
-    return [autoregressive_generate(tgt, p, NEW) for p in prompts]
 
 
 @pytest.fixture(scope="module")
