@@ -44,6 +44,28 @@ def resolve_dtype(dtype: str, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 autocast speeds training up;
+    on other CPUs torch emulates it and it is several times slower than fp32."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, p)() for p in probes if hasattr(torch.cpu, p))
+    except RuntimeError:  # pragma: no cover - a torch build without the probes' backend
+        return False
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """``train.precision`` for accelerate: ``auto`` -> bf16 on a CUDA device that supports it and on a CPU with
+    native bf16 (``cpu_has_bf16``), else ``no`` (fp32); other values pass through."""
+    if precision != "auto":
+        return precision
+    if device.startswith("cuda"):
+        return "bf16" if torch.cuda.is_bf16_supported() else "no"
+    if device == "cpu" or device.startswith("cpu:"):
+        return "bf16" if cpu_has_bf16() else "no"
+    return "no"
+
+
 def init_distributed() -> tuple[int, int, int]:
     """(rank, world size, local rank). Under torchrun / accelerate launch (WORLD_SIZE > 1) this joins the process
     group (gloo on CPU, nccl on CUDA) unless someone already did; a plain run is rank 0 of 1."""

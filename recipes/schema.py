@@ -277,8 +277,10 @@ class TrainConfig(Strict):
     """Clip the global gradient norm to this."""
     max_seq_len: int = Field(1024, gt=1)
     """Training sequences are cut to this many tokens."""
-    precision: Literal["no", "bf16", "fp16"] = "no"
-    """accelerate mixed precision. bf16 also pays on CPUs with AVX512-BF16 / AMX (measured in the README)."""
+    precision: Literal["no", "bf16", "fp16", "auto"] = "no"
+    """accelerate mixed precision (no = fp32). bf16 also pays on CPUs with AVX512-BF16 / AMX (1.6x on a 2-core
+    VM) but is several times slower than fp32 on CPUs without them; auto picks bf16 on a CUDA device that
+    supports it and on a CPU with native bf16, else no, and logs its choice."""
 
     @field_validator("precision", mode="before")
     @classmethod

@@ -28,7 +28,7 @@ from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog, save_recipe
-from draftsmith.runtime import resolve_device
+from draftsmith.runtime import resolve_device, resolve_precision
 from draftsmith.train.objectives import Context, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
@@ -141,7 +141,10 @@ def train(recipe) -> Path:
 
     tc, run = recipe.train, recipe.run_dir
     device = resolve_device(recipe.target.device)
-    acc = Accelerator(mixed_precision=tc.precision, cpu=device == "cpu")
+    precision = resolve_precision(tc.precision, device)
+    if tc.precision == "auto":
+        log.info("train.precision=auto -> %s on %s", precision, device)
+    acc = Accelerator(mixed_precision=precision, cpu=device == "cpu")
     _check_sharding(acc, tc)
     _configure_deepspeed(acc, tc)
     set_seed(recipe.seed)
