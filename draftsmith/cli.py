@@ -43,7 +43,7 @@ STAGES = {
     "delta (--deltas, lossy), interleaved prompt by prompt; prints tau, waste, tokens/s and speedup per "
     "configuration and writes <out_dir>/eval/sweep.json with the best threshold. --oracle adds two "
     "oracle stop rules that bound what any stop rule can gain with this drafter.",
-    "tree": "Medusa trees per node count (--nodes) from a heads or EAGLE run's logged per-position rank "
+    "tree": "Medusa trees per node count (--nodes) from a heads, EAGLE or PARD run's logged per-position rank "
     "accuracies (its metrics.jsonl), with the expected tau of each, printed as eval.tree.choices "
     "overrides. RECIPE may also be a run folder.",
 }

@@ -94,27 +94,31 @@ def choices_from_accuracies(acc: Sequence[Sequence[float]], n_nodes: int) -> lis
     return [list(p) for _, p in best]
 
 
+_ACC = ("head", "step", "draft")  # metrics.jsonl prefixes: heads, EAGLE TTT steps, PARD distances
+
+
 def run_accuracies(run_dir) -> list[list[float]]:
     """``acc[k][r]``: the per-head rank accuracies a heads run logged last (``acc_head{k}_rank{r}`` in
     metrics.jsonl), or an EAGLE run's per-TTT-step ones (``acc_step{k}_rank{r}``: step k's accuracy after k
-    teacher-forced-by-its-own-drafts steps, so a path's product treats depth k like head k)."""
+    teacher-forced-by-its-own-drafts steps, so a path's product treats depth k like head k), or a PARD run's
+    per-distance ones (``acc_draft{k}_rank{r}``: distance k + 1 from the last accepted token)."""
     import json
     import re
     from pathlib import Path
 
     rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     last = next(
-        (r for r in reversed(rows) if r.get("stage") == "train" and ("acc_head0_rank0" in r or "acc_step0_rank0" in r)),
+        (r for r in reversed(rows) if r.get("stage") == "train" and any(f"acc_{k}0_rank0" in r for k in _ACC)),
         None,
     )
     if last is None:
         raise ValueError(
-            f"{run_dir}: no per-head or per-step accuracies logged (train a medusa / hydra / "
-            f"mlp_speculator / eagle first)"
+            f"{run_dir}: no per-head, per-step or per-distance accuracies logged (train a medusa / hydra / "
+            f"mlp_speculator / eagle / pard first)"
         )
     acc: dict[int, dict[int, float]] = {}
     for key, v in last.items():
-        if m := re.fullmatch(r"acc_(?:head|step)(\d+)_rank(\d+)", key):
+        if m := re.fullmatch(rf"acc_(?:{'|'.join(_ACC)})(\d+)_rank(\d+)", key):
             acc.setdefault(int(m.group(1)), {})[int(m.group(2))] = v
     return [[acc[k][r] for r in sorted(acc[k])] for k in sorted(acc)]
 

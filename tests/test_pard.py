@@ -285,6 +285,7 @@ def test_tiny_training_lowers_the_loss_and_the_checkpoint_decodes_losslessly(tra
     import json
 
     from draftsmith.eval.decoder import autoregressive_generate
+    from draftsmith.eval.tree import choices_from_run, run_accuracies
     from draftsmith.models.loading import load_model
     from draftsmith.models.registry import load_drafter
 
@@ -300,6 +301,12 @@ def test_tiny_training_lowers_the_loss_and_the_checkpoint_decodes_losslessly(tra
     )
     rows = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "train"]
     assert len(rows) == 24 and all(k in rows[0] for k in ("top1_draft0", "top1_draft2", "alpha", "cod_tokens"))
+    # per-distance rank accuracies: `draftsmith tree` builds static trees from them as from heads' ones
+    acc = run_accuracies(run)
+    assert len(acc) == 3 and all(len(a) == 3 for a in acc) and all(0 <= v <= 1 for a in acc for v in a)
+    assert acc[0][0] == rows[-1]["top1_draft0"] and acc[2][0] == rows[-1]["top1_draft2"]
+    choices = choices_from_run(run, 5)
+    assert len(choices) == 5 and choices[0] == [0] and all(len(c) <= 3 for c in choices)
     loss = [r["loss"] for r in rows]
     assert all(x == x for x in loss) and sum(loss[-6:]) < sum(loss[:6])
     drafter, info = load_drafter(run / "checkpoints" / "final")

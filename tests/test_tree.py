@@ -333,5 +333,5 @@ def test_tree_cli_builds_trees_from_a_runs_logged_accuracies(tmp_path, capsys):
     assert main([str(tmp_path), "--nodes", "3"]) == 0
     assert capsys.readouterr().out.strip().endswith("eval.tree.choices=[[0],[1],[0,0]]")
     (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[2]) + "\n")
-    assert main([str(tmp_path)]) == 2 and "no per-head or per-step accuracies" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 2 and "no per-head, per-step or per-distance accuracies" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")]) == 2

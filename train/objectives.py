@@ -165,7 +165,8 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     position, plain or mask, is scored like a draft LM's against the teacher's distribution for the token it
     predicts (its predict_mask row), all with the same weight. The loss is summed over them, so a step weighs
     every distance's positions (about 2.5x the response tokens at the default retention). Metrics per distance
-    (``top1_draft{j}``: draft j+1) and the chain tau they imply."""
+    (``top1_draft{j}``: draft j+1; ``acc_draft{j}_rank{r}``, what ``draftsmith tree`` builds static trees from) and
+    the chain tau they imply."""
     from draftsmith.models.pard import cod_layout
 
     m, p = ctx.unwrapped, ctx.params
@@ -189,7 +190,7 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         h = h if keep is None else h[keep]
         loss = losses.head_loss(h, head, teacher, _spec(cfg), ctx.generator) * h.shape[0]
         sub = [(n, dist == j) for j, n in counts if n]
-        return loss, [(None, n, _metrics(h[s], head, _take(teacher, s), cfg)) for n, s in sub]
+        return loss, [(None, n, _metrics(h[s], head, _take(teacher, s), cfg, ranks=3)) for n, s in sub]
 
     loss, outs = model(lay.ids, pos=lay.pos, attn_mask=lay.attn_mask, logits_at=lay.train, head_fn=head_fn)
     metrics = _per_step_metrics(outs, "draft")
