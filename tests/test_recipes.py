@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.recipes.loader import dump_recipe, load_recipe, shipped_recipes, validate
@@ -35,7 +36,7 @@ def test_shipped_names_and_paths_both_work():
 
 def test_overrides_are_typed_and_revalidated():
     r = load_recipe(
-        "quickstart",
+        "pard-smollm2",
         ["train.steps=7", "drafter.init_layers=[3, 4]", "eval.baseline_hf=false", "data.prompts.n=5", "out_dir=/tmp/x"],
     )
     assert r.train.steps == 7 and r.drafter.init_layers == [3, 4] and r.eval.baseline_hf is False
@@ -43,7 +44,7 @@ def test_overrides_are_typed_and_revalidated():
     with pytest.raises(DraftsmithError, match=r"train.steps: Input should be greater than 0"):
         load_recipe("quickstart", ["train.steps=0"])
     with pytest.raises(DraftsmithError, match=r"init_layers has 1 entries but n_layers is 2"):
-        load_recipe("quickstart", ["drafter.init_layers=[1]"])
+        load_recipe("pard-smollm2", ["drafter.init_layers=[1]"])
 
 
 @pytest.mark.parametrize(
@@ -73,10 +74,28 @@ def test_documented_precision_values_survive_yaml(tmp_path):
     assert load_recipe("quickstart", ["train.precision=no"]).train.precision == "no"
     assert load_recipe("quickstart", ["train.precision=bf16"]).train.precision == "bf16"
     p = tmp_path / "r.yaml"
-    p.write_text(dump_recipe(load_recipe("quickstart")).replace("precision: 'no'", "precision: no"))
+    dumped = dump_recipe(load_recipe("quickstart", ["train.precision=no"]))
+    p.write_text(dumped.replace("precision: 'no'", "precision: no"))
     assert "precision: no\n" in p.read_text() and load_recipe(str(p)).train.precision == "no"
     with pytest.raises(DraftsmithError, match="train.precision"):
         load_recipe("quickstart", ["train.precision=yes"])
+
+
+def test_auto_precision_picks_bf16_only_where_the_hardware_multiplies_it(monkeypatch):
+    """train.precision=auto: bf16 on a CPU with AVX512-BF16 / AMX and on a bf16-capable GPU, fp32 elsewhere
+    (emulated bf16 is several times slower than fp32); explicit values pass through."""
+    from draftsmith import runtime
+
+    for have, want in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(runtime, "cpu_has_bf16", lambda have=have: have)
+        assert runtime.resolve_precision("auto", "cpu") == want
+        assert runtime.resolve_precision("bf16", "cpu") == "bf16" and runtime.resolve_precision("no", "cpu") == "no"
+    for have, want in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda have=have: have)
+        assert runtime.resolve_precision("auto", "cuda:0") == want
+    assert runtime.resolve_precision("auto", "mps") == "no"
+    assert isinstance(runtime.cpu_has_bf16(), bool)
+    assert load_recipe("quickstart").train.precision == "auto"
 
 
 def test_medusa_layout_needs_full_vocabulary_heads():
