@@ -220,16 +220,6 @@ def test_refuses_trees_and_hooks(toks):
         speculative_generate(target, drafter, torch.tensor([5, 6]), 4, tree=TreeSpec(parents=(-1, 0), ranks=(0, 0)))
 
 
-def test_batched_decoder_refuses(toks):
-    from draftsmith.errors import DraftsmithError
-    from draftsmith.eval.batch import BatchDecoder
-
-    t, ds = toks
-    drafter = OwnVocabDrafter(tiny_model(1, cfg(len(ds[260]))), ds[260], t)
-    with pytest.raises(DraftsmithError, match="own tokenizer decodes at batch 1 only"):
-        BatchDecoder(tiny_model(0, cfg(len(t))), drafter, draft_len=3)
-
-
 # ---- the offline setting: a BPE learned on the run's records, a draft LM trained on the re-tokenized answers -------
 
 

@@ -1,0 +1,219 @@
+"""Drafts with their own tokenizer at B > 1 (eval/batch_shapes.py ``OwnVocabRows`` through ``BatchDecoder``): every
+row decodes exactly as its prompt would alone with ``hetero_generate`` (tokens and accepted count at every step),
+greedy with slem and tli, with and without the n-gram cache, B in {1, 2, 5} with ragged prompts under a cache
+tight enough to compact; sampled rows equal their own batch-1 decode with the same generator and follow the
+target's distribution; rows join and leave; EOS ends only its row."""
+
+# ruff: noqa: F811  (the module fixture toks is test_hetero_vocab's)
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model, tv
+from test_hetero_vocab import TEXT, FromTarget, cfg, toks, two_token_joint  # noqa: F401
+
+from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.decoder import autoregressive_generate
+from draftsmith.eval.hetero import OwnVocabDrafter, Vocabs, hetero_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = 30
+TEXTS = [
+    "The quick brown",
+    "Speculative decoding lets a small draft model propose tokens that a large target",
+    "def add(a, b):\n   ",
+    "What is the capital",
+    "Write a short poem about the sea and the stars at night. The quick brown fox jumps over",
+    "Paris",
+]
+
+
+class Echo(FromTarget):
+    """``FromTarget`` whose noise depends only on the token read, not on a shared generator: a row's drafts are the
+    same whichever rows ran before it, so its accepted counts can be compared with its batch-1 decode's."""
+
+    def __init__(self, target, vocabs: Vocabs, noise: float = 0.05):
+        super().__init__(target, vocabs, 0.0)
+        g = torch.Generator().manual_seed(7)
+        self.table = noise * torch.randn(len(vocabs.d2t), len(vocabs.d2t), generator=g, dtype=torch.float64)
+
+    def forward(self, ids, cache=None, **kw):
+        return super().forward(ids, cache=cache, **kw) + self.table[ids]
+
+
+@pytest.fixture(scope="module")
+def tgt(toks):
+    return tiny_model(0, cfg(len(toks[0])))
+
+
+@pytest.fixture(scope="module")
+def prompts(toks):
+    return [torch.tensor(Vocabs.ids(toks[0], s)) for s in TEXTS]
+
+
+def drafter(tgt, toks, kind: str, method: str, ngram: bool = False, vocab: int = 400) -> OwnVocabDrafter:
+    t, ds = toks
+    lm = Echo(tgt, Vocabs(t, ds[vocab])) if kind == "echo" else tiny_model(1, cfg(len(ds[vocab])))
+    return OwnVocabDrafter(lm, ds[vocab], t, method=method, ngram=ngram)
+
+
+def tight(tgt, d, B: int, prompts, **kw) -> BatchDecoder:
+    """A decoder whose cache holds only the longest row's own need: rejected candidates' holes force compaction."""
+    room = BatchDecoder(tgt, d, **kw).room
+    return BatchDecoder(tgt, d, max_len=max(p.numel() for p in prompts[:B]) + NEW + room + 4, **kw)
+
+
+def run(dec: BatchDecoder, ids: list[int]) -> dict[int, list[int]]:
+    outs = {i: [] for i in ids}
+    while dec.active():
+        for i, new in dec.step().items():
+            outs.setdefault(i, []).extend(new)
+    return outs
+
+
+@pytest.mark.parametrize("B", [1, 2, 5])
+@pytest.mark.parametrize("ngram", [False, True])
+@pytest.mark.parametrize("method", ["slem", "tli"])
+@pytest.mark.parametrize("kind", ["echo", "random"])
+def test_greedy_rows_equal_their_own_decode(tgt, toks, prompts, kind, method, ngram, B):
+    d = drafter(tgt, toks, kind, method, ngram)
+    dec = tight(tgt, d, B, prompts, draft_len=3)
+    ids = [dec.add(p, NEW) for p in prompts[:B]]
+    outs = run(dec, ids)
+    for b, i in enumerate(ids):
+        ref, st = hetero_generate(tgt, d, prompts[b], NEW, draft_len=3)
+        assert outs[i] == ref == autoregressive_generate(tgt, prompts[b], NEW), (kind, method, ngram, B, b)
+        got = dec.stats[i]
+        assert got.accepted_per_step == st.accepted_per_step and got.drafted == st.drafted, (kind, method, B, b)
+        assert got.accept_counts == st.accept_counts and got.ngram_candidates == st.ngram_candidates
+        assert got.new_tokens == NEW
+    if kind == "echo":
+        assert sum(dec.stats[i].accepted for i in ids) > 0  # some candidates were kept
+    if B == 5 and kind == "echo":  # rows keep different counts: the cache outgrows the longest row's need
+        assert dec.rc.compactions > 0
+
+
+def test_slem_rows_verify_chains_of_different_lengths(tgt, toks, prompts):
+    """slem re-tokenizes each row's drafted text: in one step the rows' candidate chains have different lengths."""
+    dec = BatchDecoder(tgt, drafter(tgt, toks, "echo", "slem"), draft_len=3, max_len=200)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    draft, sizes = dec.prop.draft, []
+
+    def counted(*a):
+        drafts = draft(*a)
+        sizes.append({x.tokens.numel() for x in drafts})
+        return drafts
+
+    dec.prop.draft = counted
+    run(dec, ids)
+    assert any(len(s) > 1 for s in sizes)
+
+
+@pytest.mark.parametrize("method", ["slem", "tli"])
+def test_sampled_rows_equal_their_own_decode_with_the_same_generator(tgt, toks, prompts, method):
+    d = drafter(tgt, toks, "echo", method)
+    gens = lambda: [torch.Generator().manual_seed(10 + b) for b in range(5)]  # noqa: E731
+    dec = tight(tgt, d, 5, prompts, draft_len=3)
+    ids = [dec.add(p, NEW, temperature=1.0, top_k=20, generator=g) for p, g in zip(prompts, gens())]
+    outs = run(dec, ids)
+    for b, (i, g) in enumerate(zip(ids, gens())):
+        ref, st = hetero_generate(tgt, d, prompts[b], NEW, draft_len=3, temperature=1.0, top_k=20, generator=g)
+        assert outs[i] == ref, (method, b)
+        assert dec.stats[i].accepted_per_step == st.accepted_per_step
+    assert sum(dec.stats[i].accepted for i in ids) > 0
+
+
+@pytest.mark.parametrize("method", ["tli", "slem"])
+def test_sampled_rows_follow_the_target_distribution(toks, method):
+    """4,000 rows of one prompt in one batch, temperature 1: the joint of their first two tokens is the target's
+    (as tests/test_hetero_vocab.py checks at batch 1); greedy rows in the same batch stay exact."""
+    t, ds = toks
+    target = tiny_model(0, cfg(len(t)), logit_scale=12.0)
+    d = OwnVocabDrafter(FromTarget(target, Vocabs(t, ds[400])), ds[400], t, method=method)
+    prompt = Vocabs.ids(t, "The quick brown")
+    joint = two_token_joint(target, prompt)
+    gen, N = torch.Generator().manual_seed(0), 4000
+    dec = BatchDecoder(target, d, draft_len=2, max_len=len(prompt) + 16)
+    ids = [dec.add(torch.tensor(prompt), 3, temperature=1.0, generator=gen) for _ in range(N)]
+    greedy = [dec.add(torch.tensor(prompt), 3) for _ in range(2)]
+    outs = run(dec, ids + greedy)
+    assert all(outs[i] == autoregressive_generate(target, torch.tensor(prompt), 3) for i in greedy)
+    counts = torch.zeros_like(joint)
+    for i in ids:
+        counts[outs[i][0], outs[i][1]] += 1
+    emp = counts / N
+    acc = sum(dec.stats[i].accepted for i in ids) / sum(dec.stats[i].drafted for i in ids)
+    assert 0.05 < acc < 0.95, acc  # both the accept and the reject path ran
+    assert tv(emp.sum(1), joint.sum(1)) < 0.04
+    assert tv(emp, joint) < 0.07
+
+
+def test_rows_join_and_leave_mid_run(tgt, toks, prompts):
+    d = drafter(tgt, toks, "echo", "slem", ngram=True)
+    ref = [hetero_generate(tgt, d, p, NEW, draft_len=3) for p in prompts]
+    dec = BatchDecoder(tgt, d, draft_len=3, max_len=120)
+    outs: dict[int, list[int]] = {}
+
+    def step(n=1):
+        for _ in range(n):
+            for i, new in dec.step().items():
+                outs.setdefault(i, []).extend(new)
+
+    a, b, c = dec.add(prompts[1], NEW), dec.add(prompts[5], NEW), dec.add(prompts[4], 2)
+    step(3)
+    assert c not in dec.active() and outs[c] == ref[4][0][:2]
+    e, f = dec.add(prompts[2], NEW), dec.add(prompts[0], NEW)
+    step(2)
+    dec.remove(b)
+    g = dec.add(prompts[3], 1)
+    step()
+    assert outs[g] == ref[3][0][:1] and g not in dec.active()
+    step(200)
+    assert not dec.active()
+    for i, k in ((a, 1), (e, 2), (f, 0)):
+        assert outs[i] == ref[k][0] and dec.stats[i].accepted_per_step == ref[k][1].accepted_per_step, k
+    assert outs[b] == ref[5][0][: len(outs[b])] and 0 < len(outs[b]) < NEW
+
+
+@pytest.mark.parametrize("method", ["slem", "tli"])
+def test_eos_ends_only_its_row(tgt, toks, prompts, method):
+    d = drafter(tgt, toks, "echo", method)
+    ar = [autoregressive_generate(tgt, p, NEW) for p in prompts]
+    eos = {ar[1][9]}
+    want = [a[: next((j + 1 for j, x in enumerate(a) if x in eos), len(a))] for a in ar]
+    assert len({len(w) for w in want}) > 1
+    outs, stats = speculative_generate_batch(tgt, d, prompts, NEW, draft_len=3, eos_ids=eos)
+    assert outs == want
+    for p, st, w in zip(prompts, stats, want):
+        _, ref = hetero_generate(tgt, d, p, NEW, draft_len=3, eos_ids=eos)
+        assert st.new_tokens == len(w) and st.accepted_per_step == ref.accepted_per_step
+
+
+def test_what_batch_one_refuses_is_refused(tgt, toks):
+    from draftsmith.eval.tree import TreeSpec
+
+    d = drafter(tgt, toks, "random", "auto")
+    with pytest.raises(ValueError, match="chains only"):
+        BatchDecoder(tgt, d, tree=TreeSpec(parents=(-1, 0), ranks=(0, 0)))
+    with pytest.raises(ValueError, match="chains only"):
+        BatchDecoder(tgt, d, stop_drafting=lambda *a: True)
+    with pytest.raises(ValueError, match="draft_len must be >= 1"):
+        BatchDecoder(tgt, d, draft_len=0)
+    with pytest.raises(ValueError, match="slem, tli or auto"):
+        BatchDecoder(tgt, drafter(tgt, toks, "random", "exact"))
+    dec = BatchDecoder(tgt, d, draft_len=3)  # auto: slem for greedy rows, tli for sampled rows
+    greedy, sampled = dec.add(torch.tensor([5, 6]), 4), dec.add(torch.tensor([5, 6]), 4, temperature=1.0)
+    assert len(dec.stats[greedy].accept_counts) == 7 and len(dec.stats[sampled].accept_counts) == 4
+
+
+def test_rows_count_ngram_candidates_and_stays_lossless(toks, prompts):
+    """The counter the report shows: an echoing slem draft with the cache writes some candidates from it (a target
+    that repeats itself), at batch 1 and B > 1 alike, and the output stays the target's."""
+    tgt = tiny_model(3, cfg(len(toks[0])))
+    d = drafter(tgt, toks, "echo", "slem", ngram=True)
+    outs, stats = speculative_generate_batch(tgt, d, prompts[:3], 80, draft_len=3)
+    for p, o, st in zip(prompts, outs, stats):
+        ref, st1 = hetero_generate(tgt, d, p, 80, draft_len=3)
+        assert o == ref == autoregressive_generate(tgt, p, 80) and st.ngram_candidates == st1.ngram_candidates
+    assert 0 < sum(st.ngram_candidates for st in stats) <= sum(st.drafted for st in stats)
