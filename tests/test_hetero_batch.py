@@ -2,7 +2,8 @@
 row decodes exactly as its prompt would alone with ``hetero_generate`` (tokens and accepted count at every step),
 greedy with slem and tli, with and without the n-gram cache, B in {1, 2, 5} with ragged prompts under a cache
 tight enough to compact; sampled rows equal their own batch-1 decode with the same generator and follow the
-target's distribution; rows join and leave; EOS ends only its row."""
+target's distribution; rows join and leave; EOS ends only its row. Then the same drafter through eval.batch_sizes
+and the eval.own_vocab recipe keys."""
 
 # ruff: noqa: F811  (the module fixture toks is test_hetero_vocab's)
 from __future__ import annotations
@@ -217,3 +218,40 @@ def test_rows_count_ngram_candidates_and_stays_lossless(toks, prompts):
         ref, st1 = hetero_generate(tgt, d, p, 80, draft_len=3)
         assert o == ref == autoregressive_generate(tgt, p, 80) and st.ngram_candidates == st1.ngram_candidates
     assert 0 < sum(st.ngram_candidates for st in stats) <= sum(st.drafted for st in stats)
+
+
+# ---- eval.batch_sizes and eval.own_vocab through `draftsmith eval` -------------------------------------------------
+
+OWN = ("drafter.tokenizer=train", "drafter.vocab_size=280", "drafter.init_from_target=false", "train.loss.kind=ce")
+
+
+def test_eval_batch_sizes_and_own_vocab_keys(train_run, tiny_model_dir, prompts_file, capsys):
+    import json
+
+    from draftsmith.cli import main
+
+    run = train_run("own", *OWN)
+    common = [f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}", f"out_dir={run}", "-q"]
+    common += ["eval.baseline_hf=false"]
+
+    def report(*extra: str) -> dict:
+        assert main(["eval", "tiny", *common, *extra]) == 0
+        return json.loads((run / "eval" / "report.json").read_text())
+
+    r = report("eval.batch_sizes=[1,2,3]")
+    rows = r["batches"]["rows"]
+    assert [x["batch_size"] for x in rows] == [1, 2, 3] and r["lossless_match"] == 1.0
+    assert all(x["batch1_match"] == 1.0 and x["lossless_match"] == 1.0 for x in rows), rows
+    r = report("eval.own_vocab.ngram_cache=true", "eval.batch_sizes=[2]")
+    tok = r["drafter"]["tokenizer"]
+    assert r["lossless_match"] == 1.0 and r["batches"]["rows"][0]["batch1_match"] == 1.0
+    assert tok["method"] == "slem" and tok["ngram_cache"] is True
+    assert 0 <= tok["ngram_candidates"] <= tok["drafted"] > 0
+    r = report("eval.own_vocab.method=tli")
+    assert r["lossless_match"] == 1.0 and r["drafter"]["tokenizer"] == {"vocab_size": 280, "method": "tli"}
+    plain = train_run("plain")
+    common[2] = f"out_dir={plain}"
+    capsys.readouterr()
+    assert main(["eval", "tiny", *common, "eval.own_vocab.ngram_cache=true"]) == 2
+    err = capsys.readouterr().err
+    assert "eval.own_vocab" in err and "drafts in the target's vocabulary" in err and len(err.strip().splitlines()) == 1
