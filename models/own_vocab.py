@@ -161,9 +161,9 @@ def for_decoding(ckpt: Path, lm, info: dict, target_tok, ec):
 
 
 def refuse_own_vocab(path: Path, info: dict, what: str) -> None:
-    """One line for the decoders that take a drafter in the target's vocabulary only."""
+    """One line for what takes a drafter in the target's vocabulary only (export)."""
     if info.get("draft_tokenizer"):
         raise DraftsmithError(
-            f"{path}: this drafter has its own tokenizer; {what} {'takes' if what == 'export' else 'decodes'} "
-            f"drafters in the target's vocabulary only (draftsmith eval decodes it at batch 1)"
+            f"{path}: this drafter has its own tokenizer; {what} takes drafters in the target's vocabulary only "
+            f"(draftsmith eval and serve decode it)"
         )

@@ -2,8 +2,8 @@
 row decodes exactly as its prompt would alone with ``hetero_generate`` (tokens and accepted count at every step),
 greedy with slem and tli, with and without the n-gram cache, B in {1, 2, 5} with ragged prompts under a cache
 tight enough to compact; sampled rows equal their own batch-1 decode with the same generator and follow the
-target's distribution; rows join and leave; EOS ends only its row. Then the same drafter through eval.batch_sizes
-and the eval.own_vocab recipe keys."""
+target's distribution; rows join and leave; EOS ends only its row. Then the same drafter through eval.batch_sizes,
+``draftsmith serve`` (concurrent clients) and the online learner, and the eval.own_vocab recipe keys."""
 
 # ruff: noqa: F811  (the module fixture toks is test_hetero_vocab's)
 from __future__ import annotations
@@ -15,7 +15,7 @@ from test_hetero_vocab import TEXT, FromTarget, cfg, toks, two_token_joint  # no
 
 from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate
-from draftsmith.eval.hetero import OwnVocabDrafter, Vocabs, hetero_generate
+from draftsmith.eval.hetero import BAD, OwnVocabDrafter, Vocabs, hetero_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -255,3 +255,156 @@ def test_eval_batch_sizes_and_own_vocab_keys(train_run, tiny_model_dir, prompts_
     assert main(["eval", "tiny", *common, "eval.own_vocab.ngram_cache=true"]) == 2
     err = capsys.readouterr().err
     assert "eval.own_vocab" in err and "drafts in the target's vocabulary" in err and len(err.strip().splitlines()) == 1
+
+
+# ---- `draftsmith serve` and the online learner -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny_model_dir):
+    """The tiny target and a random 1-layer draft LM with its own 280-token BPE, saved as a checkpoint; the
+    reference greedy answers."""
+    from conftest import CORPUS
+    from test_serve_batch import TEXTS as SERVE_TEXTS
+
+    from draftsmith.models.draft_lm import build_draft_lm
+    from draftsmith.models.loading import encode_chat, load_model, stop_ids
+    from draftsmith.models.own_vocab import train_bpe
+    from draftsmith.models.registry import save_drafter
+
+    root = tmp_path_factory.mktemp("serve-own")
+    tgt = load_model(str(tiny_model_dir))
+    tok = train_bpe(CORPUS + SERVE_TEXTS, 280, tgt.tokenizer)
+    torch.manual_seed(0)
+    lm = build_draft_lm(
+        {"n_layers": 1, "tokenizer": "train", "vocab_size": 280, "init_from_target": False},
+        tgt.model,
+        draft_tokenizer=tok,
+    )
+    with torch.no_grad():  # its argmax never a partial character (a greedy slem draft of only those drafts nothing)
+        bad = [i for i in range(len(tok)) if BAD in Vocabs.text(tok, [i])]
+        lm.lm_head.weight.mul_(10.0)[bad] = 0.0
+    meta = {"target": str(tiny_model_dir), "recipe": "tiny", "step": 0}
+    ckpt = save_drafter(root / "run" / "checkpoints" / "final", lm, "draft_lm", meta)
+    eos = stop_ids(tgt.path, tgt.tokenizer)
+    ref, traffic = {}, []
+    for text in SERVE_TEXTS:
+        ids = encode_chat(tgt.tokenizer, [{"role": "user", "content": text}])
+        out = autoregressive_generate(tgt.model, torch.tensor(ids), 16, eos_ids=eos)
+        ref[text] = tgt.tokenizer.decode([t for t in out if t not in eos], skip_special_tokens=True)
+        traffic.append({"prompt": ids, "response": out})
+    traffic *= 3  # 24 requests: repeated prompts, something to learn
+    return {"tgt": tgt, "ckpt": ckpt, "model_dir": tiny_model_dir, "ref": ref, "traffic": traffic, "eos": eos}
+
+
+def _recipe(served, tmp_path, *extra):
+    from draftsmith.recipes.loader import load_recipe
+
+    return load_recipe(
+        "tiny",
+        [
+            f"target.model={served['model_dir']}",
+            f"out_dir={tmp_path / 'run'}",
+            f"eval.checkpoint={served['ckpt']}",
+            f"online.dir={tmp_path / 'online'}",
+            "online.port=0",
+            "online.learn=false",
+            "online.max_tokens=16",
+            *OWN,
+            *extra,
+        ],
+    )
+
+
+@pytest.mark.parametrize("settings", [(), ("eval.own_vocab.ngram_cache=true", "online.speculate_max_batch=3")])
+def test_serve_answers_concurrent_clients_with_the_targets_greedy_answer(served, tmp_path, settings):
+    """12 clients at once against an own-vocabulary checkpoint: every answer is the prompt's greedy answer (with
+    the n-gram cache, and with steps above online.speculate_max_batch decoding plainly)."""
+    import json
+    import threading
+
+    from test_serve_batch import _chat
+
+    from draftsmith.serving.server import make_server
+
+    httpd, engine = make_server(_recipe(served, tmp_path, *settings))
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port, results = httpd.server_address[1], {}
+    try:
+        assert getattr(engine.drafter, "own_vocab", False)
+        texts = list(served["ref"])
+
+        def ask(i):
+            code, _, body = _chat(port, texts[i % len(texts)], max_tokens=16)
+            results[i] = (code, texts[i % len(texts)], json.loads(body)["choices"][0]["message"]["content"])
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        ask(12)  # alone: it speculates
+        assert len(results) == 13
+        for code, text, answer in results.values():
+            assert code == 200 and answer == served["ref"][text], text
+        assert engine.m["forwards"] > 0 and engine.m["drafted"] > 0
+        assert (engine.m["plain_steps"] > 0) == bool(settings)  # above speculate_max_batch: plain steps
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        engine.close()
+
+
+def test_serve_refuses_own_vocab_keys_for_a_target_vocabulary_drafter(served, tmp_path, tiny_model_dir):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.models.draft_lm import build_draft_lm
+    from draftsmith.models.registry import save_drafter
+    from draftsmith.recipes.loader import load_recipe
+    from draftsmith.serving.server import make_server
+
+    ckpt = save_drafter(tmp_path / "plain", build_draft_lm({"n_layers": 1}, served["tgt"].model), "draft_lm", {})
+    r = load_recipe(
+        "tiny",
+        [f"target.model={tiny_model_dir}", f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={ckpt}",
+         f"online.dir={tmp_path / 'online'}", "online.port=0", "online.learn=false", "eval.own_vocab.method=tli"],
+    )  # fmt: skip
+    with pytest.raises(DraftsmithError, match="eval.own_vocab: .* drafts in the target's vocabulary"):
+        make_server(r)
+
+
+def test_an_online_round_keeps_the_tokenizer_and_its_version_loads_back(served, tmp_path, monkeypatch):
+    """The learner retrains an own-vocabulary drafter on the traffic re-tokenized by the serving version's own
+    tokenizer (not a BPE learned anew), measures τ with it, and the version it publishes carries that tokenizer
+    and decodes losslessly."""
+    from draftsmith.models.own_vocab import for_decoding
+    from draftsmith.models.registry import load_drafter
+    from draftsmith.serving.online import Learner, Versions
+    from draftsmith.serving.traffic import TrafficBuffer
+
+    r = _recipe(served, tmp_path, "online.holdout=3", "online.min_records=8", "online.steps_per_update=20",
+                "online.eval_tokens=16", "train.micro_batch_size=4", "eval.own_vocab.ngram_cache=true")  # fmt: skip
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    versions = Versions(tmp_path / "online", served["ckpt"])
+    for t in served["traffic"]:
+        buf.append(t)
+    learner = Learner(r, buf, versions, tgt=served["tgt"])
+    assert learner.held_out_tau(versions.current()[1], served["traffic"][:3]) >= 1.0
+    real, calls = Learner.held_out_tau, []
+
+    def better(self, ckpt, hold):  # the candidate wins, whatever it measures: a version is published
+        calls.append(real(self, ckpt, hold))
+        return calls[-1] + (len(calls) == 2)
+
+    monkeypatch.setattr(Learner, "held_out_tau", better)
+    out = learner.round()
+    assert out["swapped"] and versions.current()[0] == "v0001" and len(calls) == 2
+    v0, v1 = versions.dir / "v0000", versions.dir / "v0001"
+    assert (v1 / "tokenizer" / "tokenizer.json").read_text() == (v0 / "tokenizer" / "tokenizer.json").read_text()
+    lm, info = load_drafter(v1)
+    d = for_decoding(v1, lm, info, served["tgt"].tokenizer, r.eval)
+    assert d.own_vocab and d.ngram and len(d.tokenizer) == lm.cfg.vocab_size
+    before = load_drafter(v0)[0].state_dict()
+    assert any(not torch.equal(before[k], v) for k, v in lm.state_dict().items())  # it was trained
+    for t in served["traffic"][:4]:
+        p = torch.tensor(t["prompt"])
+        assert hetero_generate(served["tgt"].model, d, p, 16, draft_len=3, eos_ids=served["eos"])[0] == t["response"]
