@@ -30,7 +30,7 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Sampler
-from draftsmith.eval.batch_shapes import HeadTrees, RowShapes
+from draftsmith.eval.batch_shapes import HeadTrees, OwnVocabRows, RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
@@ -175,6 +175,7 @@ class _Row:
     stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
     prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/batch_shapes.py)
     shape: object = None  # ... and its step shape
+    hetero: object = None  # a drafter with its own tokenizer: the row's draft side (eval/hetero.py HeteroRow)
 
     @property
     def key(self):
@@ -439,6 +440,10 @@ def _unwrapped(model):
 def _proposer(target, drafter, max_len: int, stop=None, tree=None, judge=None, draft_len: int = 0):
     if drafter is None:
         return None
+    if getattr(drafter, "own_vocab", False):  # its own tokenizer: per-row drafting, one batched verify
+        if tree is not None or judge is not None or stop is not None:
+            raise ValueError("a drafter with its own vocabulary decodes chains only: no tree, judge or stop hook")
+        return OwnVocabRows(target, drafter, draft_len=draft_len)
     kind = proposer_for(drafter)
     if tree is not None or judge is not None:
         if isinstance(tree, TreeSpec) and judge is None and stop is None and kind is HeadProposer:
@@ -456,7 +461,8 @@ class BatchDecoder:
     """Continuous-batching speculative decoder: ``add`` rows, call ``step`` until ``active()`` is empty. drafter
     None decodes plainly (one target forward per step for the whole batch). Chains draft as one batch per drafter
     step; ``tree`` (a ``TreeSpec`` or ``DynamicTree``) and ``judge`` (lossy Judge-Decoding chains) draft row by row
-    with batch-1 proposers and verify as one batch (eval/batch_shapes.py).
+    with batch-1 proposers and verify as one batch (eval/batch_shapes.py), as does a draft LM with its own
+    tokenizer (eval/hetero.py ``OwnVocabDrafter``: each row's chain of re-tokenized candidates).
 
     ``stats[row_id]`` is kept after the row finishes or is removed (pop it when done). A step's draft and verify
     wall times are added to every row in it, so ``new_tokens / (draft_time_s + verify_time_s)`` is a row's rate,
@@ -471,10 +477,6 @@ class BatchDecoder:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if max_prefill_pad is not None and max_prefill_pad < 0:
             raise ValueError(f"max_prefill_pad must be >= 0, got {max_prefill_pad}")
-        if getattr(drafter, "own_vocab", False):
-            raise DraftsmithError(
-                "a drafter with its own tokenizer decodes at batch 1 only (eval/hetero.py), not in the batched decoder"
-            )
         target, drafter = _unwrapped(target), _unwrapped(drafter)
         self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
         if not isinstance(target.new_cache(1, 1), KVCache):
@@ -519,11 +521,10 @@ class BatchDecoder:
                 f"prompt of {prompt_ids.numel()} tokens + max_new_tokens={max_new_tokens} needs max_len >= {need}, "
                 f"the batch decoder has max_len={self.max_len}"
             )
-        rid, self._next_id = self._next_id, self._next_id + 1
-        st = DecodeStats(accept_counts=[0] * (self.depth + 1))
         s = Sampler(temperature, top_k, top_p, generator)
-        if self.rowwise:
-            self.prop.check(s)
+        depth = self.prop.check(s) if self.rowwise else self.depth  # refuses what this row's shape refuses
+        rid, self._next_id = self._next_id, self._next_id + 1
+        st = DecodeStats(accept_counts=[0] * (depth + 1))
         row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
         row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
         self.pending.append(row)
@@ -720,6 +721,8 @@ class BatchDecoder:
 def step_room(target, drafter, draft_len: int, tree=None, judge=None, stop=None) -> int:
     """Cache slots a step may write past a row's committed tokens (``BatchDecoder.room``): a row's prompt + its
     max_new_tokens + this + 4 is the ``max_len`` that ``add`` asks for."""
+    if getattr(drafter, "own_vocab", False):  # up to 2 * draft_len candidates (slem)
+        return OwnVocabRows(target, drafter, draft_len=draft_len).room + 2
     if drafter is not None and (tree is not None or judge is not None):
         return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop).room + 2
     return 2 * draft_len

@@ -21,6 +21,7 @@ import torch
 
 from draftsmith.eval.accept import Sampler
 from draftsmith.eval.decoder import _sync
+from draftsmith.eval.hetero import HeteroRow, resolve_method
 from draftsmith.eval.proposers import proposer_for
 from draftsmith.eval.shapes import Draft, StaticTree, shape_for
 
@@ -44,9 +45,11 @@ class RowShapes:
     def _shape(self, prop, sampler: Sampler):
         return shape_for(self.t, prop, self.tree, self.draft_len, sampler, self.judge)
 
-    def check(self, sampler: Sampler) -> None:
-        """Refuse at ``add`` what the shape would refuse at prefill (a judge decodes greedily)."""
+    def check(self, sampler: Sampler) -> int:
+        """Refuse at ``add`` what the shape would refuse at prefill (a judge decodes greedily) -> the longest run a
+        row with this sampler accepts (its ``DecodeStats.accept_counts`` range)."""
         self._shape(self._proposer(), sampler)
+        return self.depth
 
     def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
         """Rows ``live`` of a prefill wave (``ids`` right-aligned, as ``captured``): each gets its proposer and
@@ -154,3 +157,55 @@ class HeadTrees(RowShapes):
 
     def commit(self, rows, drafts: list[Draft], accepted: list, kept: list[list[int]], captured: dict) -> None:
         self.heads.read_kept(rows, captured, kept)
+
+
+class OwnVocabRows(RowShapes):
+    """A draft LM with its own tokenizer (eval/hetero.py ``OwnVocabDrafter``): each row keeps its own
+    ``HeteroRow`` (committed target ids, draft-side context, draft KV cache, n-gram cache) and drafts as
+    ``hetero_generate`` does; its candidates are a chain of 0..2·draft_len target ids (slem re-tokenizes text, so
+    rows differ), verified with every other row's in ``RowShapes.step``'s one forward, each accepted by its row's
+    batch-1 rule. Greedy rows use slem and sampled rows tli under method auto."""
+
+    def __init__(self, target, drafter, *, draft_len: int):
+        resolve_method(drafter.method, Sampler(0.0), draft_len)  # refuses a bad method or draft_len now
+        self.t, self.d, self.draft_len = target, drafter, draft_len
+        self.tree = self.judge = self.stop = None
+        self.depth = 2 * draft_len if drafter.method in ("slem", "auto") else draft_len  # the most a row verifies
+        self.room, self.layers, self.caches = self.depth, (), []
+
+    def check(self, sampler: Sampler) -> int:
+        return resolve_method(self.d.method, sampler, self.draft_len)[1]
+
+    def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
+        for j in live:
+            r = rows[j]
+            r.hetero = HeteroRow(self.t, self.d, r.sampler, self.draft_len, r.prompt.tolist() + [r.cur], r.max_new)
+            r.shape = _OwnVocabChain(r.hetero)
+
+    def draft(self, dec, rows, cur: torch.Tensor) -> list[Draft]:
+        out = []
+        for b, r in enumerate(rows):
+            cand = r.hetero.propose(r.max_new - len(r.out) - 1)
+            out.append(Draft(cur[b : b + 1], torch.tensor(cand, dtype=torch.long, device=cur.device)))
+        return out
+
+    def commit(self, rows, drafts: list[Draft], accepted: list, kept: list[list[int]], captured: dict) -> None:
+        pass  # a row's draft side reads what it committed at its next step (``HeteroRow.commit`` in ``step``)
+
+    def step(self, dec, rows, cur: torch.Tensor, speculate: bool = True):
+        out = super().step(dec, rows, cur, speculate)
+        for r, acc, nxt in zip(rows, out[0], out[1]):
+            r.stats.ngram_candidates += r.hetero.cached if speculate else 0
+            r.hetero.commit(len(acc), nxt)
+        return out
+
+
+class _OwnVocabChain:
+    """A row's shape for ``RowShapes.step``: its ``HeteroRow``'s acceptance rule on its chain."""
+
+    def __init__(self, row: HeteroRow):
+        self.row = row
+
+    def accept(self, draft: Draft, logits: torch.Tensor, captured: dict):
+        n, nxt = self.row.accept(draft.tokens, logits)
+        return draft.tokens[:n], list(range(n + 1)), nxt, 0

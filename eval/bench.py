@@ -37,7 +37,7 @@ from draftsmith.models.loading import (
     to_hf_model,
 )
 from draftsmith.models.medusa import merge_adapter
-from draftsmith.models.own_vocab import own_vocab_drafter
+from draftsmith.models.own_vocab import for_decoding
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
@@ -129,14 +129,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
         recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision, fallback=True
     )
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
-    if info.get("draft_tokenizer"):  # its own vocabulary: decoded by eval/hetero.py, chains at batch 1
-        bad = ec.strategy != "chain" or ec.stop is not None or ec.judge is not None or ec.batch_sizes
-        if bad:
-            raise DraftsmithError(
-                f"{ckpt}: a drafter with its own tokenizer decodes chains at batch 1 only: set eval.strategy=chain "
-                f"and leave eval.stop, eval.judge and eval.batch_sizes unset"
-            )
-        drafter = own_vocab_drafter(ckpt, drafter, info, tgt.tokenizer)
+    drafter = for_decoding(ckpt, drafter, info, tgt.tokenizer, ec)  # its own vocabulary: eval/hetero.py
     stop_drafting, stop_info = None, None
     if info.get("kind") == "acceptance_head" or ec.stop is not None:
         drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
@@ -196,11 +189,17 @@ def optimize_models(setup: EvalSetup, ec) -> None:
     # Room for the longest prompt, the answer and the widest draft block or tree (EAGLE-2 trees stay < 512).
     max_len = max((len(ids) for _, ids in setup.encoded), default=0) + ec.max_new_tokens + 512
     setup.tgt.model = fast_model(setup.tgt.model, ec, setup.device, max_len)
-    if getattr(setup.drafter, "own_vocab", False):  # eval/hetero.py runs the draft LM eagerly
-        if ec.optimize and hasattr(setup.drafter.lm, "optimize_for_inference"):
-            setup.drafter.lm.optimize_for_inference()
-    else:
-        setup.drafter = fast_model(setup.drafter, ec, setup.device, max_len)
+    setup.drafter = fast_drafter(setup.drafter, ec, setup.device, max_len)
+
+
+def fast_drafter(drafter, ec, device: str, max_len: int):
+    """``fast_model`` for a drafter; one with its own tokenizer (eval/hetero.py) runs its draft LM eagerly, each
+    decode or batch row on its own cache: fused matmuls only."""
+    if not getattr(drafter, "own_vocab", False):
+        return fast_model(drafter, ec, device, max_len)
+    if ec.optimize and hasattr(drafter.lm, "optimize_for_inference"):
+        drafter.lm.optimize_for_inference()
+    return drafter
 
 
 def evaluate(recipe) -> dict:
@@ -312,8 +311,11 @@ def evaluate(recipe) -> dict:
     )
     report["machine"] = meter.machine()
     if getattr(drafter, "own_vocab", False):  # the draft's vocabulary and how its drafts reach the target's
-        method = "slem" if ec.temperature <= 0 else "tli"
+        method = drafter.method if drafter.method != "auto" else "slem" if ec.temperature <= 0 else "tli"
         report["drafter"]["tokenizer"] = {"vocab_size": len(drafter.tokenizer), "method": method}
+        if drafter.ngram:  # how many of the drafted candidates the n-gram cache wrote
+            ngram = {"ngram_cache": True, "ngram_candidates": total.ngram_candidates, "drafted": total.drafted}
+            report["drafter"]["tokenizer"] |= ngram
     if ec.batch_sizes:
         report["batches"] = batches
     if setup.stop_info is not None:

@@ -29,6 +29,7 @@ class DecodeStats:
     accepted: int = 0  # draft tokens accepted (as verified: a step's drafts after an EOS still count)
     accept_counts: list[int] = field(default_factory=list)  # [k] = verify steps that accepted exactly k drafts
     judge_accepted: int = 0  # accepted drafts the target itself would not have chosen (lossy judge mode only)
+    ngram_candidates: int = 0  # drafted tokens an own-vocabulary drafter's n-gram cache wrote (eval/hetero.py)
     draft_time_s: float = 0.0  # wall time in drafter calls
     verify_time_s: float = 0.0  # wall time in target verify calls and acceptance
     accepted_per_step: list[int] = field(default_factory=list)  # in order: where the target overruled the draft
@@ -71,6 +72,7 @@ class DecodeStats:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.judge_accepted += other.judge_accepted
+        self.ngram_candidates += other.ngram_candidates
         self.draft_time_s += other.draft_time_s
         self.verify_time_s += other.verify_time_s
         n = max(len(self.accept_counts), len(other.accept_counts))

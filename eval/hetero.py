@@ -1,6 +1,7 @@
-"""Speculative decoding with a draft LM whose tokenizer differs from the target's, batch 1, lossless
-(docs/decoding.md "Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv
-2507.02659).
+"""Speculative decoding with a draft LM whose tokenizer differs from the target's, lossless (docs/decoding.md
+"Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv 2507.02659): one
+decode's draft side and acceptance rule (``HeteroRow``), run at batch 1 by ``hetero_generate`` and per row by the
+batched decoder (eval/batch_shapes.py ``OwnVocabRows``).
 
 The draft reads and writes its own token ids; the target verifies target ids. Text is the common ground:
 
@@ -243,6 +244,99 @@ class OwnVocabDrafter(torch.nn.Module):
         return sum(p.numel() for p in self.lm.parameters())
 
 
+def resolve_method(method: str, sampler: Sampler, draft_len: int) -> tuple[str, int]:
+    """An ``OwnVocabDrafter``'s method for a decode with ``sampler`` -> (slem or tli, the most candidates a step
+    verifies: 2·draft_len for slem, draft_len for tli)."""
+    m = method if method != "auto" else ("slem" if sampler.greedy else "tli")
+    if m not in ("slem", "tli"):
+        raise ValueError(f"own-vocabulary drafting method must be slem, tli or auto, got {method!r}")
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be >= 1 for an own-vocabulary drafter, got {draft_len}")
+    return m, 2 * draft_len if m == "slem" else draft_len
+
+
+class HeteroRow:
+    """One decode's draft side and acceptance rule with an ``OwnVocabDrafter``: the committed target ids (``seq``,
+    the last one not yet in the target's cache), their draft ids (``DraftContext``), the draft's KV cache
+    (``_Draft``) and its ``NgramCache``. A step is ``propose`` (candidate target ids), the target's verify of them,
+    ``accept`` on its logits and ``commit``. ``hetero_generate`` runs one; the batched decoder one per row, all
+    rows verified in one target forward (eval/batch_shapes.py ``OwnVocabRows``)."""
+
+    def __init__(self, target, drafter: OwnVocabDrafter, sampler: Sampler, draft_len: int, seq: list[int],
+                 max_new_tokens: int, ngram: NgramCache | None = None):  # fmt: skip
+        self.method, self.depth = resolve_method(drafter.method, sampler, draft_len)
+        self.sampler, self.draft_len, self.seq = sampler, draft_len, seq
+        self.vocabs = drafter.vocabs(target)
+        self.ngram = NgramCache() if ngram is None and drafter.ngram else ngram
+        self.ctx = DraftContext(self.vocabs)
+        self.context: list[int] | None = self.ctx(seq)
+        self.draft = _Draft(drafter.lm, len(self.context) + 4 * max_new_tokens + draft_len + 8)
+        self.device = next(target.parameters()).device
+        self.d2t, self.shared = self.vocabs.d2t.to(self.device), self.vocabs.shared.to(self.device)
+        self.V = target.cfg.vocab_size
+        self.drafts: list[int] = []  # this step's draft ids
+        self.q: list[torch.Tensor] = []  # tli: the distributions (over target ids) they were drawn from
+        self.cand: list[int] = []  # this step's candidate target ids
+        self.cached = 0  # how many of them the n-gram cache translated
+
+    def propose(self, budget: int) -> list[int]:
+        """The draft writes up to draft_len of its tokens after the committed text -> up to min(depth, budget)
+        candidate target ids: slem re-tokenizes their text (or the n-gram cache translates them), tli maps them."""
+        sampler, gen, budget = self.sampler, self.sampler.generator, min(self.depth, budget)
+        d2t, shared = self.d2t, self.shared
+        if self.context is None:
+            self.context = self.ctx(self.seq)
+        dl = self.draft.logits_after(self.context)
+        drafts, q = [], []
+        for i in range(min(self.draft_len, budget)):
+            if self.method == "tli":  # the draft's distribution on the shared tokens, renormalised
+                probs = sampler.probs(dl).masked_fill(~shared[: dl.shape[-1]], 0)
+                if not float(probs.sum()) > 0:
+                    break
+                probs = probs / probs.sum()
+                tok = int(probs.argmax()) if sampler.greedy else int(torch.multinomial(probs, 1, generator=gen))
+                zero = torch.zeros(self.V, device=self.device, dtype=probs.dtype)
+                q.append(zero.index_add_(0, d2t[shared], probs[shared]))
+            else:
+                tok = int(dl.argmax())
+            drafts.append(tok)
+            if i + 1 < min(self.draft_len, budget):
+                dl = self.draft.feed([tok])
+        self.cached = 0
+        if self.method == "tli":
+            cand = d2t[torch.tensor(drafts, dtype=torch.long, device=self.device)].tolist() if drafts else []
+        else:
+            cand = self.ngram.translate(drafts) if self.ngram is not None and drafts else None
+            if cand is not None:
+                self.cached = len(cand[:budget])
+            elif drafts:
+                cand = self.vocabs.to_target(self.seq[-1], self.vocabs.draft_text(self.context, drafts))
+            else:
+                cand = []
+            cand = cand[:budget]
+        self.drafts, self.q, self.cand = drafts, q, cand
+        return cand
+
+    def accept(self, cand: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+        """The verify's logits (len(cand)+1, V) -> (n accepted, next token): the greedy prefix, or rejection
+        sampling with the point proposal (slem) or the intersection distribution q (tli)."""
+        s = self.sampler
+        if s.greedy:
+            return greedy_accept(cand, logits, s.impl)
+        if self.method == "tli":
+            qs = torch.stack(self.q) if self.q else logits.new_empty(0, self.V)
+        else:  # a point proposal at each candidate (lossless for any proposal: see the module docstring)
+            qs = torch.zeros(len(cand), self.V, device=self.device).scatter_(1, cand.view(-1, 1), 1.0)
+        return rejection_accept(cand, qs, s.probs(logits), s.generator, s.impl)
+
+    def commit(self, n: int, nxt: int) -> None:
+        """The target kept the first n candidates and wrote nxt after them."""
+        if self.ngram is not None and self.method == "slem" and n:
+            self.ngram.learn(self.vocabs, self.drafts, self.cand[:n])
+        self.seq += self.cand[:n] + [nxt]
+        self.context, self.cand, self.drafts, self.q = None, [], [], []  # re-tokenized when the next step needs it
+
+
 @torch.no_grad()
 def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
                     draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
@@ -251,19 +345,11 @@ def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, 
     """Speculative decoding with an ``OwnVocabDrafter``: prompt_ids (T,) target ids -> (new target ids, truncated
     after the first EOS and to max_new_tokens; stats), as ``speculative_generate``. Each step the draft writes
     ``draft_len`` of its tokens; a slem step verifies up to 2·draft_len target tokens of their text, a tli step
-    exactly the drafts. Counters: drafted/accepted are target tokens."""
+    exactly the drafts. Counters: drafted/accepted are target tokens; ngram_candidates those the cache wrote."""
     from draftsmith.eval.decoder import DecodeStats, _sync, emit, prepare_prompt, target_pass
 
     sampler = Sampler(temperature, top_k, top_p, generator)
-    method = drafter.method if drafter.method != "auto" else ("slem" if sampler.greedy else "tli")
-    if method not in ("slem", "tli"):
-        raise ValueError(f"own-vocabulary drafting method must be slem, tli or auto, got {drafter.method!r}")
-    if draft_len < 1:
-        raise ValueError(f"draft_len must be >= 1 for an own-vocabulary drafter, got {draft_len}")
-    vocabs = drafter.vocabs(target)
-    if ngram is None and drafter.ngram:
-        ngram = NgramCache()
-    depth = 2 * draft_len if method == "slem" else draft_len
+    _, depth = resolve_method(drafter.method, sampler, draft_len)
     stats = DecodeStats(accept_counts=[0] * (depth + 1))
     if max_new_tokens <= 0:
         return [], stats
@@ -272,61 +358,24 @@ def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, 
     tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + depth + 2)
     logits, _ = target_pass(target, prompt, tcache, last_only=True)
     cur, _ = sampler.pick(logits)
-    seq = prompt[0].tolist() + [int(cur)]  # every committed target id; the last (cur) is not in the target cache
-    draft_context = DraftContext(vocabs)
-    context = draft_context(seq)
-    draft = _Draft(drafter.lm, len(context) + 4 * max_new_tokens + draft_len + 8)
-    d2t, shared = vocabs.d2t.to(device), vocabs.shared.to(device)
-    V = target.cfg.vocab_size
+    row = HeteroRow(target, drafter, sampler, draft_len, prompt[0].tolist() + [int(cur)], max_new_tokens, ngram)
     out: list[int] = []
     done = emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
     while not done:
-        budget = min(depth, max_new_tokens - len(out) - 1)
         t0 = time.perf_counter()
-        dl = draft.logits_after(context)
-        drafts, q = [], []
-        for i in range(min(draft_len, budget)):
-            if method == "tli":  # the draft's distribution on the shared tokens, renormalised
-                probs = sampler.probs(dl).masked_fill(~shared[: dl.shape[-1]], 0)
-                if not float(probs.sum()) > 0:
-                    break
-                probs = probs / probs.sum()
-                tok = int(probs.argmax()) if sampler.greedy else int(torch.multinomial(probs, 1, generator=generator))
-                q.append(torch.zeros(V, device=device, dtype=probs.dtype).index_add_(0, d2t[shared], probs[shared]))
-            else:
-                tok = int(dl.argmax())
-            drafts.append(tok)
-            if i + 1 < min(draft_len, budget):
-                dl = draft.feed([tok])
-        if method == "tli":
-            cand = d2t[torch.tensor(drafts, dtype=torch.long, device=device)].tolist() if drafts else []
-        else:
-            cand = ngram.translate(drafts) if ngram is not None and drafts else None
-            if cand is None:
-                cand = vocabs.to_target(seq[-1], vocabs.draft_text(context, drafts)) if drafts else []
-            cand = cand[:budget]
+        cand = row.propose(max_new_tokens - len(out) - 1)
         _sync(device)
         t1 = time.perf_counter()
         t_len = tcache.length
         cand_t = torch.tensor(cand, dtype=torch.long, device=device)
         logits, _ = target_pass(target, torch.cat([cur, cand_t]).view(1, -1), tcache)
-        if sampler.greedy:
-            n, nxt = greedy_accept(cand_t, logits[0], sampler.impl)
-        else:
-            if method == "tli":
-                qs = torch.stack(q) if q else logits.new_empty(0, V)
-            else:  # a point proposal at each candidate (lossless for any proposal: see the module docstring)
-                qs = torch.zeros(len(cand), V, device=device).scatter_(1, cand_t.view(-1, 1), 1.0)
-            n, nxt = rejection_accept(cand_t, qs, sampler.probs(logits[0]), generator, sampler.impl)
+        n, nxt = row.accept(cand_t, logits[0])
         t2 = time.perf_counter()
         tcache.length = t_len + n + 1  # cur and the accepted candidates
-        if ngram is not None and method == "slem" and n:
-            ngram.learn(vocabs, drafts, cand[:n])
+        row.commit(n, nxt)
         cur = cur.new_tensor([nxt])
-        seq += cand[:n] + [nxt]
         done = emit(out, cand[:n] + [nxt], eos_ids, max_new_tokens, on_token)
         stats.step(len(cand), n, t1 - t0, t2 - t1)
-        if not done:
-            context = draft_context(seq)
+        stats.ngram_candidates += row.cached
     stats.new_tokens = len(out)
     return out, stats

@@ -404,6 +404,20 @@ class StopConfig(Strict):
         return self
 
 
+class OwnVocabConfig(Strict):
+    """How a drafter with its own tokenizer (drafter.tokenizer) reaches the target's vocabulary (eval/hetero.py):
+    eval, eval.batch_sizes, serve and the online learner's held-out decodes."""
+
+    method: Literal["auto", "slem", "tli"] = "auto"
+    """slem: string-level exact match, the drafts' text re-tokenized by the target's tokenizer and verified (point
+    proposals when sampling); tli: token-level intersection, the draft's distribution on the tokens both
+    vocabularies share, moved to target ids; auto: slem when greedy, tli when sampling."""
+    ngram_cache: bool = False
+    """OmniDraft-style n-gram cache (slem steps): draft-token n-grams whose text the target accepted, translated to
+    target ids without the tokenizer next time; each decode (prompt, batch row, request) learns its own. The eval
+    report counts the candidates it wrote (drafter.tokenizer.ngram_candidates)."""
+
+
 class EvalConfig(Strict):
     enabled: bool = True
     """Whether `draftsmith run` runs this stage (`draftsmith eval` always does)."""
@@ -438,12 +452,15 @@ class EvalConfig(Strict):
     stop: StopConfig | None = None
     """Adaptive draft length (chain only); None = always draft_len tokens. An acceptance-head checkpoint turns on
     the SpecDec++ rule with its defaults."""
+    own_vocab: OwnVocabConfig | None = None
+    """For a drafter with its own tokenizer only (refused for one in the target's vocabulary): the verification
+    method and the n-gram cache; None = method auto, no cache."""
     batch_sizes: list[int] | None = None
     """Also decode the prompts with B rows in flight for each B listed (e.g. [1, 4, 16]; a finished row is
     replaced by the next prompt), own plain decoding and speculative with the same batched decoder: the report
     gets tau, tokens/s, speedup and lossless match per B, the crossover B where speculation stops paying, and
-    speedup_vs_batch.png. Every strategy (chains draft as a batch; trees and the judge's chains draft row by row
-    and verify as one batch); None = batch 1 only."""
+    speedup_vs_batch.png. Every strategy (chains draft as a batch; trees, the judge's chains and drafters with
+    their own tokenizer draft row by row and verify as one batch); None = batch 1 only."""
 
     @field_validator("batch_sizes")
     @classmethod

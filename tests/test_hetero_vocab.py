@@ -220,16 +220,6 @@ def test_refuses_trees_and_hooks(toks):
         speculative_generate(target, drafter, torch.tensor([5, 6]), 4, tree=TreeSpec(parents=(-1, 0), ranks=(0, 0)))
 
 
-def test_batched_decoder_refuses(toks):
-    from draftsmith.errors import DraftsmithError
-    from draftsmith.eval.batch import BatchDecoder
-
-    t, ds = toks
-    drafter = OwnVocabDrafter(tiny_model(1, cfg(len(ds[260]))), ds[260], t)
-    with pytest.raises(DraftsmithError, match="own tokenizer decodes at batch 1 only"):
-        BatchDecoder(tiny_model(0, cfg(len(t))), drafter, draft_len=3)
-
-
 # ---- the offline setting: a BPE learned on the run's records, a draft LM trained on the re-tokenized answers -------
 
 
@@ -254,7 +244,7 @@ def test_own_vocab_needs_ce_and_no_target_embeddings(train_run, capsys):
     assert "set drafter.init_from_target to false" in capsys.readouterr().err
 
 
-def test_own_vocab_trains_evals_losslessly_and_serve_refuses(train_run, tiny_model_dir, prompts_file, capsys):
+def test_own_vocab_trains_evals_losslessly_and_export_refuses(train_run, tiny_model_dir, prompts_file, capsys):
     import json
 
     from draftsmith.cli import main
@@ -270,11 +260,6 @@ def test_own_vocab_trains_evals_losslessly_and_serve_refuses(train_run, tiny_mod
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["lossless_match"] == 1.0 and report["drafter"]["tokenizer"] == {"vocab_size": 280, "method": "slem"}
     assert report["tau"] >= 1.0 and "vs_ar" in report["speedup"]
-    assert main(["eval", "tiny", *common, "eval.batch_sizes=[1,2]"]) == 2
-    capsys.readouterr()
-    assert main(["serve", "tiny", *common]) == 2
-    err = capsys.readouterr().err
-    assert "own tokenizer" in err and "serve decodes drafters in the target's vocabulary only" in err
     assert main(["export", str(ckpt), "--out", str(run / "exported"), "-q"]) == 2
     assert "export takes drafters in the target's vocabulary only" in capsys.readouterr().err
 

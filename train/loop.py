@@ -118,7 +118,9 @@ def _quick_eval_setup(recipe, tgt, acc):
 
             t = target if getattr(drafter, "base", None) is None else drafter.base
             if getattr(drafter, "draft_tokenizer", None) is not None:  # its own vocabulary: eval/hetero.py
-                drafter = OwnVocabDrafter(drafter, drafter.draft_tokenizer, tgt.tokenizer)
+                ov = ec.own_vocab
+                opts = (ov.method, ov.ngram_cache) if ov is not None else ("auto", False)
+                drafter = OwnVocabDrafter(drafter, drafter.draft_tokenizer, tgt.tokenizer, *opts)
             tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
             stop = None
             if ec.stop is not None:

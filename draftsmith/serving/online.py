@@ -29,7 +29,8 @@ from draftsmith.data.engine import Capture, score_batch
 from draftsmith.data.records import FORMAT, Record, shard_name, write_json_atomic, write_manifest, write_shard
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import speculative_generate
-from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
+from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids, tokenizer_hash
+from draftsmith.models.own_vocab import for_decoding
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.serving.traffic import TrafficBuffer
@@ -150,6 +151,9 @@ class Learner:
             tensorboard=False,
             log_every=max(1, min(d["train"]["log_every"], self.oc.steps_per_update)),
         )
+        own = read_json(current / "drafter.json").get("draft_tokenizer")
+        if own:  # its own vocabulary: the candidate keeps the current version's tokenizer (never a new BPE)
+            d["drafter"]["tokenizer"] = str(current / own)
         candidate = train(validate(d, f"{self.recipe.name} (online round {n})"))
         tau_cur, tau_new = self.held_out_tau(current, hold), self.held_out_tau(candidate, hold)
         swapped = tau_new > tau_cur
@@ -222,7 +226,8 @@ class Learner:
 
     def held_out_tau(self, ckpt: Path, hold: list[dict]) -> float:
         """Measured τ of the drafter at ``ckpt`` on the held-out requests (greedy, the eval's draft length)."""
-        drafter, _ = load_drafter(ckpt)
+        drafter, info = load_drafter(ckpt)
+        drafter = for_decoding(ckpt, drafter, info, self.tgt.tokenizer, self.recipe.eval)
         tokens = forwards = 0
         for r in hold:
             _, st = speculative_generate(

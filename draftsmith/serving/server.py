@@ -49,9 +49,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.batch import BatchDecoder
-from draftsmith.eval.bench import build_tree, fast_model, stop_rule
+from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
-from draftsmith.models.own_vocab import refuse_own_vocab
+from draftsmith.models.own_vocab import for_decoding, own_vocab_options
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.serving.online import Learner, Versions, online_dir
@@ -189,8 +189,8 @@ class Engine:
         if not (self.root / "current.json").is_file() and (ckpt / "drafter.json").is_file():
             # before it becomes version v0000: a drafter for another target is refused, and no state is written
             info = read_json(ckpt / "drafter.json")
-            refuse_own_vocab(ckpt, info, "serve")
-            check_fits_target(ckpt, info, self.tgt)
+            if own_vocab_options(ckpt, info, self.ec) is None:  # (one with its own tokenizer: any target)
+                check_fits_target(ckpt, info, self.tgt)
         self.versions = Versions(self.root, ckpt)
         self.buffer = TrafficBuffer(self.root / "traffic", self.oc.buffer_max_records)
         self.max_len = min(4096, self.tgt.model.cfg.max_seq_len)  # prompt + answer
@@ -230,19 +230,21 @@ class Engine:
         version, path = self.versions.current()
         if version == self.version:
             return False
-        refuse_own_vocab(path, read_json(path / "drafter.json"), "serve")
         drafter, info = load_drafter(path, dtype=self.dtype, device=self.device)
+        drafter = for_decoding(path, drafter, info, self.tok, self.ec)  # its own tokenizer: eval.own_vocab
         stop = None
         if info.get("kind") == "acceptance_head" or self.ec.stop is not None:  # eval.stop, as eval decodes
             drafter, info, stop, _ = stop_rule(self.ec, drafter, info, path, self.dtype, self.device)
-        check_fits_target(path, info, self.tgt)  # as eval does: refused at start, not with a 500 per request
+        if not info.get("draft_tokenizer"):  # as eval does: refused at start, not with a 500 per request
+            check_fits_target(path, info, self.tgt)
         if getattr(drafter, "target_adapter", None) is not None:
             raise DraftsmithError(
                 f"{path}: a Medusa-2 drafter carries target adapters, which serve does not merge into the served "
                 f"target; serve Medusa-1 heads (drafter.lora_r=0) or evaluate it with draftsmith eval"
             )
         tree = build_tree(self.ec, getattr(drafter, "max_draft_len", None))  # eval.strategy: chain or a tree
-        self.drafter, self.tree, self.stop, self.version = self._fast(drafter), tree, stop, version
+        drafter = fast_drafter(drafter, self.ec, self.device, self.max_len + DRAFT_ROOM)
+        self.drafter, self.tree, self.stop, self.version = drafter, tree, stop, version
         log.info("serve: drafter %s loaded from %s", version, path)
         return True
 
