@@ -300,3 +300,16 @@ def test_other_architectures_generate_records(tmp_path, tiny_tokenizer, prompts_
                 _assert_same(out.hidden_states[layer + 1][0], r.signals["hidden_aux"][:, a], 2e-3, layer)
             n += 1
     assert n == 8
+
+
+def test_pipeline_on_the_transformers_path(tmp_path, llama4_dir, prompts_file):
+    """`draftsmith run` with target.backend=transformers: generate and eval run the target through transformers
+    (train uses the own model) and say so; eval's chain decoding stays lossless against HF generate."""
+    out = tmp_path / "run"
+    args = [f"target.model={llama4_dir}", f"data.prompts.path={prompts_file}", f"eval.prompts.path={prompts_file}"]
+    assert (
+        main(["run", "tiny", *args, f"out_dir={out}", "target.dtype=float64", "target.backend=transformers", "-q"]) == 0
+    )
+    assert read_manifest(out / "data")["target_path"] == "transformers"
+    report = json.loads((out / "eval" / "report.json").read_text())
+    assert report["target_path"] == "transformers" and report["lossless_match"] == 1.0
