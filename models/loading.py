@@ -52,7 +52,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
-            f"target architecture {arch!r} is not implemented by the own model ({', '.join(SUPPORTED_ARCHS)}); "
+            f"target architecture {arch!r} is not supported by the own model ({', '.join(SUPPORTED_ARCHS)}); "
             f"generate and eval run it through transformers (target.backend auto or transformers); train, serve "
             f"and judge mining need one of these"
         )
