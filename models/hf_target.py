@@ -12,7 +12,10 @@ The target path for architectures the own model does not implement, and for any 
 - ``logits_at`` / ``return_hidden`` / ``head_fn``: the LM head runs on the final-norm output where asked. ``lm_head``
   applies whatever the model's own forward does after its head (Gemma's final soft-capping, Cohere's and
   Granite's logit scales), checked against transformers' logits when the target loads.
-Refused in one line: tree attention masks (``attn_mask``) and ``head_fn`` on heads with such a transform.
+Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree attention masks
+(``attn_mask``), ``head_fn`` on heads with such a transform, and rows that join or leave a running batch: the data
+engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch decoder
+(eval/batch.py), which does, takes only the own model's slot cache.
 """
 
 from __future__ import annotations
