@@ -53,14 +53,15 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def data_hash(recipe, with_n: bool = False) -> str:
     """Everything that changes the records: the target, the seed and the data section (not `enabled`, not the
-    batch sizes, ``prompts.n`` or ``prompts.streaming``).
+    batch sizes, ``prompts.n`` or ``prompts.streaming``; not ``target.backend`` either: both paths compute the same
+    model, like two devices, and each shard names the path that wrote it).
 
     ``prompts.n`` stays out because the first n prompts are a prefix of the first n' > n (shuffling happens before
     the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
     shard, and each shard's metadata records the prompt span it covers. ``with_n``: the hash as written before
     spans were recorded, so such shards still resume."""
     d = {
-        "target": recipe.target.model_dump(exclude={"device"}),
+        "target": recipe.target.model_dump(exclude={"device", "backend"}),
         "seed": recipe.seed,
         "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"}),
     }
@@ -203,9 +204,8 @@ class Producer:
         dc = self.dc = recipe.data
         dtype = resolve_dtype(recipe.target.dtype, device)
         self.device, self.seed = device, recipe.seed
-        self.tgt = load_model(
-            recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision
-        )
+        t = recipe.target
+        self.tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
         self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.tok_hash = tokenizer_hash(self.tgt.tokenizer)
         self.sampling = Sampling(dc.temperature, dc.top_k, dc.top_p)
@@ -355,7 +355,12 @@ def generate(recipe) -> Path:
         save_recipe(recipe)
     barrier()
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
-    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": prod.tok_hash}
+    meta = {
+        "data_hash": dhash,
+        "target": recipe.target.model,
+        "target_path": prod.tgt.backend,  # own | transformers: which code computed the target's signals
+        "tokenizer_hash": prod.tok_hash,
+    }
     starts = range(0, len(prompts), dc.shard_size)
     mine = [si for si in range(len(starts)) if si % world == rank]
     runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
@@ -390,6 +395,7 @@ def generate(recipe) -> Path:
             {
                 "shard": si,
                 "rank": rank,
+                "target_path": prod.tgt.backend,
                 "sequences": entry["n_sequences"],
                 "new_tokens": new_tokens,
                 "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1),
@@ -414,6 +420,7 @@ def generate(recipe) -> Path:
         runlog.log(
             {
                 "done": True,
+                "target_path": prod.tgt.backend,
                 "n_sequences": manifest["n_sequences"],
                 "n_loss_tokens": manifest["n_loss_tokens"],
                 "seconds": round(dt, 1),
@@ -424,7 +431,8 @@ def generate(recipe) -> Path:
             f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
             f"{len(prompts)} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
             f"{c['skipped_no_response']} without a reply; "
-            f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token -> {out}"
+            f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token "
+            f"({prod.tgt.backend} target path) -> {out}"
         )
     barrier()
     return out

@@ -126,7 +126,12 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     dtype = resolve_dtype(recipe.target.dtype, device)
     ckpt = Path(ec.checkpoint) if ec.checkpoint else run / "checkpoints" / "final"
     tgt = load_model(
-        recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision, fallback=True
+        recipe.target.model,
+        dtype,
+        device,
+        recipe.target.trust_remote_code,
+        recipe.target.revision,
+        backend=recipe.target.backend,
     )
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     drafter = for_decoding(ckpt, drafter, info, tgt.tokenizer, ec)  # its own vocabulary: eval/hetero.py
@@ -469,6 +474,7 @@ def build_report(
     speedup = {f"vs_{k}": tps["spec"] / tps[k] for k in ("ar_hf", "ar", "hf_assisted") if k in tps and "spec" in tps}
     return {
         "target": recipe.target.model,
+        "target_path": tgt.backend,  # own (models/llama.py) or transformers (models/hf_target.py)
         "drafter": {"kind": info["kind"], "checkpoint": str(ckpt), "params": n_draft, "step": info.get("step")},
         "target_params": n_target,
         "prompts": {"source": ec.prompts.source, "n": n},

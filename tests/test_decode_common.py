@@ -447,10 +447,10 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
 
     from draftsmith.errors import DraftsmithError
     from draftsmith.eval.tree import DynamicTree
-    from draftsmith.models.hf_fallback import load_fallback
+    from draftsmith.models.hf_target import load_hf_target
 
     cfg = json.loads((gpt2_dir / "config.json").read_text())
-    tgt = load_fallback(gpt2_dir, cfg, torch.float64, "cpu", False)
+    tgt = load_hf_target(gpt2_dir, cfg, torch.float64, "cpu", False)
     assert tgt.cfg.vocab_size == TINY_CFG.vocab_size and tgt.cfg.n_layers == 2
     hf = AutoModelForCausalLM.from_pretrained(str(gpt2_dir), dtype=torch.float64).eval()
     prompt = torch.tensor(DECODE_PROMPTS[1])

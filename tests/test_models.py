@@ -267,8 +267,8 @@ def test_draft_lm_init_from_target_layers(tiny_model_dir, tmp_path):
 
 
 def test_unsupported_architecture_error_says_only_eval_falls_back_to_transformers():
-    """Only `draftsmith eval` decodes other architectures through transformers (AR and chains); generate and train
-    need a supported family. The one-line error must not promise more than that."""
+    """Only `draftsmith generate` and `eval` run other architectures through transformers (eval: AR and chains);
+    train needs a supported family. The one-line error must not promise more than that."""
     from draftsmith.errors import DraftsmithError
 
     with pytest.raises(DraftsmithError) as e:

@@ -1,0 +1,273 @@
+"""A transformers causal LM behind the own model's forward contract (models/llama.py ``Llama.forward``).
+
+The target path for architectures the own model does not implement, and for any target with
+``target.backend: transformers``. What it does, with the own model's meaning for every argument:
+- ``new_cache(batch, max_len)``: a transformers ``DynamicCache`` plus the own cache's ``length`` / ``valid``
+  bookkeeping. Rows share slots; ``valid`` (padding masks of left-padded rows) goes to transformers as the 2-D
+  attention mask and ``pos`` as ``position_ids``, so a left-padded batch decodes as its rows would alone. Lowering
+  ``cache.length`` (a rejected draft) crops the transformers cache before the next forward.
+- ``capture_layers``: index i is the input of decoder layer i (0: the embeddings as the layers see them, Gemma's
+  scaling included), n_layers the final state before the norm; read by hooks on the decoder layers, since
+  transformers' ``hidden_states[-1]`` is the state after the norm.
+- ``logits_at`` / ``return_hidden`` / ``head_fn``: the LM head runs on the final-norm output where asked. ``lm_head``
+  applies whatever the model's own forward does after its head (Gemma's final soft-capping, Cohere's and
+  Granite's logit scales), checked against transformers' logits when the target loads.
+Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree attention masks
+(``attn_mask``), ``head_fn`` on heads with such a transform, and rows that join or leave a running batch: the data
+engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch decoder
+(eval/batch.py), which does, takes only the own model's slot cache.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+import torch
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import LlamaConfig, default_pos
+
+
+class HFCache:
+    """A transformers DynamicCache with the own KVCache's ``length`` / ``max_len`` / ``valid`` contract.
+
+    Built without the model's config: every layer keeps all its keys (sliding-window layers too; the attention
+    mask applies the window), so rollback can crop any layer."""
+
+    def __init__(self, batch: int, max_len: int, device):
+        from transformers import DynamicCache
+
+        self.dc = DynamicCache()
+        self.valid = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
+        self.length = 0
+        self.max_len = max_len
+        self.padded = False  # set once any row wrote a padding slot: the attention mask is sent from then on
+
+
+class LogitHead:
+    """The LM head as the model's own forward applies it: linear, then an optional scale and soft-cap. A plain
+    object, not a submodule: the weights stay registered once, under ``hf``."""
+
+    def __init__(self, linear: nn.Module, scale: float = 1.0, softcap: float | None = None):
+        self.linear, self.scale, self.softcap = linear, scale, softcap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.linear.weight
+
+    @property
+    def plain(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(h)
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _head_transform(config) -> tuple[float, float | None]:
+    """(scale, soft-cap) applied after the LM head by the families that have one."""
+    scale = float(getattr(config, "logit_scale", None) or 1.0)  # Cohere multiplies
+    if getattr(config, "logits_scaling", None):  # Granite divides
+        scale /= float(config.logits_scaling)
+    return scale, getattr(config, "final_logit_softcapping", None)
+
+
+def _first_attr(module: nn.Module, names: tuple[str, ...]) -> list | None:
+    """The first of ``names`` that ``module`` has, wrapped in a list so nn.Module does not register it twice."""
+    return next(([getattr(module, n)] for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
+def _grab_input(store: dict, i: int, module, args, kwargs) -> None:
+    store[i] = args[0] if args else kwargs["hidden_states"]
+
+
+def _grab_output(store: dict, i: int, module, args, out) -> None:
+    store[i] = out[0] if isinstance(out, tuple) else out
+
+
+def _zero_padding(keep: torch.Tensor, module, args, out):
+    """A layer's output with padding positions set to 0. A left-padded row's padding queries see no valid key; some
+    attention kernels make such a row NaN (eager attention's float32 softmax turns a float64 mask's minimum into
+    -inf), and NaN values at masked keys would still reach the real tokens through 0 * NaN in the next layer."""
+    h = out[0] if isinstance(out, tuple) else out
+    h = h.masked_fill(~keep[..., None], 0)
+    return (h, *out[1:]) if isinstance(out, tuple) else h
+
+
+class HFTarget(nn.Module):
+    """A transformers causal LM behind the own model's API: batched data generation, teacher-forced scoring, AR
+    and chain decoding (see the module docstring)."""
+
+    def __init__(self, hf_model, cfg: LlamaConfig, check_head: bool = True):
+        super().__init__()
+        self.hf = hf_model
+        self.cfg = cfg  # sizes only (vocabulary, width, depth): what drafter builders, captures and reports read
+        self.model_type = hf_model.config.model_type
+        base = hf_model.base_model
+        self._layers = _first_attr(base, ("layers", "h", "blocks"))  # (plain attributes: registered under hf)
+        self._norm = _first_attr(base, ("norm", "ln_f", "final_layernorm"))
+        self.lm_head = LogitHead(hf_model.get_output_embeddings(), *_head_transform(hf_model.config))
+        params = inspect.signature(base.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # transformers >= 5.x renames it
+        self._cache_position = "cache_position" in params
+        if check_head:
+            self._check_head()
+
+    @property
+    def embed_tokens(self):
+        return self.hf.get_input_embeddings()
+
+    @property
+    def norm(self) -> nn.Module:
+        if self._norm is None:
+            raise DraftsmithError(f"a {self.model_type!r} target: no final norm found (hidden_last needs one)")
+        return self._norm[0]
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.cfg.vocab_size
+
+    def new_cache(self, batch: int, max_len: int) -> HFCache:
+        return HFCache(batch, max_len, self.embed_tokens.weight.device)
+
+    @torch.no_grad()
+    def _check_head(self) -> None:
+        """transformers' logits against ``lm_head`` on the final-norm output, on four tokens: a family whose
+        forward changes logits some other way would give wrong teacher signals, so it is refused here."""
+        ids = torch.arange(1, 5, device=self.embed_tokens.weight.device)[None] % self.cfg.vocab_size
+        want = self.hf(input_ids=ids).logits.float()
+        got = self.lm_head(self.hf.base_model(input_ids=ids).last_hidden_state).float()
+        if not torch.allclose(got, want, rtol=1e-2, atol=1e-2 * (1 + float(want.abs().max()))):
+            raise DraftsmithError(
+                f"a {self.model_type!r} target: its logits are not its LM head on its final hidden state "
+                f"(a transform draftsmith does not know); it cannot be a target here"
+            )
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor | None = None,
+        cache: HFCache | None = None,
+        valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
+        capture_layers: tuple[int, ...] = (),
+        logits_at: torch.Tensor | None = None,
+        return_hidden: bool = False,
+        head_fn=None,
+    ):
+        """The own model's forward (models/llama.py ``Llama.forward``); every argument means the same."""
+        if attn_mask is not None:
+            raise DraftsmithError(
+                f"tree attention (eval.strategy=tree/dynamic_tree) needs the own model; the {self.model_type!r} "
+                f"target runs through transformers (target.backend), which decodes chains"
+            )
+        if head_fn is not None and not self.lm_head.plain:
+            raise DraftsmithError(f"a {self.model_type!r} target's LM head soft-caps or scales: no chunked head loss")
+        B, T = ids.shape
+        kw: dict = {"input_ids": ids, "position_ids": default_pos(ids, cache) if pos is None else pos}
+        if cache is not None:
+            if cache.length + T > cache.max_len:
+                raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
+            extra = cache.dc.get_seq_length() - cache.length
+            if extra > 0:  # a rejected draft: roll back (a negative count drops that many, 4.x and 5.x)
+                cache.dc.crop(-extra)
+            s0 = cache.length
+            cache.valid[:, s0 : s0 + T] = True if valid is None else valid
+            cache.padded |= valid is not None
+            kw.update({self._cache_kw: cache.dc, "use_cache": True})
+            if cache.padded:
+                kw["attention_mask"] = cache.valid[:, : s0 + T].long()
+            if self._cache_position:
+                kw["cache_position"] = torch.arange(s0, s0 + T, device=ids.device)
+        else:
+            kw["use_cache"] = False
+            if valid is not None:
+                kw["attention_mask"] = valid.long()
+        captured: dict[int, torch.Tensor] = {}
+        hooks = self._hooks(captured, capture_layers)
+        if valid is not None and not bool(valid.all()):
+            hooks += [layer.register_forward_hook(partial(_zero_padding, valid)) for layer in self._layer_list()]
+        try:
+            h = self.hf.base_model(**kw).last_hidden_state  # after the final norm
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if cache is not None:
+            cache.length += T
+        h = h[logits_at] if logits_at is not None else h
+        if head_fn is not None:
+            return head_fn(h, self.lm_head.weight)
+        logits = h if return_hidden else self.lm_head(h)
+        return (logits, captured) if capture_layers else logits
+
+    def _layer_list(self) -> nn.ModuleList:
+        if self._layers is None:
+            raise DraftsmithError(f"a {self.model_type!r} target: no decoder layer list found (layer capture, padding)")
+        return self._layers[0]
+
+    def _hooks(self, store: dict, capture_layers: tuple[int, ...]) -> list:
+        n = self.cfg.n_layers
+        if not capture_layers:
+            return []
+        bad = [i for i in capture_layers if not 0 <= i <= n]
+        if bad:
+            raise ValueError(f"capture_layers {bad} outside 0..{n}")
+        layers = self._layer_list()
+        hooks = [
+            layers[i].register_forward_pre_hook(partial(_grab_input, store, i), with_kwargs=True)
+            for i in capture_layers
+            if i < n
+        ]
+        if n in capture_layers:
+            hooks.append(layers[n - 1].register_forward_hook(partial(_grab_output, store, n)))
+        return hooks
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.hf.parameters())
+        return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
+
+    def optimize_for_inference(self) -> HFTarget:
+        return self  # transformers' modules as they are
+
+
+def hf_sizes(cfg: dict) -> LlamaConfig:
+    """The sizes a drafter builder needs, from any HF config (names differ across families)."""
+
+    def get(*names, default=None):
+        for n in names:
+            if cfg.get(n) is not None:
+                return cfg[n]
+        if default is None:
+            raise DraftsmithError(f"config.json has none of {names}")
+        return default
+
+    dim = get("hidden_size", "n_embd", "d_model")
+    heads = get("num_attention_heads", "n_head")
+    return LlamaConfig(
+        vocab_size=get("vocab_size"),
+        dim=dim,
+        n_layers=get("num_hidden_layers", "n_layer"),
+        n_heads=heads,
+        n_kv_heads=get("num_key_value_heads", default=heads),
+        hidden_dim=get("intermediate_size", "n_inner", default=4 * dim),
+        head_dim=cfg.get("head_dim"),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+    )
+
+
+def load_hf_target(path, cfg: dict, dtype, device: str, trust_remote_code: bool) -> HFTarget:
+    from transformers import PreTrainedModel
+
+    from draftsmith.models.loading import hf_model_from_folder
+
+    kw = {}
+    if dtype == torch.float64 and hasattr(PreTrainedModel, "get_correct_experts_implementation"):
+        kw["experts_implementation"] = "eager"  # transformers' default MoE kernel (grouped_mm) has no float64
+    hf = hf_model_from_folder(path, "target.model", dtype=dtype, trust_remote_code=trust_remote_code, **kw)
+    return HFTarget(hf.to(device).eval(), hf_sizes(cfg))
