@@ -229,11 +229,33 @@ class HFTarget(nn.Module):
         return hooks
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
+        if hasattr(self, "_counts"):  # packed weights are not parameters (optimize_for_inference)
+            return self._counts[exclude_embeddings]
         n = sum(p.numel() for p in self.hf.parameters())
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
 
     def optimize_for_inference(self) -> HFTarget:
-        return self  # transformers' modules as they are
+        """Pre-pack every linear layer's weight for oneDNN on CPU (``FusedLinear`` of one layer: the own model's
+        fast path without its q/k/v fusion, which transformers' modules do not allow); the LM head keeps its
+        ``weight`` for ``head_fn`` readers. Inference only: the model stops training, and its parameter counts
+        are kept. Elsewhere (CUDA, other dtypes) the modules stay as they are."""
+        from draftsmith.models.llama import FusedLinear
+
+        self._counts = (self.num_params(), self.num_params(exclude_embeddings=True))
+        head = self.lm_head.linear
+        for parent in list(self.hf.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                packed = FusedLinear(child)
+                if packed.packed is None:  # not packable here: keep it
+                    continue
+                if child is head:
+                    packed.weight = child.weight  # tied or not, readers of lm_head.weight see the same tensor
+                    self.lm_head.linear = packed
+                setattr(parent, name, packed)
+        self.requires_grad_(False)
+        return self
 
 
 def hf_sizes(cfg: dict) -> LlamaConfig:

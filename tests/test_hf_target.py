@@ -313,3 +313,36 @@ def test_pipeline_on_the_transformers_path(tmp_path, llama4_dir, prompts_file):
     assert read_manifest(out / "data")["target_path"] == "transformers"
     report = json.loads((out / "eval" / "report.json").read_text())
     assert report["target_path"] == "transformers" and report["lossless_match"] == 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_transformers_target_gives_the_same_logits_and_records(tmp_path, llama4_dir, tiny_tokenizer, family):
+    """optimize_for_inference on the transformers path (data.optimize) pre-packs every linear layer for oneDNN:
+    float32 logits and captured states match the unpacked model to rounding, greedy answers and parameter counts
+    are unchanged, and the LM head still exposes its weight."""
+    from draftsmith.models.llama import FusedLinear
+
+    path = llama4_dir if family == "llama" else _save_arch(tmp_path / family, tiny_tokenizer, family)
+    plain = load_model(str(path), torch.float32, backend="transformers").model
+    fast = load_model(str(path), torch.float32, backend="transformers").model
+    counts = (fast.num_params(), fast.num_params(exclude_embeddings=True))
+    fast.optimize_for_inference()
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build: nothing is packed")
+    assert sum(isinstance(m, FusedLinear) for m in fast.hf.modules()) > 4 * 4  # every projection of every layer
+    assert (fast.num_params(), fast.num_params(exclude_embeddings=True)) == counts
+    assert fast.lm_head.weight is not None and fast.lm_head.weight.shape == plain.lm_head.weight.shape
+    ids = torch.randint(3, 100, (2, 12))
+    with torch.no_grad():
+        a, ca = plain(ids, capture_layers=(1, 4))
+        b, cb = fast(ids, capture_layers=(1, 4))
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    for k in (1, 4):
+        torch.testing.assert_close(cb[k], ca[k], atol=1e-4, rtol=1e-4)
+    tok = tiny_tokenizer
+    eos = stop_ids(path, tok)
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    sampling = Sampling(temperature=0.0)
+    gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
+    outs = [decode_batch(m, prompts, 12, eos, sampling, gens, Capture(topk=4)) for m in (plain, fast)]
+    assert [r.tokens for r in outs[0]] == [r.tokens for r in outs[1]]

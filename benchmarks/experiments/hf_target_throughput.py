@@ -3,8 +3,8 @@
 Both load the same weights through ``load_model`` (``backend="own"`` and ``backend="transformers"``, the recipe's
 ``target.backend``) and answer the same --n ShareGPT first turns with the data stage's generator
 (draftsmith.data.engine.decode_batch: left-padded batches of --batch, greedy, top-k log-probs captured at every
-token, and with --hidden the final-norm and EAGLE-3 hidden states too). The own model runs fused as
-``data.optimize`` has it unless --no-optimize. After one short untimed prompt each, both run --repeats times,
+token, and with --hidden the final-norm and EAGLE-3 hidden states too). Both run as ``data.optimize`` has them
+(the own model fused and pre-packed, the transformers model pre-packed) unless --no-optimize. After one short untimed prompt each, both run --repeats times,
 round-robin (eval/timing.py).
 
 Reading the output: response tokens/s for each path (tokens written / median seconds), "ratio" the own model's
@@ -38,14 +38,17 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probs captured per token")
     ap.add_argument("--hidden", action="store_true", help="also capture hidden_last and the EAGLE-3 layers")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    ap.add_argument("--no-optimize", action="store_true", help="own model unfused (data.optimize=false)")
+    ap.add_argument(
+        "--no-optimize", action="store_true", help="both paths unpacked / unfused (data.optimize=false)"
+    )
     ap.add_argument("--repeats", type=int, default=3, help="round-robin rounds of both paths (median)")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
     own = load_model(a.target, dtype, backend="own")
     hft = load_model(a.target, dtype, backend="transformers")
-    if not a.no_optimize:
+    if not a.no_optimize:  # as the data stage does (data.optimize): fused + packed own, packed transformers
         own.model.optimize_for_inference()
+        hft.model.optimize_for_inference()
     eos = stop_ids(own.path, own.tokenizer)
     n_layers = own.model.cfg.n_layers
     cap = Capture(a.topk, a.hidden, default_aux_layers(n_layers) if a.hidden else ())
