@@ -4,8 +4,8 @@ Both load the same weights through ``load_model`` (``backend="own"`` and ``backe
 ``target.backend``) and answer the same --n ShareGPT first turns with the data stage's generator
 (draftsmith.data.engine.decode_batch: left-padded batches of --batch, greedy, top-k log-probs captured at every
 token, and with --hidden the final-norm and EAGLE-3 hidden states too). Both run as ``data.optimize`` has them
-(the own model fused and pre-packed, the transformers model pre-packed) unless --no-optimize. After one short untimed prompt each, both run --repeats times,
-round-robin (eval/timing.py).
+(the own model fused and pre-packed, the transformers model pre-packed) unless --no-optimize. After one short
+untimed prompt each, both run --repeats times, round-robin (eval/timing.py).
 
 Reading the output: response tokens/s for each path (tokens written / median seconds), "ratio" the own model's
 throughput over the transformers path's from the paired rounds (> 1: the own model is faster), and how many rows
@@ -38,9 +38,7 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probs captured per token")
     ap.add_argument("--hidden", action="store_true", help="also capture hidden_last and the EAGLE-3 layers")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    ap.add_argument(
-        "--no-optimize", action="store_true", help="both paths unpacked / unfused (data.optimize=false)"
-    )
+    ap.add_argument("--no-optimize", action="store_true", help="both paths unpacked / unfused (data.optimize=false)")
     ap.add_argument("--repeats", type=int, default=3, help="round-robin rounds of both paths (median)")
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
