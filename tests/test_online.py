@@ -417,3 +417,37 @@ def test_server_refuses_what_it_cannot_serve_in_one_line(tiny, tmp_path):
     assert "\n" not in str(e.value)
     with pytest.raises(DraftsmithError, match="eval.judge: serve decodes losslessly"):
         Engine(_recipe(tiny, tmp_path / "j", "eval.judge={head: some/judge}", "online.learn=false"))
+
+
+def test_a_learner_round_retrains_hydra_heads_on_traffic_without_hidden_states(tiny, tmp_path):
+    """The quickstart's kind online: traffic records carry no hidden states, so the learner's round computes the
+    target's in the loop and retrains Hydra++ heads; the round completes, measures both versions' tau on held-out
+    traffic with the recipe's tree, and publishes only a better candidate."""
+    from draftsmith.models.registry import build_drafter
+
+    tgt = tiny["tgt"]
+    torch.manual_seed(0)
+    hydra = build_drafter("hydra", {"n_heads": 2, "n_layers": 1, "prefix_attention": True}, tgt.model)
+    ckpt = save_drafter(
+        tmp_path / "hydra", hydra, "hydra", {"target": str(tiny["model_dir"]), "recipe": "tiny", "step": 0}
+    )
+    r = _recipe(
+        tiny,
+        tmp_path,
+        f"eval.checkpoint={ckpt}",
+        "drafter={kind: hydra, n_heads: 2, n_layers: 1, prefix_attention: true}",
+        "eval.strategy=tree",
+        "eval.tree.choices=[[0],[0,0],[1]]",
+        "online.steps_per_update=20",
+    )
+    buf = TrafficBuffer(tmp_path / "online" / "traffic")
+    versions = Versions(tmp_path / "online", ckpt)
+    learner = Learner(r, buf, versions, tgt=tgt)
+    for t in tiny["traffic"]:
+        buf.append(t)
+    out = learner.round()
+    assert out["records"] == 21 and out["held_out"] == 3
+    assert out["tau_candidate"] >= 1.0 and out["tau_current"] >= 1.0
+    assert out["swapped"] == (out["tau_candidate"] > out["tau_current"])
+    assert versions.current()[0] == ("v0001" if out["swapped"] else "v0000")
+    assert json.loads((versions.current()[1] / "drafter.json").read_text())["kind"] == "hydra"
