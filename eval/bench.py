@@ -319,7 +319,9 @@ def evaluate(recipe) -> dict:
         method = drafter.method if drafter.method != "auto" else "slem" if ec.temperature <= 0 else "tli"
         report["drafter"]["tokenizer"] = {"vocab_size": len(drafter.tokenizer), "method": method}
         if drafter.ngram:  # how many of the drafted candidates the n-gram cache wrote
-            ngram = {"ngram_cache": True, "ngram_candidates": total.ngram_candidates, "drafted": total.drafted}
+            scope = "drafter" if drafter.shared is not None else "decode"
+            ngram = {"ngram_cache": True, "ngram_scope": scope, "ngram_candidates": total.ngram_candidates}
+            ngram["drafted"] = total.drafted
             report["drafter"]["tokenizer"] |= ngram
     if ec.batch_sizes:
         report["batches"] = batches

@@ -144,6 +144,7 @@ class NgramCache:
     covers a draft by longest matches or gives None (the caller re-tokenizes)."""
 
     max_n: int = 4
+    max_entries: int = 1 << 16  # a table shared by a long-running server stays bounded: the oldest n-gram goes first
     table: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
@@ -175,7 +176,11 @@ class NgramCache:
         for c in sorted(set(cut_d) & set(cut_t)):
             a, b = cut_d[c], cut_t[c]
             if 0 < a - i <= self.max_n:
-                self.table[tuple(drafts[i:a])] = tuple(kept[j:b])
+                key = tuple(drafts[i:a])
+                self.table.pop(key, None)  # re-learned: now the newest
+                self.table[key] = tuple(kept[j:b])
+                if len(self.table) > self.max_entries:
+                    del self.table[next(iter(self.table))]
             i, j = a, b
 
 
@@ -220,12 +225,16 @@ class _Draft:
 
 class OwnVocabDrafter(torch.nn.Module):
     """A draft LM with its own tokenizer, ready for ``speculative_generate`` (which hands it to ``hetero_generate``).
-    method: "slem", "tli", or "auto" (slem when greedy, tli when sampling); ngram: use an ``NgramCache``."""
+    method: "slem", "tli", or "auto" (slem when greedy, tli when sampling); ngram: use an ``NgramCache``, one per
+    decode, or with ``shared_ngram`` one for every decode of this drafter (``shared``: learned across prompts and
+    requests; it changes which candidates the target sees, never what is committed)."""
 
     own_vocab = True
 
-    def __init__(self, lm: torch.nn.Module, tokenizer, target_tokenizer, method: str = "auto", ngram: bool = False):
+    def __init__(self, lm: torch.nn.Module, tokenizer, target_tokenizer, method: str = "auto", ngram: bool = False,
+                 shared_ngram: bool = False):  # fmt: skip
         super().__init__()
+        self.shared = NgramCache() if ngram and shared_ngram else None
         self.lm, self.tokenizer, self.target_tokenizer, self.method, self.ngram = (
             lm,
             tokenizer,
@@ -267,7 +276,9 @@ class HeteroRow:
         self.method, self.depth = resolve_method(drafter.method, sampler, draft_len)
         self.sampler, self.draft_len, self.seq = sampler, draft_len, seq
         self.vocabs = drafter.vocabs(target)
-        self.ngram = NgramCache() if ngram is None and drafter.ngram else ngram
+        if ngram is None and drafter.ngram:  # the drafter's shared table, else one of this decode's own
+            ngram = drafter.shared if drafter.shared is not None else NgramCache()
+        self.ngram = ngram
         self.ctx = DraftContext(self.vocabs)
         self.context: list[int] | None = self.ctx(seq)
         self.draft = _Draft(drafter.lm, len(self.context) + 4 * max_new_tokens + draft_len + 8)

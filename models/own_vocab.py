@@ -122,7 +122,8 @@ def check_loss(tc) -> None:
         )
 
 
-def own_vocab_drafter(ckpt: Path, lm, info: dict, target_tok, method: str = "auto", ngram: bool = False):
+def own_vocab_drafter(ckpt: Path, lm, info: dict, target_tok, method: str = "auto", ngram: bool = False,
+                      ngram_scope: str = "decode"):  # fmt: skip
     """A loaded drafter checkpoint with its own tokenizer, wrapped for decoding (eval/hetero.py)."""
     from transformers import AutoTokenizer
 
@@ -131,11 +132,13 @@ def own_vocab_drafter(ckpt: Path, lm, info: dict, target_tok, method: str = "aut
     path = Path(ckpt) / info["draft_tokenizer"]
     if not path.is_dir():
         raise DraftsmithError(f"{ckpt}: drafter.json names a draft tokenizer, but {path} is missing")
-    return OwnVocabDrafter(lm, AutoTokenizer.from_pretrained(path), target_tok, method, ngram)
+    tok = AutoTokenizer.from_pretrained(path)
+    return OwnVocabDrafter(lm, tok, target_tok, method, ngram, shared_ngram=ngram and ngram_scope == "drafter")
 
 
-def own_vocab_options(ckpt: Path, info: dict, ec) -> tuple[str, bool] | None:
-    """eval's settings for the drafter at ``ckpt`` -> (method, n-gram cache) for one with its own tokenizer, None
+def own_vocab_options(ckpt: Path, info: dict, ec) -> tuple[str, bool, str] | None:
+    """eval's settings for the drafter at ``ckpt`` -> (method, n-gram cache, its scope) for one with its own
+    tokenizer, None
     for one in the target's vocabulary. Refuses what the own-vocabulary decoder does not do (trees, eval.stop,
     eval.judge) and eval.own_vocab set for a drafter in the target's vocabulary."""
     ov = ec.own_vocab
@@ -150,7 +153,7 @@ def own_vocab_options(ckpt: Path, info: dict, ec) -> tuple[str, bool] | None:
             f"{ckpt}: a drafter with its own tokenizer decodes chains only: set eval.strategy=chain and leave "
             f"eval.stop and eval.judge unset"
         )
-    return (ov.method, ov.ngram_cache) if ov is not None else ("auto", False)
+    return (ov.method, ov.ngram_cache, ov.ngram_scope) if ov is not None else ("auto", False, "decode")
 
 
 def for_decoding(ckpt: Path, lm, info: dict, target_tok, ec):

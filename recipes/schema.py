@@ -419,8 +419,13 @@ class OwnVocabConfig(Strict):
     vocabularies share, moved to target ids; auto: slem when greedy, tli when sampling."""
     ngram_cache: bool = False
     """OmniDraft-style n-gram cache (slem steps): draft-token n-grams whose text the target accepted, translated to
-    target ids without the tokenizer next time; each decode (prompt, batch row, request) learns its own. The eval
-    report counts the candidates it wrote (drafter.tokenizer.ngram_candidates)."""
+    target ids without the tokenizer next time. The eval report counts the candidates it wrote
+    (drafter.tokenizer.ngram_candidates)."""
+    ngram_scope: Literal["decode", "drafter"] = "decode"
+    """Who shares one n-gram table: decode (each prompt, batch row and request learns its own, so a row equals its
+    batch-1 decode step for step) or drafter (one table per loaded drafter version, learned across prompts and
+    requests: OmniDraft's online adaptation; the candidates then depend on earlier traffic, the output never).
+    A table keeps at most 65,536 n-grams, the oldest dropped first."""
 
 
 class EvalConfig(Strict):

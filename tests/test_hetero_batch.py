@@ -408,3 +408,39 @@ def test_an_online_round_keeps_the_tokenizer_and_its_version_loads_back(served, 
     for t in served["traffic"][:4]:
         p = torch.tensor(t["prompt"])
         assert hetero_generate(served["tgt"].model, d, p, 16, draft_len=3, eos_ids=served["eos"])[0] == t["response"]
+
+
+def test_a_shared_ngram_table_learns_across_decodes_and_stays_lossless(toks, prompts):
+    """eval.own_vocab.ngram_scope=drafter: one table for every decode of the drafter (OmniDraft's online
+    adaptation). A prompt decoded again, after itself and others, gets more candidates from the table than a fresh
+    per-decode table gives it, at batch 1 and in the batched decoder, and every output is still the target's."""
+    t, ds = toks
+    tgt = tiny_model(3, cfg(len(t)))
+    echo = Echo(tgt, Vocabs(t, ds[400]))
+    own = OwnVocabDrafter(echo, ds[400], t, method="slem", ngram=True)
+    shared = OwnVocabDrafter(echo, ds[400], t, method="slem", ngram=True, shared_ngram=True)
+    assert own.shared is None and shared.shared is not None
+    p = prompts[0]
+    ref = autoregressive_generate(tgt, p, 80)
+    fresh = hetero_generate(tgt, own, p, 80, draft_len=3)
+    for q in (p, *prompts[1:3]):  # earlier traffic, this prompt included
+        assert hetero_generate(tgt, shared, q, 80, draft_len=3)[0] == autoregressive_generate(tgt, q, 80)
+    learned = hetero_generate(tgt, shared, p, 80, draft_len=3)
+    assert fresh[0] == learned[0] == ref
+    assert learned[1].ngram_candidates > fresh[1].ngram_candidates and len(shared.shared.table) > 0
+    outs, _ = speculative_generate_batch(tgt, shared, prompts[:3], 80, draft_len=3)
+    assert outs == [autoregressive_generate(tgt, q, 80) for q in prompts[:3]]
+
+
+def test_a_shared_ngram_table_stays_bounded(toks, prompts):
+    """A table shared by a long-running server keeps at most max_entries n-grams (the oldest go first), and
+    decoding with a full table stays lossless."""
+    t, ds = toks
+    tgt = tiny_model(3, cfg(len(t)))
+    d = OwnVocabDrafter(Echo(tgt, Vocabs(t, ds[400])), ds[400], t, method="slem", ngram=True, shared_ngram=True)
+    d.shared.max_entries = 4
+    seen = []
+    for p in prompts[:3]:
+        assert hetero_generate(tgt, d, p, 80, draft_len=3)[0] == autoregressive_generate(tgt, p, 80)
+        seen.append(list(d.shared.table))
+    assert 0 < len(d.shared.table) <= 4 and seen[0] != seen[-1]  # it kept learning: old n-grams made room
