@@ -29,6 +29,13 @@ KINDS = {  # drafter section -> extra overrides of the run
     "medusa": ({"kind": "medusa", "n_heads": 3}, ["train.loss.teacher=target"]),
     "eagle": ({"kind": "eagle", "version": 3, "ttt_steps": 2}, []),
 }
+BOTH_PATHS = {  # every other kind that builds from the target, for the Llama run both ways
+    **KINDS,
+    "pard": ({"kind": "pard", "n_layers": 1, "init_layers": [0], "pard_k": 3}, []),
+    "hydra++": ({"kind": "hydra", "n_heads": 3, "prefix_attention": True}, []),
+    "mlp_speculator": ({"kind": "mlp_speculator", "n_predict": 3}, ["train.loss.teacher=target"]),
+    "eagle1": ({"kind": "eagle", "version": 1, "ttt_steps": 2}, []),
+}
 
 
 def _recipe(tmp_path, name: str, drafter: dict):
@@ -60,11 +67,11 @@ def _train_rows(run) -> list[dict]:
     return [r for r in rows if r["stage"] == "train" and "loss" in r]
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(BOTH_PATHS))
 def test_training_is_the_same_on_both_paths(tmp_path, llama4, llama_records, prompts_file, kind):
     """`draftsmith train` on the transformers path gives the own path's losses and weights; both checkpoints then
     decode (float64 targets, both paths) to the same chains, greedy and sampled, greedy equal to plain decoding."""
-    drafter, extra = KINDS[kind]
+    drafter, extra = BOTH_PATHS[kind]
     recipe = _recipe(tmp_path, kind, drafter)
     runs = {}
     for backend in ("own", "transformers"):
@@ -122,6 +129,8 @@ def test_draft_lm_from_a_transformers_target_copies_what_maps(tmp_path, tiny_tok
         build_drafter("draft_lm", small_section("draft_lm", init_layers=[0]), phi)
     with pytest.raises(DraftsmithError, match="drafter.init_layers=null"):
         build_drafter("eagle", small_section("eagle", n_layers=2, init_layers=[0]), phi)
+    with pytest.raises(DraftsmithError, match="drafter.lora_r=0"):  # Medusa-2's adapters name own-model modules
+        build_drafter("medusa", small_section("medusa", lora_r=4), hft)
     d = build_drafter("draft_lm", small_section("draft_lm"), phi)  # plain RMSNorm and head: copied
     assert torch.equal(d.embed_tokens.weight, phi.embed_tokens.weight)
     assert torch.equal(d.norm.weight, phi.norm.weight)
@@ -179,8 +188,36 @@ def test_other_architectures_run_the_whole_pipeline(tmp_path, tiny_tokenizer, pr
     assert runs[0][0] == ref
     for out_, st in runs[1:]:  # the same tokens and the same drafts accepted: the same drafter
         assert out_ == ref and st.accept_counts == runs[0][1].accept_counts
+    sampled = [  # sampled chains: the same seed, the same tokens from the checkpoint and from every export
+        speculative_generate(
+            tgt.model, d, x, 12, draft_len=3, temperature=1.0, eos_ids=eos, generator=torch.Generator().manual_seed(1)
+        )[0]
+        for d in (ckpt, *exported)
+    ]
+    assert len(sampled[0]) > 0 and all(s == sampled[0] for s in sampled)
     if kind == "eagle":  # the engine layout is a Llama layer whatever the target; the verifier is named as it is
         conf = json.loads((out / "export" / "vllm" / "config.json").read_text())
         verifier = conf["speculators_config"]["verifier"]["architectures"]
         assert verifier == json.loads((path / "config.json").read_text())["architectures"]
         assert info["target_architectures"] == verifier
+
+
+def test_a_soft_capped_head_teaches_with_the_logits_the_model_gives(tmp_path, tiny_tokenizer):
+    """train.loss.teacher=target on Gemma-2: the teacher is the soft-capped logits of HF's own forward, not the
+    linear head on the final state; restricted to a reduced draft vocabulary it is refused in one line."""
+    from types import SimpleNamespace
+
+    from draftsmith.train.losses import Teacher
+    from draftsmith.train.objectives import target_teacher
+
+    gemma = load_model(str(_save_arch(tmp_path / "g", tiny_tokenizer, "gemma2")), torch.float64, backend="auto").model
+    ids = torch.tensor([[1, 5, 9, 14, 20, 31, 40, 52, 60, 77]])  # longer than the sliding window (8)
+    ctx = SimpleNamespace(target=gemma)
+    with torch.no_grad():
+        h = gemma(ids, return_hidden=True)[0]
+        want = gemma.hf(ids).logits[0]
+    t = target_teacher(Teacher(), h, ctx)
+    assert t.hidden is None and not torch.allclose(h @ gemma.lm_head.weight.t(), want)
+    torch.testing.assert_close(t.logits, want)
+    with pytest.raises(DraftsmithError, match="teacher=records"):
+        target_teacher(Teacher(), h, ctx, head=gemma.lm_head.weight[:10])
