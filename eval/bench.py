@@ -222,7 +222,10 @@ def evaluate(recipe) -> dict:
     encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
     hf_model = assistant = None
     if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
-        hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
+        if tgt.backend == "transformers":  # the transformers model the target already is (one copy in memory)
+            hf_model = tgt.model.hf
+        else:
+            hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
         assistant = _hf_assistant(drafter, info, ec.draft_len)
     plain_target, plain_drafter = tgt.model, setup.drafter  # the batched decoder takes them unwrapped
     optimize_models(setup, ec)

@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.hf_target import io_weights, layer_state
 from draftsmith.models.llama import Block, Llama, LlamaConfig
 from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
@@ -174,7 +175,7 @@ def _build_own_vocab(section: DraftLMConfig, target: Llama, tok) -> Llama:
         for i, src in enumerate(section.init_layers):
             if not 0 <= src < target.cfg.n_layers:
                 raise DraftsmithError(f"drafter.init_layers[{i}] = {src} is outside the target's layers")
-            draft.layers[i].load_state_dict(target.layers[src].state_dict())
+            draft.layers[i].load_state_dict(layer_state(target, src, "drafter.init_layers"))
     draft.draft_tokenizer = tok
     return draft
 
@@ -185,28 +186,30 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
         raise DraftsmithError(f"drafter: n_heads {cfg.n_heads} is not a multiple of n_kv_heads {cfg.n_kv_heads}")
     dtype = target.embed_tokens.weight.dtype
     draft = Llama(cfg).to(dtype)
-    tsd = target.state_dict()
     if section.init_from_target:
         if cfg.dim != target.cfg.dim:
             raise DraftsmithError(
                 f"drafter.dim {cfg.dim} != target dim {target.cfg.dim}: set "
                 f"drafter.init_from_target=false or drop drafter.dim"
             )
+        embed, norm, head = io_weights(target, "drafter.init_from_target")  # (a transformers target: checked)
         with torch.no_grad():
-            draft.embed_tokens.weight.copy_(tsd["embed_tokens.weight"])
-            draft.norm.weight.copy_(tsd["norm.weight"])
+            draft.embed_tokens.weight.copy_(embed)
+            draft.norm.weight.copy_(norm)
             if not cfg.tie_embeddings:
-                draft.lm_head.weight.copy_(tsd["lm_head.weight"])
+                draft.lm_head.weight.copy_(head)
     layers = section.init_layers
     if layers is not None:
-        if cfg != replace(target.cfg, n_layers=cfg.n_layers):
-            raise DraftsmithError("drafter.init_layers needs the draft's layer shape to equal the target's")
         for i, src in enumerate(layers):
             if not 0 <= src < target.cfg.n_layers:
                 raise DraftsmithError(
                     f"drafter.init_layers[{i}] = {src} is outside the target's {target.cfg.n_layers} layers"
                 )
-            draft.layers[i].load_state_dict(target.layers[src].state_dict())
+        copied = [layer_state(target, src, "drafter.init_layers") for src in layers]  # Llama-shaped targets only
+        if cfg != replace(target.cfg, n_layers=cfg.n_layers):
+            raise DraftsmithError("drafter.init_layers needs the draft's layer shape to equal the target's")
+        for i, sd in enumerate(copied):
+            draft.layers[i].load_state_dict(sd)
     if section.freeze_embeddings and section.init_from_target:
         # Frozen copies of the target's big vocab matrices: cheaper steps and no drift of the shared space.
         draft.embed_tokens.weight.requires_grad_(False)

@@ -39,6 +39,7 @@ from pydantic import Field, model_validator
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.hf_target import layer_state
 from draftsmith.models.llama import (
     MLP,
     Attention,
@@ -413,6 +414,7 @@ def build_eagle(
     for j, src in enumerate(layers):
         if not 0 <= src < t.n_layers:
             raise DraftsmithError(f"drafter.init_layers[{j}] = {src} is outside the target's {t.n_layers} layers")
+    copied = [layer_state(target, src, "drafter.init_layers") for src in layers]  # Llama-shaped targets only
     model = Eagle(cfg).to(target.embed_tokens.weight.dtype)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(target.embed_tokens.weight)
@@ -427,7 +429,7 @@ def build_eagle(
             model.lm_head.weight.copy_(head)
         for j, block in enumerate(model.extra):
             if layers:
-                block.load_state_dict(target.layers[layers[j]].state_dict())
+                block.load_state_dict(copied[j])
             else:  # the identity at init: a deeper drafter starts as the 1-layer one (and can grow from it)
                 nn.init.zeros_(block.self_attn.o_proj.weight)
                 nn.init.zeros_(block.mlp.down_proj.weight)

@@ -257,9 +257,75 @@ class HFTarget(nn.Module):
         self.requires_grad_(False)
         return self
 
+    # ---- what drafter builders copy from the target (models/draft_lm.py, models/eagle.py) ----
+
+    @property
+    def llama_shaped(self) -> bool:
+        """Whether the decoder layers hold the own model's Block tensors under the same names (Llama, Mistral,
+        Qwen2, Qwen3): only then can a drafter copy them (drafter.init_layers)."""
+        from draftsmith.models.loading import SUPPORTED_ARCHS
+
+        return self.model_type in SUPPORTED_ARCHS
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self._layer_list()
+
+    @torch.no_grad()
+    def io_weights(self, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(embeddings, final-norm weight, LM head) as a draft Llama uses them: plain lookup, RMSNorm x * w and
+        a linear head. A (1 + w) norm (Gemma) is folded into w; anything else the draft cannot reproduce (a
+        soft-capped or scaled head, scaled embeddings, another norm) is refused in one line naming ``key``."""
+        why, norm = None, None
+        if not self.lm_head.plain:
+            why = "soft-caps or scales its logits after the LM head"
+        else:
+            ids = torch.arange(1, 5, device=self.embed_tokens.weight.device)[None] % self.cfg.vocab_size
+            _, cap = self(ids, capture_layers=(0,), return_hidden=True)
+            if not torch.allclose(cap[0].float(), self.embed_tokens(ids).float(), rtol=1e-4, atol=1e-6):
+                why = "changes its token embeddings before the first layer (a scale, position embeddings)"
+        w = getattr(self.norm, "weight", None) if why is None else None
+        if why is None and w is not None:
+            x = torch.randn(4, self.cfg.dim, generator=torch.Generator().manual_seed(0)).to(w)
+            xf = x.float()
+            unit = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
+            got = self.norm(x).float()
+            norm = next((c for c in (w, w + 1) if torch.allclose(unit * c.float(), got, rtol=1e-3, atol=1e-4)), None)
+        if why is None and norm is None:
+            why = f"has a final norm ({type(self.norm).__name__}) that is not an RMSNorm"
+        if why is not None:
+            raise DraftsmithError(
+                f"{key}: the {self.model_type!r} target {why}, which the draft (a Llama) does not reproduce: "
+                f"set {key}=false"
+            )
+        return self.embed_tokens.weight, norm, self.lm_head.weight
+
+
+def layer_state(target, i: int, key: str) -> dict[str, torch.Tensor]:
+    """Target layer ``i``'s tensors under the own Block's names, for a drafter that copies it (``key``: the recipe
+    key that asked); a transformers-path target of another family is refused in one line."""
+    if isinstance(target, HFTarget) and not target.llama_shaped:
+        raise DraftsmithError(
+            f"{key}: a {target.model_type!r} target's layers are not Llama layers and cannot be copied into the "
+            f"draft; set {key}=null"
+        )
+    return target.layers[i].state_dict()
+
+
+def io_weights(target, key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(embeddings, final-norm weight, LM head) a draft Llama copies from ``target`` (see ``HFTarget.io_weights``)."""
+    if isinstance(target, HFTarget):
+        return target.io_weights(key)
+    return target.embed_tokens.weight, target.norm.weight, target.lm_head.weight
+
 
 def hf_sizes(cfg: dict) -> LlamaConfig:
-    """The sizes a drafter builder needs, from any HF config (names differ across families)."""
+    """The sizes a drafter builder needs, from any HF config (names differ across families); a Llama-family
+    config maps in full, as the own model reads it, so drafters build the same on both paths."""
+    from draftsmith.models.loading import SUPPORTED_ARCHS, config_from_hf
+
+    if cfg.get("model_type") in SUPPORTED_ARCHS:
+        return config_from_hf(cfg)
 
     def get(*names, default=None):
         for n in names:
@@ -280,6 +346,8 @@ def hf_sizes(cfg: dict) -> LlamaConfig:
         hidden_dim=get("intermediate_size", "n_inner", default=4 * dim),
         head_dim=cfg.get("head_dim"),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        rope_theta=float((cfg.get("rope_parameters") or {}).get("rope_theta") or get("rope_theta", default=1e4)),
+        norm_eps=float(get("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", default=1e-5)),
     )
 
 

@@ -53,7 +53,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
             f"target architecture {arch!r} is not supported by the own model ({', '.join(SUPPORTED_ARCHS)}); "
-            f"generate and eval run it through transformers (target.backend auto or transformers); train, serve "
+            f"generate, train and eval run it through transformers (target.backend auto or transformers); serve "
             f"and judge mining need one of these"
         )
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
@@ -344,7 +344,7 @@ def load_model(
     else:
         model, used = load_llama_dir(path, dtype=dtype, device=device), "own"
     # Not asked for: a warning that says what it costs.
-    note = " (slower than the own model; no trees, not train)" if used == "transformers" and backend == "auto" else ""
+    note = " (slower than the own model; no trees)" if used == "transformers" and backend == "auto" else ""
     log.log(logging.WARNING if note else logging.INFO, "target %s (%s) runs on the %s path%s", name, arch, used, note)
     return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name, used)
 

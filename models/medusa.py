@@ -29,6 +29,7 @@ from torch import nn
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
+from draftsmith.models.hf_target import HFTarget
 from draftsmith.models.llama import Block
 from draftsmith.models.spec import DrafterSpec, as_section
 
@@ -178,6 +179,11 @@ def build_medusa(
 ) -> MedusaHeads:
     cfg, tcfg = as_section(MedusaDrafterConfig, cfg), target.cfg
     lora = None
+    if cfg.lora_r > 0 and isinstance(target, HFTarget):  # adapter names would be transformers' module paths
+        raise DraftsmithError(
+            f"drafter.lora_r: Medusa-2 adapts the own model's layers, and this {target.model_type!r} target runs "
+            f"through transformers (target.backend): set drafter.lora_r=0"
+        )
     if cfg.lora_r > 0:
         lora = {
             "r": cfg.lora_r,

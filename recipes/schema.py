@@ -43,10 +43,10 @@ class TargetConfig(Strict):
     trust_remote_code: bool = False
     """Run the model repo's own Python code when loading its tokenizer. Off unless you ask."""
     backend: Literal["auto", "own", "transformers"] = "auto"
-    """Which code runs the target in generate and eval. own = draftsmith's Llama (llama, mistral, qwen2, qwen3);
-    transformers = the transformers model behind the same calls (any causal LM; eval decodes AR and chains only);
-    auto = own where the architecture allows, else transformers. Train, serve and judge mining always use the own
-    model. Data manifests and eval reports say which ran (target_path)."""
+    """Which code runs the target in generate, train and eval. own = draftsmith's Llama (llama, mistral, qwen2,
+    qwen3); transformers = the transformers model behind the same calls (any causal LM; eval decodes AR and chains
+    at batch 1 only); auto = own where the architecture allows, else transformers. Serve and judge mining always
+    use the own model. Data manifests, checkpoints and eval reports say which ran (target_path)."""
 
     @field_validator("hub_id")
     @classmethod

@@ -303,8 +303,8 @@ def test_other_architectures_generate_records(tmp_path, tiny_tokenizer, prompts_
 
 
 def test_pipeline_on_the_transformers_path(tmp_path, llama4_dir, prompts_file):
-    """`draftsmith run` with target.backend=transformers: generate and eval run the target through transformers
-    (train uses the own model) and say so; eval's chain decoding stays lossless against HF generate."""
+    """`draftsmith run` with target.backend=transformers: generate, train and eval run the target through
+    transformers and say so; eval's chain decoding stays lossless against HF generate."""
     out = tmp_path / "run"
     args = [f"target.model={llama4_dir}", f"data.prompts.path={prompts_file}", f"eval.prompts.path={prompts_file}"]
     assert (

@@ -24,7 +24,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.hetero import OwnVocabDrafter
 from draftsmith.eval.quick import tau_from_alpha
 from draftsmith.models import own_vocab
-from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
+from draftsmith.models.loading import load_model, read_json, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog, save_recipe
@@ -149,12 +149,17 @@ def train(recipe) -> Path:
     acc = Accelerator(mixed_precision=precision, cpu=device == "cpu")
     _check_sharding(acc, tc)
     _configure_deepspeed(acc, tc)
-    set_seed(recipe.seed)
     data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
     # The target initialises the drafter (embeddings, layers), checks the tokenizer, may teach in the loop and,
-    # with eval_every, verifies.
-    tgt = load_model(recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code, recipe.target.revision)
+    # with eval_every, verifies. Either path (target.backend); seeded after the load, which may draw random numbers
+    # on the transformers path, so the drafter starts the same on both.
+    t = recipe.target
+    tgt = load_model(t.model, torch.float32, "cpu", t.trust_remote_code, t.revision, backend=t.backend)
+    set_seed(recipe.seed)
+    # checkpoints say which path ran the target; exports name the verifier by its architecture (speculators config)
+    conf = tgt.path / "config.json"
+    target_path, arch = tgt.backend, read_json(conf).get("architectures") if conf.is_file() else None
     if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
         raise DraftsmithError(
             f"{data_dir}: records were made with a different tokenizer than target {recipe.target.model!r}"
@@ -239,7 +244,10 @@ def train(recipe) -> Path:
             f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
             + (f", resuming at step {step} from {resume_from}" if resume_from is not None else "")
         )
-    meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
+    meta = {"target": t.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
+    meta["target_path"] = target_path  # own | transformers, as in data manifests and eval reports
+    if isinstance(arch, list):
+        meta["target_architectures"] = arch
     recipe_yaml = dump_recipe(recipe)  # every checkpoint keeps the exact recipe that trained it
     t0, window = time.perf_counter() - counters["seconds"], []
     bar = tqdm(

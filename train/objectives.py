@@ -95,13 +95,11 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
             raise DraftsmithError("train.loss.teacher=target needs the target loaded in the loop")
         with torch.no_grad():
             h = ctx.target(batch["input_ids"], logits_at=batch["predict_mask"], return_hidden=True)
-        head = ctx.target.lm_head.weight
         if t2d is not None:  # teacher restricted to the draft vocabulary, un-renormalised tail via top-k form
             raise DraftsmithError(
                 "train.loss.teacher=target with drafter.draft_vocab is not supported: use teacher=records"
             )
-        teacher.hidden, teacher.head = h, head
-        return teacher
+        return target_teacher(teacher, h, ctx)
     if "topk_ids" not in batch:  # (ce returned above)
         raise DraftsmithError(
             f"train.loss.kind={cfg.kind} needs teacher top-k log-probs: set data.signals.topk "
@@ -111,6 +109,25 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
     teacher.topk_ids = ids if t2d is None else t2d[ids]
     teacher.topk_logprobs = batch["topk_logprobs"]
     return teacher
+
+
+def target_teacher(t: losses.Teacher, hidden: torch.Tensor, ctx: Context, head=None) -> losses.Teacher:
+    """``t`` with the target's distribution at ``hidden`` (N, D), its final normed states: hidden + the head's
+    weight (logits made chunk by chunk), or, for a head that soft-caps or scales after the linear map (a
+    transformers-path target, models/hf_target.py ``LogitHead``), the full logits. ``head``: the kept rows of a
+    reduced draft vocabulary."""
+    lm = ctx.target.lm_head
+    if getattr(lm, "plain", True):
+        t.hidden, t.head = hidden, lm.weight if head is None else head
+    elif head is None:
+        with torch.no_grad():
+            t.logits = lm(hidden)
+    else:
+        raise DraftsmithError(
+            "train.loss.teacher=target with drafter.draft_vocab: this target soft-caps or scales its logits; "
+            "use train.loss.teacher=records"
+        )
+    return t
 
 
 def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
@@ -235,8 +252,7 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
         t = losses.Teacher(labels=labels_all[rows])
         if cfg.kind != "ce":
             if cfg.teacher == "target":
-                t.hidden = hidden[:, s:][sel[:, : T - s]]
-                t.head = ctx.target.lm_head.weight if head is None else head
+                target_teacher(t, hidden[:, s:][sel[:, : T - s]], ctx, head)
             elif "topk_ids" in batch:
                 ids = batch["topk_ids"][rows]
                 t.topk_ids, t.topk_logprobs = (ids if t2d is None else t2d[ids]), batch["topk_logprobs"][rows]

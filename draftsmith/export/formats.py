@@ -199,14 +199,16 @@ def _vllm_aux_ids(cfg: dict) -> list[int]:
 
 
 def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
+    arch = info.get("target_architectures") or ["LlamaForCausalLM"]
     return {
         "algorithm": "eagle3",
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
         ],
         "default_proposal_method": "greedy",
-        # the verifier's hub id, or null when unknown (vLLM's `serve ./folder` then needs the target named)
-        "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+        # the verifier's hub id, or null when unknown (vLLM's `serve ./folder` then needs the target named), and
+        # its architecture as training read it (checkpoints from before that was kept: a Llama)
+        "verifier": {"name_or_path": verifier, "architectures": arch},
     }
 
 
