@@ -1,9 +1,11 @@
-"""Sliding-window attention on the own model, in float64 on tiny random
+"""Sliding-window attention on the own model, and tree attention on the transformers path, in float64 on tiny random
 configs built here. Own model vs transformers for Mistral (a window over every layer, shorter than the sequence)
 and Qwen2 (``use_sliding_window`` from ``max_window_layers``): full forward, prefill + token-by-token decode, chain
 and static-tree speculative decoding and the batched decoder (B = 3, ragged prompts) equal transformers' greedy
 ``generate`` beyond the window. A config field the own model would ignore is a one-line error naming it, and
-``target.backend: auto`` then loads the transformers path."""
+``target.backend: auto`` then loads the transformers path. Trees on the transformers path: static and dynamic trees
+give the own model's tokens and accept counts on a tiny Llama, and transformers' greedy tokens on Gemma-2 (sliding
+window, both soft-caps) and Phi-3 (sliding window)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from conftest import noisy_copy
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.batch import speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
-from draftsmith.eval.tree import tree_from_choices
+from draftsmith.eval.tree import DynamicTree, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.llama import Llama
 from draftsmith.models.loading import config_from_hf, load_llama_dir, load_model
@@ -195,3 +197,60 @@ def test_auto_backend_falls_back_to_transformers(tmp_path, tiny_tokenizer):
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
         torch.testing.assert_close(loaded.model(ids), loaded.model.hf(ids).logits)
+
+
+# ---- trees on the transformers path --------------------------------------------------------------------------
+
+
+def test_trees_on_the_transformers_path_equal_the_own_model(tmp_path, tiny_tokenizer):
+    path = save_tiny_llama(tmp_path / "llama", tiny_tokenizer, seed=3)
+    own = load_model(str(path), torch.float64, backend="own").model
+    hft = load_model(str(path), torch.float64, backend="transformers").model
+    drafter = noisy_copy(own, scale=0.1)
+    for prompt in (torch.tensor([5, 9, 14, 3]), torch.tensor(list(range(20, 40)))):
+        ref, eos = _greedy(hft.hf, prompt), _eos(hft.hf)
+        for tree in (tree_from_choices(CHOICES), DynamicTree(top_k=3, depth=3, total_tokens=8)):
+            a, sa = tree_speculative_generate(own, drafter, prompt, NEW, tree, eos_ids=eos)
+            b, sb = tree_speculative_generate(hft, drafter, prompt, NEW, tree, eos_ids=eos)
+            assert a == b == ref
+            assert sa.accept_counts == sb.accept_counts
+            assert sa.accepted > 0
+
+
+OTHER = {  # transformers-only families: Gemma-2 with a window shorter than the prompts and both soft-caps; Phi-3
+    "gemma2": (
+        "Gemma2",
+        dict(
+            head_dim=8,
+            sliding_window=6,
+            query_pre_attn_scalar=8,
+            final_logit_softcapping=3.0,
+            attn_logit_softcapping=5.0,
+        ),
+    ),
+    "phi3": ("Phi3", dict(sliding_window=6)),
+}
+
+
+@pytest.mark.parametrize("family", list(OTHER))
+def test_trees_on_other_architectures_equal_transformers_greedy(tmp_path, tiny_tokenizer, family):
+    name, fields = OTHER[family]
+    path = _save(tmp_path / family, name, fields, tok=tiny_tokenizer, scale=4.0)
+    loaded = load_model(str(path), torch.float64, backend="auto")
+    assert loaded.backend == "transformers"
+    tgt = loaded.model
+    oracle = load_model(str(path), torch.float64, backend="transformers").model  # drafts the target's own tokens
+    for prompt in (torch.tensor([5, 9, 14, 3, 7, 8, 30, 41, 2, 6]), torch.tensor([11, 12])):
+        ref = _greedy(tgt.hf, prompt)
+        for tree in (tree_from_choices(CHOICES), DynamicTree(top_k=2, depth=3, total_tokens=6)):
+            out, st = tree_speculative_generate(tgt, oracle, prompt, NEW, tree, eos_ids=_eos(tgt.hf))
+            assert out == ref
+            assert st.accepted > 0
+
+
+def test_transformers_path_refuses_trees_without_a_4d_mask(tmp_path, tiny_tokenizer):
+    path = save_tiny_llama(tmp_path / "llama", tiny_tokenizer)
+    hft = load_model(str(path), torch.float64, backend="transformers").model
+    hft._mask_how = "none"  # as for a model whose attention builds its own mask from a 2-D one
+    with pytest.raises(DraftsmithError, match="4-D mask"):
+        hft(torch.tensor([[1, 2, 3]]), cache=hft.new_cache(1, 8), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool))
