@@ -44,8 +44,9 @@ class TargetConfig(Strict):
     """Run the model repo's own Python code when loading its tokenizer. Off unless you ask."""
     backend: Literal["auto", "own", "transformers"] = "auto"
     """Which code runs the target in generate and eval. own = draftsmith's Llama (llama, mistral, qwen2, qwen3);
-    transformers = the transformers model behind the same calls (any causal LM; eval decodes AR and chains only);
-    auto = own where the architecture allows, else transformers. Train, serve and judge mining always use the own
+    transformers = the transformers model behind the same calls (any causal LM; eval decodes AR, chains and trees
+    at batch 1); auto = own where it maps the whole config (architecture, sliding window, no soft-capping or other
+    field it lacks), else transformers. Train, serve and judge mining always use the own
     model. Data manifests and eval reports say which ran (target_path)."""
 
     @field_validator("hub_id")
