@@ -405,8 +405,10 @@ def load_model(
     if backend == "auto" and arch:
         try:
             config_from_hf(cfg)
-        except (DraftsmithError, KeyError, TypeError, ValueError) as e:
-            why = str(e) if isinstance(e, DraftsmithError) else f"{type(e).__name__}: {e}"
+        except DraftsmithError as e:  # a malformed config (KeyError, ...) stays the own loader's error naming it
+            why = str(e)
+        except (KeyError, TypeError, ValueError):
+            pass
     if backend == "transformers" or why:
         from draftsmith.models.hf_target import load_hf_target
 
