@@ -204,7 +204,10 @@ def sample_tree_accept(
 def compact_cache(cache, start: int, keep: list[int]) -> None:
     """Keep slots ``start + keep[j]`` as slots ``start + j`` (keep ascending), in every layer and the validity mask,
     then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive
-    (kernels/kv.py: Triton on CUDA, the PyTorch reference elsewhere)."""
+    (kernels/kv.py: Triton on CUDA, the PyTorch reference elsewhere; a transformers target's cache, models/hf_target.py
+    ``HFCache``, by its own ``compact_path``)."""
+    if hasattr(cache, "compact_path"):
+        return cache.compact_path(start, keep)
     if keep != list(range(len(keep))):  # already in place (a chain, or the top path) needs no copy
         if any(b <= a for a, b in zip(keep, keep[1:])) or start + keep[-1] >= cache.max_len:
             raise ValueError(f"compact_cache: keep must be ascending slots inside the cache, got {keep}")

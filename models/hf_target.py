@@ -12,10 +12,12 @@ The target path for architectures the own model does not implement, and for any 
 - ``logits_at`` / ``return_hidden`` / ``head_fn``: the LM head runs on the final-norm output where asked. ``lm_head``
   applies whatever the model's own forward does after its head (Gemma's final soft-capping, Cohere's and
   Granite's logit scales), checked against transformers' logits when the target loads.
-Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree attention masks
-(``attn_mask``), ``head_fn`` on heads with such a transform, and rows that join or leave a running batch: the data
-engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch decoder
-(eval/batch.py), which does, takes only the own model's slot cache.
+- ``attn_mask`` (a tree): a prepared 4-D additive mask, windowed in sliding-window layers (``_custom_mask``);
+  ``HFCache.compact_path`` then keeps the accepted path, as eval/tree.py ``compact_cache`` does on the own cache.
+Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree masks where the
+model's attention takes no 4-D mask, ``head_fn`` on heads with such a transform, and rows that join or leave a
+running batch: the data engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch
+decoder (eval/batch.py), which does, takes only the own model's slot cache.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.llama import LlamaConfig, default_pos
+from draftsmith.models.llama import LlamaConfig, default_pos, last_keys
 
 
 class HFCache:
@@ -44,6 +46,23 @@ class HFCache:
         self.length = 0
         self.max_len = max_len
         self.padded = False  # set once any row wrote a padding slot: the attention mask is sent from then on
+
+    def compact_path(self, start: int, keep: list[int]) -> None:
+        """Keep slots ``start + keep[j]`` as slots ``start + j`` in every layer and the validity mask, then cut the
+        cache after them: a tree verify's accepted path (eval/tree.py ``compact_cache`` on the own KVCache)."""
+        n = len(keep)
+        if keep != list(range(n)):  # a chain, or the top path, is in place already: the next forward crops the rest
+            idx = torch.tensor([*range(start), *(start + k for k in keep)], device=self.valid.device)
+            layers = getattr(self.dc, "layers", None)  # transformers >= 4.56: one object per layer
+            if layers is not None:
+                for x in layers:
+                    if getattr(x, "keys", None) is not None:
+                        x.keys, x.values = x.keys.index_select(-2, idx), x.values.index_select(-2, idx)
+            else:  # 4.x: per-layer lists on the cache
+                for kv in (self.dc.key_cache, self.dc.value_cache):
+                    kv[:] = [t.index_select(-2, idx) for t in kv]
+            self.valid[:, start : start + n] = self.valid[:, idx[start:]]
+        self.length = start + n
 
 
 class LogitHead:
@@ -101,8 +120,8 @@ def _zero_padding(keep: torch.Tensor, module, args, out):
 
 
 class HFTarget(nn.Module):
-    """A transformers causal LM behind the own model's API: batched data generation, teacher-forced scoring, AR
-    and chain decoding (see the module docstring)."""
+    """A transformers causal LM behind the own model's API: batched data generation, teacher-forced scoring, AR,
+    chain and tree decoding (see the module docstring)."""
 
     def __init__(self, hf_model, cfg: LlamaConfig, check_head: bool = True):
         super().__init__()
@@ -162,15 +181,11 @@ class HFTarget(nn.Module):
         head_fn=None,
     ):
         """The own model's forward (models/llama.py ``Llama.forward``); every argument means the same."""
-        if attn_mask is not None:
-            raise DraftsmithError(
-                f"tree attention (eval.strategy=tree/dynamic_tree) needs the own model; the {self.model_type!r} "
-                f"target runs through transformers (target.backend), which decodes chains"
-            )
         if head_fn is not None and not self.lm_head.plain:
             raise DraftsmithError(f"a {self.model_type!r} target's LM head soft-caps or scales: no chunked head loss")
         B, T = ids.shape
-        kw: dict = {"input_ids": ids, "position_ids": default_pos(ids, cache) if pos is None else pos}
+        pos = default_pos(ids, cache) if pos is None else pos
+        kw: dict = {"input_ids": ids, "position_ids": pos}
         if cache is not None:
             if cache.length + T > cache.max_len:
                 raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
@@ -181,13 +196,18 @@ class HFTarget(nn.Module):
             cache.valid[:, s0 : s0 + T] = True if valid is None else valid
             cache.padded |= valid is not None
             kw.update({self._cache_kw: cache.dc, "use_cache": True})
-            if cache.padded:
+            if attn_mask is not None:
+                kw["attention_mask"] = self._custom_mask(attn_mask, cache.valid[:, : s0 + T])
+            elif cache.padded:
                 kw["attention_mask"] = cache.valid[:, : s0 + T].long()
             if self._cache_position:
                 kw["cache_position"] = torch.arange(s0, s0 + T, device=ids.device)
         else:
             kw["use_cache"] = False
-            if valid is not None:
+            if attn_mask is not None:
+                keys = torch.ones_like(ids, dtype=torch.bool) if valid is None else valid
+                kw["attention_mask"] = self._custom_mask(attn_mask, keys)
+            elif valid is not None:
                 kw["attention_mask"] = valid.long()
         captured: dict[int, torch.Tensor] = {}
         hooks = self._hooks(captured, capture_layers)
@@ -205,6 +225,63 @@ class HFTarget(nn.Module):
             return head_fn(h, self.lm_head.weight)
         logits = h if return_hidden else self.lm_head(h)
         return (logits, captured) if capture_layers else logits
+
+    def _custom_mask(self, attn_mask: torch.Tensor, keys_valid: torch.Tensor) -> torch.Tensor | dict:
+        """A custom (tree) mask (1|B, T, S) as transformers takes a prepared one (masking_utils returns a 4-D mask
+        as is): additive, 0 where a query may attend and the dtype's minimum elsewhere, over the cache's slots and
+        the new tokens, keys valid (B, S), each query seeing itself. Sliding-window layers get the window on top, by
+        position as the own model applies it (models/llama.py ``last_keys``); where full and windowed layers mix, a
+        dict by layer type, which those models' forwards take in place of a mask."""
+        how = self._mask_support()
+        T, S = attn_mask.shape[1], keys_valid.shape[1]
+        dev = attn_mask.device
+        self_slot = torch.arange(S - T, S, device=dev)[:, None] == torch.arange(S, device=dev)[None]
+        allowed = ((attn_mask & keys_valid[:, None]) | self_slot)[:, None]  # (B, 1, T, S)
+        conf = self.hf.config
+        window = getattr(conf, "sliding_window", None)
+        types = list(getattr(conf, "layer_types", None) or [])
+        windowed = None
+        if window is not None and (not types or "sliding_attention" in types):
+            windowed = last_keys(allowed, window)
+        dtype = self.embed_tokens.weight.dtype
+
+        def additive(m: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(m.shape, dtype=dtype, device=dev).masked_fill(~m, torch.finfo(dtype).min)
+
+        if windowed is None:
+            return additive(allowed)
+        if not types or "full_attention" not in types:  # every layer slides (Mistral, Phi-3)
+            return additive(windowed)
+        if how != "by_type":
+            raise DraftsmithError(
+                f"tree attention: the {self.model_type!r} target mixes full and sliding-window layers, and its "
+                f"transformers forward takes one mask for all of them; decode chains (eval.strategy=chain)"
+            )
+        return {"full_attention": additive(allowed), "sliding_attention": additive(windowed)}
+
+    def _mask_support(self) -> str:
+        """How the transformers model takes a custom mask: "by_type" (a dict per layer type, or one 4-D mask),
+        "4d" (one 4-D mask), or refused in one line: its attention builds its own mask from a 2-D one."""
+        if not hasattr(self, "_mask_how"):
+            try:
+                src = inspect.getsource(inspect.getmodule(type(self.hf.base_model)))
+            except (OSError, TypeError):  # no source to read: assume the worst
+                src = ""
+            self._mask_how = (
+                "by_type" if "causal_mask_mapping" in src else "4d" if "create_causal_mask" in src else "none"
+            )
+        if self._mask_how == "none":
+            raise DraftsmithError(
+                f"tree attention (eval.strategy=tree/dynamic_tree): the {self.model_type!r} target's transformers "
+                f"attention takes no 4-D mask; decode chains (eval.strategy=chain) or use the own model"
+            )
+        types = set(getattr(self.hf.config, "layer_types", None) or [])
+        if types - {"full_attention", "sliding_attention"}:
+            raise DraftsmithError(
+                f"tree attention: the {self.model_type!r} target has layer types {sorted(types)}; only full and "
+                f"sliding-window attention take a tree mask here"
+            )
+        return self._mask_how
 
     def _layer_list(self) -> nn.ModuleList:
         if self._layers is None:
@@ -325,7 +402,10 @@ def hf_sizes(cfg: dict) -> LlamaConfig:
     from draftsmith.models.loading import SUPPORTED_ARCHS, config_from_hf
 
     if cfg.get("model_type") in SUPPORTED_ARCHS:
-        return config_from_hf(cfg)
+        try:
+            return config_from_hf(cfg)
+        except DraftsmithError:  # a field the own model does not implement (why auto chose this path): sizes only
+            pass
 
     def get(*names, default=None):
         for n in names:

@@ -33,10 +33,18 @@ class LlamaConfig:
     attention_bias: bool = False  # Qwen2 puts a bias on q/k/v
     qk_norm: bool = False  # Qwen3 RMS-normalises each head of q and k before RoPE
     head_vocab_size: int | None = None  # a drafter's reduced output vocabulary (A10); inputs stay target ids
+    # Sliding-window attention: a query at position p sees keys at positions > p - sliding_window, in layers
+    # i >= window_from_layer (Mistral: every layer; Qwen2/3: max_window_layers). None: full attention everywhere.
+    sliding_window: int | None = None
+    window_from_layer: int = 0
 
     @property
     def hd(self) -> int:
         return self.head_dim or self.dim // self.n_heads
+
+    def windowed(self, layer: int) -> bool:
+        """Whether ``layer`` attends through the sliding window."""
+        return self.sliding_window is not None and layer >= self.window_from_layer
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,6 +129,15 @@ def step_mask(cache: KVCache | None, T: int, valid: torch.Tensor | None, attn_ma
     if cache.slots is not None:
         return attn_mask[:, None], True
     return prepare_cache(cache, T, valid, attn_mask), False
+
+
+def last_keys(allowed: torch.Tensor, window: int) -> torch.Tensor:
+    """A sliding window over a cache: ``allowed`` (B|1, 1, T, S) bool with each query keeping only its last
+    ``window`` allowed keys. The keys a query may see are its own sequence in slot order, one RoPE position apart
+    (a chain, a tree node's ancestors, a batch row with holes and left padding), so the k-th allowed key from the
+    end is k - 1 positions back: transformers' window (key position > query position - window), by position."""
+    after = allowed.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # allowed keys at or after each slot
+    return allowed & (after <= window)
 
 
 def default_pos(ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
@@ -433,6 +450,7 @@ class Llama(ReducedVocab, nn.Module):
             forward, where sharding wrappers (FSDP2, DeepSpeed ZeRO-3) have the LM head gathered.
         """
         B, T = ids.shape
+        own_pos = pos is not None
         pos = default_pos(ids, cache) if pos is None else pos
         x = self.embed(ids)
         if getattr(self, "_rope_interleaved", False):
@@ -440,11 +458,12 @@ class Llama(ReducedVocab, nn.Module):
         else:
             cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
         mask, static = step_mask(cache, T, valid, attn_mask)
+        wmask = self._window_mask(mask, pos, cache, attn_mask, static, own_pos)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture_layers:
                 captured[i] = x
-            x = layer(x, cos, sin, mask, cache, i)
+            x = layer(x, cos, sin, wmask if self.cfg.windowed(i) else mask, cache, i)
         if self.cfg.n_layers in capture_layers:
             captured[self.cfg.n_layers] = x
         if cache is not None and not static:
@@ -455,6 +474,27 @@ class Llama(ReducedVocab, nn.Module):
             return head_fn(h, self.lm_head.weight)
         logits = h if return_hidden else self.lm_head(h)
         return (logits, captured) if capture_layers else logits
+
+    def _window_mask(self, mask, pos, cache, attn_mask, static: bool, own_pos: bool) -> torch.Tensor | None:
+        """The sliding-window layers' mask, shared by every attention path (prefill, decode, chain and tree verify,
+        batches with holes, the fused modules); ``mask`` itself where no key can fall out of the window."""
+        W, c, T = self.cfg.sliding_window, self.cfg, pos.shape[1]
+        if W is None or c.window_from_layer >= c.n_layers:
+            return mask
+        if static:
+            raise ValueError("sliding-window attention runs eagerly: no static-shape (CUDA graph) cache")
+        if cache is None:  # the positions are all there: key position > query position - W
+            if T <= W and not own_pos:
+                return mask
+            near = pos[:, None, :, None] - pos[:, None, None, :] < W
+            return near & (torch.ones(T, T, dtype=torch.bool, device=pos.device).tril() if mask is None else mask)
+        s0, S = cache.length, cache.length + T
+        if S <= W:  # fewer keys than the window
+            return mask
+        if attn_mask is None and not cache.padded:  # every slot valid, causal: positions step with the slots
+            near = torch.arange(s0, S, device=pos.device)[:, None] - torch.arange(S, device=pos.device) < W
+            return near[None, None] if mask is None else mask & near
+        return last_keys(mask, W)
 
     @torch.no_grad()
     def optimize_for_inference(self) -> Llama:

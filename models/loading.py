@@ -47,8 +47,40 @@ def cache_root() -> Path:
     return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
+ROPE_TYPES = ("default", "llama3")  # models/llama.py rope_inv_freq
+
+
+def sliding_window_from_hf(cfg: dict) -> tuple[int | None, int]:
+    """(window, first windowed layer) as transformers reads the config: Mistral slides every layer unless
+    ``sliding_window`` is null (absent means transformers' default, 4096); Qwen2/Qwen3 slide only with
+    ``use_sliding_window``, in layers i >= ``max_window_layers`` (default 28) or where ``layer_types`` says so.
+    Llama's modelling has no window, whatever its config holds."""
+    arch = cfg.get("model_type")
+    if arch == "mistral":
+        w = cfg.get("sliding_window", 4096)
+        return (None if w is None else int(w)), 0
+    if arch not in ("qwen2", "qwen3"):
+        return None, 0
+    w = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window", False) else None
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        start = min(int(cfg.get("max_window_layers", 28)), n)
+        return (None if w is None or start >= n else int(w)), start
+    start = sum(t == "full_attention" for t in types)
+    if len(types) != n or list(types) != ["full_attention"] * start + ["sliding_attention"] * (n - start):
+        raise DraftsmithError(
+            f"config.json layer_types {types}: the own model slides a window over a last run of layers only"
+        )
+    if w is None or start == n:
+        return None, 0
+    return int(w), start
+
+
 def config_from_hf(cfg: dict) -> LlamaConfig:
-    """Map an HF config.json dict (llama / mistral / qwen2 / qwen3 families) to LlamaConfig."""
+    """Map an HF config.json dict (llama / mistral / qwen2 / qwen3 families) to LlamaConfig. A field the own model
+    would otherwise ignore (soft-capping, an MLP bias, another activation, an unknown RoPE scaling, a window
+    layout it cannot express) is a one-line error naming it: ``target.backend: auto`` then runs transformers."""
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
@@ -60,6 +92,24 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     rope = dict(cfg.get("rope_parameters") or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    unsupported = {
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping") is not None,
+        "final_logit_softcapping": cfg.get("final_logit_softcapping") is not None,
+        "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        "hidden_act": cfg.get("hidden_act", "silu") != "silu",
+        "rope_scaling": bool(scaling) and scaling.get("rope_type", scaling.get("type")) not in ROPE_TYPES,
+        "partial_rotary_factor": float(rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or 1) != 1,
+    }
+    bad = next((k for k, v in unsupported.items() if v), None)
+    if bad:
+        value = scaling if bad == "rope_scaling" else cfg.get(bad, rope.get(bad))
+        if bad == "rope_scaling" and not cfg.get("rope_scaling"):
+            bad = "rope_parameters"  # transformers >= 5 writes the scaling there
+        raise DraftsmithError(
+            f"config.json {bad}={value!r}: the own model does not implement it (target.backend auto or "
+            f"transformers runs this target through transformers)"
+        )
+    window, window_from = sliding_window_from_hf(cfg)
     return LlamaConfig(
         vocab_size=cfg["vocab_size"],
         dim=cfg["hidden_size"],
@@ -75,6 +125,8 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         qk_norm=arch == "qwen3",
+        sliding_window=window,
+        window_from_layer=window_from,
     )
 
 
@@ -97,6 +149,18 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
         "attention_bias": cfg.attention_bias,
         "hidden_act": "silu",
     }
+    if cfg.sliding_window is not None:  # Qwen2/Qwen3 express any first windowed layer; Mistral windows them all
+        if cfg.qk_norm or cfg.attention_bias:
+            arch = "qwen3" if cfg.qk_norm else "qwen2"
+            d.update(model_type=arch, architectures=[f"{arch.capitalize()}ForCausalLM"], use_sliding_window=True)
+            d.update(sliding_window=cfg.sliding_window, max_window_layers=cfg.window_from_layer)
+        elif cfg.window_from_layer == 0:
+            d.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=cfg.sliding_window)
+        else:
+            raise DraftsmithError(
+                f"a sliding window from layer {cfg.window_from_layer} without q/k bias or q/k-norm has no "
+                f"transformers architecture (Mistral windows every layer)"
+            )
     # Written both ways so transformers 4.x and 5.x read the same RoPE.
     d["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     if cfg.rope_scaling:
@@ -330,21 +394,29 @@ def load_model(
 ) -> LoadedModel:
     """The target (or a draft LM's source) on one of two paths (``backend``, the recipe's ``target.backend``): own =
     models/llama.py (Llama-family only); transformers = the transformers model behind the same forward
-    (models/hf_target.py: any causal LM, slower, no trees); auto = own where the architecture allows."""
+    (models/hf_target.py: any causal LM, slower); auto = own where ``config_from_hf`` maps the whole config."""
     if backend not in BACKENDS:
         raise DraftsmithError(f"target.backend: {backend!r} is not one of {', '.join(BACKENDS)}")
     path = resolve_model_path(name, revision)
     cfg_file = path / "config.json"
     cfg = read_json(cfg_file) if cfg_file.is_file() else {}
     arch = cfg.get("model_type")
-    if backend == "transformers" or (backend == "auto" and arch and arch not in SUPPORTED_ARCHS):
+    why = ""  # auto: why the own model cannot run it (an architecture or a config field it does not implement)
+    if backend == "auto" and arch:
+        try:
+            config_from_hf(cfg)
+        except DraftsmithError as e:  # a malformed config (KeyError, ...) stays the own loader's error naming it
+            why = str(e)
+        except (KeyError, TypeError, ValueError):
+            pass
+    if backend == "transformers" or why:
         from draftsmith.models.hf_target import load_hf_target
 
         model, used = load_hf_target(path, cfg, dtype, device, trust_remote_code), "transformers"
     else:
         model, used = load_llama_dir(path, dtype=dtype, device=device), "own"
-    # Not asked for: a warning that says what it costs.
-    note = " (slower than the own model; no trees)" if used == "transformers" and backend == "auto" else ""
+    # Not asked for: a warning that says what it costs, and why.
+    note = f" (slower than the own model: {why})" if why else ""
     log.log(logging.WARNING if note else logging.INFO, "target %s (%s) runs on the %s path%s", name, arch, used, note)
     return LoadedModel(model, load_tokenizer(path, trust_remote_code), path, name, used)
 

@@ -44,9 +44,10 @@ class TargetConfig(Strict):
     """Run the model repo's own Python code when loading its tokenizer. Off unless you ask."""
     backend: Literal["auto", "own", "transformers"] = "auto"
     """Which code runs the target in generate, train and eval. own = draftsmith's Llama (llama, mistral, qwen2,
-    qwen3); transformers = the transformers model behind the same calls (any causal LM; eval decodes AR and chains
-    at batch 1 only); auto = own where the architecture allows, else transformers. Serve and judge mining always
-    use the own model. Data manifests, checkpoints and eval reports say which ran (target_path)."""
+    qwen3); transformers = the transformers model behind the same calls (any causal LM; eval decodes AR, chains and
+    trees at batch 1); auto = own where it maps the whole config (architecture, sliding window, no soft-capping or
+    other field it lacks), else transformers. Serve and judge mining always use the own model. Data manifests,
+    checkpoints and eval reports say which ran (target_path)."""
 
     @field_validator("hub_id")
     @classmethod

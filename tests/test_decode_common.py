@@ -440,12 +440,12 @@ def gpt2_dir(tmp_path_factory):
 
 def test_transformers_fallback_decodes_losslessly(gpt2_dir):
     """A GPT-2 target (not Llama-family) decodes through transformers: AR equals HF greedy generate, and chain
-    speculative decoding with a random, an oracle and an always-wrong drafter equals AR, across rollbacks."""
+    speculative decoding with a random, an oracle and an always-wrong drafter equals AR, across rollbacks; so do
+    dynamic trees."""
     import json
 
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.errors import DraftsmithError
     from draftsmith.eval.tree import DynamicTree
     from draftsmith.models.hf_target import load_hf_target
 
@@ -465,8 +465,9 @@ def test_transformers_fallback_decodes_losslessly(gpt2_dir):
         assert out == ar
         if full is not None:
             assert st.acceptance_rate == (1.0 if full else 0.0)
-    with pytest.raises(DraftsmithError, match="tree attention"):
-        tree_speculative_generate(tgt, tiny_model(1), prompt, 8, DynamicTree(top_k=2, depth=2, total_tokens=4))
+    for drafter in (tiny_model(1), tgt):  # trees too: the tree mask goes to transformers as a 4-D mask
+        out, _ = tree_speculative_generate(tgt, drafter, prompt, 24, DynamicTree(top_k=2, depth=2, total_tokens=4))
+        assert out == ar
 
 
 # ---- every proposer kind on every shape; the judge hook ---------------------------------------------------------

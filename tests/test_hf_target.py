@@ -143,12 +143,10 @@ def test_drafter_written_responses_equal_the_own_model(llama4_dir, kind):
 
 
 def test_transformers_path_refuses_what_it_does_not_do(llama4_dir):
-    """Tree masks stay own-model only; an index outside 0..n_layers is an error; the own backend names the key
-    that routes an architecture it does not implement through transformers."""
+    """An index outside 0..n_layers is an error; the own backend names the key that routes an architecture it does
+    not implement through transformers (tree masks: tests/test_window_trees.py)."""
     hft = load_model(str(llama4_dir), torch.float64, backend="transformers").model
     ids = torch.tensor([[1, 2, 3]])
-    with pytest.raises(DraftsmithError, match="tree attention"):
-        hft(ids, cache=hft.new_cache(1, 8), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool))
     with pytest.raises(ValueError, match="capture_layers"):
         hft(ids, capture_layers=(5,))
     with pytest.raises(DraftsmithError, match="target.backend"):
