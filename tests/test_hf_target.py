@@ -224,8 +224,26 @@ ARCHS = {  # tiny random configs; Gemma-2 with a window shorter than the prompts
     ),
     "phi3": dict(),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "gpt_oss": dict(  # attention sinks, alternating sliding-window layers, MoE
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+    ),
+    "gemma3": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),  # scaled embeddings, local + global
+    "glm4": dict(head_dim=16),
+    "olmo2": dict(),  # norms after attention and MLP, q/k norms
+    "granite": dict(embedding_multiplier=2.0, logits_scaling=4.0, residual_multiplier=0.5),
+    "cohere": dict(logit_scale=0.5),  # parallel attention + MLP, LayerNorm
 }
-CLASSES = {"gemma2": "Gemma2", "phi3": "Phi3", "mixtral": "Mixtral"}
+CLASSES = {
+    "gemma2": "Gemma2", "phi3": "Phi3", "mixtral": "Mixtral", "gpt_oss": "GptOss", "qwen3_moe": "Qwen3Moe",
+    "gemma3": "Gemma3", "deepseek_v3": "DeepseekV3", "glm4": "Glm4", "olmo2": "Olmo2", "granite": "Granite",
+    "cohere": "Cohere",
+}  # fmt: skip
+CONFIGS = {"gemma3": "Gemma3TextConfig"}  # Gemma3Config is the multimodal one
+MOE = {"mixtral", "gpt_oss"}
 
 
 def _save_arch(path, tok, family: str):
@@ -246,7 +264,8 @@ def _save_arch(path, tok, family: str):
         **ARCHS[family],
     )
     name = CLASSES[family]
-    hf = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**cfg))
+    config = getattr(transformers, CONFIGS.get(family, f"{name}Config"))(**cfg)
+    hf = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():  # random weights big enough that the soft-caps and the MoE routing matter
         for p in hf.parameters():
             if p.dim() > 1:
@@ -267,7 +286,7 @@ def test_other_architectures_generate_records(tmp_path, tiny_tokenizer, prompts_
     d = _generate(tmp_path, "run", path, prompts_file)
     m = read_manifest(d)
     assert m["target_path"] == "transformers" and m["n_sequences"] == 8
-    moe = {"experts_implementation": "eager"} if family == "mixtral" else {}  # grouped_mm has no float64 kernel
+    moe = {"experts_implementation": "eager"} if family in MOE else {}  # grouped_mm has no float64 kernel
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64, **moe).eval()
     eos = stop_ids(path, tiny_tokenizer)
     n = 0
