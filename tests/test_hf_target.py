@@ -231,6 +231,21 @@ ARCHS = {  # tiny random configs; Gemma-2 with a window shorter than the prompts
         head_dim=16,
         layer_types=["sliding_attention", "full_attention"] * 2,
     ),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16),
+    "deepseek_v3": dict(  # multi-head latent attention (no grouped K/V heads), shared + routed experts
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    ),
     "gemma3": dict(head_dim=16, sliding_window=8, query_pre_attn_scalar=16),  # scaled embeddings, local + global
     "glm4": dict(head_dim=16),
     "olmo2": dict(),  # norms after attention and MLP, q/k norms
@@ -243,13 +258,14 @@ CLASSES = {
     "cohere": "Cohere",
 }  # fmt: skip
 CONFIGS = {"gemma3": "Gemma3TextConfig"}  # Gemma3Config is the multimodal one
-MOE = {"mixtral", "gpt_oss"}
+MOE = {"mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3"}
+SEEDS = {"qwen3_moe": 2}  # seed 0 gives a tiny Qwen3-MoE that writes EOS first
 
 
 def _save_arch(path, tok, family: str):
     import transformers
 
-    torch.manual_seed(0)
+    torch.manual_seed(SEEDS.get(family, 0))
     cfg = dict(
         vocab_size=len(tok),
         hidden_size=64,
@@ -261,8 +277,8 @@ def _save_arch(path, tok, family: str):
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         bos_token_id=tok.bos_token_id,
-        **ARCHS[family],
     )
+    cfg.update(ARCHS[family])
     name = CLASSES[family]
     config = getattr(transformers, CONFIGS.get(family, f"{name}Config"))(**cfg)
     hf = getattr(transformers, f"{name}ForCausalLM")(config)
