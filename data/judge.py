@@ -116,7 +116,8 @@ def mine(recipe) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp*"):  # left by a killed run; never read
         stale.unlink()
-    tgt = load_model(recipe.target.model, dtype, device, recipe.target.trust_remote_code, recipe.target.revision)
+    t = recipe.target
+    tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
     tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
     draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
     if info.get("kind") != "draft_lm":
@@ -131,7 +132,7 @@ def mine(recipe) -> Path:
     save_recipe(recipe)
     eos = stop_ids(tgt.path, tgt.tokenizer)
     dhash, legacy_hash = data_hash(recipe), data_hash(recipe, with_n=True)
-    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash}
+    meta = {"data_hash": dhash, "target": recipe.target.model, "tokenizer_hash": tok_hash, "target_path": tgt.backend}
     starts = range(0, len(tasks), dc.shard_size)
     runlog = RunLog(recipe.run_dir, "generate")
     bar = tqdm(total=len(tasks), unit="task", desc="judge labels", dynamic_ncols=True)

@@ -479,6 +479,8 @@ class BatchDecoder:
             raise ValueError(f"max_prefill_pad must be >= 0, got {max_prefill_pad}")
         target, drafter = _unwrapped(target), _unwrapped(drafter)
         self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
+        if hasattr(target, "require_slots"):  # a transformers target (models/hf_target.py)
+            target.require_slots("batched decoding (eval.batch_sizes, serve, online)")
         if not isinstance(target.new_cache(1, 1), KVCache):
             raise DraftsmithError(
                 f"batched decoding needs a Llama-family target on the slot cache (models/llama.py), not "

@@ -2,10 +2,15 @@
 
 The target path for architectures the own model does not implement, and for any target with
 ``target.backend: transformers``. What it does, with the own model's meaning for every argument:
-- ``new_cache(batch, max_len)``: a transformers ``DynamicCache`` plus the own cache's ``length`` / ``valid``
-  bookkeeping. Rows share slots; ``valid`` (padding masks of left-padded rows) goes to transformers as the 2-D
-  attention mask and ``pos`` as ``position_ids``, so a left-padded batch decodes as its rows would alone. Lowering
-  ``cache.length`` (a rejected draft) crops the transformers cache before the next forward.
+- ``new_cache(batch, max_len)``: the own model's slot-addressed ``KVCache`` (models/llama.py), sized by the K/V
+  shapes the model's attention layers write (probed once). Each forward hands transformers a ``SlotView``, a cache
+  whose ``update`` writes a layer's new keys and values at slots ``[length, length + T)`` and returns slots
+  ``[0, length + T)``, and a prepared 4-D attention mask built from the slots' validity exactly as the own model
+  builds it (``cache_mask``): left padding, holes, rollback by lowering ``length``, compaction (eval/tree.py,
+  eval/batch.py ``RowCache``) and rows that join or leave a running batch all work as on the own model. A model
+  whose attention takes no prepared 4-D mask gets ``HFCache`` instead: a transformers ``DynamicCache`` plus the
+  same ``length`` / ``valid`` bookkeeping, with padding as the 2-D mask, cropped on rollback (batch 1 and the
+  data engine's fixed batches only).
 - ``capture_layers``: index i is the input of decoder layer i (0: the embeddings as the layers see them, Gemma's
   scaling included), n_layers the final state before the norm; read by hooks on the decoder layers, since
   transformers' ``hidden_states[-1]`` is the state after the norm.
@@ -14,22 +19,22 @@ The target path for architectures the own model does not implement, and for any 
   Granite's logit scales), checked against transformers' logits when the target loads.
 - ``attn_mask`` (a tree): a prepared 4-D additive mask, windowed in sliding-window layers (``_custom_mask``);
   ``HFCache.compact_path`` then keeps the accepted path, as eval/tree.py ``compact_cache`` does on the own cache.
-Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree masks where the
-model's attention takes no 4-D mask, ``head_fn`` on heads with such a transform, and rows that join or leave a
-running batch: the data engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch
-decoder (eval/batch.py), which does, takes only the own model's slot cache.
+Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree masks and
+batched decoding where the model's attention takes no 4-D mask, layer types other than full and sliding-window
+attention there, and ``head_fn`` on heads with such a transform.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from functools import partial
 
 import torch
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.llama import LlamaConfig, default_pos, last_keys
+from draftsmith.models.llama import KVCache, LlamaConfig, cache_mask, default_pos, last_keys, prepare_cache
 
 
 class HFCache:
@@ -63,6 +68,42 @@ class HFCache:
                     kv[:] = [t.index_select(-2, idx) for t in kv]
             self.valid[:, start : start + n] = self.valid[:, idx[start:]]
         self.length = start + n
+
+
+def _slot_view_class():
+    """``SlotView``, built on first use (transformers is imported lazily)."""
+    global _SlotView
+    if _SlotView is None:
+        from transformers import DynamicCache
+
+        class SlotView(DynamicCache):
+            """transformers' cache calls for one forward over a slot ``KVCache``: layer i writes its new keys and
+            values at slots [s0, s0 + T) and attends over slots [0, s0 + T) under the prepared mask. Keys and
+            values narrower than the buffer (DeepSeek's latent attention: values shorter than keys) use its
+            leading channels. ``shapes`` (probing, no cache): record each layer's K/V shapes instead."""
+
+            def __init__(self, cache: KVCache | None, s0: int, T: int, shapes: dict | None = None):
+                super().__init__()
+                self.c, self.s0, self.s1, self.shapes = cache, s0, s0 + T, shapes
+
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                if self.shapes is not None:
+                    self.shapes[layer_idx] = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
+                    return key_states, value_states
+                k, v, (a, b) = self.c.k[layer_idx], self.c.v[layer_idx], (self.s0, self.s1)
+                dk, dv = key_states.shape[-1], value_states.shape[-1]
+                k[:, :, a:b, :dk] = key_states
+                v[:, :, a:b, :dv] = value_states
+                return k[:, :, :b, :dk], v[:, :, :b, :dv]
+
+            def get_seq_length(self, layer_idx: int | None = 0) -> int:
+                return self.s0
+
+        _SlotView = SlotView
+    return _SlotView
+
+
+_SlotView = None
 
 
 class LogitHead:
@@ -152,8 +193,45 @@ class HFTarget(nn.Module):
     def target_vocab_size(self) -> int:
         return self.cfg.vocab_size
 
-    def new_cache(self, batch: int, max_len: int) -> HFCache:
-        return HFCache(batch, max_len, self.embed_tokens.weight.device)
+    def new_cache(self, batch: int, max_len: int) -> KVCache | HFCache:
+        """The slot cache where the model takes a prepared 4-D mask (every path, batches included), else
+        ``HFCache`` (see the module docstring)."""
+        w = self.embed_tokens.weight
+        if not self.slots_ok:
+            return HFCache(batch, max_len, w.device)
+        return KVCache(self._slot_cfg(), batch, max_len, w.dtype, w.device)
+
+    @property
+    def slots_ok(self) -> bool:
+        """Whether the slot cache (and so batched decoding with rows that come and go) runs this model."""
+        try:
+            self._mask_support()
+        except DraftsmithError:
+            return False
+        return True
+
+    def require_slots(self, what: str) -> None:
+        """A one-line error starting with ``what`` where this model cannot run on the slot cache."""
+        self._mask_support(what)
+
+    @torch.no_grad()
+    def _slot_cfg(self) -> LlamaConfig:
+        """The sizes of a slot cache that holds every attention layer's keys and values: layers, K/V heads and the
+        widest head, from one probing forward of two tokens."""
+        if not hasattr(self, "_slot_sizes"):
+            shapes: dict[int, tuple[int, int, int]] = {}
+            dev = self.embed_tokens.weight.device
+            view = _slot_view_class()(None, 0, 2, shapes)
+            kw = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=dev), self._cache_kw: view, "use_cache": True}
+            if self._cache_position:
+                kw["cache_position"] = torch.arange(2, device=dev)
+            self.hf.base_model(**kw)
+            if not shapes or {h for h, _, _ in shapes.values()} != {next(iter(shapes.values()))[0]}:
+                raise DraftsmithError(f"a {self.model_type!r} target: its attention layers write no uniform K/V cache")
+            heads = next(iter(shapes.values()))[0]
+            self._slot_sizes = (max(shapes) + 1, heads, max(max(dk, dv) for _, dk, dv in shapes.values()))
+        n, heads, hd = self._slot_sizes
+        return replace(self.cfg, n_layers=n, n_kv_heads=heads, head_dim=hd)
 
     @torch.no_grad()
     def _check_head(self) -> None:
@@ -186,7 +264,19 @@ class HFTarget(nn.Module):
         B, T = ids.shape
         pos = default_pos(ids, cache) if pos is None else pos
         kw: dict = {"input_ids": ids, "position_ids": pos}
-        if cache is not None:
+        slot = isinstance(cache, KVCache)
+        if slot:
+            if cache.slots is not None:
+                raise ValueError("a transformers target runs eagerly: no static-shape (CUDA graph) cache")
+            s0 = cache.length
+            allowed = prepare_cache(cache, T, valid, attn_mask)  # marks the new slots valid, checks room
+            if allowed is None:  # one new token, no hole anywhere: every slot (the own model's unmasked path)
+                allowed = cache_mask(cache, T, None)
+            kw.update({self._cache_kw: _slot_view_class()(cache, s0, T), "use_cache": True})
+            kw["attention_mask"] = self._prepared_mask(allowed)
+            if self._cache_position:
+                kw["cache_position"] = torch.arange(s0, s0 + T, device=ids.device)
+        elif cache is not None:
             if cache.length + T > cache.max_len:
                 raise ValueError(f"KV cache overflow: {cache.length}+{T} > {cache.max_len}")
             extra = cache.dc.get_seq_length() - cache.length
@@ -227,16 +317,20 @@ class HFTarget(nn.Module):
         return (logits, captured) if capture_layers else logits
 
     def _custom_mask(self, attn_mask: torch.Tensor, keys_valid: torch.Tensor) -> torch.Tensor | dict:
-        """A custom (tree) mask (1|B, T, S) as transformers takes a prepared one (masking_utils returns a 4-D mask
-        as is): additive, 0 where a query may attend and the dtype's minimum elsewhere, over the cache's slots and
-        the new tokens, keys valid (B, S), each query seeing itself. Sliding-window layers get the window on top, by
-        position as the own model applies it (models/llama.py ``last_keys``); where full and windowed layers mix, a
-        dict by layer type, which those models' forwards take in place of a mask."""
-        how = self._mask_support()
+        """A custom (tree) mask (1|B, T, S) over the cache's slots and the new tokens, keys valid (B, S), each query
+        seeing itself, prepared for transformers (``_prepared_mask``)."""
         T, S = attn_mask.shape[1], keys_valid.shape[1]
         dev = attn_mask.device
         self_slot = torch.arange(S - T, S, device=dev)[:, None] == torch.arange(S, device=dev)[None]
-        allowed = ((attn_mask & keys_valid[:, None]) | self_slot)[:, None]  # (B, 1, T, S)
+        return self._prepared_mask(((attn_mask & keys_valid[:, None]) | self_slot)[:, None])
+
+    def _prepared_mask(self, allowed: torch.Tensor) -> torch.Tensor | dict:
+        """``allowed`` (B|1, 1, T, S) bool as transformers takes a prepared mask (masking_utils returns a 4-D mask
+        as is): additive, 0 where a query may attend and the dtype's minimum elsewhere. Sliding-window layers get
+        the window on top, by position as the own model applies it (models/llama.py ``last_keys``); where full and
+        windowed layers mix, a dict by layer type, which those models' forwards take in place of a mask."""
+        self._mask_support()
+        dev = allowed.device
         conf = self.hf.config
         window = getattr(conf, "sliding_window", None)
         types = list(getattr(conf, "layer_types", None) or [])
@@ -252,16 +346,13 @@ class HFTarget(nn.Module):
             return additive(allowed)
         if not types or "full_attention" not in types:  # every layer slides (Mistral, Phi-3)
             return additive(windowed)
-        if how != "by_type":
-            raise DraftsmithError(
-                f"tree attention: the {self.model_type!r} target mixes full and sliding-window layers, and its "
-                f"transformers forward takes one mask for all of them; decode chains (eval.strategy=chain)"
-            )
         return {"full_attention": additive(allowed), "sliding_attention": additive(windowed)}
 
-    def _mask_support(self) -> str:
-        """How the transformers model takes a custom mask: "by_type" (a dict per layer type, or one 4-D mask),
-        "4d" (one 4-D mask), or refused in one line: its attention builds its own mask from a 2-D one."""
+    def _mask_support(self, what: str = "tree attention (eval.strategy=tree/dynamic_tree)") -> str:
+        """How the transformers model takes a prepared mask: "by_type" (a dict per layer type, or one 4-D mask) or
+        "4d" (one 4-D mask); refused in one line starting with ``what`` where its attention builds its own mask
+        from a 2-D one, has layer types other than full and sliding-window attention, or mixes the two under one
+        mask."""
         if not hasattr(self, "_mask_how"):
             try:
                 src = inspect.getsource(inspect.getmodule(type(self.hf.base_model)))
@@ -270,16 +361,22 @@ class HFTarget(nn.Module):
             self._mask_how = (
                 "by_type" if "causal_mask_mapping" in src else "4d" if "create_causal_mask" in src else "none"
             )
+        fix = "decode chains at batch 1 (eval.strategy=chain) or use the own model"
         if self._mask_how == "none":
             raise DraftsmithError(
-                f"tree attention (eval.strategy=tree/dynamic_tree): the {self.model_type!r} target's transformers "
-                f"attention takes no 4-D mask; decode chains (eval.strategy=chain) or use the own model"
+                f"{what}: the {self.model_type!r} target's transformers attention takes no 4-D mask; {fix}"
             )
-        types = set(getattr(self.hf.config, "layer_types", None) or [])
+        conf = self.hf.config
+        types = set(getattr(conf, "layer_types", None) or [])
         if types - {"full_attention", "sliding_attention"}:
             raise DraftsmithError(
-                f"tree attention: the {self.model_type!r} target has layer types {sorted(types)}; only full and "
-                f"sliding-window attention take a tree mask here"
+                f"{what}: the {self.model_type!r} target has layer types {sorted(types)}; only full and "
+                f"sliding-window attention take a prepared mask here; {fix}"
+            )
+        if getattr(conf, "sliding_window", None) is not None and len(types) == 2 and self._mask_how != "by_type":
+            raise DraftsmithError(
+                f"{what}: the {self.model_type!r} target mixes full and sliding-window layers, and its "
+                f"transformers forward takes one mask for all of them; {fix}"
             )
         return self._mask_how
 

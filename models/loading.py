@@ -85,8 +85,7 @@ def config_from_hf(cfg: dict) -> LlamaConfig:
     if arch not in SUPPORTED_ARCHS:
         raise DraftsmithError(
             f"target architecture {arch!r} is not supported by the own model ({', '.join(SUPPORTED_ARCHS)}); "
-            f"generate, train and eval run it through transformers (target.backend auto or transformers); serve "
-            f"and judge mining need one of these"
+            f"target.backend auto or transformers runs it through transformers"
         )
     # transformers >= 5 nests RoPE settings in `rope_parameters`; 4.x has rope_theta + rope_scaling.
     rope = dict(cfg.get("rope_parameters") or {})

@@ -43,11 +43,12 @@ class TargetConfig(Strict):
     trust_remote_code: bool = False
     """Run the model repo's own Python code when loading its tokenizer. Off unless you ask."""
     backend: Literal["auto", "own", "transformers"] = "auto"
-    """Which code runs the target in generate, train and eval. own = draftsmith's Llama (llama, mistral, qwen2,
-    qwen3); transformers = the transformers model behind the same calls (any causal LM; eval decodes AR, chains and
-    trees at batch 1); auto = own where it maps the whole config (architecture, sliding window, no soft-capping or
-    other field it lacks), else transformers. Serve and judge mining always use the own model. Data manifests,
-    checkpoints and eval reports say which ran (target_path)."""
+    """Which code runs the target in every stage (generate, train, eval, serve, online, judge mining). own =
+    draftsmith's Llama (llama, mistral, qwen2, qwen3); transformers = the transformers model behind the same calls
+    and the same slot KV cache (any causal LM whose attention takes a prepared 4-D mask; others decode at batch 1
+    without trees); auto = own where it maps the whole config (architecture, sliding window, no soft-capping or
+    other field it lacks), else transformers. Data manifests, checkpoints and eval reports say which ran
+    (target_path)."""
 
     @field_validator("hub_id")
     @classmethod

@@ -287,3 +287,35 @@ def test_mined_labels_train_a_judge_and_drive_lossy_eval(judge_data, tiny_model_
     with pytest.raises(DraftsmithError, match="--deltas needs a judge"):
         sweep.sweep(load_recipe("tiny", [o for o in overrides if not o.startswith("eval.judge")]), None, [1], [0.5])
     assert main([*ev, "eval.temperature=1.0"]) == 2  # lossy judging is greedy-only: a one-line error
+
+
+def test_judge_mining_on_the_transformers_path_writes_the_same_records(judge_data, monkeypatch, tmp_path):
+    """data.judge_labels with target.backend=transformers: the same swaps, labels and tokens as the own model."""
+    from draftsmith.data import judge as judge_data_mod
+    from draftsmith.data.dataset import RecordDataset
+
+    root, draft_ckpt, tasks, common = judge_data
+    monkeypatch.setattr(judge_data_mod, "outcome", lambda task, text, timeout: str(len(text) % 2))
+    runs = {}
+    for backend in ("own", "transformers"):
+        out = tmp_path / backend
+        args = [
+            "generate",
+            "tiny",
+            f"out_dir={out}",
+            f"data.judge_labels.checkpoint={draft_ckpt}",
+            "data.judge_labels.tasks=gsm8k",
+            f"data.judge_labels.path={tasks}",
+            "data.judge_labels.max_swaps=3",
+            "target.dtype=float64",
+            f"target.backend={backend}",
+            *common,
+        ]
+        assert main(args) == 0
+        assert json.loads((out / "data" / "manifest.json").read_text())["target_path"] == backend
+        runs[backend] = RecordDataset(out / "data", 4096, signals={"judge"})
+    a, b = runs["own"], runs["transformers"]
+    assert len(a) == len(b) > 0
+    for i in range(len(a)):
+        assert a[i].input_ids.tolist() == b[i].input_ids.tolist()
+        assert all(torch.equal(a[i].signals[k], b[i].signals[k]) for k in a[i].signals)

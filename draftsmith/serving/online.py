@@ -109,9 +109,8 @@ class Learner:
     def __init__(self, recipe, buffer: TrafficBuffer, versions: Versions, tgt=None):
         self.recipe, self.oc, self.buffer, self.versions = recipe, recipe.online, buffer, versions
         self.root = versions.root
-        self.tgt = tgt or load_model(
-            recipe.target.model, torch.float32, "cpu", recipe.target.trust_remote_code, recipe.target.revision
-        )
+        t = recipe.target
+        self.tgt = tgt or load_model(t.model, torch.float32, "cpu", t.trust_remote_code, t.revision, backend=t.backend)
         self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.runlog = RunLog(self.root, "online")
         self.state_file = self.root / "learner.json"

@@ -180,9 +180,10 @@ class Engine:
             raise DraftsmithError("eval.judge: serve decodes losslessly; judge verification (lossy) is eval-only")
         self.device = resolve_device(recipe.target.device)
         self.dtype = resolve_dtype(recipe.target.dtype, self.device)
-        self.tgt = load_model(
-            recipe.target.model, self.dtype, self.device, recipe.target.trust_remote_code, recipe.target.revision
-        )
+        t = recipe.target
+        self.tgt = load_model(t.model, self.dtype, self.device, t.trust_remote_code, t.revision, backend=t.backend)
+        if self.tgt.backend == "transformers":  # rows come and go on the slot cache: refused before any state
+            self.tgt.model.require_slots("serve")
         self.tok, self.eos = self.tgt.tokenizer, stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.root = online_dir(recipe)
         ckpt = Path(self.ec.checkpoint) if self.ec.checkpoint else recipe.run_dir / "checkpoints" / "final"
