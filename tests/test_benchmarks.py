@@ -32,6 +32,7 @@ MAINTAINED = [
     "batch_decode",
     "probe_kills",
     "load_serve",
+    "packing",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
