@@ -14,7 +14,7 @@ was padding (pad_frac in metrics.jsonl); then packed / padded tokens per second.
 each round, so the ratio is the packing speedup. The last line names the machine and how much CPU other processes
 took while timing.
 
-Usage: python benchmarks/packing.py [--kind draft_lm|medusa|hydra|mlp_speculator|eagle] [--records 64]
+Usage: python benchmarks/packing.py [--kind draft_lm|medusa|hydra|mlp_speculator|eagle|pard] [--records 64]
        [--micro-batch 16] [--min-len 32] [--max-len 1024] [--pack-tokens 1024] [--rounds 5] [--dim 256]
        [--layers 4] [--vocab 8192] [--device cpu]
 """

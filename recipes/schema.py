@@ -288,8 +288,8 @@ class TrainConfig(Strict):
     instead of padding every record to the longest: each document attends only to itself and its RoPE positions
     start at 0, so loss and gradients equal the padded batch's (tested per kind); pad_frac in metrics.jsonl shows
     the padding left. micro_batch_size still counts records, so the data order and resume do not change. Kinds
-    draft_lm, medusa (incl. Medusa-2), hydra, mlp_speculator and eagle pack; the others are refused. Off by
-    default because not every kind packs."""
+    draft_lm, medusa (incl. Medusa-2), hydra, mlp_speculator, eagle and pard pack; acceptance_head and judge are
+    refused. Off by default because not every kind packs."""
     pack_tokens: int | None = Field(None, gt=1)
     """Tokens per packed row (train.packing); None = max_seq_len. Not below max_seq_len, so every record fits one
     row; larger rows hold more records (a micro-batch has as many rows as its records need)."""

@@ -116,6 +116,8 @@ CASES = [
     ("eagle1", "eagle", {"version": 1, "ttt_steps": 3}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
     ("eagle3", "eagle", {"version": 3, "ttt_steps": 3}, LossConfig(kind="fkl"), {"topk", "hidden_aux"}),
     ("eagle3-in-loop", "eagle", {"version": 3, "ttt_steps": 3}, LossConfig(kind="fkl", teacher="target"), set()),
+    ("pard", "pard", {"pard_k": 3}, LossConfig(kind="fkl"), {"topk"}),
+    ("pard-target-vocab", "pard", {"pard_k": 4, "draft_vocab": 64}, LossConfig(kind="ce"), set()),
     ("eagle3-deep-vocab", "eagle", {"ttt_steps": 3, "n_layers": 2, "draft_vocab": 64}, LossConfig(kind="ce"), set()),
 ]
 
@@ -236,7 +238,7 @@ def test_a_document_never_sees_its_row_neighbours(target):
     check(hydra_ctx)
 
 
-@pytest.mark.parametrize("kind", ["pard", "acceptance_head", "judge"])
+@pytest.mark.parametrize("kind", ["acceptance_head", "judge"])
 def test_kinds_that_cannot_pack_are_refused_in_one_line(kind):
     with pytest.raises(DraftsmithError, match=r"train\.packing") as e:
         objectives.check_packing(kind)
@@ -246,9 +248,9 @@ def test_kinds_that_cannot_pack_are_refused_in_one_line(kind):
 def test_a_recipe_that_packs_a_kind_that_cannot_is_refused_at_load():
     from draftsmith.recipes.loader import load_recipe
 
-    with pytest.raises(DraftsmithError, match=r"train\.packing: drafter\.kind=pard .*train\.packing=false$"):
-        load_recipe("tiny", ["drafter.kind=pard", "train.packing=true"])
-    assert load_recipe("tiny", ["train.packing=true"]).train.packing
+    with pytest.raises(DraftsmithError, match=r"train\.packing: drafter\.kind=judge .*train\.packing=false$"):
+        load_recipe("judge-smollm2", ["train.packing=true"])
+    assert load_recipe("tiny", ["drafter.kind=pard", "train.packing=true"]).train.packing
 
 
 def test_pack_tokens_below_max_seq_len_is_refused():

@@ -201,19 +201,24 @@ def _take(t: losses.Teacher, idx: torch.Tensor) -> losses.Teacher:
     return losses.Teacher(**{n: None if v is None else v[idx] for n, v in f.items()}, head=t.head)
 
 
-def _row_generators(batch: dict, ctx: Context) -> list[torch.Generator]:
+def _row_generators(batch: dict, ctx: Context) -> list:
     """One generator per row, seeded by (recipe seed, step, the row's tokens): a record's random draws are the same
-    whichever process or micro-batch it lands in, so data-parallel training equals one process."""
+    whichever process or micro-batch it lands in, so data-parallel training equals one process. A packed batch:
+    one list per row, a generator per document, each seeded as that record alone in a padded row."""
     import zlib
 
     ids = batch["input_ids"].cpu()
     real = batch.get("attention_mask", torch.ones_like(ids)).cpu().bool()  # padding depends on the neighbours
     base = (ctx.seed * 1_000_003 + ctx.step) % (1 << 31)
     dev = batch["input_ids"].device
-    return [
-        torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(row[m].numpy().tobytes()))
-        for row, m in zip(ids, real)
-    ]
+
+    def gen(tokens: torch.Tensor) -> torch.Generator:
+        return torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(tokens.numpy().tobytes()))
+
+    if "doc" in batch:
+        doc = batch["doc"].cpu()
+        return [[gen(row[d == j]) for j in range(int(d.max()) + 1)] for row, d in zip(ids, doc)]
+    return [gen(row[m]) for row, m in zip(ids, real)]
 
 
 def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
@@ -235,6 +240,8 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         retain,
         retain_min,
         _row_generators(batch, ctx),
+        batch.get("doc"),
+        batch.get("pos"),
     )
     teacher, dist, keep = _take(draft_lm_teacher(batch, cfg, ctx), lay.rows), lay.dist, None
     if cfg.kind == "ce" and getattr(m, "t2d", None) is not None:  # labels outside the draft vocabulary: no CE
