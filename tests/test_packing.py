@@ -303,3 +303,29 @@ def test_packed_training_resumes_exactly_after_a_kill_and_logs_its_padding(train
         assert x["loss"] == pytest.approx(z["loss"], rel=1e-4)  # the same records, trained alike
         assert x["input_tokens"] == z["input_tokens"] and "pad_frac" in x and "pad_frac" in z
         assert 0 <= x["pad_frac"] < z["pad_frac"]
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        "{kind: eagle, ttt_steps: 2}",
+        "{kind: hydra, n_heads: 2, prefix_attention: true}",
+        "{kind: pard, n_layers: 1, pard_k: 3}",
+    ],
+    ids=["eagle3", "hydra++", "pard"],
+)
+def test_the_loop_trains_packed_like_padded_with_the_target_in_the_loop(train_run, drafter):
+    """Through `draftsmith train`: features and teacher from the frozen target in the loop (the records store top-k
+    only), packed and padded runs end with the same weights, and packing leaves less padding."""
+    from safetensors.torch import load_file
+
+    common = [f"drafter={drafter}", "train.steps=2", "train.micro_batch_size=4", "train.loss.teacher=target"]
+    plain = train_run("plain", *common)
+    packed = train_run("packed", *common, "train.packing=true", "train.pack_tokens=256")
+    a, b = (load_file(str(p / "checkpoints" / "final" / "model.safetensors")) for p in (plain, packed))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    for x, y in zip(_rows(plain), _rows(packed)):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["input_tokens"] == x["input_tokens"] and y["pad_frac"] < x["pad_frac"]
