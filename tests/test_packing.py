@@ -329,3 +329,28 @@ def test_the_loop_trains_packed_like_padded_with_the_target_in_the_loop(train_ru
     for x, y in zip(_rows(plain), _rows(packed)):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
         assert y["input_tokens"] == x["input_tokens"] and y["pad_frac"] < x["pad_frac"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() == 1, reason="two ranks on one GPU")
+def test_two_gloo_processes_packing_their_halves_equal_one(train_run, tiny_model_dir, prompts_file):
+    """Each rank packs its own slice of the global batch; the step is normalised by the trained tokens of all
+    ranks, so two packed processes train like one packed (or padded) process."""
+    import shutil
+
+    from conftest import run_two_ranks
+    from safetensors.torch import load_file
+
+    packed = ["train.packing=true", "train.steps=3", "train.loss.kind=fkl"]
+    one = train_run("one", "train.micro_batch_size=4", *packed)
+    two = one.parent / "two"
+    shutil.copytree(one / "data", two / "data")
+    res = run_two_ranks(
+        "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+        f"out_dir={two}", "-q", "train.micro_batch_size=2", *packed,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = (load_file(str(p / "checkpoints" / "final" / "model.safetensors")) for p in (one, two))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    for x, y in zip(_rows(one), _rows(two), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["input_tokens"] == x["input_tokens"]
