@@ -354,3 +354,26 @@ def test_two_gloo_processes_packing_their_halves_equal_one(train_run, tiny_model
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     for x, y in zip(_rows(one), _rows(two), strict=True):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["input_tokens"] == x["input_tokens"]
+
+
+@pytest.mark.parametrize("backend", ["own", "transformers"])
+def test_sliding_window_targets_slide_inside_each_document(tmp_path, tiny_tokenizer, backend):
+    """A Qwen2 target whose first layer slides a 4-token window: each packed document's hidden states equal the
+    record's own forward alone, on both target paths (the window counts positions inside the document)."""
+    from draftsmith.models.tiny import save_tiny_target
+
+    path = save_tiny_target(
+        tmp_path / "qwen2w", tiny_tokenizer, "qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1
+    )
+    tgt = load_model(str(path), torch.float64, backend=backend).model
+    recs = _records(len(tiny_tokenizer), 64, 3)
+    b = collate_packed(recs, 64)
+    h = tgt(b["input_ids"], return_hidden=True, **objectives.packed_kw(b))
+    seen = 0
+    for r in range(len(h)):
+        for j in range(int(b["doc"][r].max()) + 1):
+            at = b["doc"][r] == j
+            alone = tgt(b["input_ids"][r][at][None], return_hidden=True)[0]
+            torch.testing.assert_close(h[r][at], alone, rtol=1e-9, atol=1e-10)
+            seen += 1
+    assert seen == len(recs)
