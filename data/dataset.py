@@ -131,6 +131,75 @@ def collate(records: list[Record]) -> dict[str, torch.Tensor]:
     return batch
 
 
+def pack_rows(lengths: list[int], row_tokens: int) -> list[list[int]]:
+    """First-fit decreasing: record indices grouped into rows of at most ``row_tokens`` tokens, longest record first
+    (ties in index order), each into the first row with room; a record is never split. A function of the lengths
+    only, so a resumed run packs its micro-batches as the uninterrupted one did."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n > row_tokens:
+            raise ValueError(f"a record of {n} tokens cannot fit a packed row of {row_tokens}")
+        r = next((r for r, free in enumerate(room) if n <= free), None)
+        if r is None:
+            rows.append([])
+            room.append(row_tokens)
+            r = len(rows) - 1
+        rows[r].append(i)
+        room[r] -= n
+    return rows
+
+
+def collate_packed(records: list[Record], row_tokens: int) -> dict[str, torch.Tensor]:
+    """Pack records into rows of at most ``row_tokens`` tokens (``pack_rows``), right-padded to the fullest row.
+
+    The keys of ``collate`` with the same meanings, plus pos (B, T): each token's position in its own record (RoPE
+    restarts at 0 per document) and doc (B, T): the record's index within its row, -1 on padding (attention masks
+    and shifted targets stay inside a document: train/objectives.py ``doc_mask``). A record's last token predicts
+    nothing, so no label crosses into the next record; loss-axis signals follow the row-major order of
+    predict_mask, token-axis signals sit at their record's tokens.
+    """
+    lengths = [len(r.input_ids) for r in records]
+    rows = pack_rows(lengths, row_tokens)
+    B, T = len(rows), max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    predict = torch.zeros(B, T, dtype=torch.bool)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    doc = torch.full((B, T), -1, dtype=torch.long)
+    token_sig = {k: v for k, v in records[0].signals.items() if SIGNALS[k] == "token"}
+    padded = {k: v.new_zeros((B, T, *v.shape[1:])) for k, v in token_sig.items()}
+    order = []
+    for b, row in enumerate(rows):
+        s = 0
+        for j, i in enumerate(row):
+            r, n = records[i], lengths[i]
+            ids[b, s : s + n] = r.input_ids
+            attn[b, s : s + n] = True
+            predict[b, s : s + n - 1] = r.loss_mask[1:]
+            pos[b, s : s + n] = torch.arange(n)
+            doc[b, s : s + n] = j
+            for k in padded:
+                padded[k][b, s : s + n] = r.signals[k]
+            order.append(i)
+            s += n
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attn,
+        "predict_mask": predict,
+        "labels": ids[:, 1:][predict[:, :-1]],
+        "source": torch.tensor([records[i].source for i in order]),
+        "pos": pos,
+        "doc": doc,
+        **padded,
+    }
+    for name in records[0].signals:
+        if SIGNALS[name] == "loss":  # row-major over the rows = the records in placement order
+            batch[name] = torch.cat([records[i].signals[name] for i in order])
+    return batch
+
+
 def hf_dataset(data_dir: Path, signals: set[str] | None = None):
     """The records as a streaming ``datasets.IterableDataset`` (one row per sequence, nothing loaded up front).
 

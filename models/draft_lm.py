@@ -227,4 +227,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:draft_lm_objective",
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
+    packs=True,
 )

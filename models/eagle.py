@@ -295,16 +295,26 @@ class Eagle(ReducedVocab, nn.Module):
         select=None,
         head_fn=None,
         step_tokens: dict[int, torch.Tensor] | None = None,
+        pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
         x_{i+s+2}. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
         or, without head_fn, the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads
-        instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need)."""
+        instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need).
+
+        Packed rows (train.packing): ``pos`` (B, T) each token's position in its document and ``attn_mask``
+        (B, T, T) the step-0 keys each query may see (causal inside its document). Later steps only ever read the
+        row's own keys, so a row whose shifted token lies in the next document is wrong only for itself, and the
+        objective never selects it (train/objectives.py ``shifted_teachers``)."""
         B, T = ids.shape
         state = self.project(feats)
-        base = torch.arange(T, device=ids.device).expand(B, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()
+        base = torch.arange(T, device=ids.device).expand(B, T) if pos is None else pos
+        if attn_mask is None:
+            causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None, None]
+        else:
+            causal = attn_mask[:, None]  # (B, 1, T, T); on GPU a FlexAttention block mask would go here
         kv = [([], []) for _ in range(self.cfg.n_layers)]  # per layer: the keys / values of every step so far
         results = []
         for s in range(steps):
@@ -451,4 +461,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:eagle_objective",
     signals=frozenset({"topk", "hidden_last", "hidden_aux"}),
     fsdp_wrap=(Block,),
+    packs=True,
 )  # Block: the layers after the first

@@ -99,10 +99,11 @@ class HydraHeads(FeatureHeads):
         cache: KVCache | None = None,
         pos: torch.Tensor | None = None,
         valid: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """(n, D) or (B, n, D) with a cache (decoding, appended after the committed positions; ``pos`` / ``valid``
-        (B, n) for left-padded rows) or (B, T, D) without (training, causal over the whole sequence) -> the prefix
-        layer's outputs, same shape."""
+        (B, n) for left-padded rows) or (B, T, D) without (training, causal over the whole sequence, or over each
+        document of a packed row: ``pos`` and ``attn_mask`` (B, T, T)) -> the prefix layer's outputs, same shape."""
         if self.cfg.prefix is None:
             return hs
         x = hs if hs.dim() == 3 else hs[None]
@@ -112,6 +113,8 @@ class HydraHeads(FeatureHeads):
             pos = torch.arange(start, start + T, device=x.device).expand(B, T)
         cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
         mask = prepare_cache(cache, T, valid, None) if cache is not None else None
+        if cache is None and attn_mask is not None:
+            mask = attn_mask[:, None]
         y = self.prefix(x, cos, sin, mask, cache, 0)
         if cache is not None:
             cache.length += T
@@ -128,10 +131,13 @@ class HydraHeads(FeatureHeads):
         self.num_params = lambda exclude_embeddings=False: counts[exclude_embeddings]  # as before the fusion
         return self
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
+    def forward(
+        self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None, pos=None, attn_mask=None
+    ):
         """Teacher-forced pass: h (B, T, D), ids (B, T); head k at t reads tokens t+1..t+k+1. Returns
-        ``[head_fn(k, x_k[select[k]], lm_head_k.weight)]`` or the (K, B, T, V) logits."""
-        h = self.read_context(h)
+        ``[head_fn(k, x_k[select[k]], lm_head_k.weight)]`` or the (K, B, T, V) logits. pos / attn_mask: a packed
+        batch's documents, for the prefix layer (``read_context``)."""
+        h = self.read_context(h, pos=pos, attn_mask=attn_mask)
         B, T, D = h.shape
         parts, outs = [h], []
         for k in range(self.cfg.n_heads):
@@ -192,4 +198,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     fsdp_wrap=(WideResBlock, Block),
+    packs=True,
 )  # Block: Hydra++'s prefix layer

@@ -144,14 +144,17 @@ class MedusaHeads(FeatureHeads):
         select: list[torch.Tensor] | None = None,
         head_fn=None,
         base_select: torch.Tensor | None = None,
+        pos: torch.Tensor | None = None,
+        attn_mask: torch.Tensor | None = None,
     ):
         """h (..., D) target hidden states -> (K, N, V) logits over the flattened positions; or, with ``head_fn``,
         ``[head_fn(k, block_k(h[select[k]]), lm_head_k.weight)]`` (chunked losses run inside forward, where
         sharding wrappers have the weights gathered). Medusa-2: h is computed here by the adapted target from ids,
-        and ``head_fn(-1, its states at base_select, its LM head)`` comes first in the list."""
+        and ``head_fn(-1, its states at base_select, its LM head)`` comes first in the list; pos / attn_mask: a
+        packed batch's documents for that forward (each head reads one position only)."""
         first = []
         if self.base is not None:
-            h = self.base(ids, return_hidden=True)
+            h = self.base(ids, pos=pos, attn_mask=attn_mask, return_hidden=True)
             if head_fn is not None:
                 hb = h.reshape(-1, h.shape[-1])
                 first = [head_fn(-1, hb if base_select is None else hb[base_select], self.base.lm_head.weight)]
@@ -220,4 +223,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     fsdp_wrap=(ResBlock, Block),
+    packs=True,
 )  # Block: Medusa-2's adapted target

@@ -77,10 +77,13 @@ class MLPSpeculator(FeatureHeads):
         mixed = self.proj[k](state) + self.emb[k](tokens) * (self.emb_weight / self.state_weight)
         return F.gelu(self.ln[k](mixed))
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None):
+    def forward(
+        self, h: torch.Tensor, ids: torch.Tensor | None = None, select=None, head_fn=None, pos=None, attn_mask=None
+    ):
         """Teacher-forced training pass. h (B, T, D) target hidden states and ids (B, T) the sequence; stage k at
         position t reads token t+k+1. Returns ``[head_fn(k, state_k[select[k]], head_k.weight)]``, or the
-        (K, B, T, V) logits without head_fn."""
+        (K, B, T, V) logits without head_fn. pos / attn_mask (a packed batch) change nothing: no stage mixes
+        positions, and the selected ones read tokens of their own document."""
         B, T, _ = h.shape
         state, outs = h, []
         for k in range(self.cfg.n_predict):
@@ -143,4 +146,5 @@ SPEC = DrafterSpec(
     interface="heads",
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
+    packs=True,
 )

@@ -147,24 +147,51 @@ def cod_segments(pm: torch.Tensor, k: int, retain: float, retain_min: float, gen
 
 
 def cod_layout(
-    ids: torch.Tensor, pm: torch.Tensor, k: int, mask_id: int, retain: float, retain_min: float, generator=None
+    ids: torch.Tensor,
+    pm: torch.Tensor,
+    k: int,
+    mask_id: int,
+    retain: float,
+    retain_min: float,
+    generator=None,
+    doc: torch.Tensor | None = None,
+    pos: torch.Tensor | None = None,
 ) -> CodLayout:
     """ids, pm (B, T): the records' tokens and predict_mask -> the COD training batch (module docstring). Row b's
     masks follow its T real tokens, segment by segment; rows are right-padded with masks that see only
-    themselves and are not trained."""
+    themselves and are not trained.
+
+    Packed rows (train.packing): ``doc`` (B, T) each token's document in its row (-1: padding) and ``pos`` (B, T)
+    its position in that document. Each document draws its own segments (``generator[b][j]`` for document j of
+    row b, so its draws are those it gets alone in a padded row), its masks follow the row's tokens document by
+    document, and a mask sees only its own document's real tokens and chain."""
     B, T = ids.shape
     dev = ids.device
+    packed = doc is not None
+    if not packed:  # one document per row, positions 0..T-1
+        doc = torch.zeros(B, T, dtype=torch.long, device=dev)
+        pos = torch.arange(T, device=dev).expand(B, T)
     gens = generator if isinstance(generator, list) else [generator] * B  # one per row, or one for all
-    segs = [cod_segments(pm[b], k, retain, retain_min, gens[b]) for b in range(B)]
-    extra = [sum(s.numel() for s in row) for row in segs]
+    spans = []  # per row: (document, first column, its segments' positions in the document)
+    for b in range(B):
+        row = []
+        for j in doc[b].unique().tolist() if packed else [0]:
+            if j < 0:
+                continue
+            cols = (doc[b] == j).nonzero().flatten()
+            a, e = int(cols[0]), int(cols[-1]) + 1
+            g = gens[b][j] if packed else gens[b]
+            row.append((j, a, cod_segments(pm[b, a:e], k, retain, retain_min, g)))
+        spans.append(row)
+    extra = [sum(p.numel() for _, _, segs in row for p in segs) for row in spans]
     W = T + max(extra, default=0)
     out_ids = torch.full((B, W), mask_id, dtype=ids.dtype, device=dev)
     out_ids[:, :T] = ids
-    ar = torch.arange(T, device=dev)
-    pos = torch.zeros(B, W, dtype=torch.long, device=dev)
+    out_pos = torch.zeros(B, W, dtype=torch.long, device=dev)
+    out_doc = torch.full((B, W), -1, dtype=torch.long, device=dev)
     seg = torch.full((B, W), -1, dtype=torch.long, device=dev)
     anchor = torch.full((B, W), -2, dtype=torch.long, device=dev)  # the last real token each position sees
-    pos[:, :T], seg[:, :T], anchor[:, :T] = ar, 0, ar
+    out_pos[:, :T], out_doc[:, :T], seg[:, :T], anchor[:, :T] = pos, doc, 0, pos
     train = torch.zeros(B, W, dtype=torch.bool, device=dev)
     train[:, :T] = pm
     row = pm.flatten().long().cumsum(0).view(B, T) - 1  # records' row of each predicting position
@@ -173,18 +200,20 @@ def cod_layout(
         rows.append(row[b, pm[b]])
         dist.append(torch.ones(int(pm[b].sum()), dtype=torch.long, device=dev))
         s = T
-        for i, p in enumerate(segs[b], start=1):
-            e = s + p.numel()
-            pos[b, s:e], seg[b, s:e], anchor[b, s:e], train[b, s:e] = p, i, p - i, True
-            rows.append(row[b, p])
-            dist.append(torch.full((p.numel(),), i + 1, dtype=torch.long, device=dev))
-            s = e
+        for j, a, segs in spans[b]:
+            for i, p in enumerate(segs, start=1):
+                e = s + p.numel()
+                out_pos[b, s:e], out_doc[b, s:e], seg[b, s:e], anchor[b, s:e], train[b, s:e] = p, j, i, p - i, True
+                rows.append(row[b, a + p])
+                dist.append(torch.full((p.numel(),), i + 1, dtype=torch.long, device=dev))
+                s = e
     sq, sk = seg[:, :, None], seg[:, None, :]
     aq, ak = anchor[:, :, None], anchor[:, None, :]
-    real_key = (sk == 0) & (pos[:, None, :] <= aq) & (sq >= 0)
-    chain_key = (sk >= 1) & (ak == aq) & (sk <= sq)
+    same = out_doc[:, :, None] == out_doc[:, None, :]
+    real_key = (sk == 0) & same & (out_pos[:, None, :] <= aq) & (sq >= 0)
+    chain_key = (sk >= 1) & same & (ak == aq) & (sk <= sq)
     mask = real_key | chain_key | torch.eye(W, dtype=torch.bool, device=dev)[None]
-    return CodLayout(out_ids, pos, mask, train, torch.cat(rows), torch.cat(dist))
+    return CodLayout(out_ids, out_pos, mask, train, torch.cat(rows), torch.cat(dist))
 
 
 SPEC = DrafterSpec(
@@ -196,4 +225,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:pard_objective",
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
+    packs=True,
 )

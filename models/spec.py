@@ -52,6 +52,9 @@ class DrafterSpec:
         when it depends on it); drafters that read target features get it anyway when the records lack them.
     fsdp_wrap: module classes FSDP (recipes/accelerate/fsdp2.yaml) shards as units; those absent from a built
         drafter (an optional block) are skipped.
+    packs: the objective trains on packed batches (train.packing, data/dataset.py ``collate_packed``): it passes
+        the batch's per-document positions and mask (train/objectives.py ``packed_kw``) to every forward that
+        mixes positions and keeps shifted targets inside a document. Kinds without it refuse train.packing.
     """
 
     kind: str
@@ -63,6 +66,7 @@ class DrafterSpec:
     signals: frozenset[str] | Callable = frozenset({"topk"})
     needs_target: bool | Callable = False
     fsdp_wrap: tuple[type, ...] = ()
+    packs: bool = False
 
     def __post_init__(self):
         if self.interface not in (*INTERFACES, None):

@@ -34,6 +34,7 @@ MAINTAINED = [
     "load_serve",
     "data_curve",
     "utilisation",
+    "packing",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

@@ -13,12 +13,13 @@ import logging
 import math
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.dataset import RecordDataset, collate, token_counts
+from draftsmith.data.dataset import RecordDataset, collate, collate_packed, token_counts
 from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.hetero import OwnVocabDrafter
@@ -29,7 +30,7 @@ from draftsmith.models.registry import build_drafter, drafter_spec, load_weights
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_precision
-from draftsmith.train.objectives import Context, features_stored, objective_for
+from draftsmith.train.objectives import Context, check_packing, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,8 @@ def train(recipe) -> Path:
         )
     kind, params = recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
     spec = drafter_spec(kind)
+    if tc.packing:
+        check_packing(kind)
     facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
     target_tok, own_tok = tgt.tokenizer, None
     if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (models/own_vocab.py)
@@ -217,8 +220,11 @@ def train(recipe) -> Path:
     sampler = GlobalBatches(
         len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
     )
+    # train.packing: the sampler's micro-batch of records, packed into rows (a function of the records only, so a
+    # resumed run packs as the uninterrupted one did)
+    coll = partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len) if tc.packing else collate
     # its own generator: the loader's seed draw must not move the global RNG a resumed run has just restored
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=coll, generator=torch.Generator())
     batches = iter(loader)
     objective = objective_for(kind)
     ctx = Context(
@@ -405,6 +411,8 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     trained tokens in the whole step across all processes, so the update equals one big batch's exactly."""
     micro = [{k: v.to(acc.device) for k, v in next(batches).items()} for _ in range(tc.grad_accum)]
     n_local = sum(int(b["predict_mask"].sum()) for b in micro)
+    # real input tokens and the token slots the forwards ran on (padding included): pad_frac in the metrics
+    real, slots = sum(int(b["attention_mask"].sum()) for b in micro), sum(b["input_ids"].numel() for b in micro)
     n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device, dtype=torch.float64), "sum"))
     scale = acc.num_processes / max(1.0, n_global)  # DDP averages gradients over processes
     loss_sum, metrics, n_metric = torch.zeros((), device=acc.device), {}, 0
@@ -430,21 +438,32 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     # One all-reduce for the loss and every metric: logged numbers describe the global batch, not rank 0's part.
     keys = sorted(metrics)
     sums = acc.reduce(
-        torch.tensor([float(loss_sum), n_metric, *(metrics[k] for k in keys)], device=acc.device, dtype=torch.float64),
+        torch.tensor(
+            [float(loss_sum), n_metric, real, slots, *(metrics[k] for k in keys)],
+            device=acc.device,
+            dtype=torch.float64,
+        ),
         "sum",
     ).tolist()
     return {
         "loss": sums[0] / max(1.0, n_global),
         "n": int(n_global),
         "tokens": int(n_global),
+        "real": sums[2],
+        "slots": sums[3],
         "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-        **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[2:])},
+        **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[4:])},
     }
 
 
 def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:
     n = sum(w["n"] for w in window)
-    m = {k: sum(w[k] * w["n"] for w in window) / max(1, n) for k in window[0] if k not in ("n", "tokens")}
+    skip = ("n", "tokens", "real", "slots")
+    m = {k: sum(w[k] * w["n"] for w in window) / max(1, n) for k in window[0] if k not in skip}
+    # input tokens per optimizer step (all processes) and the share of the forwards' token slots that was padding
+    real, slots = sum(w["real"] for w in window), sum(w["slots"] for w in window)
+    m["input_tokens"] = real / len(window)
+    m["pad_frac"] = 1 - real / max(1.0, slots)
     m["loss"] = sum(w["loss"] for w in window) / len(window)
     m["grad_norm"] = sum(w["grad_norm"] for w in window) / len(window)
     if "alpha" in m and "tau_estimate" not in m:  # chain of eval.draft_len drafts, i.i.d. acceptance (A1.3)

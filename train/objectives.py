@@ -60,6 +60,45 @@ def objective_for(kind: str) -> Callable:
     return obj
 
 
+def check_packing(kind: str) -> None:
+    """train.packing: refuse, in one line, a kind whose objective has no packed layout (``DrafterSpec.packs``)."""
+    if not drafter_spec(kind).packs:
+        raise DraftsmithError(
+            f"train.packing: drafter.kind={kind} trains on one record per row (its objective has no packed "
+            f"layout); set train.packing=false"
+        )
+
+
+def doc_mask(batch: dict) -> torch.Tensor | None:
+    """A packed batch's attention mask (B, T, T) bool, causal inside each document (data/dataset.py
+    ``collate_packed``: ``doc``), or None for a padded batch (plain causal attention). Padding sees only itself and
+    earlier padding, so no softmax row is empty.
+
+    This dense mask costs B x T x T bytes and SDPA still computes the blocks it masks. On GPU the same layout is
+    what FlexAttention's block mask (a document mask_mod over ``doc``) or a varlen kernel (cu_seqlens from the
+    documents' lengths) takes, skipping the cross-document blocks; neither is built here."""
+    doc = batch.get("doc")
+    if doc is None:
+        return None
+    T = doc.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]) & causal
+
+
+def packed_kw(batch: dict) -> dict:
+    """Keyword arguments that give a forward a packed batch's layout (per-document positions and mask); none for a
+    padded batch. Every forward that mixes positions (the target in the loop, draft LMs, EAGLE's layer, Hydra++'s
+    prefix layer, Medusa-2's adapted target) takes them."""
+    return {} if "doc" not in batch else {"pos": batch["pos"], "attn_mask": doc_mask(batch)}
+
+
+def _features_dtype(ctx: Context) -> torch.dtype:
+    """Features enter the drafter in float32 (stored ones are often bf16), or float64 for a float64 drafter (the
+    exactness tests)."""
+    p = next(ctx.unwrapped.parameters(), None)
+    return torch.float64 if p is not None and p.dtype == torch.float64 else torch.float32
+
+
 def _spec(cfg) -> losses.LossSpec:
     return losses.LossSpec(
         kind=cfg.kind,
@@ -94,7 +133,7 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
         if ctx.target is None:
             raise DraftsmithError("train.loss.teacher=target needs the target loaded in the loop")
         with torch.no_grad():
-            h = ctx.target(batch["input_ids"], logits_at=batch["predict_mask"], return_hidden=True)
+            h = ctx.target(batch["input_ids"], logits_at=batch["predict_mask"], return_hidden=True, **packed_kw(batch))
         if t2d is not None:  # teacher restricted to the draft vocabulary, un-renormalised tail via top-k form
             raise DraftsmithError(
                 "train.loss.teacher=target with drafter.draft_vocab is not supported: use teacher=records"
@@ -152,7 +191,7 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(h, head, t, _spec(cfg), ctx.generator) * h.shape[0]
         return loss, h.shape[0], _metrics(h, head, t, cfg)
 
-    loss, n, m = model(batch["input_ids"], logits_at=batch["predict_mask"], head_fn=head_fn)
+    loss, n, m = model(batch["input_ids"], logits_at=batch["predict_mask"], head_fn=head_fn, **packed_kw(batch))
     return StepOutput(loss, n, m)
 
 
@@ -162,19 +201,24 @@ def _take(t: losses.Teacher, idx: torch.Tensor) -> losses.Teacher:
     return losses.Teacher(**{n: None if v is None else v[idx] for n, v in f.items()}, head=t.head)
 
 
-def _row_generators(batch: dict, ctx: Context) -> list[torch.Generator]:
+def _row_generators(batch: dict, ctx: Context) -> list:
     """One generator per row, seeded by (recipe seed, step, the row's tokens): a record's random draws are the same
-    whichever process or micro-batch it lands in, so data-parallel training equals one process."""
+    whichever process or micro-batch it lands in, so data-parallel training equals one process. A packed batch:
+    one list per row, a generator per document, each seeded as that record alone in a padded row."""
     import zlib
 
     ids = batch["input_ids"].cpu()
     real = batch.get("attention_mask", torch.ones_like(ids)).cpu().bool()  # padding depends on the neighbours
     base = (ctx.seed * 1_000_003 + ctx.step) % (1 << 31)
     dev = batch["input_ids"].device
-    return [
-        torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(row[m].numpy().tobytes()))
-        for row, m in zip(ids, real)
-    ]
+
+    def gen(tokens: torch.Tensor) -> torch.Generator:
+        return torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(tokens.numpy().tobytes()))
+
+    if "doc" in batch:
+        doc = batch["doc"].cpu()
+        return [[gen(row[d == j]) for j in range(int(d.max()) + 1)] for row, d in zip(ids, doc)]
+    return [gen(row[m]) for row, m in zip(ids, real)]
 
 
 def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
@@ -196,6 +240,8 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         retain,
         retain_min,
         _row_generators(batch, ctx),
+        batch.get("doc"),
+        batch.get("pos"),
     )
     teacher, dist, keep = _take(draft_lm_teacher(batch, cfg, ctx), lay.rows), lay.dist, None
     if cfg.kind == "ce" and getattr(m, "t2d", None) is not None:  # labels outside the draft vocabulary: no CE
@@ -218,15 +264,16 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 def target_features(batch: dict, ctx: Context) -> torch.Tensor:
     """The target's final hidden states after its norm (B, T, D): stored (data.signals.hidden_last) or computed
     by the frozen target in the loop (both give the same loss; tested)."""
+    dtype = _features_dtype(ctx)
     if "hidden_last" in batch:
-        return batch["hidden_last"].float()
+        return batch["hidden_last"].to(dtype)
     if ctx.target is None:
         raise DraftsmithError(
             "this drafter reads target hidden states: store them (data.signals.hidden_last) "
             "or let the loop run the target"
         )
     with torch.no_grad():
-        return ctx.target(batch["input_ids"], return_hidden=True).float()
+        return ctx.target(batch["input_ids"], return_hidden=True, **packed_kw(batch)).to(dtype)
 
 
 def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None):
@@ -235,7 +282,7 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
     of t+k+1]). ``hidden`` (B, T, D): the target's final states, for teacher=target. With a reduced draft
     vocabulary (``t2d``), labels and top-k ids are mapped into it, positions whose label it lacks are dropped
     (EAGLE-3's mask), and a target teacher is restricted to the kept rows ``head`` of the target's LM head."""
-    pm = batch["predict_mask"]
+    pm, doc = batch["predict_mask"], batch.get("doc")
     B, T = pm.shape
     row = pm.flatten().long().cumsum(0).view(B, T) - 1  # loss-axis row of each predicting position
     flat = torch.arange(B * T, device=pm.device).view(B, T)
@@ -246,6 +293,8 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
         sel = torch.zeros_like(pm)
         if s < T:
             sel[:, : T - s] = pm[:, : T - s] & pm[:, s:]
+            if doc is not None:  # packed rows: t + s must lie in t's own document
+                sel[:, : T - s] &= doc[:, : T - s] == doc[:, s:]
             if t2d is not None:
                 sel[:, : T - s] &= labels_all[row[:, s:].clamp(min=0)] >= 0
         rows = row[:, s:][sel[:, : T - s]] if s < T else row.new_empty(0)
@@ -310,7 +359,7 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         return loss * weight, n, _metrics(x, w, t, cfg, ranks=3)
 
     extra = {"base_select": batch["predict_mask"].flatten()} if joint else {}
-    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn, **extra)
+    outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn, **extra, **packed_kw(batch))
     m = _per_step_metrics(outs[1:] if joint else outs, "head")
     if joint:  # how far the adapted target drifted from the original (1.0 = the same argmax everywhere)
         m["top1_target"] = outs[0][2]["top1"]
@@ -321,12 +370,12 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (f (B, T, F) the drafter's input features, the target's final normed states (B, T, D) or None).
     Stored records (hidden_last for EAGLE-1, hidden_aux for EAGLE-3) or the frozen target in the loop."""
-    eagle = ctx.unwrapped
+    eagle, dtype = ctx.unwrapped, _features_dtype(ctx)
     if eagle.cfg.version == 1 and "hidden_last" in batch:
-        f = batch["hidden_last"].float()
+        f = batch["hidden_last"].to(dtype)
         return f, f
     if eagle.cfg.version == 3 and "hidden_aux" in batch and ctx.target is None:
-        a = batch["hidden_aux"].float()  # (B, T, A, D) in aux_layers order
+        a = batch["hidden_aux"].to(dtype)  # (B, T, A, D) in aux_layers order
         return a.reshape(*a.shape[:2], -1), None
     if ctx.target is None:
         raise DraftsmithError(
@@ -334,8 +383,10 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
             "hidden_last / hidden_layers) or let the loop run the target"
         )
     with torch.no_grad():
-        h, cap = ctx.target(batch["input_ids"], capture_layers=eagle.capture_layers, return_hidden=True)
-        return eagle.features(cap, ctx.target).float(), h.float()
+        h, cap = ctx.target(
+            batch["input_ids"], capture_layers=eagle.capture_layers, return_hidden=True, **packed_kw(batch)
+        )
+        return eagle.features(cap, ctx.target).to(dtype), h.to(dtype)
 
 
 def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
@@ -370,7 +421,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
         return loss * decay**s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
-    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn)
+    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch))
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
