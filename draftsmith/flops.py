@@ -14,6 +14,7 @@ reuses the figure: per token, which holds while the shapes (sequence lengths, ba
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -43,13 +44,15 @@ def count_flops(fn, *args, **kwargs) -> tuple[int, object]:
     return int(fc.get_total_flops()), out
 
 
+@functools.cache
 @torch.no_grad()
 def measured_peak(device: str | torch.device, dtype: torch.dtype, n: int | None = None, reps: int = 3) -> float:
     """The best FLOP/s of ``reps`` (n x n) @ (n x n) matmuls in ``dtype`` on ``device`` (after one warm-up)."""
     device = torch.device(device)
     n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    g = torch.Generator(device=device).manual_seed(0)  # its own: a training run's random streams stay untouched
+    a = torch.randn(n, n, device=device, generator=g).to(dtype)
+    b = torch.randn(n, n, device=device, generator=g).to(dtype)
     best = float("inf")
     for i in range(reps + 1):
         if device.type == "cuda":

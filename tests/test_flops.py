@@ -49,3 +49,18 @@ def test_meter_turns_tokens_per_second_into_tflops_and_mfu(monkeypatch):
     m = Meter.from_step(flops=6_000_000, tokens=1000, device="cpu", dtype=torch.float32)
     assert m.flops_per_token == 6000
     assert m.tflops(1e9) == pytest.approx(6.0) and m.mfu(1e9) == pytest.approx(3.0)
+
+
+def test_training_logs_tflops_and_mfu_from_a_counted_step(train_run, monkeypatch):
+    """`draftsmith train` counts one step's FLOPs and logs input tokens/s, TFLOP/s and MFU per device in every window
+    after it (a fixed peak here, so MFU is TFLOP/s over it)."""
+    import json
+
+    monkeypatch.setattr(flops, "measured_peak", lambda d, t: 1e9)  # a fixed peak: MFU = FLOP/s / 1e9
+    run = train_run("mfu", "train.steps=4", "train.log_every=1")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("stage") == "train" and "loss" in r]
+    assert len(rows) == 4 and "mfu" not in rows[0]  # the first window comes before the counted step
+    for r in rows[1:]:
+        assert r["input_tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / 1e9, rel=0.02)  # (logged to 5 decimals)

@@ -24,6 +24,7 @@ from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.hetero import OwnVocabDrafter
 from draftsmith.eval.quick import tau_from_alpha
+from draftsmith.flops import Meter, peak_flops
 from draftsmith.models import own_vocab
 from draftsmith.models.loading import load_model, read_json, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
@@ -259,9 +260,14 @@ def train(recipe) -> Path:
     bar = tqdm(
         total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process, dynamic_ncols=True
     )
+    meter, tw = _meter(acc, drafter, counters.get("flops_per_token")), time.perf_counter()
     while step < tc.steps:
         ctx.step = step
-        out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
+        if step == 1:  # the second step's FLOPs, counted once per run (a resumed run keeps the figure): MFU
+            out, meter = _counted_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
+            counters["flops_per_token"] = None if meter is None else meter.flops_per_token
+        else:
+            out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
         counters["batches"] += tc.grad_accum
         counters["tokens"] += out["tokens"]
         window.append(out)
@@ -269,6 +275,12 @@ def train(recipe) -> Path:
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
             m = _window_metrics(window, counters, t0, recipe.eval.draft_len)
+            now = time.perf_counter()
+            rate = sum(w["real"] for w in window) / max(1e-9, now - tw) / acc.num_processes  # per device
+            m["input_tokens_per_s"] = rate
+            if meter is not None:
+                m.update(tflops=meter.tflops(rate), mfu=meter.mfu(rate))
+            tw = now
             m.update(lr=sched.get_last_lr()[0], peak_mem_mb=peak_memory_mb(str(acc.device)))
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
@@ -454,6 +466,31 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
         "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
         **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[4:])},
     }
+
+
+def _counted_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> tuple[dict, Meter | None]:
+    """One optimizer step with its FLOPs counted (draftsmith/flops.py): (its output, a Meter for the logs' tflops
+    and mfu per device, or None where counting fails: the step's result stands either way). Every run counts the
+    same step (step index 1), so a resumed run computes what an uninterrupted one does, bit for bit."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
+    try:
+        return out, _meter(acc, drafter, counter.get_total_flops() / max(1.0, out["real"] / acc.num_processes))
+    except Exception as e:  # pragma: no cover - no peak for this device
+        log.warning("train: no MFU in the logs (%s)", e)
+        return out, None
+
+
+def _meter(acc, drafter, flops_per_token: float | None) -> Meter | None:
+    """A Meter for ``flops_per_token`` against this device's peak in the step's dtype (None: nothing counted)."""
+    if flops_per_token is None:
+        return None
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(str(acc.mixed_precision))
+    dtype = amp or next(p for p in acc.unwrap_model(drafter).parameters()).dtype
+    return Meter(flops_per_token, *peak_flops(acc.device, dtype))
 
 
 def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:
