@@ -180,6 +180,233 @@ def decode_batch(
     return _split_rows(contexts, L, torch.stack(toks, 1).cpu(), eos_ids, rows, hidden)
 
 
+@dataclass
+class _Job:
+    """One context to answer in ``Refill``: its own generator and budget; ``slot`` its rows in the signal buffers."""
+
+    key: object
+    ctx: list[int]
+    gen: torch.Generator | None
+    budget: int
+    slot: int = -1
+    t: int = 0  # tokens picked so far
+    ctx_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # (len(ctx), ...) on the device
+
+
+class Refill:
+    """Generation that keeps ``batch_size`` rows busy (continuous batching): when a row ends (EOS or its budget),
+    the next pending context is prefilled and joins the decode in its place. Output per context equals
+    ``decode_batch`` on that context alone: the same signals, the same draws from its own generator.
+
+    The caches are eval/batch.py ``RowCache``s (rows of one slot-addressed KV cache that join and leave, compacted
+    when full, kernels/kv.py ``compact_rows``), one for the target and one for the SpecDec++ labeller. Joining
+    rows are prefilled together, right-aligned with their left padding invalid (eval/batch.py ``_aligned``), while
+    the longest needs at most ``max_prefill_pad`` padding tokens more than another.
+
+    Host syncs: tokens, top-k rows, labels and hidden states are written into per-slot device buffers and copied
+    to the host once per step for the rows that finished in it (one gather per signal), never per token. A step
+    syncs once: the (B,) EOS flags, read after the next forward is queued, so the device runs it meanwhile. A
+    row that finished is fed its last token in that forward anyway (its hidden state is a signal) and leaves after.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        batch_size: int,
+        max_new_tokens: int,
+        eos_ids: set[int],
+        sampling: Sampling,
+        capture: Capture = Capture(),
+        companion: Llama | None = None,
+        label_sampling: Sampling | None = None,
+        max_len: int = 0,
+        max_prefill_pad: int | None = None,
+    ):
+        from draftsmith.eval.batch import PREFILL_PAD
+
+        self.model, self.B, self.N = model, batch_size, max_new_tokens
+        self.eos_ids, self.sampling, self.capture = eos_ids, sampling, capture
+        self.companion, self.label_sampling = companion, label_sampling or sampling
+        self.dev = model.embed_tokens.weight.device
+        self.layer_ids = capture.layer_ids(model.cfg.n_layers)
+        self.max_len = max_len  # slots per cache row; 0: twice the longest context + budget, set at the first run
+        self.pad = PREFILL_PAD.get(self.dev.type, PREFILL_PAD["cpu"]) if max_prefill_pad is None else max_prefill_pad
+        self.pending: list[_Job] = []
+        self.prefills = 0  # prefill forwards run (rows joining)
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Refill needs the own model's slot cache (models/llama.py KVCache); the transformers path has none."""
+        return isinstance(model, Llama)
+
+    def add(self, key, context: list[int], gen: torch.Generator | None, max_new_tokens: int | None = None) -> None:
+        """Queue a context; ``run``'s callback gets ``key`` and its Generated. Callable from that callback."""
+        budget = self.N if max_new_tokens is None else max_new_tokens
+        if budget > self.N:
+            raise ValueError(f"a budget of {budget} tokens is over the generator's max_new_tokens={self.N}")
+        if self.max_len and len(context) + budget + 1 > self.max_len:
+            raise ValueError(f"context of {len(context)} tokens + {budget} new exceeds max_len={self.max_len}")
+        self.pending.append(_Job(key, list(context), gen, budget))
+
+    @torch.no_grad()
+    def run(self, on_done) -> None:
+        """Generate until nothing is pending or running; ``on_done(key, Generated)`` as each context finishes (it
+        may ``add`` more: the next turn of a conversation)."""
+        from draftsmith.eval.batch import RowCache
+
+        self.done_now = [j for j in self.pending if j.budget <= 0]
+        self.pending = [j for j in self.pending if j.budget > 0]
+        for j in self.done_now:
+            on_done(j.key, Generated([]))
+        if not self.pending:
+            return
+        if not self.max_len:
+            self.max_len = 2 * (max(len(j.ctx) for j in self.pending) + self.N + 1)
+        self.rc = RowCache(self.model.new_cache, self.max_len)
+        self.dc = RowCache(self.companion.new_cache, self.max_len) if self.companion is not None else None
+        self.rows: list[_Job] = []  # active, in cache-row order
+        self.free = list(range(self.B))[::-1]
+        self.bufs: dict[str, torch.Tensor] = {}  # signal -> (B, N + 1, ...): column t of slot s = token t of its row
+        self.logits = self.q = None  # (n, V): what the next token of each row is picked from
+        self.at = torch.zeros(0, 2, dtype=torch.long, device=self.dev)  # (n, 2): each row's (slot, t) on the device
+        self.pos = torch.zeros(0, 1, dtype=torch.long, device=self.dev)  # (n, 1): RoPE position of its next token
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.dev)
+        while True:
+            self._join()
+            if not self.rows:
+                return
+            gens = [r.gen for r in self.rows]
+            tok = self.sampling.pick(self.logits, gens)
+            slot, t = self.at[:, 0], self.at[:, 1]
+            self._put("tokens", slot, t, tok)
+            if self.capture.topk:
+                i, v = _topk_rows(self.logits, self.capture.topk)
+                self._put("topk_ids", slot, t, i)
+                self._put("topk_logprobs", slot, t, v)
+            if self.companion is not None:
+                y, acc = specdec_labels(self.logits, self.q, self.label_sampling, gens)
+                self._put("spec_token", slot, t, y)
+                self._put("spec_accept", slot, t, acc)
+            self.rc.ensure(1)
+            out = self.model(tok[:, None], pos=self.pos, cache=self.rc.view, capture_layers=self.layer_ids)
+            logits, captured = out if self.layer_ids else (out, {})
+            self.logits = logits[:, -1]
+            for k, h in self.capture.hidden_rows(self.model, captured).items():
+                self._put(k, slot, t, h[:, 0])
+            if self.companion is not None:
+                self.dc.ensure(1)
+                self.q = self.companion(tok[:, None], pos=self.pos, cache=self.dc.view)[:, -1]
+            self.at = self.at + torch.tensor([0, 1], device=self.dev)
+            self.pos = self.pos + 1
+            stop = torch.isin(tok, eos).tolist()  # the step's one sync, while the forward above runs
+            for r in self.rows:
+                r.t += 1
+            fin = [b for b, r in enumerate(self.rows) if stop[b] or r.t >= r.budget]
+            if fin:
+                self._finish(fin, on_done)
+
+    def _put(self, name: str, slot: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> None:
+        buf = self.bufs.get(name)
+        if buf is None:
+            buf = self.bufs[name] = x.new_zeros((self.B, self.N + 1, *x.shape[1:]))
+        buf[slot, t] = x
+
+    def _join(self) -> None:
+        """Prefill pending contexts into the free slots: longest first, a context shares the forward of longer
+        ones while it needs at most ``pad`` padding tokens."""
+        from draftsmith.eval.batch import _aligned
+
+        k = min(len(self.free), len(self.pending))
+        if not k:
+            return
+        order, self.pending = sorted(self.pending[:k], key=lambda j: -len(j.ctx)), self.pending[k:]
+        while order:
+            n = 1
+            while n < len(order) and len(order[0].ctx) - len(order[n].ctx) <= self.pad:
+                n += 1
+            group, order = order[:n], order[n:]
+            self._prefill(group, *_aligned([torch.tensor(j.ctx, device=self.dev) for j in group], [0] * n))
+
+    def _prefill(self, group: list[_Job], ids, valid, pos) -> None:
+        n, W = ids.shape
+        last = torch.zeros(n, W, dtype=torch.bool, device=self.dev)
+        last[:, -1] = True  # the LM head only where the next token is predicted
+        tmp = self.model.new_cache(n, W)
+        out = self.model(ids, pos=pos, cache=tmp, valid=valid, capture_layers=self.layer_ids, logits_at=last)
+        logits, captured = out if self.layer_ids else (out, {})
+        self.prefills += 1
+        for k, h in self.capture.hidden_rows(self.model, captured).items():
+            for b, j in enumerate(group):
+                j.ctx_hidden[k] = h[b, W - len(j.ctx) :]
+        self.rc.join(tmp, list(range(n)), W)
+        if self.companion is not None:
+            dtmp = self.companion.new_cache(n, W)
+            q = self.companion(ids, pos=pos, cache=dtmp, valid=valid, logits_at=last)
+            self.dc.join(dtmp, list(range(n)), W)
+            self.q = q if self.q is None or not len(self.rows) else torch.cat([self.q, q])
+        for j in group:
+            j.slot, j.t = self.free.pop(), 0
+        self.rows += group
+        grown = self.logits is not None and len(self.rows) > n
+        self.logits = torch.cat([self.logits, logits]) if grown else logits
+        at = torch.tensor([[j.slot, 0] for j in group], device=self.dev)
+        self.at = torch.cat([self.at, at]) if grown else at
+        self.pos = torch.cat([self.pos, pos[:, -1:] + 1]) if grown else pos[:, -1:] + 1
+
+    def _finish(self, fin: list[int], on_done) -> None:
+        """Hand the finished rows' outputs over (one host copy per signal for all of them) and drop their rows:
+        as RowCache.remove does, the last active row takes a dropped row's place."""
+        jobs = [self.rows[b] for b in fin]
+        slots = torch.tensor([j.slot for j in jobs], device=self.dev)
+        host = {k: v.index_select(0, slots).cpu() for k, v in self.bufs.items()}
+        order = list(range(len(self.rows)))
+        for b in reversed(fin):
+            for c in (self.rc, self.dc):
+                if c is not None:
+                    c.remove(b)
+            order[b] = order[-1]
+            order.pop()
+            self.rows[b] = self.rows[-1]
+            self.rows.pop()
+        if self.rows:
+            idx = torch.tensor(order, device=self.dev)
+            self.logits, self.at, self.pos = self.logits[idx], self.at[idx], self.pos[idx]
+            self.q = None if self.q is None else self.q[idx]
+        self.free += [j.slot for j in jobs]
+        for i, j in enumerate(jobs):
+            n = j.t
+            toks = host["tokens"][i, :n].tolist()
+            signals = {
+                k: host[k][i, :n] for k in ("topk_ids", "topk_logprobs", "spec_token", "spec_accept") if k in host
+            }
+            hidden = {k: torch.cat([h.cpu(), host[k][i, :n]]) for k, h in j.ctx_hidden.items()}
+            j.ctx_hidden = {}
+            on_done(j.key, Generated(toks, signals, hidden))
+
+
+def decode_refill(
+    model: Llama,
+    contexts: list[list[int]],
+    max_new_tokens: int | list[int],
+    eos_ids: set[int],
+    sampling: Sampling,
+    gens: list[torch.Generator | None],
+    capture: Capture = Capture(),
+    companion: Llama | None = None,
+    label_sampling: Sampling | None = None,
+    batch_size: int = 16,
+) -> list[Generated]:
+    """``decode_batch``'s output for every context, generated by ``Refill`` with ``batch_size`` rows at a time.
+    ``max_new_tokens``: one budget for all, or one per context."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(contexts)
+    gen = Refill(model, batch_size, max(budgets, default=0), eos_ids, sampling, capture, companion, label_sampling)
+    for i, (c, g, n) in enumerate(zip(contexts, gens, budgets, strict=True)):
+        gen.add(i, c, g, n)
+    out: list[Generated | None] = [None] * len(contexts)
+    gen.run(lambda i, g: out.__setitem__(i, g))
+    return out
+
+
 @torch.no_grad()
 def write_batch(
     model: Llama,

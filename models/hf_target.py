@@ -16,8 +16,8 @@ The target path for architectures the own model does not implement, and for any 
   ``HFCache.compact_path`` then keeps the accepted path, as eval/tree.py ``compact_cache`` does on the own cache.
 Padding positions are zeroed after every layer (see ``_zero_padding``). Refused in one line: tree masks where the
 model's attention takes no 4-D mask, ``head_fn`` on heads with such a transform, and rows that join or leave a
-running batch: the data engine never refills rows (each ``decode_batch`` call starts a new cache), and eval's batch
-decoder (eval/batch.py), which does, takes only the own model's slot cache.
+running batch: the data engine generates in fixed batches on this path (each ``decode_batch`` call starts a new
+cache; its refill generator, like eval's batch decoder in eval/batch.py, takes only the own model's slot cache).
 """
 
 from __future__ import annotations
