@@ -271,6 +271,7 @@ class Refill:
         self.at = torch.zeros(0, 2, dtype=torch.long, device=self.dev)  # (n, 2): each row's (slot, t) on the device
         self.pos = torch.zeros(0, 1, dtype=torch.long, device=self.dev)  # (n, 1): RoPE position of its next token
         eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.dev)
+        step = torch.tensor([0, 1], device=self.dev)
         while True:
             self._join()
             if not self.rows:
@@ -296,7 +297,7 @@ class Refill:
             if self.companion is not None:
                 self.dc.ensure(1)
                 self.q = self.companion(tok[:, None], pos=self.pos, cache=self.dc.view)[:, -1]
-            self.at = self.at + torch.tensor([0, 1], device=self.dev)
+            self.at = self.at + step
             self.pos = self.pos + 1
             stop = torch.isin(tok, eos).tolist()  # the step's one sync, while the forward above runs
             for r in self.rows:
@@ -358,7 +359,8 @@ class Refill:
         as RowCache.remove does, the last active row takes a dropped row's place."""
         jobs = [self.rows[b] for b in fin]
         slots = torch.tensor([j.slot for j in jobs], device=self.dev)
-        host = {k: v.index_select(0, slots).cpu() for k, v in self.bufs.items()}
+        most = max(j.t for j in jobs)
+        host = {k: v.index_select(0, slots)[:, :most].cpu() for k, v in self.bufs.items()}
         order = list(range(len(self.rows)))
         for b in reversed(fin):
             for c in (self.rc, self.dc):
