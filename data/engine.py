@@ -193,6 +193,81 @@ class _Job:
     ctx_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # (len(ctx), ...) on the device
 
 
+def batch_buckets(batch_size: int) -> tuple[int, ...]:
+    """The static row counts a refill decode step runs at: powers of two below ``batch_size``, then it."""
+    return tuple(sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)}))
+
+
+class StaticDecode:
+    """``Refill``'s decode forward at static shapes, so a GPU can replay it as a CUDA graph: n active rows run as
+    rows [0, b) of the row cache's buffer, b the smallest bucket >= n (``batch_buckets``); the new K/V go to slot
+    s0 held in a tensor and attention reads the whole buffer under a mask built from it (the static mode of
+    models/llama.py, ``KVCache.slots``, which eval/graphs.py uses at batch 1; every row writes the same slot, so it
+    holds for a batch). Rows [n, b) compute garbage nobody reads: their slots are reset when a row joins there.
+    The buffer is allocated for ``batch_size`` rows up front and never moves. Joins (prefills) and compaction run
+    eagerly between steps. ``graphs``: capture each bucket on first use (CUDA only; elsewhere the same static
+    forward runs uncaptured, which the tests use to check it against the eager step)."""
+
+    def __init__(self, model: Llama, rc, batch_size: int, layer_ids: tuple[int, ...], graphs: bool):
+        self.model, self.rc, self.layer_ids = model, rc, layer_ids
+        self.buckets = batch_buckets(batch_size)
+        self.graphs = graphs and model.embed_tokens.weight.device.type == "cuda"
+        rc.reserve(batch_size)
+        dev = rc.full.valid.device
+        self.s0 = torch.zeros((), dtype=torch.long, device=dev)
+        self.slots = torch.arange(rc.max_len, device=dev)
+        self.runs: dict[int, dict] = {}
+        self.pool = None
+
+    def _run(self, b: int) -> dict:
+        from draftsmith.models.llama import KVCache
+
+        f, c = self.rc.full, object.__new__(KVCache)
+        c.kv, c.valid = f.kv[:, :, :b], f.valid[:b]
+        c.k = [c.kv[0, i] for i in range(c.kv.shape[1])]
+        c.v = [c.kv[1, i] for i in range(c.kv.shape[1])]
+        c.length, c.max_len, c.padded, c.slots = 0, self.rc.max_len, True, None
+        dev = self.s0.device
+        run = {"cache": c, "ids": torch.zeros(b, 1, dtype=torch.long, device=dev), "graph": None}
+        run["pos"] = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.runs[b] = run
+        return run
+
+    def _forward(self, run: dict):
+        c, at = run["cache"], self.s0.view(1)
+        c.valid.index_fill_(1, at, True)
+        mask = (self.slots <= self.s0)[None, None, :] & c.valid[:, None, :]  # (b, 1, max_len)
+        c.slots = at
+        try:
+            out = self.model(run["ids"], pos=run["pos"], cache=c, attn_mask=mask, capture_layers=self.layer_ids)
+        finally:
+            c.slots = None
+        return out if self.layer_ids else (out, {})
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor):
+        """tok (n,), pos (n, 1) -> (logits (n, 1, V), {layer: hidden (n, 1, D)}); advances the cache by a slot."""
+        from draftsmith.eval.graphs import capture_graph
+
+        n, s0 = len(tok), self.rc.length
+        if s0 + 1 > self.rc.max_len:
+            raise ValueError(f"KV cache overflow: {s0}+1 > {self.rc.max_len}")
+        b = next(x for x in self.buckets if x >= n)
+        run = self.runs.get(b) or self._run(b)
+        run["ids"][:n, 0] = tok
+        run["pos"][:n] = pos
+        self.s0.fill_(s0)
+        if self.graphs and run["graph"] is None:
+            run["graph"], run["out"] = capture_graph(lambda: self._forward(run), self.pool)
+            self.pool = run["graph"].pool()
+        if run["graph"] is not None:
+            run["graph"].replay()
+            logits, captured = run["out"]
+        else:
+            logits, captured = self._forward(run)
+        self.rc.view.length = s0 + 1
+        return logits[:n].clone(), {k: v[:n].clone() for k, v in captured.items()}
+
+
 class Refill:
     """Generation that keeps ``batch_size`` rows busy (continuous batching): when a row ends (EOS or its budget),
     the next pending context is prefilled and joins the decode in its place. Output per context equals
@@ -221,6 +296,8 @@ class Refill:
         label_sampling: Sampling | None = None,
         max_len: int = 0,
         max_prefill_pad: int | None = None,
+        static: bool = False,
+        graphs: bool = True,
     ):
         from draftsmith.eval.batch import PREFILL_PAD
 
@@ -233,6 +310,10 @@ class Refill:
         self.pad = PREFILL_PAD.get(self.dev.type, PREFILL_PAD["cpu"]) if max_prefill_pad is None else max_prefill_pad
         self.pending: list[_Job] = []
         self.prefills = 0  # prefill forwards run (rows joining)
+        # static: decode steps at static shapes per batch bucket (``StaticDecode``), captured as CUDA graphs when
+        # ``graphs`` and the model is on a GPU; a sliding-window target always runs eagerly (its mask is per step)
+        self.static = static and model.cfg.sliding_window is None
+        self.graphs = graphs
 
     @staticmethod
     def supports(model) -> bool:
@@ -263,6 +344,7 @@ class Refill:
         if not self.max_len:
             self.max_len = 2 * (max(len(j.ctx) for j in self.pending) + self.N + 1)
         self.rc = RowCache(self.model.new_cache, self.max_len)
+        self.step_fn = StaticDecode(self.model, self.rc, self.B, self.layer_ids, self.graphs) if self.static else None
         self.dc = RowCache(self.companion.new_cache, self.max_len) if self.companion is not None else None
         self.rows: list[_Job] = []  # active, in cache-row order
         self.free = list(range(self.B))[::-1]
@@ -289,8 +371,11 @@ class Refill:
                 self._put("spec_token", slot, t, y)
                 self._put("spec_accept", slot, t, acc)
             self.rc.ensure(1)
-            out = self.model(tok[:, None], pos=self.pos, cache=self.rc.view, capture_layers=self.layer_ids)
-            logits, captured = out if self.layer_ids else (out, {})
+            if self.step_fn is not None:
+                logits, captured = self.step_fn(tok, self.pos)
+            else:
+                out = self.model(tok[:, None], pos=self.pos, cache=self.rc.view, capture_layers=self.layer_ids)
+                logits, captured = out if self.layer_ids else (out, {})
             self.logits = logits[:, -1]
             for k, h in self.capture.hidden_rows(self.model, captured).items():
                 self._put(k, slot, t, h[:, 0])

@@ -54,8 +54,9 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def data_hash(recipe, with_n: bool = False) -> str:
     """Everything that changes the records: the target, the seed and the data section (not `enabled`, not the
-    batch sizes, refill or the writer queue, ``prompts.n`` or ``prompts.streaming``; not ``target.backend`` either:
-    both paths compute the same model, like two devices, and each shard names the path that wrote it).
+    batch sizes, refill, CUDA graphs or the writer queue, ``prompts.n`` or ``prompts.streaming``; not
+    ``target.backend`` either: both paths compute the same model, like two devices, and each shard names the path
+    that wrote it).
 
     ``prompts.n`` stays out because the first n prompts are a prefix of the first n' > n (shuffling happens before
     the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
@@ -64,7 +65,9 @@ def data_hash(recipe, with_n: bool = False) -> str:
     d = {
         "target": recipe.target.model_dump(exclude={"device", "backend"}),
         "seed": recipe.seed,
-        "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens", "refill", "write_queue"}),
+        "data": recipe.data.model_dump(
+            exclude={"enabled", "batch_size", "batch_tokens", "refill", "cuda_graphs", "write_queue"}
+        ),
     }
     prompts = d["data"]["prompts"]
     prompts.pop("streaming")  # the same prompts either way
@@ -338,6 +341,7 @@ class Producer:
             self.labeller if target else None,
             self.label_sampling,
             max_len=2 * (min(longest, dc.max_prompt_tokens + dc.max_new_tokens) + 1),
+            static=dc.cuda_graphs and torch.device(self.device).type == "cuda",  # graphs stay off on CPU
         )
         order = sorted(group, key=lambda u: u.est_tokens(dc.max_new_tokens))  # similar lengths prefill together
         run_refill(order, gen, self.eos, dc.max_prompt_tokens, stats, on_unit)

@@ -209,6 +209,10 @@ class DataConfig(Strict):
     by the next waiting conversation turn at once, instead of fixed batches that wait for their longest row. The
     same records either way (tested exact in float64). false: fixed length-sorted batches. A vLLM target, dataset
     replies, drafters that read the target's states and transformers-path targets always use fixed batches."""
+    cuda_graphs: bool = False
+    """With refill on a GPU: run each decode step at a static shape per batch bucket (1, 2, 4, ... rows up to
+    batch_size) and replay it as a CUDA graph, captured once per bucket. The same records as eager steps (tested
+    uncaptured on CPU). Ignored on CPU and for sliding-window targets; not yet timed on a GPU, hence off."""
     write_queue: int = Field(2, ge=0)
     """Finished shards waiting for the background writer thread while generation goes on (their records stay in
     memory meanwhile); when the queue is full, generation waits. 0: shards are written in the main thread."""

@@ -11,7 +11,7 @@ import torch
 from conftest import shard_tensors
 
 from draftsmith.cli import main
-from draftsmith.data.engine import Capture, Refill, Sampling, decode_batch, decode_refill
+from draftsmith.data.engine import Capture, Refill, Sampling, batch_buckets, decode_batch, decode_refill
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.loading import load_llama_dir
 from draftsmith.models.sampling import row_generator
@@ -89,6 +89,47 @@ def test_refill_through_cache_compaction(target, companion):
     gen.run(lambda i, g: got.__setitem__(i, g))
     assert gen.rc.compactions > 0 and gen.dc.compactions > 0 and gen.prefills > 1
     _same(got, want)
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == (1,) and batch_buckets(5) == (1, 2, 4, 5) and batch_buckets(16) == (1, 2, 4, 8, 16)
+
+
+@pytest.mark.parametrize("batch", [3, 5])
+def test_static_shape_decode_steps_equal_the_eager_ones(target, companion, batch):
+    """The decode step at static shapes per batch bucket (what a GPU captures as CUDA graphs; here run
+    uncaptured on CPU): n rows run as the first rows of a bucket of 1, 2, 4, ... or batch_size rows, attention
+    over the whole cache buffer under a mask; through refills and compaction, the records do not change."""
+    cap = Capture(topk=4, hidden_last=True, aux_layers=(1,))
+    ctxs, budgets = CONTEXTS * 2, BUDGETS[::-1] + BUDGETS
+    want = _alone(target, ctxs, budgets, set(), Sampling(), range(14), cap, companion)
+    gen = Refill(target, batch, max(budgets), set(), Sampling(), cap, companion, max_len=72, static=True)
+    for i, (c, n) in enumerate(zip(ctxs, budgets)):
+        gen.add(i, c, row_generator("cpu", 0, i), n)
+    got = [None] * len(ctxs)
+    gen.run(lambda i, g: got.__setitem__(i, g))
+    assert gen.step_fn is not None and len(gen.step_fn.runs) > 1 and gen.rc.compactions > 0
+    _same(got, want)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_steps_equal_eager_ones(tiny_model_dir):
+    """On a GPU: each batch bucket's decode step captured once and replayed; the same tokens as eager refill and as
+    one prompt at a time, top-k log-probs to float32 rounding."""
+    t = load_llama_dir(tiny_model_dir, dtype=torch.float32).cuda()
+    cap = Capture(topk=4, hidden_last=True)
+    want = _alone(t, CONTEXTS, BUDGETS, set(), Sampling(), range(7), cap)
+    gen = Refill(t, 3, max(BUDGETS), set(), Sampling(), cap, max_len=72, static=True)
+    for i, (c, n) in enumerate(zip(CONTEXTS, BUDGETS)):
+        gen.add(i, c, None, n)
+    got = [None] * len(CONTEXTS)
+    gen.run(lambda i, g: got.__setitem__(i, g))
+    assert all(r["graph"] is not None for r in gen.step_fn.runs.values()) and gen.rc.compactions > 0
+    assert [g.tokens for g in got] == [w.tokens for w in want]
+    for g, w in zip(got, want):
+        assert torch.equal(g.loss_signals["topk_ids"], w.loss_signals["topk_ids"])
+        torch.testing.assert_close(g.loss_signals["topk_logprobs"], w.loss_signals["topk_logprobs"])
+        torch.testing.assert_close(g.hidden["hidden_last"], w.hidden["hidden_last"], atol=1e-4, rtol=1e-4)
 
 
 def test_sampled_refill_does_not_depend_on_batch_size(target, companion):
@@ -198,7 +239,13 @@ def test_a_writer_thread_error_is_one_line_and_non_zero(tmp_path, gen_args, monk
     assert not (data / "manifest.json").exists() and not list(data.glob("shard-*"))
 
 
-@pytest.mark.parametrize("bad", ["data.refill=maybe", "data.write_queue=-1"])
+def test_cuda_graphs_are_off_on_cpu(tmp_path, gen_args):
+    assert main(gen_args("data.cuda_graphs=true", out="g")) == 0
+    assert main(gen_args(out="e")) == 0
+    _same_shards(tmp_path / "g" / "data", tmp_path / "e" / "data")
+
+
+@pytest.mark.parametrize("bad", ["data.refill=maybe", "data.write_queue=-1", "data.cuda_graphs=2"])
 def test_bad_refill_and_queue_values_are_one_line_errors(gen_args, capsys, bad):
     assert main(gen_args(bad, out="x")) == 2
     err = capsys.readouterr().err.strip().splitlines()
