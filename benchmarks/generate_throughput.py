@@ -9,11 +9,12 @@ at a time too (no capture). After one short untimed prompt each, all sides run -
 Reading the output: response tokens/s for each side (tokens written / median seconds); "idle row-steps", the share
 of the fixed path's decode rows that were finished rows waiting for their batch (refill has none: it is what
 refill removes); "refill / fixed", the throughput ratio from the paired rounds (> 1: refill wins), and whether
-both wrote the same tokens (they must, greedy). With --hf, "fixed / HF" too. The last line names the machine and
+both wrote the same tokens (they must, greedy). With --graphs, refill with static-shape decode steps replayed as
+CUDA graphs (data.cuda_graphs) too; with --hf, "fixed / HF" too. The last line names the machine and
 how much of its CPU other processes took meanwhile.
 
     python benchmarks/generate_throughput.py [--n 32] [--batch 16] [--max-new 64] [--topk 32] [--repeats 1]
-        [--prompts FILE.jsonl] [--target MODEL] [--device cpu|cuda] [--hf]
+        [--prompts FILE.jsonl] [--target MODEL] [--device cpu|cuda] [--graphs] [--hf]
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or float16")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate, one prompt at a time")
+    ap.add_argument("--graphs", action="store_true", help="also time refill with CUDA-graph decode steps (GPU)")
     a = ap.parse_args()
 
     dtype = getattr(torch, a.dtype)
@@ -66,6 +68,16 @@ def main() -> None:
         return sum(len(t) for t in outs["refill"])
 
     sides = {"fixed": run_fixed, "refill": run_refill}
+    if a.graphs:
+
+        def run_graphs() -> int:
+            res = decode_refill(
+                tgt.model, order, a.max_new, eos, Sampling(), [None] * len(order), cap, batch_size=a.batch, static=True
+            )
+            outs["graphs"] = [g.tokens for g in res]
+            return sum(len(t) for t in outs["graphs"])
+
+        sides["graphs"] = run_graphs
     if a.hf:
         from transformers import AutoModelForCausalLM
 
@@ -92,6 +104,10 @@ def main() -> None:
         # warm-up: one short prompt through each path takes the first-call costs out of the timed rounds
         decode_batch(tgt.model, order[:1], 2, eos, Sampling(), [None], cap)
         decode_refill(tgt.model, order[:1], 2, eos, Sampling(), [None], cap, batch_size=1)
+        if a.graphs:  # captures every bucket's graph outside the timed rounds
+            decode_refill(
+                tgt.model, order, 2, eos, Sampling(), [None] * len(order), cap, batch_size=a.batch, static=True
+            )
         if a.hf:
             x = torch.tensor([order[0]], device=a.device)
             hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=2, do_sample=False, pad_token_id=min(eos))
@@ -117,6 +133,13 @@ def main() -> None:
         f"refill / fixed: {t.ratio('fixed', 'refill') * t['refill'].last / t['fixed'].last:.2f}x; "
         f"same tokens: {'yes' if same else 'NO'}"
     )
+    if a.graphs:
+        print(
+            f"refill + CUDA graphs{'' if a.device.startswith('cuda') else ' (static shapes, not captured off a GPU)'}: "
+            f"{tps['graphs']:.1f} tok/s; over refill: "
+            f"{t.ratio('refill', 'graphs') * t['graphs'].last / t['refill'].last:.2f}x; "
+            f"same tokens as fixed: {'yes' if outs['graphs'] == outs['fixed'] else 'NO'}"
+        )
     if a.hf:
         print(f"HF generate, one prompt at a time: {tps['hf']:.1f} tok/s")
         print(f"fixed / HF: {t.ratio('hf', 'fixed') * t['fixed'].last / t['hf'].last:.2f}x")
