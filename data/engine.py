@@ -3,6 +3,8 @@
 - ``decode_batch``: left-padded batched generation with one KV cache. Teacher signals are captured while the
   target generates (top-k log-probs at each new token, hidden states at every position, SpecDec++ labels from a
   drafter run in lock-step), so the target never runs twice over its own responses.
+- ``Refill`` (``decode_refill``): the same output per context, generated with continuous refill: a row that ends
+  is replaced by the next waiting context at once (the generate stage's default on the own model).
 - ``write_batch``: on-policy responses written by a drafter that reads the target's states (heads, EAGLE);
   ``write_one`` is its one-row reference, on the decoder's proposers (eval/proposers.py).
 - ``score_batch``: one teacher-forced forward over finished sequences (dataset responses, drafter-written or
