@@ -337,14 +337,9 @@ class Refill:
         may ``add`` more: the next turn of a conversation)."""
         from draftsmith.eval.batch import RowCache
 
-        self.done_now = [j for j in self.pending if j.budget <= 0]
-        self.pending = [j for j in self.pending if j.budget > 0]
-        for j in self.done_now:
-            on_done(j.key, Generated([]))
-        if not self.pending:
-            return
+        self.on_done = on_done
         if not self.max_len:
-            self.max_len = 2 * (max(len(j.ctx) for j in self.pending) + self.N + 1)
+            self.max_len = 2 * (max((len(j.ctx) for j in self.pending), default=0) + self.N + 1)
         self.rc = RowCache(self.model.new_cache, self.max_len)
         self.step_fn = StaticDecode(self.model, self.rc, self.B, self.layer_ids, self.graphs) if self.static else None
         self.dc = RowCache(self.companion.new_cache, self.max_len) if self.companion is not None else None
@@ -391,7 +386,7 @@ class Refill:
                 r.t += 1
             fin = [b for b, r in enumerate(self.rows) if stop[b] or r.t >= r.budget]
             if fin:
-                self._finish(fin, on_done)
+                self._finish(fin)
 
     def _put(self, name: str, slot: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> None:
         buf = self.bufs.get(name)
@@ -404,6 +399,10 @@ class Refill:
         ones while it needs at most ``pad`` padding tokens."""
         from draftsmith.eval.batch import _aligned
 
+        while any(j.budget <= 0 for j in self.pending):  # nothing to generate (its callback may add more)
+            j = next(j for j in self.pending if j.budget <= 0)
+            self.pending.remove(j)
+            self.on_done(j.key, Generated([]))
         k = min(len(self.free), len(self.pending))
         if not k:
             return
@@ -441,7 +440,7 @@ class Refill:
         self.at = torch.cat([self.at, at]) if grown else at
         self.pos = torch.cat([self.pos, pos[:, -1:] + 1]) if grown else pos[:, -1:] + 1
 
-    def _finish(self, fin: list[int], on_done) -> None:
+    def _finish(self, fin: list[int]) -> None:
         """Hand the finished rows' outputs over (one host copy per signal for all of them) and drop their rows:
         as RowCache.remove does, the last active row takes a dropped row's place."""
         jobs = [self.rows[b] for b in fin]
@@ -470,7 +469,7 @@ class Refill:
             }
             hidden = {k: torch.cat([h.cpu(), host[k][i, :n]]) for k, h in j.ctx_hidden.items()}
             j.ctx_hidden = {}
-            on_done(j.key, Generated(toks, signals, hidden))
+            self.on_done(j.key, Generated(toks, signals, hidden))
 
 
 def decode_refill(

@@ -91,6 +91,22 @@ def test_refill_through_cache_compaction(target, companion):
     _same(got, want)
 
 
+def test_a_budget_of_zero_gives_an_empty_answer(target):
+    """Also for a context queued while the generator runs (a conversation's next turn)."""
+    out = decode_refill(target, [[1, 2], [3], [4, 5, 6]], [2, 0, 1], set(), Sampling(), [None] * 3, batch_size=2)
+    assert [len(g.tokens) for g in out] == [2, 0, 1]
+    gen, got = Refill(target, 2, 3, set(), Sampling()), {}
+
+    def done(key, g):
+        got[key] = g.tokens
+        if key == 0:
+            gen.add(1, [7, 7], None, 0)
+
+    gen.add(0, [1, 2], None, 3)
+    gen.run(done)
+    assert len(got[0]) == 3 and got[1] == []
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == (1,) and batch_buckets(5) == (1, 2, 4, 5) and batch_buckets(16) == (1, 2, 4, 8, 16)
 
