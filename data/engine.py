@@ -3,6 +3,8 @@
 - ``decode_batch``: left-padded batched generation with one KV cache. Teacher signals are captured while the
   target generates (top-k log-probs at each new token, hidden states at every position, SpecDec++ labels from a
   drafter run in lock-step), so the target never runs twice over its own responses.
+- ``Refill`` (``decode_refill``): the same output per context, generated with continuous refill: a row that ends
+  is replaced by the next waiting context at once (the generate stage's default on the own model).
 - ``write_batch``: on-policy responses written by a drafter that reads the target's states (heads, EAGLE);
   ``write_one`` is its one-row reference, on the decoder's proposers (eval/proposers.py).
 - ``score_batch``: one teacher-forced forward over finished sequences (dataset responses, drafter-written or
@@ -178,6 +180,323 @@ def decode_batch(
     if layer_ids:  # the last token's hidden state: one more forward, LM head skipped
         step(tok[:, None], next_pos, None, none)
     return _split_rows(contexts, L, torch.stack(toks, 1).cpu(), eos_ids, rows, hidden)
+
+
+@dataclass
+class _Job:
+    """One context to answer in ``Refill``: its own generator and budget; ``slot`` its rows in the signal buffers."""
+
+    key: object
+    ctx: list[int]
+    gen: torch.Generator | None
+    budget: int
+    slot: int = -1
+    t: int = 0  # tokens picked so far
+    ctx_hidden: dict[str, torch.Tensor] = field(default_factory=dict)  # (len(ctx), ...) on the device
+
+
+def batch_buckets(batch_size: int) -> tuple[int, ...]:
+    """The static row counts a refill decode step runs at: powers of two below ``batch_size``, then it."""
+    return tuple(sorted({min(1 << i, batch_size) for i in range(batch_size.bit_length() + 1)}))
+
+
+class StaticDecode:
+    """``Refill``'s decode forward at static shapes, so a GPU can replay it as a CUDA graph: n active rows run as
+    rows [0, b) of the row cache's buffer, b the smallest bucket >= n (``batch_buckets``); the new K/V go to slot
+    s0 held in a tensor and attention reads the whole buffer under a mask built from it (the static mode of
+    models/llama.py, ``KVCache.slots``, which eval/graphs.py uses at batch 1; every row writes the same slot, so it
+    holds for a batch). Rows [n, b) compute garbage nobody reads: their slots are reset when a row joins there.
+    The buffer is allocated for ``batch_size`` rows up front and never moves. Joins (prefills) and compaction run
+    eagerly between steps. ``graphs``: capture each bucket on first use (CUDA only; elsewhere the same static
+    forward runs uncaptured, which the tests use to check it against the eager step)."""
+
+    def __init__(self, model: Llama, rc, batch_size: int, layer_ids: tuple[int, ...], graphs: bool):
+        self.model, self.rc, self.layer_ids = model, rc, layer_ids
+        self.buckets = batch_buckets(batch_size)
+        self.graphs = graphs and model.embed_tokens.weight.device.type == "cuda"
+        rc.reserve(batch_size)
+        dev = rc.full.valid.device
+        self.s0 = torch.zeros((), dtype=torch.long, device=dev)
+        self.slots = torch.arange(rc.max_len, device=dev)
+        self.runs: dict[int, dict] = {}
+        self.pool = None
+
+    def _run(self, b: int) -> dict:
+        from draftsmith.models.llama import KVCache
+
+        f, c = self.rc.full, object.__new__(KVCache)
+        c.kv, c.valid = f.kv[:, :, :b], f.valid[:b]
+        c.k = [c.kv[0, i] for i in range(c.kv.shape[1])]
+        c.v = [c.kv[1, i] for i in range(c.kv.shape[1])]
+        c.length, c.max_len, c.padded, c.slots = 0, self.rc.max_len, True, None
+        dev = self.s0.device
+        run = {"cache": c, "ids": torch.zeros(b, 1, dtype=torch.long, device=dev), "graph": None}
+        run["pos"] = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.runs[b] = run
+        return run
+
+    def _forward(self, run: dict):
+        c, at = run["cache"], self.s0.view(1)
+        c.valid.index_fill_(1, at, True)
+        mask = (self.slots <= self.s0)[None, None, :] & c.valid[:, None, :]  # (b, 1, max_len)
+        c.slots = at
+        try:
+            out = self.model(run["ids"], pos=run["pos"], cache=c, attn_mask=mask, capture_layers=self.layer_ids)
+        finally:
+            c.slots = None
+        return out if self.layer_ids else (out, {})
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor):
+        """tok (n,), pos (n, 1) -> (logits (n, 1, V), {layer: hidden (n, 1, D)}); advances the cache by a slot."""
+        from draftsmith.eval.graphs import capture_graph
+
+        n, s0 = len(tok), self.rc.length
+        if s0 + 1 > self.rc.max_len:
+            raise ValueError(f"KV cache overflow: {s0}+1 > {self.rc.max_len}")
+        b = next(x for x in self.buckets if x >= n)
+        run = self.runs.get(b) or self._run(b)
+        run["ids"][:n, 0] = tok
+        run["pos"][:n] = pos
+        self.s0.fill_(s0)
+        if self.graphs and run["graph"] is None:
+            run["graph"], run["out"] = capture_graph(lambda: self._forward(run), self.pool)
+            self.pool = run["graph"].pool()
+        if run["graph"] is not None:
+            run["graph"].replay()
+            logits, captured = run["out"]
+        else:
+            logits, captured = self._forward(run)
+        self.rc.view.length = s0 + 1
+        return logits[:n].clone(), {k: v[:n].clone() for k, v in captured.items()}
+
+
+class Refill:
+    """Generation that keeps ``batch_size`` rows busy (continuous batching): when a row ends (EOS or its budget),
+    the next pending context is prefilled and joins the decode in its place. Output per context equals
+    ``decode_batch`` on that context alone: the same signals, the same draws from its own generator.
+
+    The caches are eval/batch.py ``RowCache``s (rows of one slot-addressed KV cache that join and leave, compacted
+    when full, kernels/kv.py ``compact_rows``), one for the target and one for the SpecDec++ labeller. Joining
+    rows are prefilled together, right-aligned with their left padding invalid (eval/batch.py ``_aligned``), while
+    the longest needs at most ``max_prefill_pad`` padding tokens more than another.
+
+    Host syncs: tokens, top-k rows, labels and hidden states are written into per-slot device buffers and copied
+    to the host once per step for the rows that finished in it (one gather per signal), never per token. A step
+    syncs once: the (B,) EOS flags, read after the next forward is queued, so the device runs it meanwhile. A
+    row that finished is fed its last token in that forward anyway (its hidden state is a signal) and leaves after.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        batch_size: int,
+        max_new_tokens: int,
+        eos_ids: set[int],
+        sampling: Sampling,
+        capture: Capture = Capture(),
+        companion: Llama | None = None,
+        label_sampling: Sampling | None = None,
+        max_len: int = 0,
+        max_prefill_pad: int | None = None,
+        static: bool = False,
+        graphs: bool = True,
+    ):
+        from draftsmith.eval.batch import PREFILL_PAD
+
+        self.model, self.B, self.N = model, batch_size, max_new_tokens
+        self.eos_ids, self.sampling, self.capture = eos_ids, sampling, capture
+        self.companion, self.label_sampling = companion, label_sampling or sampling
+        self.dev = model.embed_tokens.weight.device
+        self.layer_ids = capture.layer_ids(model.cfg.n_layers)
+        self.max_len = max_len  # slots per cache row; 0: twice the longest context + budget, set at the first run
+        self.pad = PREFILL_PAD.get(self.dev.type, PREFILL_PAD["cpu"]) if max_prefill_pad is None else max_prefill_pad
+        self.pending: list[_Job] = []
+        self.prefills = 0  # prefill forwards run (rows joining)
+        # static: decode steps at static shapes per batch bucket (``StaticDecode``), captured as CUDA graphs when
+        # ``graphs`` and the model is on a GPU; a sliding-window target always runs eagerly (its mask is per step)
+        self.static = static and isinstance(model, Llama) and model.cfg.sliding_window is None
+        self.graphs = graphs
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Refill needs the slot cache (models/llama.py KVCache): the own model, or a transformers target whose
+        attention takes a prepared 4-D mask (models/hf_target.py ``slots_ok``; it runs eagerly, without graphs)."""
+        return isinstance(model, Llama) or bool(getattr(model, "slots_ok", False))
+
+    def add(self, key, context: list[int], gen: torch.Generator | None, max_new_tokens: int | None = None) -> None:
+        """Queue a context; ``run``'s callback gets ``key`` and its Generated. Callable from that callback."""
+        budget = self.N if max_new_tokens is None else max_new_tokens
+        if budget > self.N:
+            raise ValueError(f"a budget of {budget} tokens is over the generator's max_new_tokens={self.N}")
+        if self.max_len and len(context) + budget + 1 > self.max_len:
+            raise ValueError(f"context of {len(context)} tokens + {budget} new exceeds max_len={self.max_len}")
+        self.pending.append(_Job(key, list(context), gen, budget))
+
+    @torch.no_grad()
+    def run(self, on_done) -> None:
+        """Generate until nothing is pending or running; ``on_done(key, Generated)`` as each context finishes (it
+        may ``add`` more: the next turn of a conversation)."""
+        from draftsmith.eval.batch import RowCache
+
+        self.on_done = on_done
+        if not self.max_len:
+            self.max_len = 2 * (max((len(j.ctx) for j in self.pending), default=0) + self.N + 1)
+        self.rc = RowCache(self.model.new_cache, self.max_len)
+        self.step_fn = StaticDecode(self.model, self.rc, self.B, self.layer_ids, self.graphs) if self.static else None
+        self.dc = RowCache(self.companion.new_cache, self.max_len) if self.companion is not None else None
+        self.rows: list[_Job] = []  # active, in cache-row order
+        self.free = list(range(self.B))[::-1]
+        self.bufs: dict[str, torch.Tensor] = {}  # signal -> (B, N + 1, ...): column t of slot s = token t of its row
+        self.logits = self.q = None  # (n, V): what the next token of each row is picked from
+        self.at = torch.zeros(0, 2, dtype=torch.long, device=self.dev)  # (n, 2): each row's (slot, t) on the device
+        self.pos = torch.zeros(0, 1, dtype=torch.long, device=self.dev)  # (n, 1): RoPE position of its next token
+        eos = torch.tensor(sorted(self.eos_ids), dtype=torch.long, device=self.dev)
+        step = torch.tensor([0, 1], device=self.dev)
+        while True:
+            self._join()
+            if not self.rows:
+                return
+            gens = [r.gen for r in self.rows]
+            tok = self.sampling.pick(self.logits, gens)
+            slot, t = self.at[:, 0], self.at[:, 1]
+            self._put("tokens", slot, t, tok)
+            if self.capture.topk:
+                i, v = _topk_rows(self.logits, self.capture.topk)
+                self._put("topk_ids", slot, t, i)
+                self._put("topk_logprobs", slot, t, v)
+            if self.companion is not None:
+                y, acc = specdec_labels(self.logits, self.q, self.label_sampling, gens)
+                self._put("spec_token", slot, t, y)
+                self._put("spec_accept", slot, t, acc)
+            self.rc.ensure(1)
+            if self.step_fn is not None:
+                logits, captured = self.step_fn(tok, self.pos)
+            else:
+                out = self.model(tok[:, None], pos=self.pos, cache=self.rc.view, capture_layers=self.layer_ids)
+                logits, captured = out if self.layer_ids else (out, {})
+            self.logits = logits[:, -1]
+            for k, h in self.capture.hidden_rows(self.model, captured).items():
+                self._put(k, slot, t, h[:, 0])
+            if self.companion is not None:
+                self.dc.ensure(1)
+                self.q = self.companion(tok[:, None], pos=self.pos, cache=self.dc.view)[:, -1]
+            self.at = self.at + step
+            self.pos = self.pos + 1
+            stop = torch.isin(tok, eos).tolist()  # the step's one sync, while the forward above runs
+            for r in self.rows:
+                r.t += 1
+            fin = [b for b, r in enumerate(self.rows) if stop[b] or r.t >= r.budget]
+            if fin:
+                self._finish(fin)
+
+    def _put(self, name: str, slot: torch.Tensor, t: torch.Tensor, x: torch.Tensor) -> None:
+        buf = self.bufs.get(name)
+        if buf is None:
+            buf = self.bufs[name] = x.new_zeros((self.B, self.N + 1, *x.shape[1:]))
+        buf[slot, t] = x
+
+    def _join(self) -> None:
+        """Prefill pending contexts into the free slots: longest first, a context shares the forward of longer
+        ones while it needs at most ``pad`` padding tokens."""
+        from draftsmith.eval.batch import _aligned
+
+        while any(j.budget <= 0 for j in self.pending):  # nothing to generate (its callback may add more)
+            j = next(j for j in self.pending if j.budget <= 0)
+            self.pending.remove(j)
+            self.on_done(j.key, Generated([]))
+        k = min(len(self.free), len(self.pending))
+        if not k:
+            return
+        order, self.pending = sorted(self.pending[:k], key=lambda j: -len(j.ctx)), self.pending[k:]
+        while order:
+            n = 1
+            while n < len(order) and len(order[0].ctx) - len(order[n].ctx) <= self.pad:
+                n += 1
+            group, order = order[:n], order[n:]
+            self._prefill(group, *_aligned([torch.tensor(j.ctx, device=self.dev) for j in group], [0] * n))
+
+    def _prefill(self, group: list[_Job], ids, valid, pos) -> None:
+        n, W = ids.shape
+        last = torch.zeros(n, W, dtype=torch.bool, device=self.dev)
+        last[:, -1] = True  # the LM head only where the next token is predicted
+        tmp = self.model.new_cache(n, W)
+        out = self.model(ids, pos=pos, cache=tmp, valid=valid, capture_layers=self.layer_ids, logits_at=last)
+        logits, captured = out if self.layer_ids else (out, {})
+        self.prefills += 1
+        for k, h in self.capture.hidden_rows(self.model, captured).items():
+            for b, j in enumerate(group):
+                j.ctx_hidden[k] = h[b, W - len(j.ctx) :]
+        self.rc.join(tmp, list(range(n)), W)
+        if self.companion is not None:
+            dtmp = self.companion.new_cache(n, W)
+            q = self.companion(ids, pos=pos, cache=dtmp, valid=valid, logits_at=last)
+            self.dc.join(dtmp, list(range(n)), W)
+            self.q = q if self.q is None or not len(self.rows) else torch.cat([self.q, q])
+        for j in group:
+            j.slot, j.t = self.free.pop(), 0
+        self.rows += group
+        grown = self.logits is not None and len(self.rows) > n
+        self.logits = torch.cat([self.logits, logits]) if grown else logits
+        at = torch.tensor([[j.slot, 0] for j in group], device=self.dev)
+        self.at = torch.cat([self.at, at]) if grown else at
+        self.pos = torch.cat([self.pos, pos[:, -1:] + 1]) if grown else pos[:, -1:] + 1
+
+    def _finish(self, fin: list[int]) -> None:
+        """Hand the finished rows' outputs over (one host copy per signal for all of them) and drop their rows:
+        as RowCache.remove does, the last active row takes a dropped row's place."""
+        jobs = [self.rows[b] for b in fin]
+        slots = torch.tensor([j.slot for j in jobs], device=self.dev)
+        most = max(j.t for j in jobs)
+        host = {k: v.index_select(0, slots)[:, :most].cpu() for k, v in self.bufs.items()}
+        order = list(range(len(self.rows)))
+        for b in reversed(fin):
+            for c in (self.rc, self.dc):
+                if c is not None:
+                    c.remove(b)
+            order[b] = order[-1]
+            order.pop()
+            self.rows[b] = self.rows[-1]
+            self.rows.pop()
+        if self.rows:
+            idx = torch.tensor(order, device=self.dev)
+            self.logits, self.at, self.pos = self.logits[idx], self.at[idx], self.pos[idx]
+            self.q = None if self.q is None else self.q[idx]
+        self.free += [j.slot for j in jobs]
+        for i, j in enumerate(jobs):
+            n = j.t
+            toks = host["tokens"][i, :n].tolist()
+            signals = {
+                k: host[k][i, :n] for k in ("topk_ids", "topk_logprobs", "spec_token", "spec_accept") if k in host
+            }
+            hidden = {k: torch.cat([h.cpu(), host[k][i, :n]]) for k, h in j.ctx_hidden.items()}
+            j.ctx_hidden = {}
+            self.on_done(j.key, Generated(toks, signals, hidden))
+
+
+def decode_refill(
+    model: Llama,
+    contexts: list[list[int]],
+    max_new_tokens: int | list[int],
+    eos_ids: set[int],
+    sampling: Sampling,
+    gens: list[torch.Generator | None],
+    capture: Capture = Capture(),
+    companion: Llama | None = None,
+    label_sampling: Sampling | None = None,
+    batch_size: int = 16,
+    static: bool = False,
+) -> list[Generated]:
+    """``decode_batch``'s output for every context, generated by ``Refill`` with ``batch_size`` rows at a time.
+    ``max_new_tokens``: one budget for all, or one per context. ``static``: decode steps at static shapes per batch
+    bucket, CUDA graphs on a GPU (``StaticDecode``)."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(contexts)
+    n = max(budgets, default=0)
+    gen = Refill(model, batch_size, n, eos_ids, sampling, capture, companion, label_sampling, static=static)
+    for i, (c, g, n) in enumerate(zip(contexts, gens, budgets, strict=True)):
+        gen.add(i, c, g, n)
+    out: list[Generated | None] = [None] * len(contexts)
+    gen.run(lambda i, g: out.__setitem__(i, g))
+    return out
 
 
 @torch.no_grad()

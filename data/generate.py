@@ -24,12 +24,13 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data.chat import ChatLayout, chat_layout, encode
-from draftsmith.data.engine import Capture, Generated, Sampling, decode_batch, score_batch, write_batch
+from draftsmith.data.engine import Capture, Generated, Refill, Sampling, decode_batch, score_batch, write_batch
 from draftsmith.data.prompts import prompts_from
 from draftsmith.data.records import (
     FORMAT,
     SOURCES,
     Record,
+    ShardWriter,
     bytes_per_token,
     quantize_fp8,
     shard_done,
@@ -53,8 +54,9 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def data_hash(recipe, with_n: bool = False) -> str:
     """Everything that changes the records: the target, the seed and the data section (not `enabled`, not the
-    batch sizes, ``prompts.n`` or ``prompts.streaming``; not ``target.backend`` either: both paths compute the same
-    model, like two devices, and each shard names the path that wrote it).
+    batch sizes, refill, CUDA graphs or the writer queue, ``prompts.n`` or ``prompts.streaming``; not
+    ``target.backend`` either: both paths compute the same model, like two devices, and each shard names the path
+    that wrote it).
 
     ``prompts.n`` stays out because the first n prompts are a prefix of the first n' > n (shuffling happens before
     the cut) and each prompt's sampling seed is its global index: raising n to grow a dataset keeps every complete
@@ -63,7 +65,9 @@ def data_hash(recipe, with_n: bool = False) -> str:
     d = {
         "target": recipe.target.model_dump(exclude={"device", "backend"}),
         "seed": recipe.seed,
-        "data": recipe.data.model_dump(exclude={"enabled", "batch_size", "batch_tokens"}),
+        "data": recipe.data.model_dump(
+            exclude={"enabled", "batch_size", "batch_tokens", "refill", "cuda_graphs", "write_queue"}
+        ),
     }
     prompts = d["data"]["prompts"]
     prompts.pop("streaming")  # the same prompts either way
@@ -174,27 +178,63 @@ def pack(units: list[Unit], batch_size: int, batch_tokens: int | None, max_new: 
     return batches + ([cur] if cur else [])
 
 
+def turn_context(u: Unit, turn: int, eos: set[int], max_ctx: int, stats: Stats) -> list[int] | None:
+    """The context of ``u``'s turn ``turn`` (its sequence so far plus the template up to the reply), or None when
+    the conversation ends there: no such turn, or a later turn whose context would exceed ``max_ctx``."""
+    if turn >= u.n_turns:
+        return None
+    ctx = u.seq + (u.layout.segments[0] if turn == 0 else u.layout.glue(turn, u.turns[-1].tokens, eos))
+    if turn and len(ctx) > max_ctx:
+        stats.turns_dropped_too_long += 1
+        u.n_turns = turn
+        return None
+    return ctx
+
+
+def add_turn(u: Unit, ctx: list[int], g: Generated) -> None:
+    u.mask += [0] * (len(ctx) - len(u.seq)) + [1] * len(g.tokens)
+    u.seq = ctx + g.tokens
+    u.turns.append(g)
+
+
 def run_turns(units: list[Unit], write_turn, eos: set[int], max_ctx: int, stats: Stats) -> None:
     """Produce every unit's conversation turn by turn. ``write_turn(contexts, units, turn)`` returns one
     Generated per context. A later turn whose context would exceed ``max_ctx`` ends that conversation."""
     for turn in range(max(u.n_turns for u in units)):
         active, contexts = [], []
         for u in units:
-            if turn >= u.n_turns:
-                continue
-            ctx = u.seq + (u.layout.segments[0] if turn == 0 else u.layout.glue(turn, u.turns[-1].tokens, eos))
-            if turn and len(ctx) > max_ctx:
-                stats.turns_dropped_too_long += 1
-                u.n_turns = turn
-                continue
-            active.append(u)
-            contexts.append(ctx)
+            ctx = turn_context(u, turn, eos, max_ctx, stats)
+            if ctx is not None:
+                active.append(u)
+                contexts.append(ctx)
         if not active:
             break
         for u, ctx, g in zip(active, contexts, write_turn(contexts, active, turn)):
-            u.mask += [0] * (len(ctx) - len(u.seq)) + [1] * len(g.tokens)
-            u.seq = ctx + g.tokens
-            u.turns.append(g)
+            add_turn(u, ctx, g)
+
+
+def run_refill(units: list[Unit], gen: Refill, eos: set[int], max_ctx: int, stats: Stats, on_unit) -> None:
+    """``run_turns`` on a ``Refill`` generator: a unit's next turn is queued the moment its previous one ends (no
+    wait for the other conversations' turns); ``on_unit(u)``, if given, once its conversation is complete."""
+    contexts: dict[int, list[int]] = {}
+
+    def start(i: int) -> None:
+        u = units[i]
+        ctx = turn_context(u, len(u.turns), eos, max_ctx, stats)
+        if ctx is None:
+            if on_unit is not None:
+                on_unit(u)
+        else:
+            contexts[i] = ctx
+            gen.add(i, ctx, u.gen)
+
+    def done(i: int, g: Generated) -> None:
+        add_turn(units[i], contexts.pop(i), g)
+        start(i)
+
+    for i in range(len(units)):
+        start(i)
+    gen.run(done)
 
 
 class Producer:
@@ -258,12 +298,53 @@ class Producer:
             u.gen = row_generator(self.device, self.seed, u.prompt_index, u.sample_index)
         for source in ("target", "drafter", "dataset"):
             group = [u for u in units if u.source == source]
-            for batch in pack(group, dc.batch_size, dc.batch_tokens, dc.max_new_tokens):
-                run_turns(batch, self._writer(source), self.eos, dc.max_prompt_tokens, stats)
-                if (source != "target" or dc.backend == "vllm") and wants_signals:
+            scored = (source != "target" or dc.backend == "vllm") and wants_signals
+            batches = pack(group, dc.batch_size, dc.batch_tokens, dc.max_new_tokens)
+            refill = bool(group) and self._refill_model(source) is not None
+            if refill:  # every conversation of the group through one refilling generator
+                self._refill(group, source, stats, None if scored else lambda u: on_batch([u]))
+            for batch in batches:
+                if not refill:
+                    run_turns(batch, self._writer(source), self.eos, dc.max_prompt_tokens, stats)
+                if scored:
                     self._score(batch)
-                on_batch(batch)
+                if scored or not refill:
+                    on_batch(batch)
         return [self._record(u) for u in sorted(units, key=lambda u: (u.prompt_index, u.sample_index))]
+
+    def _refill_model(self, source: str):
+        """The model that writes ``source``'s responses with continuous refill (data.refill), or None for the
+        fixed-batch path: a vLLM target, dataset replies, a drafter that reads the target's states (it writes in
+        ``write_batch``) and a transformers-path target whose attention takes no 4-D mask keep it."""
+        if not self.dc.refill:
+            return None
+        if source == "target" and self.dc.backend == "native":
+            model = self.tgt.model
+        elif source == "drafter" and not reads_target(self.drafter):
+            model = self.drafter
+        else:
+            return None
+        return model if Refill.supports(model) else None
+
+    def _refill(self, group: list[Unit], source: str, stats: Stats, on_unit) -> None:
+        dc = self.dc
+        longest = max(u.est_tokens(dc.max_new_tokens) for u in group)  # bounds every context + its response
+        rows = dc.batch_size if dc.batch_tokens is None else max(1, min(dc.batch_size, dc.batch_tokens // longest))
+        target = source == "target"
+        gen = Refill(
+            self._refill_model(source),
+            rows,
+            dc.max_new_tokens,
+            self.eos,
+            self.sampling,
+            self.capture if target else Capture(),
+            self.labeller if target else None,
+            self.label_sampling,
+            max_len=2 * (min(longest, dc.max_prompt_tokens + dc.max_new_tokens) + 1),
+            static=dc.cuda_graphs and torch.device(self.device).type == "cuda",  # graphs stay off on CPU
+        )
+        order = sorted(group, key=lambda u: u.est_tokens(dc.max_new_tokens))  # similar lengths prefill together
+        run_refill(order, gen, self.eos, dc.max_prompt_tokens, stats, on_unit)
 
     def _writer(self, source: str):
         dc = self.dc
@@ -378,22 +459,10 @@ def generate(recipe) -> Path:
         bar.update(min(sum(u.share for u in batch), bar.total - bar.n))  # shares of 1/k may round past the total
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
 
-    for si in mine:
-        path, start = out / shard_name(si), starts[si]
-        shard_prompts = prompts[start : start + dc.shard_size]
-        span = f"{start}:{start + len(shard_prompts)}"
-        if shard_done(path, dhash, span, legacy_hash):
-            bar.update(len(shard_prompts))
-            continue
-        stats = Stats()
-        units = plan_units(shard_prompts, start, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
-        bar.update(len(shard_prompts) - sum(u.share for u in units))  # unusable prompts are done at once
-        records = prod.shard_records(units, stats, on_batch) if units else []
-        counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
-        entry = write_shard(path, records, {**meta, "prompt_span": span}, counts)
+    def written(path: Path, entry: dict) -> None:  # in the writer thread, after each shard
         runlog.log(
             {
-                "shard": si,
+                "shard": int(path.name.split("-")[1].split(".")[0]),
                 "rank": rank,
                 "target_path": prod.tgt.backend,
                 "sequences": entry["n_sequences"],
@@ -401,7 +470,29 @@ def generate(recipe) -> Path:
                 "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1),
             }
         )
+
+    # write_shard is looked up at each call (tests replace it); shards are written while the next ones generate
+    writer = ShardWriter(lambda *a: write_shard(*a), dc.write_queue, written)
+    try:
+        for si in mine:
+            path, start = out / shard_name(si), starts[si]
+            shard_prompts = prompts[start : start + dc.shard_size]
+            span = f"{start}:{start + len(shard_prompts)}"
+            if shard_done(path, dhash, span, legacy_hash):
+                bar.update(len(shard_prompts))
+                continue
+            stats = Stats()
+            units = plan_units(shard_prompts, start, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
+            bar.update(len(shard_prompts) - sum(u.share for u in units))  # unusable prompts are done at once
+            records = prod.shard_records(units, stats, on_batch) if units else []
+            counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
+            writer.submit(path, records, {**meta, "prompt_span": span}, counts)
+    except BaseException:
+        bar.close()  # an error message starts on a line of its own
+        writer.abort()
+        raise
     bar.close()
+    writer.close()
     barrier()
     if rank == 0:
         manifest = _manifest(

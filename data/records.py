@@ -21,12 +21,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from draftsmith.errors import DraftsmithError
+from draftsmith.errors import DraftsmithError, disk_full
 from draftsmith.integrity import data_start, open_safetensors, read_json, save_safetensors, verify_file
 
 log = logging.getLogger("draftsmith.data")
@@ -130,6 +132,84 @@ def write_shard(path: Path, records: list[Record], meta: dict[str, str], counts:
     os.replace(tmp, path)
     entry["bytes"], entry["sha256"] = path.stat().st_size, digest
     return entry
+
+
+class ShardWriter:
+    """Writes finished shards from a background thread while the next ones are generated.
+
+    ``write(path, records, meta, counts) -> entry`` does the writing (``write_shard``: temp name, then rename, so a
+    kill at any moment leaves either a complete shard or a ``.tmp`` file that is never read); ``on_written(path,
+    entry)`` runs after each. At most ``queue_size`` shards wait; ``submit`` blocks while the queue is full, so
+    memory stays bounded. 0: no thread, ``submit`` writes at once. The writer's first error stops it (later shards
+    are not written: a rerun resumes and generates them again) and is raised in the caller's thread at its next
+    ``submit`` or at ``close``: a one-line ``DraftsmithError`` naming the shard (a full disk and an interrupt are
+    raised as they are, for the command's own handlers)."""
+
+    def __init__(self, write, queue_size: int, on_written=None):
+        self.write, self.on_written = write, on_written
+        self.error: BaseException | None = None
+        self.failed: Path | None = None
+        self.thread = None
+        if queue_size > 0:
+            self.q: queue.Queue = queue.Queue(maxsize=queue_size)
+            self.thread = threading.Thread(target=self._loop, name="draftsmith-shard-writer", daemon=True)
+            self.thread.start()
+
+    def _write(self, path: Path, args: tuple) -> None:
+        try:
+            entry = self.write(path, *args)
+            if self.on_written is not None:
+                self.on_written(path, entry)
+        except BaseException as e:  # noqa: BLE001 (handed to the caller's thread)
+            self.error, self.failed = e, path
+
+    def _loop(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                self._write(*item)
+
+    def check(self) -> None:
+        """Raise the writer's error, if any, in the calling thread."""
+        e = self.error
+        if e is None:
+            return
+        if isinstance(e, (KeyboardInterrupt, DraftsmithError)) or disk_full(e):
+            raise e
+        first = (str(e).splitlines() or [""])[0]
+        raise DraftsmithError(
+            f"{self.failed}: writing the shard failed ({type(e).__name__}: {first}); the shards written before it "
+            f"are kept, rerun the same command to resume"
+        ) from None
+
+    def submit(self, path: Path, records: list[Record], meta: dict, counts: dict) -> None:
+        self.check()
+        if self.thread is None:
+            self._write(path, (records, meta, counts))
+            return self.check()
+        while True:  # a writer that failed takes nothing more: do not wait on its full queue
+            try:
+                return self.q.put((path, (records, meta, counts)), timeout=0.2)
+            except queue.Full:
+                self.check()
+
+    def close(self) -> None:
+        """Wait until every submitted shard is written; raise the writer's error, if any."""
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join()
+        self.check()
+
+    def abort(self) -> None:
+        """The caller failed: finish the shard being written (it is complete, or a temp file), drop the rest."""
+        if self.thread is None:
+            return
+        while True:
+            try:
+                self.q.get_nowait()
+            except queue.Empty:
+                break
+        self.q.put(None)
+        self.thread.join()
 
 
 def shard_done(path: Path, data_hash: str, span: str | None = None, legacy_hash: str | None = None) -> bool:

@@ -82,6 +82,10 @@ class RowCache:
             new.valid[: self.n] = self.full.valid[: self.n]
         self.full = new
 
+    def reserve(self, rows: int) -> None:
+        """Storage for ``rows`` rows now: while no more join, the buffers never move (CUDA graphs read them)."""
+        self._grow(rows)
+
     def counts(self) -> torch.Tensor:
         """Valid slots per active row (n,)."""
         return self.view.valid[:, : self.length].sum(1)

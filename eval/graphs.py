@@ -222,21 +222,28 @@ class GraphedLlama(nn.Module):
 
     def capture(self, fn):
         """-> (graph, fn's output): ``fn`` captured into a CUDA graph in this model's memory pool (replays never
-        overlap). Warmed up on a side stream first, as torch.cuda.graphs asks; the inputs are the real ones, so the
-        warm-up writes the very K/V the replay writes again: capturing changes nothing."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads' CUDA work (the online learner trains in the serving process) must not
-        # invalidate this thread's capture.
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = fn()
+        overlap); see ``capture_graph``."""
+        graph, out = capture_graph(fn, self._pool)
         self._pool = graph.pool()
         return graph, out
+
+
+def capture_graph(fn, pool=None):
+    """-> (graph, fn's output): ``fn`` captured into a CUDA graph (in memory pool ``pool``, e.g. another graph's
+    ``pool()``, when given). Warmed up on a side stream first, as torch.cuda.graphs asks; the inputs are the real
+    ones, so the warm-up writes the very K/V the replay writes again: capturing changes nothing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: other threads' CUDA work (the online learner trains in the serving process) must not
+    # invalidate this thread's capture.
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
 
 
 class GraphedEagle(GraphedLlama):

@@ -201,9 +201,22 @@ class DataConfig(Strict):
     n_samples: int = Field(1, gt=0)
     """Responses generated per prompt (needs temperature > 0)."""
     batch_size: int = Field(16, gt=0)
-    """Most conversations generated together (left-padded, one KV cache)."""
+    """Most conversations generated together (rows of one KV cache)."""
     batch_tokens: int | None = Field(None, gt=0)
-    """Token budget per batch: batch size x (longest context + new tokens) stays under it. None = no budget."""
+    """Token budget per batch: batch size x (longest context + new tokens) stays under it (with refill: rows x the
+    longest conversation in the shard). None = no budget."""
+    refill: bool = True
+    """Continuous refill: batch_size rows generate at once and a row that ends (EOS or max_new_tokens) is replaced
+    by the next waiting conversation turn at once, instead of fixed batches that wait for their longest row. The
+    same records either way (tested exact in float64). false: fixed length-sorted batches. A vLLM target, dataset
+    replies, drafters that read the target's states and transformers-path targets always use fixed batches."""
+    cuda_graphs: bool = False
+    """With refill on a GPU: run each decode step at a static shape per batch bucket (1, 2, 4, ... rows up to
+    batch_size) and replay it as a CUDA graph, captured once per bucket. The same records as eager steps (tested
+    uncaptured on CPU). Ignored on CPU and for sliding-window targets; not yet timed on a GPU, hence off."""
+    write_queue: int = Field(2, ge=0)
+    """Finished shards waiting for the background writer thread while generation goes on (their records stay in
+    memory meanwhile); when the queue is full, generation waits. 0: shards are written in the main thread."""
     optimize: bool = True
     """Fuse and pre-pack the target's (and a generating or labelling drafter's) matmuls, as eval.optimize does:
     the same model to float rounding, batched decode steps 1.6-2x faster on a 2-core CPU. false: plain modules."""

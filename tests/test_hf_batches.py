@@ -250,3 +250,54 @@ def test_serve_and_a_learner_round_on_the_transformers_path(tmp_path, archs, gem
     out = learner.round()
     assert out["records"] == len(QUESTIONS) - 1 and out["held_out"] == 1
     assert out["tau_candidate"] >= 1.0 and out["tau_current"] >= 1.0
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_generate_refills_rows_on_the_transformers_path(tmp_path, archs, prompts_file, family, monkeypatch):
+    """`draftsmith generate` on Gemma-2 / gpt-oss keeps its rows busy (data.refill, the slot cache) and writes the
+    records the fixed batches write: the same tokens, the same top-k ids, signals equal to float64 rounding."""
+    from conftest import shard_tensors
+
+    from draftsmith.data import engine
+
+    calls = {"n": 0}
+    real = engine.Refill.run
+
+    def counted(self, *a, **kw):
+        calls["n"] += 1
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(engine.Refill, "run", counted)
+    runs = {}
+    for refill in ("true", "false"):
+        out = tmp_path / refill
+        args = [
+            "generate",
+            "tiny",
+            f"target.model={archs[family]}",
+            f"data.prompts.path={prompts_file}",
+            f"out_dir={out}",
+            "target.dtype=float64",
+            "data.batch_size=3",
+            "data.signals.hidden_last=true",
+            "data.signals.hidden_layers=eagle3",
+            "data.signals.hidden_dtype=float16",
+            f"data.refill={refill}",
+            "-q",
+        ]
+        assert main(args) == 0
+        runs[refill] = shard_tensors(out / "data")
+        if refill == "true":
+            assert calls["n"] > 0, "refill ran"
+            calls["n"] = 0
+    assert calls["n"] == 0
+    a, b = runs["true"], runs["false"]
+    assert a.keys() == b.keys()
+    for shard in a:
+        assert a[shard].keys() == b[shard].keys()
+        for k, v in a[shard].items():
+            w = b[shard][k]
+            if v.is_floating_point():
+                torch.testing.assert_close(v, w, rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+            else:
+                assert torch.equal(v, w), k
