@@ -64,7 +64,10 @@ def _steady(run: Path, stage: str, tokens_key: str) -> dict:
     if len(rows) < 2:
         sys.exit(f"utilisation: {run}: fewer than 2 {stage} rows with {tokens_key}; run longer or log more often")
     use = rows[1:]
-    rate = sum(r[tokens_key] for r in use) / max(1e-9, use[-1]["time"] - rows[0]["time"])
+    if tokens_key.endswith("_per_s"):  # a rate per window already (training): their mean
+        rate = sum(r[tokens_key] for r in use) / len(use)
+    else:  # tokens per row: their sum over the rows' span
+        rate = sum(r[tokens_key] for r in use) / max(1e-9, use[-1]["time"] - rows[0]["time"])
     mfu = [r["mfu"] for r in use if r.get("mfu") is not None]
     tfl = [r["tflops"] for r in use if r.get("tflops") is not None]
     return {
@@ -215,7 +218,7 @@ def main() -> None:
               f"train.micro_batch_size={a.micro_batch}", f"train.max_seq_len={a.max_len}",
               f"train.precision={precision}", "train.save_every=0", f"train.log_every={max(1, a.steps // 6)}",
               "train.eval_every=0", "-q", *common], log)  # fmt: skip
-        r = _steady(run, "train", "input_tokens")
+        r = _steady(run, "train", "input_tokens_per_s")
         rows.append(
             {"row": f"train {kind} (micro-batch {a.micro_batch})", **r, "x_plain": r["tokens_per_s"] / plain_rate}
         )
