@@ -64,10 +64,7 @@ def _steady(run: Path, stage: str, tokens_key: str) -> dict:
     if len(rows) < 2:
         sys.exit(f"utilisation: {run}: fewer than 2 {stage} rows with {tokens_key}; run longer or log more often")
     use = rows[1:]
-    if tokens_key.endswith("_per_s"):  # a rate per window already (training): their mean
-        rate = sum(r[tokens_key] for r in use) / len(use)
-    else:  # tokens per row: their sum over the rows' span
-        rate = sum(r[tokens_key] for r in use) / max(1e-9, use[-1]["time"] - rows[0]["time"])
+    rate = sum(r[tokens_key] for r in use) / len(use)  # each row's rate over its own window
     mfu = [r["mfu"] for r in use if r.get("mfu") is not None]
     tfl = [r["tflops"] for r in use if r.get("tflops") is not None]
     return {
@@ -191,7 +188,7 @@ def main() -> None:
     _cli(["generate", "eagle3-smollm2", f"out_dir={gen}", f"data.prompts.n={a.prompts}",
           f"data.batch_size={a.gen_batch}", f"data.max_new_tokens={a.max_new}", f"data.shard_size={a.gen_batch}",
           "-q", *common], log)  # fmt: skip
-    ours = _steady(gen, "generate", "new_tokens")
+    ours = _steady(gen, "generate", "window_tokens_per_s")
     tgt = load_model("smollm2-135m-instruct")
     eos = stop_ids(tgt.path, tgt.tokenizer)
     from draftsmith.data.dataset import RecordDataset

@@ -41,6 +41,7 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import reads_target
+from draftsmith.flops import Meter, count_flops, peak_flops
 from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
@@ -261,11 +262,26 @@ class Producer:
         lc = dc.specdec_labels
         self.label_sampling = Sampling(lc.temperature, lc.top_k, lc.top_p) if lc else None
         self._vllm = None
+        self.meter = self._meter(dtype) if dc.backend == "native" else None  # before packing: counted matmuls
         if dc.optimize:  # inference only from here on: fused, pre-packed matmuls
             # (benchmarks/journal/2026-11-24-quickstart-avx2-host.md)
             for m in (self.tgt.model, self.drafter, self.labeller):
                 if m is not None and hasattr(m, "optimize_for_inference"):
                     m.optimize_for_inference()
+
+    @torch.no_grad()
+    def _meter(self, dtype) -> Meter | None:
+        """The target's FLOPs per generated token, for the log's tflops and mfu: one counted forward over
+        ``max_prompt_tokens + max_new_tokens`` tokens (at most 1024), whose mean attention context is a decode
+        step's at mid-answer. None where counting fails."""
+        n = min(1024, self.dc.max_prompt_tokens + self.dc.max_new_tokens)
+        try:
+            ids = torch.zeros(1, n, dtype=torch.long, device=self.device)
+            flops, _ = count_flops(self.tgt.model, ids)
+            return Meter(flops / n, *peak_flops(self.device, dtype))
+        except Exception as e:  # pragma: no cover - a model or device the counter does not handle
+            log.warning("generate: no MFU in the logs (%s)", e)
+            return None
 
     def _drafter(self, section, key: str, dtype, writer: bool = False):
         """The drafter that writes on-policy responses (``writer``) or labels SpecDec++ tokens. A standalone
@@ -451,7 +467,7 @@ def generate(recipe) -> Path:
         desc=f"generate[{rank}]" if world > 1 else "generate",
         dynamic_ncols=True,
     )
-    t0, new_tokens = time.perf_counter(), 0
+    t0, new_tokens, last = time.perf_counter(), 0, {"t": time.perf_counter(), "tokens": 0}
 
     def on_batch(batch: list[Unit]) -> None:
         nonlocal new_tokens
@@ -460,14 +476,20 @@ def generate(recipe) -> Path:
         bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
 
     def written(path: Path, entry: dict) -> None:  # in the writer thread, after each shard
+        now, done = time.perf_counter(), new_tokens
+        rate = (done - last["tokens"]) / max(1e-9, now - last["t"])  # since the previous row: this window's pace
+        last.update(t=now, tokens=done)
+        util = {} if prod.meter is None else {"tflops": prod.meter.tflops(rate), "mfu": prod.meter.mfu(rate)}
         runlog.log(
             {
                 "shard": int(path.name.split("-")[1].split(".")[0]),
                 "rank": rank,
                 "target_path": prod.tgt.backend,
                 "sequences": entry["n_sequences"],
-                "new_tokens": new_tokens,
-                "tokens_per_s": round(new_tokens / (time.perf_counter() - t0), 1),
+                "new_tokens": done,
+                "tokens_per_s": round(done / (now - t0), 1),
+                "window_tokens_per_s": round(rate, 1),
+                **{k: round(v, 6) for k, v in util.items()},
             }
         )
 

@@ -64,3 +64,21 @@ def test_training_logs_tflops_and_mfu_from_a_counted_step(train_run, monkeypatch
     for r in rows[1:]:
         assert r["input_tokens_per_s"] > 0 and r["tflops"] > 0
         assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / 1e9, rel=0.02)  # (logged to 5 decimals)
+
+
+def test_generation_logs_tflops_and_mfu_per_shard(tmp_path, tiny_model_dir, prompts_file, monkeypatch):
+    """`draftsmith generate` logs each shard's window rate and its TFLOP/s and MFU (FLOPs per token counted once on
+    the target before its matmuls are packed)."""
+    import json
+
+    from draftsmith.cli import main
+
+    monkeypatch.setattr(flops, "measured_peak", lambda d, t: 1e9)
+    args = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={tmp_path}"]
+    assert main(["generate", "tiny", *args, "data.shard_size=2", "-q"]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("stage") == "generate" and "shard" in r]
+    assert len(rows) >= 2
+    for r in rows:
+        assert r["window_tokens_per_s"] > 0 and r["tflops"] > 0
+        assert r["mfu"] == pytest.approx(r["tflops"] * 1e12 / 1e9, rel=0.02)
