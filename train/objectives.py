@@ -215,18 +215,25 @@ def pard_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(loss, outs[0][1], metrics)
 
 
+def _wide(x: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """Features as the drafter reads them: float32 (stored bf16 / fp16 / fp8 rows widened), or float64 for a float64
+    drafter, which then reads them unrounded as the decoder hands them over (tests/test_train_serve_match.py)."""
+    wide = next(ctx.unwrapped.parameters()).dtype == torch.float64
+    return x.to(torch.float64) if wide else x.float()
+
+
 def target_features(batch: dict, ctx: Context) -> torch.Tensor:
     """The target's final hidden states after its norm (B, T, D): stored (data.signals.hidden_last) or computed
     by the frozen target in the loop (both give the same loss; tested)."""
     if "hidden_last" in batch:
-        return batch["hidden_last"].float()
+        return _wide(batch["hidden_last"], ctx)
     if ctx.target is None:
         raise DraftsmithError(
             "this drafter reads target hidden states: store them (data.signals.hidden_last) "
             "or let the loop run the target"
         )
     with torch.no_grad():
-        return ctx.target(batch["input_ids"], return_hidden=True).float()
+        return _wide(ctx.target(batch["input_ids"], return_hidden=True), ctx)
 
 
 def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None):
@@ -323,10 +330,10 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
     Stored records (hidden_last for EAGLE-1, hidden_aux for EAGLE-3) or the frozen target in the loop."""
     eagle = ctx.unwrapped
     if eagle.cfg.version == 1 and "hidden_last" in batch:
-        f = batch["hidden_last"].float()
+        f = _wide(batch["hidden_last"], ctx)
         return f, f
     if eagle.cfg.version == 3 and "hidden_aux" in batch and ctx.target is None:
-        a = batch["hidden_aux"].float()  # (B, T, A, D) in aux_layers order
+        a = _wide(batch["hidden_aux"], ctx)  # (B, T, A, D) in aux_layers order
         return a.reshape(*a.shape[:2], -1), None
     if ctx.target is None:
         raise DraftsmithError(
@@ -335,7 +342,7 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
         )
     with torch.no_grad():
         h, cap = ctx.target(batch["input_ids"], capture_layers=eagle.capture_layers, return_hidden=True)
-        return eagle.features(cap, ctx.target).float(), h.float()
+        return _wide(eagle.features(cap, ctx.target), ctx), _wide(h, ctx)
 
 
 def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
