@@ -117,3 +117,50 @@ def test_teacher_forced_predictions_are_the_objectives_top1(target, records):
     for s in range(3):
         hits = [p == int(ids[b, t + s + 2]) for (k, b, t), p in preds.items() if k == s]
         assert len(hits) > 100 and sum(hits) / len(hits) == pytest.approx(metrics[f"top1_step{s}"])
+
+
+@pytest.fixture(scope="module")
+def deep_model_dir(tmp_path_factory, tiny_tokenizer):
+    from conftest import save_tiny_llama
+
+    return save_tiny_llama(
+        tmp_path_factory.mktemp("tiny-llama-5"), tiny_tokenizer, num_hidden_layers=5, initializer_range=0.15
+    )
+
+
+def test_the_whole_pipeline_trains_what_the_decoder_drafts(deep_model_dir, prompts_file, tmp_path, one_thread):
+    """`draftsmith generate` (greedy, EAGLE-3 features stored in bf16) -> `draftsmith train` (float32) -> the
+    checkpoint decoded in float64: at every chain start the first draft is the TTT step-0 argmax of the objective
+    on the stored records (features from the target in the loop: exactly; from the records' bf16 rows: wherever
+    rounding does not flip it)."""
+    import yaml
+
+    from draftsmith.cli import main
+    from draftsmith.data.dataset import RecordDataset
+    from draftsmith.models.loading import load_model, stop_ids
+    from draftsmith.models.registry import load_drafter
+    from draftsmith.recipes.loader import find_recipe
+
+    fields = {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "draft_vocab": 150}
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
+    spec["drafter"] = {"kind": "eagle", **fields}
+    recipe = tmp_path / "tiny-eagle3.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    common = [f"target.model={deep_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={tmp_path / 'run'}"]
+    data = ["data.temperature=0", "data.max_new_tokens=32", f"data.signals.hidden_layers={AUX}", "target.dtype=float64"]
+    assert main(["generate", str(recipe), *common, *data, "-q"]) == 0
+    train = ["train.steps=40", "train.lr=5e-3", "train.loss.kind=ce", "train.eval_every=0", "-q"]
+    assert main(["train", str(recipe), *common, f"eval.prompts.path={prompts_file}", *train]) == 0
+    tgt = load_model(str(deep_model_dir), torch.float64)
+    drafter, _ = load_drafter(tmp_path / "run" / "checkpoints" / "final", dtype=torch.float64)
+    params = drafter_spec("eagle").section(fields)
+    ds = RecordDataset(tmp_path / "run" / "data", 256)
+    records = [ds[i] for i in range(len(ds))]
+    assert len(records) == 8 and "hidden_aux" in records[0].signals
+    eos = stop_ids(tgt.path, tgt.tokenizer)
+    exact = compare(tgt.model, drafter, params, records, 32, GAMMA, eos, in_loop=True)
+    assert exact.mismatches == [] and exact.diverged == 0, exact.mismatches[:5]
+    assert exact.compared[0] == exact.starts > 50 and exact.compared[1] > 20
+    assert 0.3 * exact.starts < exact.accepted_first < exact.starts  # accepted and rejected first drafts
+    stored = compare(tgt.model, drafter, params, records, 32, GAMMA, eos)
+    assert stored.compared == exact.compared and stored.rate(0) >= 0.95 and stored.rate(1) >= 0.95
