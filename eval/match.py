@@ -103,11 +103,14 @@ def compare(
     eos_ids: set[int],
     in_loop: bool = False,
     batch_size: int = 8,
+    serving: tuple | None = None,
 ) -> Match:
     """Decode every record's prompt (its tokens before the first response token) and line each chain's drafts up
     with the objective's teacher-forced predictions on the record. ``in_loop``: the target computes the features
-    (else the records' stored ones). Only the first response of a record is decoded; a decode that leaves the
-    record is compared up to where it left."""
+    (else the records' stored ones). ``serving``: the (target, drafter) pair that decodes, when it is not the pair
+    the objective runs (the eval stage's fused, pre-packed copies). Only the first response of a record is
+    decoded; a decode that leaves the record is compared up to where it left."""
+    dec_target, dec_drafter = serving or (target, drafter)
     depth = 0
     m = Match()
     for a in range(0, len(records), batch_size):
@@ -130,7 +133,7 @@ def compare(
             n = int(mask[P:].long().cumprod(0).sum())  # the first response
             want = torch.as_tensor(r.input_ids)[P : P + n].tolist()
             out, steps, st = chain_steps(
-                target, drafter, torch.as_tensor(r.input_ids[:P]), max_new_tokens, gamma, eos_ids
+                dec_target, dec_drafter, torch.as_tensor(r.input_ids[:P]), max_new_tokens, gamma, eos_ids
             )
             m.stats.append(st)
             same = next((i for i, (x, y) in enumerate(zip(out, want)) if x != y), min(len(out), len(want)))

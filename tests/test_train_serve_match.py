@@ -128,11 +128,15 @@ def deep_model_dir(tmp_path_factory, tiny_tokenizer):
     )
 
 
-def test_the_whole_pipeline_trains_what_the_decoder_drafts(deep_model_dir, prompts_file, tmp_path, one_thread):
-    """`draftsmith generate` (greedy, EAGLE-3 features stored in bf16) -> `draftsmith train` (float32) -> the
-    checkpoint decoded in float64: at every chain start the first draft is the TTT step-0 argmax of the objective
-    on the stored records (features from the target in the loop: exactly; from the records' bf16 rows: wherever
-    rounding does not flip it)."""
+@pytest.mark.parametrize("backend", ["own", "transformers"])
+def test_the_whole_pipeline_trains_what_the_decoder_drafts(backend, deep_model_dir, prompts_file, tmp_path, one_thread):
+    """`draftsmith generate` (greedy, EAGLE-3 features stored in bf16, on either target path) -> `draftsmith train`
+    (float32) -> the checkpoint decoded in float64 on the own path, as the eval stage runs it (fused, pre-packed
+    copies) and plain: at every chain start the first draft is the TTT step-0 argmax of the objective on the
+    stored records (features from the target in the loop: exactly; from the records' bf16 rows: wherever
+    rounding does not flip it), and drafts 2 and 3 are steps 1 and 2 after accepted drafts."""
+    import copy
+
     import yaml
 
     from draftsmith.cli import main
@@ -148,7 +152,7 @@ def test_the_whole_pipeline_trains_what_the_decoder_drafts(deep_model_dir, promp
     recipe.write_text(yaml.safe_dump(spec))
     common = [f"target.model={deep_model_dir}", f"data.prompts.path={prompts_file}", f"out_dir={tmp_path / 'run'}"]
     data = ["data.temperature=0", "data.max_new_tokens=32", f"data.signals.hidden_layers={AUX}", "target.dtype=float64"]
-    assert main(["generate", str(recipe), *common, *data, "-q"]) == 0
+    assert main(["generate", str(recipe), *common, *data, f"target.backend={backend}", "-q"]) == 0
     train = ["train.steps=40", "train.lr=5e-3", "train.loss.kind=ce", "train.eval_every=0", "-q"]
     assert main(["train", str(recipe), *common, f"eval.prompts.path={prompts_file}", *train]) == 0
     tgt = load_model(str(deep_model_dir), torch.float64)
@@ -156,7 +160,7 @@ def test_the_whole_pipeline_trains_what_the_decoder_drafts(deep_model_dir, promp
     params = drafter_spec("eagle").section(fields)
     ds = RecordDataset(tmp_path / "run" / "data", 256)
     records = [ds[i] for i in range(len(ds))]
-    assert len(records) == 8 and "hidden_aux" in records[0].signals
+    assert len(records) == 8 and "hidden_aux" in records[0].signals and ds.manifest["target_path"] == backend
     eos = stop_ids(tgt.path, tgt.tokenizer)
     exact = compare(tgt.model, drafter, params, records, 32, GAMMA, eos, in_loop=True)
     assert exact.mismatches == [] and exact.diverged == 0, exact.mismatches[:5]
@@ -164,3 +168,6 @@ def test_the_whole_pipeline_trains_what_the_decoder_drafts(deep_model_dir, promp
     assert 0.3 * exact.starts < exact.accepted_first < exact.starts  # accepted and rejected first drafts
     stored = compare(tgt.model, drafter, params, records, 32, GAMMA, eos)
     assert stored.compared == exact.compared and stored.rate(0) >= 0.95 and stored.rate(1) >= 0.95
+    serving = copy.deepcopy(tgt.model).optimize_for_inference(), copy.deepcopy(drafter).optimize_for_inference()
+    fused = compare(tgt.model, drafter, params, records, 32, GAMMA, eos, in_loop=True, serving=serving)
+    assert fused.mismatches == [] and fused.compared == exact.compared
