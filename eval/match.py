@@ -84,7 +84,7 @@ class Match:
     trained_hits: list[int] = field(default_factory=list)  # ... whose argmax is the record's token
     diverged: int = 0  # records the decoder's output left (float rounding flipped a target argmax)
     mismatches: list[tuple] = field(default_factory=list)  # (record, position t, draft s + 1, decoder, trained)
-    stats: list = field(default_factory=list)  # each decode's DecodeStats
+    decoded: list = field(default_factory=list)  # each record's (new tokens, steps, DecodeStats): reusable
 
     def rate(self, s: int = 0) -> float:
         return self.agreed[s] / self.compared[s] if self.compared[s] else float("nan")
@@ -104,12 +104,14 @@ def compare(
     in_loop: bool = False,
     batch_size: int = 8,
     serving: tuple | None = None,
+    decoded: list | None = None,
 ) -> Match:
     """Decode every record's prompt (its tokens before the first response token) and line each chain's drafts up
     with the objective's teacher-forced predictions on the record. ``in_loop``: the target computes the features
     (else the records' stored ones). ``serving``: the (target, drafter) pair that decodes, when it is not the pair
     the objective runs (the eval stage's fused, pre-packed copies). Only the first response of a record is
-    decoded; a decode that leaves the record is compared up to where it left."""
+    decoded; a decode that leaves the record is compared up to where it left. ``decoded``: another ``Match``'s
+    decodes of the same records, reused (features from the records and from the loop, one decode)."""
     dec_target, dec_drafter = serving or (target, drafter)
     depth = 0
     m = Match()
@@ -132,10 +134,12 @@ def compare(
             P = int(mask.nonzero()[0, 0])
             n = int(mask[P:].long().cumprod(0).sum())  # the first response
             want = torch.as_tensor(r.input_ids)[P : P + n].tolist()
-            out, steps, st = chain_steps(
-                dec_target, dec_drafter, torch.as_tensor(r.input_ids[:P]), max_new_tokens, gamma, eos_ids
-            )
-            m.stats.append(st)
+            if decoded is None:
+                prompt = torch.as_tensor(r.input_ids[:P])
+                m.decoded.append(chain_steps(dec_target, dec_drafter, prompt, max_new_tokens, gamma, eos_ids))
+            else:
+                m.decoded.append(decoded[a + b])
+            out, steps, _ = m.decoded[-1]
             same = next((i for i, (x, y) in enumerate(zip(out, want)) if x != y), min(len(out), len(want)))
             m.diverged += same < len(want)
             j = P  # the sequence position of the step's current token
