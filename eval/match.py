@@ -92,6 +92,21 @@ class Match:
     def top1(self, s: int = 0) -> float:
         return self.trained_hits[s] / self.trained_rows[s] if self.trained_rows[s] else float("nan")
 
+    def acceptance(self) -> list[float]:
+        """[k] = P(draft k + 1 accepted | drafts 1..k accepted and draft k + 1 drafted): the decoder's per-position
+        acceptance without the steps whose γ the answer's end cut short (``DecodeStats`` counts those as
+        rejections past their last draft), the number to set next to teacher-forced top-1."""
+        reached, kept = [], []
+        for _, steps, _ in self.decoded:
+            for drafts, n in steps:
+                for k in range(min(len(drafts), n + 1)):
+                    while len(reached) <= k:
+                        reached.append(0)
+                        kept.append(0)
+                    reached[k] += 1
+                    kept[k] += n > k
+        return [a / r for a, r in zip(kept, reached)]
+
 
 def compare(
     target,

@@ -166,6 +166,7 @@ def test_the_whole_pipeline_trains_what_the_decoder_drafts(backend, deep_model_d
     assert exact.mismatches == [] and exact.diverged == 0, exact.mismatches[:5]
     assert exact.compared[0] == exact.starts > 50 and exact.compared[1] > 20
     assert 0.3 * exact.starts < exact.accepted_first < exact.starts  # accepted and rejected first drafts
+    assert exact.acceptance()[0] == exact.accepted_first / exact.starts
     stored = compare(tgt.model, drafter, params, records, 32, GAMMA, eos, decoded=exact.decoded)
     assert stored.compared == exact.compared and stored.rate(0) >= 0.95 and stored.rate(1) >= 0.95
     serving = copy.deepcopy(tgt.model).optimize_for_inference(), copy.deepcopy(drafter).optimize_for_inference()

@@ -16,7 +16,13 @@ be well above 2. A low τ next to a high training top-1 is the train/serve misma
    decoder's draft k against TTT step k - 1 (after accepted drafts), with the features from the records (bf16,
    as trained) and from the target (float32, as served).
 
-Each stage prints its wall time. Defaults are sized for ~20 minutes on 2 CPU cores; try it with tiny settings:
+The eval stage's per-position acceptance counts the steps whose γ the answer's end cut short as rejections past
+their last draft; with short answers that pulls it down, so the match also prints the acceptance of each draft
+where it was drafted, the number that should sit next to teacher-forced top-1 (a little below it: chains start
+after rejections, at the harder positions).
+
+Each stage prints its wall time. The defaults are meant to fit ~20 minutes on 2 quiet CPU cores (the training
+stage dominates: lower --steps or --max-prompt-tokens if not); check it runs with tiny settings first:
 
     python benchmarks/experiments/overfit_eagle3.py                      # 200 ShareGPT prompts, 32 new tokens
     python benchmarks/experiments/overfit_eagle3.py --n 4 --max-new-tokens 8 --steps 4 --root runs/oe3-smoke
@@ -55,8 +61,9 @@ def main() -> None:
     ap.add_argument("--source", default="sharegpt", choices=["sharegpt", "mt_bench"], help="packaged prompt set")
     ap.add_argument("--n", type=int, default=200, help="prompts (records, and the eval prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=32, help="answer length (data and eval)")
-    ap.add_argument("--steps", type=int, default=600, help="train steps (micro-batch 4: ~12 epochs of 200 records)")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--max-prompt-tokens", type=int, default=128, help="longer prompts are skipped (training cost)")
+    ap.add_argument("--steps", type=int, default=500, help="train steps (micro-batch 4: ~10 epochs of 200 records)")
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--draft-len", type=int, default=6, help="chain γ in eval and in the match")
     ap.add_argument("--match-n", type=int, default=None, help="records in the per-position match (default all)")
     ap.add_argument("--root", default="runs/overfit-eagle3", help="run folder (emptied first)")
@@ -75,7 +82,7 @@ def main() -> None:
         f"data.prompts={prompts}",
         "data.temperature=0",
         f"data.max_new_tokens={a.max_new_tokens}",
-        "data.max_prompt_tokens=256",  # longer ones are skipped; eval decodes the prompts the records kept
+        f"data.max_prompt_tokens={a.max_prompt_tokens}",  # longer ones are skipped; eval decodes the records' prompts
         "data.signals.topk=0",
         "data.signals.hidden_layers=eagle3",
     ]
@@ -86,7 +93,7 @@ def main() -> None:
         "train.loss.kind=ce",
         "train.save_every=0",
         "train.eval_every=0",
-        f"train.max_seq_len={256 + a.max_new_tokens}",
+        f"train.max_seq_len={a.max_prompt_tokens + a.max_new_tokens}",
         f"train.log_every={max(1, a.steps // 20)}",
     ]
     ev = [
@@ -111,7 +118,10 @@ def main() -> None:
     rep = json.loads((root / "eval" / "report.json").read_text())
     steps = sorted(int(k.removeprefix("top1_step")) for k in last if k.startswith("top1_step"))
     print("\n== overfit EAGLE-3 on SmolLM2-135M-Instruct ==")
-    print(f"prompts: {a.n} {a.source}, {a.max_new_tokens} new tokens, chain γ = {a.draft_len}, T = 0")
+    n_rec = rep["prompts"]["n"]
+    print(f"prompts: {n_rec} records of {a.n} {a.source} prompts (<= {a.max_prompt_tokens} tokens), "
+          f"{a.max_new_tokens} new tokens, chain γ = {a.draft_len}, T = 0")  # fmt: skip
+    print(f"train: {a.steps} steps of 4 records = {a.steps * 4 / max(1, n_rec):.1f} epochs")
     print(
         f"train (last logged window, step {last['step']}): top1 per TTT step "
         + fmt(last[f"top1_step{s}"] for s in steps)
@@ -177,6 +187,7 @@ def print_match(m: dict) -> None:
         + fmt(map(s.top1, range(len(s.compared))))
     )
     print(f"  chain starts {s.starts}: first draft accepted {s.accepted_first / max(1, s.starts):.3f}")
+    print(f"  decoder acceptance of draft k where it was drafted (no γ cut at the end): {fmt(s.acceptance())}")
     for name, x in (("record (bf16) features", s), ("target (fp32) features", f)):
         rates = fmt(x.rate(k) for k in range(len(x.compared)))
         print(f"  draft k == TTT step k-1 argmax, {name}: {rates}  (compared {x.compared}; {len(x.mismatches)} differ)")
