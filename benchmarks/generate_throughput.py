@@ -43,10 +43,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", help="target dtype: float32, bfloat16 or float16")
     ap.add_argument("--hf", action="store_true", help="also time transformers' generate, one prompt at a time")
     ap.add_argument("--graphs", action="store_true", help="also time refill with CUDA-graph decode steps (GPU)")
+    ap.add_argument("--no-optimize", action="store_true", help="keep the target's plain matmuls (data.optimize off)")
     a = ap.parse_args()
 
     dtype = getattr(torch, a.dtype)
     tgt = load_model(a.target, dtype, a.device)
+    if not a.no_optimize:  # as the data stage runs it (data.optimize): fused, pre-packed matmuls
+        tgt.model.optimize_for_inference()
     eos = stop_ids(tgt.path, tgt.tokenizer)
     src = ("file", a.prompts) if a.prompts else ("sharegpt", None)
     enc = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in load_prompts(*src, n=4 * a.n)]
@@ -120,7 +123,8 @@ def main() -> None:
     tps = {k: t[k].last / t[k].median for k in sides}
     print(
         f"prompts {len(prompts)}, batch {a.batch}, max_new_tokens {a.max_new}, top-{a.topk} captured, "
-        f"{tgt.name} on {a.device} ({a.dtype}), median of {a.repeats} round-robin rounds"
+        f"{tgt.name} on {a.device} ({a.dtype}{', plain matmuls' if a.no_optimize else ', pre-packed'}), median of "
+        f"{a.repeats} round-robin rounds"
     )
     print(
         f"fixed batches: {t['fixed'].last} tokens in {t['fixed'].median:.2f}s = {tps['fixed']:.1f} tok/s; "

@@ -377,3 +377,24 @@ def test_sliding_window_targets_slide_inside_each_document(tmp_path, tiny_tokeni
             torch.testing.assert_close(h[r][at], alone, rtol=1e-9, atol=1e-10)
             seen += 1
     assert seen == len(recs)
+
+
+@pytest.mark.parametrize("packing", ["false", "true"])
+def test_loader_workers_change_nothing_but_who_collates(train_run, packing):
+    """train.loader_workers: micro-batches read and collated (or packed) by worker processes train to the same
+    losses and weights as the main process's."""
+    import json
+
+    from safetensors.torch import load_file
+
+    runs = [
+        train_run(f"w{w}-{packing}", "train.steps=3", f"train.loader_workers={w}", f"train.packing={packing}")
+        for w in (0, 2)
+    ]
+    losses = [
+        [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        for run in runs
+    ]
+    assert losses[0] == losses[1] and len(losses[0]) == 3
+    a, b = (load_file(run / "checkpoints" / "final" / "model.safetensors") for run in runs)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

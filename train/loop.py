@@ -225,7 +225,18 @@ def train(recipe) -> Path:
     # resumed run packs as the uninterrupted one did)
     coll = partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len) if tc.packing else collate
     # its own generator: the loader's seed draw must not move the global RNG a resumed run has just restored
-    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=coll, generator=torch.Generator())
+    cuda = acc.device.type == "cuda"
+    workers = tc.loader_workers if tc.loader_workers is not None else (2 if cuda else 0)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        batch_sampler=sampler,
+        collate_fn=coll,
+        generator=torch.Generator(),
+        num_workers=workers,
+        pin_memory=cuda,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=workers > 0,
+    )
     batches = iter(loader)
     objective = objective_for(kind)
     ctx = Context(
@@ -421,7 +432,7 @@ def _configure_deepspeed(acc, tc) -> None:
 def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> dict:
     """One optimizer step over grad_accum micro-batches per process. The loss is normalised by the number of
     trained tokens in the whole step across all processes, so the update equals one big batch's exactly."""
-    micro = [{k: v.to(acc.device) for k, v in next(batches).items()} for _ in range(tc.grad_accum)]
+    micro = [{k: v.to(acc.device, non_blocking=True) for k, v in next(batches).items()} for _ in range(tc.grad_accum)]
     n_local = sum(int(b["predict_mask"].sum()) for b in micro)
     # real input tokens and the token slots the forwards ran on (padding included): pad_frac in the metrics
     real, slots = sum(int(b["attention_mask"].sum()) for b in micro), sum(b["input_ids"].numel() for b in micro)
