@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--out", default="runs/data-curve", help="work folder: the growing data, one run per size, logs")
     ap.add_argument("--set", nargs="*", default=[], help="extra recipe overrides for every stage, e.g. "
                     "train.precision=bf16 train.micro_batch_size=64 data.batch_size=256")  # fmt: skip
+    ap.add_argument("--max-seconds", type=float, default=None, help="start no new size after this many seconds "
+                    "(a device lease's budget): the sizes done so far are reported")  # fmt: skip
     ap.add_argument("--json", help="also write the rows and slopes to this file")
     a = ap.parse_args()
     out = Path(a.out)
@@ -85,7 +87,11 @@ def main() -> None:
     sizes = sorted(a.tokens)
     rows: list[dict] = []
     n = 64  # prompts to start with; raised from the measured tokens per prompt
+    start = time.perf_counter()
     for budget in sizes:
+        if a.max_seconds is not None and time.perf_counter() - start > a.max_seconds and rows:
+            print(f"data_curve: --max-seconds {a.max_seconds:.0f} reached; sizes from {int(budget)} on not run")
+            break
         t_gen = 0.0
         while True:
             have = _manifest(grow / "data") if (grow / "data" / "manifest.json").is_file() else None

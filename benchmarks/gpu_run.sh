@@ -20,7 +20,10 @@
 #          .gpu/smollm2.part-a (an earlier call, stage `stash`, keeps it in /tmp) and .gpu/smollm2.part-b.
 # curve:   benchmarks/data_curve.py: EAGLE-3 on nested sets of CURVE_TOKENS target tokens (default 0.5M 2M 4M) from
 #          the same prompts, CURVE_EPOCHS passes each, MT-bench chain γ = 6 and tree per size, τ slope per doubling
-#          (CURVE_BATCH, CURVE_GEN_BATCH, CURVE_EVAL prompts, CURVE_SET extra overrides); curve.json in the logs.
+#          (CURVE_BATCH, CURVE_GEN_BATCH, CURVE_EVAL prompts, CURVE_GRAPHS=true for CUDA-graph generation once
+#          `gpu-tests` passed, CURVE_SET extra overrides; packing on; no new size starts after
+#          CURVE_MAX_S seconds, default 420); curve.json in the logs. The default sizes assume generation at
+#          >= 20k and training at >= 100k tokens/s; at the 2026-11-24 pace use CURVE_TOKENS="100000 200000 400000".
 # utilisation: benchmarks/utilisation.py --device cuda (tokens/s and model FLOPs utilisation of generation and of
 #          each drafter kind's training step, next to HF generate and a plain training step; UTIL_ARGS extra flags).
 # Every benchmark prints its ratios measured side by side and a line naming the machine (eval/timing.py);
@@ -111,8 +114,10 @@ for s in $stages; do
       # shellcheck disable=SC2086
       python3 benchmarks/data_curve.py --recipe eagle3-smollm2 --tokens ${CURVE_TOKENS:-500000 2000000 4000000} \
         --epochs "${CURVE_EPOCHS:-2}" --eval-prompts "${CURVE_EVAL:-80}" --out /tmp/curve --json "$out/curve.json" \
+        --max-seconds "${CURVE_MAX_S:-420}" \
         --set train.precision=bf16 train.micro_batch_size="${CURVE_BATCH:-64}" data.batch_size="${CURVE_GEN_BATCH:-256}" \
-        data.shard_size=512 train.log_every=50 ${CURVE_SET:-} 2>&1 | tee "$out/curve.log" | tail -12
+        data.shard_size=512 data.cuda_graphs="${CURVE_GRAPHS:-false}" train.packing=true train.log_every=50 \
+        ${CURVE_SET:-} 2>&1 | tee "$out/curve.log" | tail -12
       cp /tmp/curve/log.txt "$out/curve-stages.log" ;;
     utilisation)
       smollm2 || exit 1
