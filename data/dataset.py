@@ -70,6 +70,14 @@ def token_counts(data_dir: Path, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def record_lengths(data_dir: Path) -> list[int]:
+    """Every record's token count, in ``RecordDataset`` order (from the shards' token offsets; no tokens read)."""
+    data_dir, out = Path(data_dir), []
+    for e in read_manifest(data_dir)["shards"]:
+        out += load_shard(data_dir / e["file"], signals=set(), entry=e).offsets.diff().tolist()
+    return out
+
+
 def verify_shards(data_dir: Path, entries: list[dict]) -> None:
     """Every shard of a data folder against its manifest entry (``verify_shard``: one read of the data, hashed on
     a few threads); shards whose entry has no checksum (written before shards had one) are named in a warning."""

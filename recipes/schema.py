@@ -297,6 +297,12 @@ class TrainConfig(Strict):
     """Clip the global gradient norm to this."""
     max_seq_len: int = Field(1024, gt=1)
     """Training sequences are cut to this many tokens."""
+    batch_tokens: int | None = Field(None, gt=0)
+    """Fill each micro-batch with as many records as fit this many input tokens (records counted at their length
+    after max_seq_len truncation; a longer record fills one alone) instead of micro_batch_size records: steady
+    work per step whatever the records' lengths, the large-batch setting for a GPU (with packing, rows of
+    pack_tokens). Each epoch's seeded order is cut into such micro-batches, so resume stays exact. None: by
+    record count. Must be at least max_seq_len."""
     loader_workers: int | None = Field(None, ge=0)
     """Processes that read and collate (or pack) micro-batches ahead of the step, so data loading never waits the
     device out; with CUDA the batches also come in pinned memory and are copied without blocking. None: 2 on a
@@ -360,6 +366,11 @@ class TrainConfig(Strict):
             raise ValueError(
                 f"train.pack_tokens={self.pack_tokens} is below train.max_seq_len={self.max_seq_len}: a record cut "
                 f"to max_seq_len must fit one packed row"
+            )
+        if self.batch_tokens is not None and self.batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"train.batch_tokens={self.batch_tokens} is below train.max_seq_len={self.max_seq_len}: a record cut "
+                f"to max_seq_len must fit one micro-batch"
             )
         return self
 

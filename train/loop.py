@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.dataset import RecordDataset, collate, collate_packed, token_counts
+from draftsmith.data.dataset import RecordDataset, collate, collate_packed, record_lengths, token_counts
 from draftsmith.data.records import read_manifest
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.hetero import OwnVocabDrafter
@@ -88,6 +88,56 @@ class GlobalBatches(torch.utils.data.Sampler):
             perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100003 + epoch))
             g = perm[i * self.per_rank * self.world : (i + 1) * self.per_rank * self.world]
             yield g[self.rank * self.per_rank : (self.rank + 1) * self.per_rank].tolist()
+            b += 1
+
+
+class TokenBatches(torch.utils.data.Sampler):
+    """``train.batch_tokens``: micro-batches of as many records as fit ``budget`` input tokens (each record counted
+    at its truncated length; a record alone may fill one). Each epoch the seeded permutation is cut, in order, into
+    such micro-batches, ``world`` consecutive ones make a global batch and rank r takes the r-th; an epoch's tail
+    that cannot fill a global batch waits for the next epoch's permutation, as in ``GlobalBatches``. The cuts are a
+    function of the permutation and the lengths alone, so resuming at micro-batch n is arithmetic too."""
+
+    def __init__(self, lengths: list[int], budget: int, rank: int, world: int, seed: int, start: int = 0):
+        self.lengths, self.budget, self.rank, self.world, self.seed = lengths, budget, rank, world, seed
+        self.start, self._cuts = start, {}
+        if self.per_epoch(0) == 0:
+            raise DraftsmithError(
+                f"{len(lengths)} training sequences cannot fill one global batch of {world} micro-batches of "
+                f"train.batch_tokens={budget} tokens: lower train.batch_tokens"
+            )
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._cuts:
+            gen = torch.Generator().manual_seed(self.seed * 100003 + epoch)  # GlobalBatches' permutation
+            perm = torch.randperm(len(self.lengths), generator=gen)
+            batches, cur, used = [], [], 0
+            for i in perm.tolist():
+                n = self.lengths[i]
+                if cur and used + n > self.budget:
+                    batches.append(cur)
+                    cur, used = [], 0
+                cur.append(i)
+                used += n
+            if cur:
+                batches.append(cur)
+            self._cuts = {epoch: batches[: len(batches) // self.world * self.world]}  # one epoch kept
+        return self._cuts[epoch]
+
+    def per_epoch(self, epoch: int) -> int:
+        """Global batches in ``epoch``."""
+        return len(self._epoch(epoch)) // self.world
+
+    def __iter__(self):
+        b, epoch = self.start, 0
+        while b >= self.per_epoch(epoch):  # skip whole epochs first: their cut points depend on their permutation
+            b -= self.per_epoch(epoch)
+            epoch += 1
+        while True:
+            if b >= self.per_epoch(epoch):
+                b, epoch = 0, epoch + 1
+                continue
+            yield self._epoch(epoch)[b * self.world + self.rank]
             b += 1
 
 
@@ -218,9 +268,15 @@ def train(recipe) -> Path:
         counters = read_state(
             resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index, hint=fresh
         )
-    sampler = GlobalBatches(
-        len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
-    )
+    if tc.batch_tokens:  # micro-batches by input tokens: steady work per step whatever the records' lengths
+        lengths = [min(n, tc.max_seq_len) for n in record_lengths(data_dir)]
+        sampler = TokenBatches(
+            lengths, tc.batch_tokens, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
+        )
+    else:
+        sampler = GlobalBatches(
+            len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
+        )
     # train.packing: the sampler's micro-batch of records, packed into rows (a function of the records only, so a
     # resumed run packs as the uninterrupted one did)
     coll = partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len) if tc.packing else collate
