@@ -222,13 +222,7 @@ class StaticDecode:
         self.pool = None
 
     def _run(self, b: int) -> dict:
-        from draftsmith.models.llama import KVCache
-
-        f, c = self.rc.full, object.__new__(KVCache)
-        c.kv, c.valid = f.kv[:, :, :b], f.valid[:b]
-        c.k = [c.kv[0, i] for i in range(c.kv.shape[1])]
-        c.v = [c.kv[1, i] for i in range(c.kv.shape[1])]
-        c.length, c.max_len, c.padded, c.slots = 0, self.rc.max_len, True, None
+        c = self.rc.full.rows(b, 0, True)
         dev = self.s0.device
         run = {"cache": c, "ids": torch.zeros(b, 1, dtype=torch.long, device=dev), "graph": None}
         run["pos"] = torch.zeros(b, 1, dtype=torch.long, device=dev)

@@ -63,14 +63,9 @@ class RowCache:
         return 0 if self.view is None else self.view.length
 
     def _refresh(self, length: int, padded: bool) -> None:
-        f, v = self.full, object.__new__(KVCache)
-        v.kv, v.valid = f.kv[:, :, : self.n], f.valid[: self.n]
-        v.k = [v.kv[0, i] for i in range(v.kv.shape[1])]
-        v.v = [v.kv[1, i] for i in range(v.kv.shape[1])]
         # padded: some row has an invalid slot below length (a hole, padding), so attention needs the mask; while
         # none has (batch 1, rows in lockstep), a lone new token reads every slot unmasked, as at batch 1
-        v.length, v.max_len, v.padded, v.slots = length, self.max_len, padded, None
-        self.view = v
+        self.view = self.full.rows(self.n, length, padded)
 
     def _grow(self, rows: int) -> None:
         cap = 0 if self.full is None else self.full.valid.shape[0]

@@ -73,6 +73,16 @@ class KVCache:
         # attention reads the whole buffer under the caller's full-width mask, and ``length`` is the caller's job.
         self.slots: torch.Tensor | None = None
 
+    def rows(self, n: int, length: int, padded: bool) -> KVCache:
+        """A cache over rows [0, n) of this one's storage (shared, not copied), ``length`` slots filled: what a
+        batch of rows that come and go writes through (eval/batch.py ``RowCache``, data/engine.py)."""
+        v = object.__new__(KVCache)
+        v.kv, v.valid = self.kv[:, :, :n], self.valid[:n]
+        v.k = [v.kv[0, i] for i in range(v.kv.shape[1])]
+        v.v = [v.kv[1, i] for i in range(v.kv.shape[1])]
+        v.length, v.max_len, v.padded, v.slots = length, self.max_len, padded, None
+        return v
+
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.hd, 2, dtype=torch.float64) / cfg.hd))
