@@ -358,6 +358,7 @@ class Producer:
             self.label_sampling,
             max_len=2 * (min(longest, dc.max_prompt_tokens + dc.max_new_tokens) + 1),
             static=dc.cuda_graphs and torch.device(self.device).type == "cuda",  # graphs stay off on CPU
+            min_join=dc.refill_join or (max(1, rows // 16) if torch.device(self.device).type == "cuda" else 1),
         )
         order = sorted(group, key=lambda u: u.est_tokens(dc.max_new_tokens))  # similar lengths prefill together
         run_refill(order, gen, self.eos, dc.max_prompt_tokens, stats, on_unit)

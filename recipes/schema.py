@@ -209,7 +209,12 @@ class DataConfig(Strict):
     """Continuous refill: batch_size rows generate at once and a row that ends (EOS or max_new_tokens) is replaced
     by the next waiting conversation turn at once, instead of fixed batches that wait for their longest row. The
     same records either way (tested exact in float64). false: fixed length-sorted batches. A vLLM target, dataset
-    replies, drafters that read the target's states and transformers-path targets always use fixed batches."""
+    replies, drafters that read the target's states and transformers models without 4-D masks use fixed batches."""
+    refill_join: int | None = Field(None, ge=1)
+    """With refill: wait until this many rows are free (or every waiting turn fits) before prefilling the next
+    turns together, so joining rows share prefill forwards instead of paying one each. The records do not depend
+    on it. None: 1 on CPU (a prefill's cost there is its tokens), batch_size // 16 on a GPU (a small prefill costs
+    about a whole decode step there)."""
     cuda_graphs: bool = False
     """With refill on a GPU: run each decode step at a static shape per batch bucket (1, 2, 4, ... rows up to
     batch_size) and replay it as a CUDA graph, captured once per bucket. The same records as eager steps (tested

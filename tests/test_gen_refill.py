@@ -266,3 +266,38 @@ def test_bad_refill_and_queue_values_are_one_line_errors(gen_args, capsys, bad):
     assert main(gen_args(bad, out="x")) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and bad.split("=")[0] in err[0] and "unknown key" not in err[0], err
+
+
+@pytest.mark.parametrize("min_join", [2, 3])
+def test_joins_that_wait_for_free_rows_change_no_record_and_share_prefills(target, companion, min_join):
+    """data.refill_join: turns wait until min_join rows are free and prefill together; every record still equals
+    the prompt's own generation, greedy and sampled, and fewer prefill forwards run."""
+    cap = Capture(topk=5, hidden_last=True, aux_layers=(0, 1))
+    for sampling in (Sampling(), Sampling(temperature=1.0)):
+        runs = []
+        for join in (1, min_join):
+            gen = Refill(target, 4, max(BUDGETS), set(), sampling, cap, companion, max_prefill_pad=64, min_join=join)
+            for i, (c, n) in enumerate(zip(CONTEXTS, BUDGETS)):
+                gen.add(i, c, row_generator("cpu", 0, i), n)
+            got = [None] * len(CONTEXTS)
+            gen.run(lambda i, g, got=got: got.__setitem__(i, g))
+            runs.append((got, gen.prefills))
+        (a, pa), (b, pb) = runs
+        _same(b, a)
+        assert pb < pa, (pa, pb)
+
+
+def test_refill_join_is_a_recipe_key(tmp_path, tiny_model_dir, prompts_file):
+    """data.refill_join through `draftsmith generate`: the same shards as without it; below 1 is a one-line error."""
+    from conftest import shard_tensors
+
+    from draftsmith.cli import main
+
+    common = [f"target.model={tiny_model_dir}", f"data.prompts.path={prompts_file}", "data.batch_size=3", "-q"]
+    assert main(["generate", "tiny", f"out_dir={tmp_path / 'a'}", *common]) == 0
+    assert main(["generate", "tiny", f"out_dir={tmp_path / 'b'}", "data.refill_join=3", *common]) == 0
+    a, b = shard_tensors(tmp_path / "a" / "data"), shard_tensors(tmp_path / "b" / "data")
+    assert a.keys() == b.keys()
+    for shard in a:
+        assert all(torch.equal(a[shard][k], b[shard][k]) for k in a[shard]), shard
+    assert main(["generate", "tiny", f"out_dir={tmp_path / 'c'}", "data.refill_join=0", *common]) == 2
