@@ -185,6 +185,29 @@ def train_run(tmp_path, data_dir, tiny_model_dir, prompts_file):
     return run
 
 
+@pytest.fixture
+def killed_and_resumed(train_run, monkeypatch):
+    """killed_and_resumed(name, *overrides) -> run folder: `draftsmith train` interrupted in its third optimizer
+    step (exit 130), then rerun in the same folder to the end."""
+    from draftsmith.train import loop
+
+    def run(name: str, *overrides: str):
+        real, calls = loop._optimizer_step, {"n": 0}
+
+        def dies_in_step_3(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        monkeypatch.setattr(loop, "_optimizer_step", dies_in_step_3)
+        train_run(name, *overrides, expect=130)
+        monkeypatch.setattr(loop, "_optimizer_step", real)
+        return train_run(name, *overrides)
+
+    return run
+
+
 # ---- decoding: tiny float64 targets and drafters of every proposer kind (tests/test_decode_*.py, test_tree.py) -----
 # float64 so rounding cannot flip an argmax; the fixtures are module-scoped, like the models they build.
 

@@ -267,31 +267,17 @@ def _rows(run):
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["stage"] == "train"]
 
 
-def test_packed_training_resumes_exactly_after_a_kill_and_logs_its_padding(train_run, monkeypatch):
+def test_packed_training_resumes_exactly_after_a_kill_and_logs_its_padding(train_run, killed_and_resumed):
     """With packing on, a run killed after a checkpoint and rerun ends with the uninterrupted run's weights and
     metrics (the micro-batches are the same records, packed the same way); packing halves the padding of this data
     (pad_frac in metrics.jsonl) and trains the same tokens per step as the padded run."""
     from safetensors.torch import load_file
 
-    from draftsmith.train import loop
-
     common = ["train.steps=4", "train.save_every=2", "train.micro_batch_size=4", "train.loss.kind=ce"]
     packed = [*common, "train.packing=true", "train.pack_tokens=256"]
     plain = train_run("plain", *common)
     full = train_run("full", *packed)
-    real = loop._optimizer_step
-    calls = {"n": 0}
-
-    def dies_in_step_3(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(loop, "_optimizer_step", dies_in_step_3)
-    train_run("resumed", *packed, expect=130)
-    monkeypatch.setattr(loop, "_optimizer_step", real)
-    resumed = train_run("resumed", *packed)
+    resumed = killed_and_resumed("resumed", *packed)
     a, b, c = (load_file(str(p / "checkpoints" / "final" / "model.safetensors")) for p in (full, resumed, plain))
     assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) for k in a)
     for k in a:  # packed and padded training take the same steps (float32 rounding apart)

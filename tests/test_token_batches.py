@@ -60,13 +60,11 @@ def test_too_few_records_for_one_global_batch_is_one_line():
 
 
 @pytest.mark.parametrize("packing", ["false", "true"])
-def test_train_with_a_token_budget_resumes_exactly(train_run, monkeypatch, packing):
+def test_train_with_a_token_budget_resumes_exactly(train_run, killed_and_resumed, packing):
     """`draftsmith train train.batch_tokens=...`: every step trains at most the budget of input tokens (one long
     record alone excepted), and a run killed after a checkpoint resumes to the
     uninterrupted run's weights and losses."""
     from safetensors.torch import load_file
-
-    from draftsmith.train import loop
 
     common = [
         "train.steps=4",
@@ -77,18 +75,7 @@ def test_train_with_a_token_budget_resumes_exactly(train_run, monkeypatch, packi
         f"train.packing={packing}",
     ]
     full = train_run("full", *common)
-    real, calls = loop._optimizer_step, {"n": 0}
-
-    def dies_in_step_3(*a, **kw):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise KeyboardInterrupt
-        return real(*a, **kw)
-
-    monkeypatch.setattr(loop, "_optimizer_step", dies_in_step_3)
-    train_run("resumed", *common, expect=130)
-    monkeypatch.setattr(loop, "_optimizer_step", real)
-    resumed = train_run("resumed", *common)
+    resumed = killed_and_resumed("resumed", *common)
     a, b = (load_file(str(p / "checkpoints" / "final" / "model.safetensors")) for p in (full, resumed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows = [
