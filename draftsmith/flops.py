@@ -7,6 +7,8 @@
   its vendor figure (dense, no sparsity); any other device gets a measured one: the best of a few large square
   matmuls in that dtype, which is what the hardware actually sustains on this machine (``source`` says which).
 - ``Meter``: FLOPs per token from one counted step, then TFLOP/s and MFU for any number of tokens per second.
+- ``HostOps``: what a step costs the host rather than the device: the kernels it launches and the places where the
+  host waits for the device (syncs), counted on any machine (no GPU needed), per named phase.
 
 A counted call runs slower than a normal one (the counter sits in every dispatch), so a stage counts one call and
 reuses the figure: per token, which holds while the shapes (sequence lengths, batch) stay comparable.
@@ -14,11 +16,14 @@ reuses the figure: per token, which holds while the shapes (sequence lengths, ba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # Dense tensor-core peaks (FLOP/s) from the vendors' data sheets, by a substring of the device name, for the dtypes
 # a stage runs in; float32 means TF32 on these cards (PyTorch's default for matmuls there is full fp32, so a fp32
@@ -96,3 +101,77 @@ class Meter:
 
     def mfu(self, tokens_per_s: float) -> float:
         return self.flops_per_token * tokens_per_s / self.peak
+
+
+_ATEN = torch.ops.aten
+_NO_KERNEL = {_ATEN.empty.memory_format, _ATEN.empty_strided.default, _ATEN.lift_fresh.default}
+_INDEXING = {_ATEN.index.Tensor, _ATEN.index_put_.default, _ATEN.index_put.default}
+
+
+class HostOps(TorchDispatchMode):
+    """Counts, per named phase (``phase``), the kernels a region launches on a GPU and its host syncs, and times
+    the phases' host seconds (with or without the counting active: ``with ops.counting(): ...``).
+
+    Kernels: every ATen call that is not a view or a bare allocation (on a GPU each launches at least one).
+    Syncs: calls whose result the host must wait for on a GPU: ``.item()``/``int()``/``float()``/``bool()``
+    (``_local_scalar_dense``), ops whose output shape depends on the data (``nonzero``, ``masked_select``, ...,
+    indexing with a boolean mask), and ``.tolist()`` / ``.cpu()`` calls, counted as called (on a CPU tensor they
+    copy nothing; the count says what the same code does to device data). ``what``: (phase, op) -> syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels: Counter = Counter()
+        self.syncs: Counter = Counter()
+        self.seconds: Counter = Counter()
+        self.what: Counter = Counter()
+        self.where = "step"
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        prev, self.where = self.where, name
+        t0 = time.perf_counter()
+        try:
+            yield self
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[name] += dt
+            self.seconds[prev] -= dt  # an enclosing phase's time excludes this one
+            self.where = prev
+
+    def sync(self, op: str) -> None:
+        self.syncs[self.where] += 1
+        self.what[(self.where, op)] += 1
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Count inside the block (``.tolist()`` and ``.cpu()`` included)."""
+        tolist, cpu = torch.Tensor.tolist, torch.Tensor.cpu
+
+        def counted_tolist(t):
+            self.sync("tolist")
+            return tolist(t)
+
+        def counted_cpu(t, *a, **k):
+            self.sync("cpu")
+            return cpu(t, *a, **k)
+
+        torch.Tensor.tolist, torch.Tensor.cpu = counted_tolist, counted_cpu
+        try:
+            with self:
+                yield self
+        finally:
+            torch.Tensor.tolist, torch.Tensor.cpu = tolist, cpu
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not func.is_view and func not in _NO_KERNEL:
+            self.kernels[self.where] += 1
+        if torch.Tag.data_dependent_output in func.tags:
+            self.sync(func.overloadpacket.__name__)
+        elif func in _INDEXING:
+            idx = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(t is not None and t.dtype in (torch.bool, torch.uint8) for t in idx):
+                self.sync(func.overloadpacket.__name__ + "[bool]")
+        elif torch.Tag.dynamic_output_shape in func.tags:
+            self.sync(func.overloadpacket.__name__)
+        return func(*args, **kwargs)

@@ -45,7 +45,7 @@ def teacher_forced(drafter, params, batch: dict, target=None, loss: LossConfig |
             if s >= 0:  # (s = -1: Medusa-2's adapted target)
                 top = (x.to(w.dtype) @ w.t()).argmax(-1)
                 top = top if d2t is None else top + d2t[top]
-                for r, p in zip(select[s].nonzero()[:, 0].tolist(), top.tolist()):
+                for r, p in zip(select[s].tolist(), top.tolist()):  # select: flat indices of the positions
                     preds[s, r // T, r % T] = p
             return head_fn(s, x, w, *rest)
 
@@ -54,7 +54,7 @@ def teacher_forced(drafter, params, batch: dict, target=None, loss: LossConfig |
     forward.training = False  # (the objective's training-only augmentations stay off)
     ctx = Context(unwrapped=drafter, target=target, params=params)
     out = objective_for(drafter_spec(params.kind).kind)(forward, batch, loss or LossConfig(kind="ce"), ctx)
-    return preds, out.metrics
+    return preds, out.host_metrics()
 
 
 def chain_steps(target, drafter, prompt: torch.Tensor, max_new_tokens: int, gamma: int, eos_ids: set[int]):

@@ -452,8 +452,9 @@ class Llama(ReducedVocab, nn.Module):
             (1|B, T, T), used as given).
         capture_layers: indices i of hidden states to return; i is the output of block i-1, 0 the embeddings,
             n_layers the final (pre-norm) hidden state.
-        logits_at: optional bool mask (B, T): compute the LM head only there (returns (N, V)), which saves the
-            dominant vocab matmul when training on a subset of positions.
+        logits_at: optional bool mask (B, T), or flat indices (N,) b * T + t in row-major order: compute the LM
+            head only there (returns (N, V)), which saves the dominant vocab matmul when training on a subset of
+            positions.
         return_hidden: return the final normed hidden states (at ``logits_at`` if given) instead of logits, for
             losses that apply the LM head chunk by chunk (train/losses.py head_loss).
         head_fn: return ``head_fn(hidden at logits_at, lm_head.weight)`` instead: chunked losses run inside
@@ -479,7 +480,8 @@ class Llama(ReducedVocab, nn.Module):
         if cache is not None and not static:
             cache.length += T
         h = self.norm(x)
-        h = h[logits_at] if logits_at is not None else h
+        if logits_at is not None:  # a (B, T) bool mask, or (N,) flat indices b * T + t (no host wait on a GPU)
+            h = h[logits_at] if logits_at.dtype == torch.bool else h.reshape(-1, h.shape[-1])[logits_at]
         if head_fn is not None:
             return head_fn(h, self.lm_head.weight)
         logits = h if return_hidden else self.lm_head(h)

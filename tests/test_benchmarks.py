@@ -35,6 +35,7 @@ MAINTAINED = [
     "data_curve",
     "utilisation",
     "packing",
+    "gpu_bounds",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

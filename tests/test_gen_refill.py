@@ -301,3 +301,40 @@ def test_refill_join_is_a_recipe_key(tmp_path, tiny_model_dir, prompts_file):
     for shard in a:
         assert all(torch.equal(a[shard][k], b[shard][k]) for k in a[shard]), shard
     assert main(["generate", "tiny", f"out_dir={tmp_path / 'c'}", "data.refill_join=0", *common]) == 2
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+def test_a_refill_decode_step_waits_for_the_device_once(target, static):
+    """Between joins and hand-overs, a decode step reads one thing back: the (B,) EOS flags, after the next forward
+    is queued. Top-k capture, hidden states and the bookkeeping of rows stay on the device (draftsmith/flops.py
+    ``HostOps`` counts the waits on CPU tensors)."""
+    from draftsmith.flops import HostOps
+
+    ops, steps = HostOps(), {"n": 0}
+    gen = Refill(target, 3, max(BUDGETS), set(), Sampling(), Capture(topk=4, hidden_last=True), static=static)
+    for i, (c, n) in enumerate(zip(CONTEXTS, BUDGETS)):
+        gen.add(i, c, None, n)
+    for name in ("_join", "_finish"):  # joins (prefills) and hand-overs: once per row, not per step
+        orig = getattr(gen, name)
+        setattr(gen, name, lambda *a, _o=orig, _n=name, **k: _run_in(ops, _n, _o, *a, **k))
+    fwd = target.forward
+
+    def forward(ids, *a, **k):
+        steps["n"] += ops.where == "step"  # a decode step (prefills run inside _join)
+        return fwd(ids, *a, **k)
+
+    target.forward = forward
+    out = []
+    try:
+        with ops.counting(), torch.no_grad():
+            gen.run(lambda i, g: out.append(g))
+    finally:
+        del target.forward
+    assert len(out) == len(CONTEXTS) and steps["n"] >= max(BUDGETS)
+    assert ops.what == {("step", "tolist"): steps["n"]} | {k: v for k, v in ops.what.items() if k[0] != "step"}
+    assert ops.syncs["step"] == steps["n"]
+
+
+def _run_in(ops, phase, fn, *a, **k):
+    with ops.phase(phase):
+        return fn(*a, **k)

@@ -714,7 +714,8 @@ def test_head_and_ttt_labels_are_the_tokens_k_plus_2_ahead(data_dir):
     rows = {(b, t): r for r, (b, t) in enumerate(pm.nonzero().tolist())}  # loss-axis row of each position
     selects, teachers, future = objectives.shifted_teachers(batch, LossConfig(kind="fkl"), None, 3, None)
     for k in range(3):
-        where = selects[k].view(B, T).nonzero().tolist()
+        where = [list(divmod(i, T)) for i in selects[k].tolist()]  # flat indices of t, row-major
+        assert where == sorted(where) and len(set(map(tuple, where))) == len(where)
         assert where and len(where) == len(teachers[k].labels) == len(future[k])
         for j, (b, t) in enumerate(where):
             assert pm[b, t] and pm[b, t + k + 1]

@@ -280,6 +280,7 @@ def train(recipe) -> Path:
     # train.packing: the sampler's micro-batch of records, packed into rows (a function of the records only, so a
     # resumed run packs as the uninterrupted one did)
     coll = partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len) if tc.packing else collate
+    coll = partial(counted_batch, coll)  # the step's token counts, made where the batch is (a loader worker)
     # its own generator: the loader's seed draw must not move the global RNG a resumed run has just restored
     cuda = acc.device.type == "cuda"
     workers = tc.loader_workers if tc.loader_workers is not None else (2 if cuda else 0)
@@ -485,14 +486,29 @@ def _configure_deepspeed(acc, tc) -> None:
     acc.gradient_accumulation_steps = tc.grad_accum  # accelerate's copy, which it checks against DeepSpeed's
 
 
+def counted_batch(collate_fn, records) -> tuple[dict, tuple[int, int, int]]:
+    """(the collated batch, (trained positions, real input tokens, token slots incl. padding)): counted by the
+    loader on the host copy, so the step never reads them back from the device."""
+    b = collate_fn(records)
+    return b, (int(b["predict_mask"].sum()), int(b["attention_mask"].sum()), b["input_ids"].numel())
+
+
 def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> dict:
     """One optimizer step over grad_accum micro-batches per process. The loss is normalised by the number of
-    trained tokens in the whole step across all processes, so the update equals one big batch's exactly."""
-    micro = [{k: v.to(acc.device, non_blocking=True) for k, v in next(batches).items()} for _ in range(tc.grad_accum)]
-    n_local = sum(int(b["predict_mask"].sum()) for b in micro)
-    # real input tokens and the token slots the forwards ran on (padding included): pad_frac in the metrics
-    real, slots = sum(int(b["attention_mask"].sum()) for b in micro), sum(b["input_ids"].numel() for b in micro)
-    n_global = float(acc.reduce(torch.tensor(n_local, device=acc.device, dtype=torch.float64), "sum"))
+    trained tokens in the whole step across all processes, so the update equals one big batch's exactly.
+
+    The host never waits for the device here on one process: token counts come with each micro-batch from the
+    loader (``counted_batch``); the loss, grad norm and metrics stay on the device (``sums``) until
+    ``_settle`` reads a logging window's worth in one copy. Several processes wait once per step, for the
+    all-reduced token count the loss is normalised by."""
+    host = [next(batches) for _ in range(tc.grad_accum)]  # (batch, counts): ``counted_batch``
+    # each micro-batch on the device, with its host copy for bookkeeping (train/objectives.py ``host_batch``)
+    micro = [{**{k: v.to(acc.device, non_blocking=True) for k, v in b.items()}, "host": b} for b, _ in host]
+    # trained positions, real input tokens and the token slots the forwards ran on (pad_frac in the metrics)
+    n_global, real, slots = (float(sum(c[i] for _, c in host)) for i in range(3))
+    if acc.num_processes > 1:  # the step's one wait: every process's counts
+        counts = torch.tensor([n_global, real, slots], dtype=torch.float64, device=acc.device)
+        n_global, real, slots = acc.reduce(counts, "sum").tolist()
     scale = acc.num_processes / max(1.0, n_global)  # DDP averages gradients over processes
     loss_sum, metrics, n_metric = torch.zeros((), device=acc.device), {}, 0
     # DeepSpeed: its engine steps inside backward at the boundary accelerate's sync flag marks, and must not
@@ -507,7 +523,7 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
             acc.backward(out.loss_sum * scale, **ds)
         loss_sum += out.loss_sum.detach()
         n_metric += out.n  # metrics are means over the objective's own positions (heads: fewer than predicted)
-        for k, v in out.metrics.items():  # token-weighted means over the micro-batches
+        for k, v in out.metrics.items():  # token-weighted means over the micro-batches (device tensors or floats)
             if k != "tokens":
                 metrics[k] = metrics.get(k, 0.0) + v * out.n
     grad_norm = acc.clip_grad_norm_(drafter.parameters(), tc.grad_clip)
@@ -516,23 +532,41 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
     opt.zero_grad(set_to_none=True)
     # One all-reduce for the loss and every metric: logged numbers describe the global batch, not rank 0's part.
     keys = sorted(metrics)
-    sums = acc.reduce(
-        torch.tensor(
-            [float(loss_sum), n_metric, real, slots, *(metrics[k] for k in keys)],
-            device=acc.device,
-            dtype=torch.float64,
-        ),
-        "sum",
-    ).tolist()
+    parts = [loss_sum, n_metric, *(metrics[k] for k in keys)]
+    sums = torch.stack([torch.as_tensor(x, device=acc.device).to(torch.float64).reshape(()) for x in parts])
+    if acc.num_processes > 1:
+        sums = acc.reduce(sums, "sum")
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=acc.device).to(torch.float64).reshape(1)
     return {
-        "loss": sums[0] / max(1.0, n_global),
         "n": int(n_global),
         "tokens": int(n_global),
-        "real": sums[2],
-        "slots": sums[3],
-        "grad_norm": float(grad_norm) if grad_norm is not None else 0.0,
-        **{k: v / max(1.0, sums[1]) for k, v in zip(keys, sums[4:])},
+        "real": real,
+        "slots": slots,
+        "keys": keys,
+        "sums": torch.cat([sums, norm]),  # loss sum, metric count, metric sums..., grad norm: read by _settle
     }
+
+
+def _settle(window: list[dict]) -> list[dict]:
+    """The steps' outputs with their device sums read (one copy for the whole window): loss, grad_norm and the
+    token-weighted metric means as floats."""
+    values = torch.cat([w["sums"] for w in window]).tolist() if window else []
+    out, at = [], 0
+    for w in window:
+        v = values[at : at + len(w["sums"])]
+        at += len(w["sums"])
+        n_global, n_metric = max(1.0, w["n"]), max(1.0, v[1])
+        out.append(
+            {
+                **{k: w[k] for k in ("n", "tokens", "real", "slots")},
+                "loss": v[0] / n_global,
+                "grad_norm": v[-1],
+                **{k: x / n_metric for k, x in zip(w["keys"], v[2:-1])},
+            }
+        )
+    return out
 
 
 def _counted_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> tuple[dict, Meter | None]:
@@ -561,6 +595,7 @@ def _meter(acc, drafter, flops_per_token: float | None) -> Meter | None:
 
 
 def _window_metrics(window: list[dict], counters: dict, t0: float, draft_len: int) -> dict:
+    window = _settle(window)
     n = sum(w["n"] for w in window)
     skip = ("n", "tokens", "real", "slots")
     m = {k: sum(w[k] * w["n"] for w in window) / max(1, n) for k in window[0] if k not in skip}

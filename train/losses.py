@@ -577,9 +577,13 @@ def head_metrics(
     """Chunked metrics at the trained positions: top-1 agreement with the labels, and (with a teacher
     distribution) alpha = sum min(p, q), a lower bound on the exact acceptance when the teacher is top-k.
     ranks > 0 adds ``rank_acc`` [P(label is the r-th best token) for r < ranks] (tree construction).
-    vocab_chunk as in LossSpec: the vocabulary in blocks too, so no (chunk, V) tensor."""
-    n, top1, a = h.shape[0], 0.0, 0.0
-    hits = torch.zeros(max(ranks, 1))
+    vocab_chunk as in LossSpec: the vocabulary in blocks too, so no (chunk, V) tensor.
+
+    Values are 0-dim (``rank_acc``: (ranks,)) tensors on h's device (float32; float64 for a float64 h), never
+    read by the host here: the train loop reads a logging window's metrics in one copy, so no step waits for the
+    device."""
+    n, dt = h.shape[0], torch.float64 if h.dtype == torch.float64 else torch.float32
+    top1, a, hits = h.new_zeros((), dtype=dt), h.new_zeros((), dtype=dt), h.new_zeros(max(ranks, 1), dtype=dt)
     has_dist = teacher.topk_ids is not None or teacher.logits is not None or teacher.hidden is not None
     blocked = 0 < vocab_chunk < weight.shape[0]
     for s in range(0, n, chunk):
@@ -592,9 +596,9 @@ def head_metrics(
             logits = h[s:e].to(weight.dtype) @ weight.t()
             top = logits.topk(min(max(ranks, 1), logits.shape[-1]), -1).indices  # (n, ranks), best first
         if t.labels is not None:
-            top1 += (top[:, 0] == t.labels).float().sum().item()
+            top1 += (top[:, 0] == t.labels).sum(dtype=dt)
             if ranks:
-                hits[: top.shape[1]] += (top == t.labels[:, None]).float().sum(0).cpu()
+                hits[: top.shape[1]] += (top == t.labels[:, None]).sum(0, dtype=dt)
         if not has_dist:
             continue
         if t.topk_ids is not None:  # top-k buckets only: the tail bucket could overstate acceptance
@@ -603,18 +607,16 @@ def head_metrics(
                 logp, logq = gathered_buckets(zk - lse[:, None], t.topk_ids, t.topk_logprobs)
             else:
                 logp, logq = t.log_pair(logits)
-            a += alpha(logp[:, :-1], logq[:, :-1]).sum().item()
+            a += alpha(logp[:, :-1], logq[:, :-1]).sum().to(dt)
         elif blocked:
             lse_q, lse_p, _ = B.lse(teacher=True)
-            a += sum(
-                alpha(B.teacher(v0, v1) - lse_p[:, None], B.student(v0, v1) - lse_q[:, None]).sum().item()
-                for v0, v1 in B.spans
-            )
+            for v0, v1 in B.spans:
+                a += alpha(B.teacher(v0, v1) - lse_p[:, None], B.student(v0, v1) - lse_q[:, None]).sum().to(dt)
         else:
-            a += alpha(*t.log_pair(logits)).sum().item()
+            a += alpha(*t.log_pair(logits)).sum().to(dt)
     out = {"top1": top1 / max(1, n), "tokens": n}
     if ranks:
-        out["rank_acc"] = (hits / max(1, n)).tolist()
+        out["rank_acc"] = hits / max(1, n)
     if has_dist:
         out["alpha"] = a / max(1, n)
     return out

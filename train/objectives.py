@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
@@ -29,7 +30,18 @@ from draftsmith.train import losses
 class StepOutput:
     loss_sum: torch.Tensor
     n: int
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # name -> float, or a device tensor the host has not read yet
+
+    def host_metrics(self) -> dict:
+        """The metrics as host numbers (a vector one as a list): for callers outside the train loop, which reads
+        its steps' metrics a logging window at a time."""
+        out = {}
+        for k, v in self.metrics.items():
+            if isinstance(v, torch.Tensor):
+                v = v.detach().cpu()
+                v = v.tolist() if v.dim() else float(v)
+            out[k] = v
+        return out
 
 
 @dataclass
@@ -42,6 +54,7 @@ class Context:
     params: BaseModel | None = None  # the recipe's drafter section (the kind's typed config, models/spec.py)
     seed: int = 0  # the recipe's seed and ...
     step: int = 0  # ... the optimizer step being taken (the loop sets it): draws that must not depend on the rank
+    host_cache: dict = field(default_factory=dict)  # host copies of the drafter's small maps (``_host_map``)
 
     def __post_init__(self):
         if isinstance(self.params, dict):
@@ -67,6 +80,34 @@ def check_packing(kind: str) -> None:
             f"train.packing: drafter.kind={kind} trains on one record per row (its objective has no packed "
             f"layout); set train.packing=false"
         )
+
+
+def host_batch(batch: dict) -> dict:
+    """The host's copy of a batch the train loop moved to the device (``batch["host"]``), or the batch itself.
+    Bookkeeping that only reads the records (which positions train, row and document layout) runs on it, in
+    NumPy (``_np``), so the host never waits for the device to read them back."""
+    return batch.get("host", batch)
+
+
+def _np(t: torch.Tensor | None) -> np.ndarray | None:
+    """A host tensor as a NumPy array (no copy); a device one is copied (callers outside the train loop)."""
+    return None if t is None else (t if t.device.type == "cpu" else t.cpu()).numpy()
+
+
+def trained_index(batch: dict) -> torch.Tensor:
+    """Flat indices b * T + t of the batch's predicting positions, row-major (the labels' order), found on the
+    host copy and moved to the batch's device."""
+    at = np.flatnonzero(_np(host_batch(batch)["predict_mask"]))
+    return torch.from_numpy(at).to(batch["predict_mask"].device, non_blocking=True)
+
+
+def _host_map(ctx: Context | None, t2d: torch.Tensor) -> np.ndarray:
+    """A host copy of a drafter's target -> draft vocabulary map, made once per run."""
+    cache = ctx.host_cache if ctx is not None else {}
+    key = ("t2d", id(t2d))
+    if key not in cache:
+        cache[key] = _np(t2d)
+    return cache[key]
 
 
 def doc_mask(batch: dict) -> torch.Tensor | None:
@@ -191,7 +232,7 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(h, head, t, _spec(cfg), ctx.generator) * h.shape[0]
         return loss, h.shape[0], _metrics(h, head, t, cfg)
 
-    loss, n, m = model(batch["input_ids"], logits_at=batch["predict_mask"], head_fn=head_fn, **packed_kw(batch))
+    loss, n, m = model(batch["input_ids"], logits_at=trained_index(batch), head_fn=head_fn, **packed_kw(batch))
     return StepOutput(loss, n, m)
 
 
@@ -207,8 +248,9 @@ def _row_generators(batch: dict, ctx: Context) -> list:
     one list per row, a generator per document, each seeded as that record alone in a padded row."""
     import zlib
 
-    ids = batch["input_ids"].cpu()
-    real = batch.get("attention_mask", torch.ones_like(ids)).cpu().bool()  # padding depends on the neighbours
+    src = host_batch(batch)
+    ids = src["input_ids"].cpu()
+    real = src.get("attention_mask", torch.ones_like(ids)).cpu().bool()  # padding depends on the neighbours
     base = (ctx.seed * 1_000_003 + ctx.step) % (1 << 31)
     dev = batch["input_ids"].device
 
@@ -216,7 +258,7 @@ def _row_generators(batch: dict, ctx: Context) -> list:
         return torch.Generator(device=dev).manual_seed((base << 32) | zlib.crc32(tokens.numpy().tobytes()))
 
     if "doc" in batch:
-        doc = batch["doc"].cpu()
+        doc = src["doc"].cpu()
         return [[gen(row[d == j]) for j in range(int(d.max()) + 1)] for row, d in zip(ids, doc)]
     return [gen(row[m]) for row, m in zip(ids, real)]
 
@@ -278,30 +320,39 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
 
 def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None):
     """Targets of "head (or TTT step) k at position t predicts token t+k+2", for k < n: trained where both t and
-    t+k+1 predict response tokens. Returns (selects [(B*T,) bool], teachers [Teacher], future [(N_k,) flat index
-    of t+k+1]). ``hidden`` (B, T, D): the target's final states, for teacher=target. With a reduced draft
-    vocabulary (``t2d``), labels and top-k ids are mapped into it, positions whose label it lacks are dropped
-    (EAGLE-3's mask), and a target teacher is restricted to the kept rows ``head`` of the target's LM head."""
-    pm, doc = batch["predict_mask"], batch.get("doc")
+    t+k+1 predict response tokens. Returns (selects [(N_k,) flat index into B*T of each trained t, in row-major
+    order], teachers [Teacher], future [(N_k,) flat index of t+k+1]). ``hidden`` (B, T, D): the target's final
+    states, for teacher=target. With a reduced draft vocabulary (``t2d``), labels and top-k ids are mapped into
+    it, positions whose label it lacks are dropped (EAGLE-3's mask), and a target teacher is restricted to the
+    kept rows ``head`` of the target's LM head.
+
+    Which positions train depends on the records only: it is worked out on the host copy (``host_batch``) and
+    the indices move to the device, so the step indexes with integers and never waits on a boolean mask."""
+    src = host_batch(batch)
+    pm, doc, dev = _np(src["predict_mask"]).astype(bool), _np(src.get("doc")), batch["predict_mask"].device
     B, T = pm.shape
-    row = pm.flatten().long().cumsum(0).view(B, T) - 1  # loss-axis row of each predicting position
-    flat = torch.arange(B * T, device=pm.device).view(B, T)
+    row = np.cumsum(pm.ravel()) - 1  # loss-axis row of each predicting position (flat)
+    host_labels = _np(src["labels"]) if t2d is None else _host_map(ctx, t2d)[_np(src["labels"])]
     labels_all = batch["labels"] if t2d is None else t2d[batch["labels"]]
+    hidden_flat = None if hidden is None else hidden.reshape(B * T, -1)
     selects, teachers, future = [], [], []
     for k in range(n):
         s = k + 1
-        sel = torch.zeros_like(pm)
+        sel = np.zeros_like(pm)
         if s < T:
             sel[:, : T - s] = pm[:, : T - s] & pm[:, s:]
             if doc is not None:  # packed rows: t + s must lie in t's own document
                 sel[:, : T - s] &= doc[:, : T - s] == doc[:, s:]
             if t2d is not None:
-                sel[:, : T - s] &= labels_all[row[:, s:].clamp(min=0)] >= 0
-        rows = row[:, s:][sel[:, : T - s]] if s < T else row.new_empty(0)
+                sel[:, : T - s] &= host_labels[np.maximum(row.reshape(B, T)[:, s:], 0)] >= 0
+        at = np.flatnonzero(sel)  # flat index b * T + t of each trained t, row-major
+        nxt = at + s  # t + s, in the same row (sel is False in the last s columns)
+        rows = row[nxt]
+        at, nxt, rows = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (at, nxt, rows))
         t = losses.Teacher(labels=labels_all[rows])
         if cfg.kind != "ce":
             if cfg.teacher == "target":
-                target_teacher(t, hidden[:, s:][sel[:, : T - s]], ctx, head)
+                target_teacher(t, hidden_flat[nxt], ctx, head)
             elif "topk_ids" in batch:
                 ids = batch["topk_ids"][rows]
                 t.topk_ids, t.topk_logprobs = (ids if t2d is None else t2d[ids]), batch["topk_logprobs"][rows]
@@ -310,9 +361,9 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
                     f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
                     f"(data.signals.topk) or train.loss.teacher=target"
                 )
-        selects.append(sel.flatten())
+        selects.append(at)
         teachers.append(t)
-        future.append(flat[:, s:][sel[:, : T - s]] if s < T else flat.new_empty(0))
+        future.append(nxt)
     return selects, teachers, future
 
 
@@ -358,7 +409,7 @@ def heads_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, t, _spec(cfg), ctx.generator) * n if n else x.sum() * 0
         return loss * weight, n, _metrics(x, w, t, cfg, ranks=3)
 
-    extra = {"base_select": batch["predict_mask"].flatten()} if joint else {}
+    extra = {"base_select": trained_index(batch)} if joint else {}
     outs = model(h, ids=batch["input_ids"], select=selects, head_fn=head_fn, **extra, **packed_kw(batch))
     m = _per_step_metrics(outs[1:] if joint else outs, "head")
     if joint:  # how far the adapted target drifted from the original (1.0 = the same argmax everywhere)
@@ -446,11 +497,11 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
     a = torch.sigmoid(logit.detach())
     n = len(s)
-    m = {
-        "accept_label": float(s.mean()) if n else 0.0,
-        "accept_pred": float(a.mean()) if n else 0.0,
-        "brier": float(((a - s) ** 2).mean()) if n else 0.0,
-        "top1": float(((a > 0.5) == (s > 0.5)).float().mean()) if n else 0.0,
+    m = {  # device tensors: the loop reads them once per logging window
+        "accept_label": s.mean() if n else 0.0,
+        "accept_pred": a.mean() if n else 0.0,
+        "brier": ((a - s) ** 2).mean() if n else 0.0,
+        "top1": ((a > 0.5) == (s > 0.5)).float().mean() if n else 0.0,
     }  # agreement on accept vs reject
     if slot is not None:  # each head's own acceptance rate and how well the head tells its drafts apart
         for k in range(head.cfg.n_slots):
@@ -625,11 +676,11 @@ def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     loss = (w * F.binary_cross_entropy_with_logits(logit, y, reduction="none")).sum()
     a = torch.sigmoid(logit.detach()) > 0.5
     good, bad = y > 0.5, y <= 0.5
-    m = {
-        "top1": float((a == good).float().mean()),
-        "label_acceptable": float(y.mean()),
-        "recall_acceptable": float(a[good].float().mean()) if good.any() else 0.0,
-        "recall_reject": float((~a[bad]).float().mean()) if bad.any() else 0.0,
+    m = {  # device tensors: the loop reads them once per logging window (a recall is 0 without its class)
+        "top1": (a == good).float().mean(),
+        "label_acceptable": y.mean(),
+        "recall_acceptable": (a & good).sum() / good.sum().clamp(min=1),
+        "recall_reject": (~a & bad).sum() / bad.sum().clamp(min=1),
     }
     return StepOutput(loss, len(y), m)
 
