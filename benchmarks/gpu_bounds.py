@@ -7,23 +7,28 @@ script measures those costs without a GPU, so the design can be judged before a 
 
 1. generate: ``Refill`` (data/engine.py, what ``draftsmith generate`` runs) on --prompts random prompts of 32-256
    tokens with budgets of 16-128 new tokens (the recipe's range; the budget stands in for EOS), --gen-batch rows,
-   top-k --topk captured, freed rows joining --refill-join at a time (data.refill_join's GPU default). Per
+   top-k --topk captured, freed rows joining --refill-join at a time (data.refill_join's GPU default) and sharing
+   prefills within --prefill-pad padding tokens (the GPU default). Per
    decode step: rows (tokens), kernels launched, host syncs, host time; prefills and finished-row hand-overs are
    amortised per step. Eager and static (``data.cuda_graphs``' shapes, run uncaptured here) paths.
 2. train: one optimizer step of the real loop (train/loop.py ``_optimizer_step``, bf16 autocast) of the
    eagle3-smollm2 recipe's drafter with the target in the loop, on --micro-batch records of 96-384 tokens packed
-   into rows of the recipe's max_seq_len. Host time per kernel is timed on short records (12-48 tokens, rows of
-   48, where attention's T^2 work vanishes too) and scaled by the kernels of the real-length step (the chunked
-   losses launch more kernels for more positions). AdamW's reads of its host-side step counts are not waits.
+   into rows of the recipe's max_seq_len. Host time per kernel is timed on short records (4-12 tokens, rows of
+   12, heads 2 wide, where the arithmetic vanishes; in fp32, as a CPU's bf16 matmuls at tiny shapes are slow) and
+   scaled by the kernels of the real-length bf16 step (the chunked losses launch more kernels for more
+   positions). AdamW's reads of its host-side step counts are not waits. The
+   fused loss's row passes count as the one Triton launch each that a GPU runs (``gpu_kernels``).
 
 Kernels: every ATen call that is not a view (on a GPU each launches at least one kernel). Host syncs: calls whose
 result the host must wait for: .item()/int()/float() (``_local_scalar_dense``), nonzero, boolean-mask indexing,
 other ops of data-dependent output shape, .tolist() and .cpu() on device data (counted as called here).
 
-Host time is measured on a model with the target's structure (layers, heads, the code path) but tiny widths
-(--tiny-head-dim, a vocabulary of --tiny-vocab), so the arithmetic is negligible and what remains is the host's
-cost per step: on a GPU the device cannot finish a step faster than the host issues it, unless CUDA graphs replay
-the step. FLOPs (PyTorch's FlopCounterMode) and bytes come from the real widths (SmolLM2-135M's config).
+Kernels and syncs are counted on a model with the target's structure (layers, heads, the code path) but tiny
+widths (--tiny-head-dim, a vocabulary of --tiny-vocab). Host time is timed with heads 2 wide in runs small enough
+(--host-batch rows; short training records) that the arithmetic is negligible: host seconds per kernel, per phase,
+times the kernels of the full-size step is the host's cost per step. On a GPU the device cannot finish a step
+faster than the host issues it, unless CUDA graphs replay the step. FLOPs (PyTorch's FlopCounterMode) and bytes
+come from the real widths (SmolLM2-135M's config).
 
 Ceilings (tokens/s), each an upper bound with all else free:
 - host (eager): tokens per step / host seconds per step on this machine (a GPU host's CPU may be faster or slower);
@@ -84,14 +89,32 @@ def gen_prompts(n: int, vocab: int, seed: int = 0) -> tuple[list[list[int]], lis
 
 
 def run_refill(
-    model, prompts, budgets, batch: int, topk: int, static: bool, ops: HostOps | None, count: bool, join: int = 1
+    model,
+    prompts,
+    budgets,
+    batch: int,
+    topk: int,
+    static: bool,
+    ops: HostOps | None,
+    count: bool,
+    join: int = 1,
+    pad: int | None = None,
 ) -> dict:
     """One Refill run: decode steps, rows and KV slots read over them; host seconds by phase into ``ops``, and with
     ``count`` its kernels and syncs (the counting slows the host, so time and count in separate runs)."""
     from draftsmith.data.engine import Capture, Refill, Sampling
 
     gen = Refill(
-        model, batch, max(budgets), set(), Sampling(), Capture(topk=topk), static=static, graphs=False, min_join=join
+        model,
+        batch,
+        max(budgets),
+        set(),
+        Sampling(),
+        Capture(topk=topk),
+        max_prefill_pad=pad,
+        static=static,
+        graphs=False,
+        min_join=join,
     )
     for i, (c, n) in enumerate(zip(prompts, budgets, strict=True)):
         gen.add(i, c, None, n)
@@ -141,6 +164,7 @@ def generation(a, cfg) -> list[dict]:
 
     torch.manual_seed(0)
     small = Llama(tiny(cfg, a.tiny_head_dim, a.tiny_vocab)).eval()
+    host_model = Llama(tiny(cfg, 2, a.tiny_vocab)).eval()  # for host time: the arithmetic must vanish
     prompts, budgets = gen_prompts(a.prompts, a.tiny_vocab)
     # FLOPs per decode token at real widths: one decode step of a few rows over a cache of the mean context
     real = Llama(cfg).eval()
@@ -158,18 +182,22 @@ def generation(a, cfg) -> list[dict]:
     del real, cache
     out, join = [], a.refill_join or max(1, a.gen_batch // 16)
     for static in (False, True):
-        ops, timed = HostOps(), HostOps()
+        ops, few, timed = HostOps(), HostOps(), HostOps()
+        hb, n_few = a.host_batch, 8 * a.host_batch
         with torch.no_grad():
             run_refill(small, prompts[:8], budgets[:8], a.gen_batch, a.topk, static, None, False)  # warm-up
-            s = run_refill(small, prompts, budgets, a.gen_batch, a.topk, static, ops, True, join)
-            run_refill(small, prompts, budgets, a.gen_batch, a.topk, static, timed, False, join)
+            s = run_refill(small, prompts, budgets, a.gen_batch, a.topk, static, ops, True, join, a.prefill_pad)
+            # host seconds per kernel, phase by phase, where the rows are too few for the arithmetic to count
+            run_refill(host_model, prompts[:n_few], budgets[:n_few], hb, a.topk, static, few, True)
+            run_refill(host_model, prompts[:n_few], budgets[:n_few], hb, a.topk, static, timed, False)
         steps = s["steps"]
         per = {k: v / steps for k, v in ops.kernels.items()}
         sync = {k: v / steps for k, v in ops.syncs.items()}
-        sec = {k: v / steps for k, v in timed.seconds.items()}
+        us = {k: timed.seconds[k] / few.kernels[k] for k in few.kernels if few.kernels[k]}
+        sec = {k: n * us.get(k, max(us.values())) for k, n in per.items()}  # host seconds per step, by phase
         rows_per_step = s["rows"] / steps
         host = sum(sec.values())
-        host_graphed = host - sec.get("forward", 0.0)
+        host_graphed = host - sec.get("forward", 0.0)  # a CUDA graph replays the forward in one launch
         slots = s["max_len"] if static else s["slots"] / steps  # a static step reads the whole row buffer
         step_bytes = weights + rows_per_step * slots * kv_per_slot
         name = "generate, static shapes" if static else "generate, eager"
@@ -183,6 +211,7 @@ def generation(a, cfg) -> list[dict]:
                 "syncs_by_op": {f"{p}:{o}": n / steps for (p, o), n in sorted(ops.what.items())},
                 "host_ms_per_step": 1e3 * host,
                 "host_ms_by_phase": {k: 1e3 * v for k, v in sorted(sec.items())},
+                "host_us_per_kernel": {k: 1e6 * v for k, v in sorted(us.items())},
                 "ceiling_host": rows_per_step / host,
                 "ceiling_host_graphed": rows_per_step / host_graphed if static else None,
                 "flops_per_token": flops_per_token,
@@ -217,7 +246,31 @@ def train_records(n: int, vocab: int, topk: int, seed: int = 1, lengths: tuple[i
     return out
 
 
-def train_step(cfg, recipe, records, ops: HostOps | None, flops: bool = False) -> dict:
+@contextlib.contextmanager
+def gpu_kernels(ops: HostOps | None):
+    """The fused KD loss's two row passes as on a GPU: one Triton launch each (kernels/softmax.py), where a CPU runs
+    a reference that loops over blocks of 64 rows. Same arithmetic, counted (and costing the host) as one kernel."""
+    from draftsmith.kernels import softmax
+
+    ref_lse, ref_scale = softmax.row_logsumexp_reference, softmax.softmax_scale_reference_
+    one = ops.one_kernel if ops is not None else contextlib.nullcontext
+
+    def lse(z):
+        with one():
+            return torch.logsumexp(z.float(), -1)
+
+    def scale_(z, lse, coef):
+        with one():
+            return z.copy_((z.float() - lse[:, None]).exp_().mul_(coef[:, None]))
+
+    softmax.row_logsumexp_reference, softmax.softmax_scale_reference_ = lse, scale_
+    try:
+        yield
+    finally:
+        softmax.row_logsumexp_reference, softmax.softmax_scale_reference_ = ref_lse, ref_scale
+
+
+def train_step(cfg, recipe, records, ops: HostOps | None, flops: bool = False, precision: str = "bf16") -> dict:
     """One optimizer step of the loop on ``records`` (packed into rows of max_seq_len), the target in the loop."""
     from accelerate import Accelerator
 
@@ -234,7 +287,11 @@ def train_step(cfg, recipe, records, ops: HostOps | None, flops: bool = False) -
         params = params.model_copy(update={"draft_vocab": min(params.draft_vocab, cfg.vocab_size // 2)})
     counts = torch.randint(1, 100, (cfg.vocab_size,))
     drafter = build_drafter("eagle", params, target, counts=counts).float().train()
-    acc = Accelerator(mixed_precision="bf16", cpu=True)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # a new precision in the same process
+    GradientState._reset_state()
+    acc = Accelerator(mixed_precision=precision, cpu=True)
     opt, sched = loop.build_optimizer(drafter, tc)
     drafter, opt = acc.prepare(drafter, opt)
     batch = loop.counted_batch(partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len), records)
@@ -260,27 +317,32 @@ def train_step(cfg, recipe, records, ops: HostOps | None, flops: bool = False) -
 
         n, _ = count_flops(once)
         return {"flops": n, "tokens": tokens}
-    with ops.counting() if ops is not None else contextlib.nullcontext():
+    with ops.counting() if ops is not None else contextlib.nullcontext(), gpu_kernels(ops):
         once()
     return {"seconds": time.perf_counter() - t0, "tokens": tokens}
 
 
 def training(a, cfg) -> list[dict]:
     from draftsmith.recipes.loader import load_recipe
+    from draftsmith.train.losses import LOGITS_BUDGET
 
-    recipe = load_recipe("eagle3-smollm2", ["train.packing=true", f"train.micro_batch_size={a.micro_batch}"])
+    base = load_recipe("eagle3-smollm2", [])
+    chunk = a.loss_chunk or max(256, LOGITS_BUDGET // base.drafter.draft_vocab)  # what auto_chunk picks on a GPU
+    sets = ["train.packing=true", f"train.micro_batch_size={a.micro_batch}", f"train.loss.chunk={chunk}"]
+    recipe = load_recipe("eagle3-smollm2", sets)
     small = tiny(cfg, a.tiny_head_dim, a.tiny_vocab)
     topk = recipe.data.signals.topk
     ops = HostOps()
     s = train_step(small, recipe, train_records(a.micro_batch, a.tiny_vocab, topk), ops)
     # host time: the same records' count and code path on short records, where attention's T^2 work vanishes too
-    short = train_records(a.micro_batch, a.tiny_vocab, topk, lengths=(12, 48))
-    rows48 = load_recipe(
-        "eagle3-smollm2", ["train.packing=true", f"train.micro_batch_size={a.micro_batch}", "train.max_seq_len=48"]
-    )
+    short = train_records(a.micro_batch, a.tiny_vocab, topk, lengths=(4, 12))
+    rows12 = load_recipe("eagle3-smollm2", [*sets, "train.max_seq_len=12"])
+    host_cfg = tiny(cfg, 2, a.tiny_vocab)
     quick = HostOps()
-    train_step(small, rows48, short, quick)
-    timed = train_step(small, rows48, short, None)
+    # timed in fp32: a CPU's bf16 matmuls at these tiny shapes cost far more than the host's dispatch, which is
+    # what is being measured (the bf16 step's extra cast kernels are in the counts above)
+    train_step(host_cfg, rows12, short, quick, precision="no")
+    timed = train_step(host_cfg, rows12, short, None, precision="no")
     f = train_step(cfg, recipe, train_records(a.flops_records, cfg.vocab_size, topk), None, flops=True)
     flops_per_token = f["flops"] / f["tokens"]
     weights = params_bytes(Llama_like(cfg))
@@ -291,7 +353,7 @@ def training(a, cfg) -> list[dict]:
     device_syncs = {o: n for (p, o), n in sorted(ops.what.items()) if p != "optimizer"}
     return [
         {
-            "path": f"train EAGLE-3, packed, {a.micro_batch} records/step",
+            "path": f"train EAGLE-3, packed, {a.micro_batch} records/step, loss chunk {chunk}",
             "tokens_per_step": tokens,
             "kernels_per_step": sum(ops.kernels.values()),
             "kernels_short_records": sum(quick.kernels.values()),
@@ -330,9 +392,12 @@ def main() -> None:
     )
     p.add_argument("--prompts", type=int, default=512, help="prompts generated (32-256 tokens, 16-128 new each)")
     p.add_argument("--gen-batch", type=int, default=256, help="generation rows (data.batch_size)")
+    p.add_argument("--prefill-pad", type=int, default=256, help="max_prefill_pad of the joins (its GPU default)")
+    p.add_argument("--host-batch", type=int, default=4, help="rows of the run that times the host per kernel")
     p.add_argument("--refill-join", type=int, default=0, help="data.refill_join; 0: its GPU default, batch // 16")
     p.add_argument("--topk", type=int, default=32, help="top-k captured per token (data.signals.topk)")
     p.add_argument("--micro-batch", type=int, default=64, help="records per training step (train.micro_batch_size)")
+    p.add_argument("--loss-chunk", type=int, default=0, help="train.loss.chunk; 0: what it is on a GPU (auto)")
     p.add_argument("--flops-records", type=int, default=4, help="records of the real-width step FLOPs are counted on")
     p.add_argument("--tiny-head-dim", type=int, default=8, help="head width of the host-time model")
     p.add_argument("--tiny-vocab", type=int, default=1024, help="vocabulary of the host-time model")

@@ -125,6 +125,7 @@ class HostOps(TorchDispatchMode):
         self.seconds: Counter = Counter()
         self.what: Counter = Counter()
         self.where = "step"
+        self._quiet = 0
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -137,6 +138,17 @@ class HostOps(TorchDispatchMode):
             self.seconds[name] += dt
             self.seconds[prev] -= dt  # an enclosing phase's time excludes this one
             self.where = prev
+
+    @contextlib.contextmanager
+    def one_kernel(self):
+        """Count the block as one kernel (what a fused GPU kernel does in one launch, where the code runs a CPU
+        reference of several ops instead)."""
+        self.kernels[self.where] += 1
+        self._quiet += 1
+        try:
+            yield self
+        finally:
+            self._quiet -= 1
 
     def sync(self, op: str) -> None:
         self.syncs[self.where] += 1
@@ -164,7 +176,7 @@ class HostOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not func.is_view and func not in _NO_KERNEL:
+        if not func.is_view and func not in _NO_KERNEL and not self._quiet:
             self.kernels[self.where] += 1
         if torch.Tag.data_dependent_output in func.tags:
             self.sync(func.overloadpacket.__name__)

@@ -270,8 +270,10 @@ class LossConfig(Strict):
     """Divergences train against the teacher at this temperature, p^(1/t) renormalised; < 1 sharpens it towards
     its argmax, the token a greedy (T = 0) verifier accepts. Exact for teacher: target; for stored top-k the tail
     keeps an upper bound on its sharpened mass. Metrics (alpha) always use the true teacher. Not used by ce."""
-    chunk: int = Field(256, gt=0)
-    """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab."""
+    chunk: int | None = Field(None, gt=0)
+    """Positions per LM-head chunk: peak memory is chunk x vocab, not tokens x vocab. None: 256 on a CPU; on a GPU
+    as many as keep a chunk's logits at 2^26 values (256 MB in float32: 8,192 positions for an 8k draft
+    vocabulary, 1,365 for SmolLM2's 49k, 512 for 128k), so a step launches a few large kernels, not hundreds."""
     fused: bool = True
     """CE and stored top-k teachers: take the gradient from a logsumexp pass and one in-place softmax pass over
     each chunk's logits (Triton kernels on GPU) instead of autograd through log-softmax; false = autograd (A/B)."""

@@ -340,3 +340,18 @@ def test_teacher_temperature_applies_to_the_loss_only():
     logp, logq = teacher.log_pair(h.detach() @ w.t())
     true_alpha = torch.minimum(logp.exp(), logq.exp())[:, :-1].sum(-1).mean().item()  # top-k buckets, no tail
     assert float(alpha) == pytest.approx(true_alpha, rel=1e-5)
+
+
+def test_auto_chunk_fits_a_logits_budget_on_a_gpu_and_keeps_256_on_a_cpu():
+    """train.loss.chunk unset: 256 positions on a CPU; on a GPU as many as keep a chunk's logits within
+    LOGITS_BUDGET values, so a step runs few large kernels; the loss is the same whatever the chunk."""
+    from types import SimpleNamespace
+
+    gpu = lambda v: SimpleNamespace(device=torch.device("cuda"), shape=(v, 64))  # noqa: E731
+    assert losses.auto_chunk(torch.zeros(8192, 4)) == 256
+    assert [losses.auto_chunk(gpu(v)) for v in (8192, 49152, 128256, 10**9)] == [8192, 1365, 523, 256]
+    h, w = torch.randn(300, 8, dtype=torch.float64), torch.randn(29, 8, dtype=torch.float64)
+    ids, lp = _topk(torch.randn(300, 29, dtype=torch.float64), 5)
+    teacher = losses.Teacher(labels=ids[:, 0], topk_ids=ids, topk_logprobs=lp)
+    auto = losses.head_loss(h, w, teacher, losses.LossSpec(kind="fkl", chunk=None))
+    torch.testing.assert_close(auto, losses.head_loss(h, w, teacher, losses.LossSpec(kind="fkl", chunk=300)))

@@ -246,10 +246,22 @@ class LossSpec:
     beta: float = 0.5
     kl_scale: float = 1.0
     kl_decay: float = 1.0
-    chunk: int = 256
+    chunk: int | None = 256  # positions per chunk; None: ``auto_chunk`` of the head
     fused: bool = True  # CE and stored top-k teachers: the gradient from two in-place softmax passes (below)
     vocab_chunk: int = 0  # > 0: also block the vocabulary (``_Blocks``): peak O(chunk x vocab_chunk), not chunk x V
     teacher_temperature: float = 1.0  # the loss sees Teacher.sharpened(t); metrics (alpha) keep the true teacher
+
+
+LOGITS_BUDGET = 1 << 26  # values in one chunk's logits on a GPU (256 MB in float32)
+
+
+def auto_chunk(weight: torch.Tensor) -> int:
+    """Positions per LM-head chunk for a head ``weight`` (V, D): 256 on a CPU; on a GPU as many as keep a chunk's
+    logits within ``LOGITS_BUDGET`` values (8,192 positions for an 8k draft vocabulary, 512 for 128k), at least 256,
+    so a step launches a few large kernels rather than hundreds of small ones."""
+    if weight.device.type != "cuda":
+        return 256
+    return max(256, LOGITS_BUDGET // max(1, weight.shape[0]))
 
 
 def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torch.Tensor:
@@ -550,6 +562,8 @@ def head_loss(
     TVD++ first draws x ~ q and standardises the rewards over all N positions (a no-grad pass), then takes the
     policy-gradient step on the same samples.
     """
+    if not spec.chunk:
+        spec = replace(spec, chunk=auto_chunk(weight))
     teacher = teacher.sharpened(spec.teacher_temperature) if spec.kind != "ce" else teacher
     samples = None
     if spec.kind == "tvdpp":
@@ -572,17 +586,23 @@ def head_loss(
 
 @torch.no_grad()
 def head_metrics(
-    h: torch.Tensor, weight: torch.Tensor, teacher: Teacher, chunk: int = 1024, ranks: int = 0, vocab_chunk: int = 0
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    teacher: Teacher,
+    chunk: int | None = 1024,
+    ranks: int = 0,
+    vocab_chunk: int = 0,
 ) -> dict:
     """Chunked metrics at the trained positions: top-1 agreement with the labels, and (with a teacher
     distribution) alpha = sum min(p, q), a lower bound on the exact acceptance when the teacher is top-k.
     ranks > 0 adds ``rank_acc`` [P(label is the r-th best token) for r < ranks] (tree construction).
-    vocab_chunk as in LossSpec: the vocabulary in blocks too, so no (chunk, V) tensor.
+    vocab_chunk as in LossSpec: the vocabulary in blocks too, so no (chunk, V) tensor. chunk None: ``auto_chunk``.
 
     Values are 0-dim (``rank_acc``: (ranks,)) tensors on h's device (float32; float64 for a float64 h), never
     read by the host here: the train loop reads a logging window's metrics in one copy, so no step waits for the
     device."""
     n, dt = h.shape[0], torch.float64 if h.dtype == torch.float64 else torch.float32
+    chunk = chunk or auto_chunk(weight)
     top1, a, hits = h.new_zeros((), dtype=dt), h.new_zeros((), dtype=dt), h.new_zeros(max(ranks, 1), dtype=dt)
     has_dist = teacher.topk_ids is not None or teacher.logits is not None or teacher.hidden is not None
     blocked = 0 < vocab_chunk < weight.shape[0]
