@@ -8,7 +8,7 @@ script measures those costs without a GPU, so the design can be judged before a 
 1. generate: ``Refill`` (data/engine.py, what ``draftsmith generate`` runs) on --prompts random prompts of 32-256
    tokens with budgets of 16-128 new tokens (the recipe's range; the budget stands in for EOS), --gen-batch rows,
    top-k --topk captured, freed rows joining --refill-join at a time (data.refill_join's GPU default) and sharing
-   prefills within --prefill-pad padding tokens (the GPU default). Per
+   prefills within --prefill-pad padding tokens (the GPU default), matmuls fused as data.optimize does. Per
    decode step: rows (tokens), kernels launched, host syncs, host time; prefills and finished-row hand-overs are
    amortised per step. Eager and static (``data.cuda_graphs``' shapes, run uncaptured here) paths.
 2. train: one optimizer step of the real loop (train/loop.py ``_optimizer_step``, bf16 autocast) of the
@@ -165,6 +165,8 @@ def generation(a, cfg) -> list[dict]:
     torch.manual_seed(0)
     small = Llama(tiny(cfg, a.tiny_head_dim, a.tiny_vocab)).eval()
     host_model = Llama(tiny(cfg, 2, a.tiny_vocab)).eval()  # for host time: the arithmetic must vanish
+    if not a.no_optimize:  # data.optimize (default on): fused q/k/v and gate/up matmuls, as the data stage runs
+        small, host_model = small.optimize_for_inference(), host_model.optimize_for_inference()
     prompts, budgets = gen_prompts(a.prompts, a.tiny_vocab)
     # FLOPs per decode token at real widths: one decode step of a few rows over a cache of the mean context
     real = Llama(cfg).eval()
@@ -394,6 +396,7 @@ def main() -> None:
     p.add_argument("--gen-batch", type=int, default=256, help="generation rows (data.batch_size)")
     p.add_argument("--prefill-pad", type=int, default=256, help="max_prefill_pad of the joins (its GPU default)")
     p.add_argument("--host-batch", type=int, default=4, help="rows of the run that times the host per kernel")
+    p.add_argument("--no-optimize", action="store_true", help="generate with data.optimize=false (plain modules)")
     p.add_argument("--refill-join", type=int, default=0, help="data.refill_join; 0: its GPU default, batch // 16")
     p.add_argument("--topk", type=int, default=32, help="top-k captured per token (data.signals.topk)")
     p.add_argument("--micro-batch", type=int, default=64, help="records per training step (train.micro_batch_size)")
