@@ -119,7 +119,6 @@ def run_refill(
     for i, (c, n) in enumerate(zip(prompts, budgets, strict=True)):
         gen.add(i, c, None, n)
     stats = {"steps": 0, "rows": 0, "slots": 0}
-    wrapped = {}
     if ops is not None:
         fwd = model.forward
 
@@ -132,17 +131,9 @@ def run_refill(
             with ops.phase("forward" if decode else "prefill"):
                 return fwd(ids, *a, **k)
 
-        for name in ("_join", "_finish"):
-            orig = getattr(gen, name)
-
-            def method(*a, _orig=orig, _name=name, **k):
-                with ops.phase(_name):
-                    return _orig(*a, **k)
-
-            wrapped[name] = method
         model.forward = forward
-        for name, m in wrapped.items():
-            setattr(gen, name, m)
+        for name in ("_join", "_finish"):
+            setattr(gen, name, ops.in_phase(name, getattr(gen, name)))
     done = []
     t0 = time.perf_counter()
     try:
@@ -299,13 +290,7 @@ def train_step(cfg, recipe, records, ops: HostOps | None, flops: bool = False, p
     batch = loop.counted_batch(partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len), records)
     tokens = batch[1][1]
     if ops is not None:  # torch's AdamW keeps its step counts on the host (not fused): its .item()s wait for nothing
-        step = opt.step
-
-        def phased(*a, **k):
-            with ops.phase("optimizer"):
-                return step(*a, **k)
-
-        opt.step = phased
+        opt.step = ops.in_phase("optimizer", opt.step)
     ctx = Context(unwrapped=acc.unwrap_model(drafter), target=target, generator=torch.Generator(), params=params)
     objective = objective_for("eagle")
 

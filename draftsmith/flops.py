@@ -139,6 +139,17 @@ class HostOps(TorchDispatchMode):
             self.seconds[prev] -= dt  # an enclosing phase's time excludes this one
             self.where = prev
 
+    def in_phase(self, name: str, fn):
+        """``fn`` wrapped so that each call runs in phase ``name`` (e.g. ``opt.step = ops.in_phase("optimizer",
+        opt.step)``)."""
+
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            with self.phase(name):
+                return fn(*args, **kwargs)
+
+        return wrapped
+
     @contextlib.contextmanager
     def one_kernel(self):
         """Count the block as one kernel (what a fused GPU kernel does in one launch, where the code runs a CPU

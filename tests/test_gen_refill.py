@@ -315,8 +315,7 @@ def test_a_refill_decode_step_waits_for_the_device_once(target, static):
     for i, (c, n) in enumerate(zip(CONTEXTS, BUDGETS)):
         gen.add(i, c, None, n)
     for name in ("_join", "_finish"):  # joins (prefills) and hand-overs: once per row, not per step
-        orig = getattr(gen, name)
-        setattr(gen, name, lambda *a, _o=orig, _n=name, **k: _run_in(ops, _n, _o, *a, **k))
+        setattr(gen, name, ops.in_phase(name, getattr(gen, name)))
     fwd = target.forward
 
     def forward(ids, *a, **k):
@@ -333,8 +332,3 @@ def test_a_refill_decode_step_waits_for_the_device_once(target, static):
     assert len(out) == len(CONTEXTS) and steps["n"] >= max(BUDGETS)
     assert ops.what == {("step", "tolist"): steps["n"]} | {k: v for k, v in ops.what.items() if k[0] != "step"}
     assert ops.syncs["step"] == steps["n"]
-
-
-def _run_in(ops, phase, fn, *a, **k):
-    with ops.phase(phase):
-        return fn(*a, **k)

@@ -68,13 +68,8 @@ def _step_syncs(name: str, packed: bool) -> tuple[HostOps, dict]:
     objective = objectives.objective_for(kind)
     loop._optimizer_step(acc, drafter, opt, sched, iter(batches), objective, _TC, ctx)  # first step: state, maps
     ops = HostOps()
-    step = opt.step
-
-    def phased(*a, **k):  # torch's AdamW (not fused) keeps its step counts on the host: their reads wait for nothing
-        with ops.phase("optimizer"):
-            return step(*a, **k)
-
-    opt.step = phased
+    # torch's AdamW (not fused) keeps its step counts on the host: their reads wait for nothing
+    opt.step = ops.in_phase("optimizer", opt.step)
     with ops.counting():
         out = loop._optimizer_step(acc, drafter, opt, sched, iter(batches), objective, _TC, ctx)
     return ops, out
