@@ -676,11 +676,11 @@ class Recipe(Strict):
             and d.version == 3
             and d.n_layers > 1
             and self.export.enabled
-            and {"vllm", "sglang"} & set(self.export.formats)
+            and "sglang" in self.export.formats
         ):
             raise ValueError(
-                f"export.formats has vllm/sglang, which load a one-layer EAGLE-3, but drafter.n_layers is "
-                f"{d.n_layers}: export formats [hf] (draftsmith's layout) or train one layer"
+                f"export.formats has sglang, which loads a one-layer EAGLE-3, but drafter.n_layers is "
+                f"{d.n_layers}: export formats [vllm] or [hf], or train one layer"
             )
         if (
             d.kind == "mlp_speculator"

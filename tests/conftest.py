@@ -61,9 +61,20 @@ def run_two_ranks(*args: str, env: dict | None = None, timeout: int = 300):
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
 def pytest_collection_modifyitems(config, items):
     slow_ok = os.environ.get("DRAFTSMITH_SLOW") == "1"
+    vllm_ok = _importable("vllm")
     for item in items:
+        if item.get_closest_marker("vllm") and not vllm_ok:
+            item.add_marker(
+                pytest.mark.skip(reason="vllm: not installed here (bash .ci/engines runs these in its venv)")
+            )
         if "slow" in item.keywords and not slow_ok:
             item.add_marker(pytest.mark.skip(reason="slow: set DRAFTSMITH_SLOW=1 to run"))
         if "gpu" in item.keywords and not torch.cuda.is_available():

@@ -121,13 +121,17 @@ def test_medusa_layout_refuses_reduced_vocabulary_heads(checkpoints, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("fmt", ["vllm", "sglang"])
-def test_engines_refuse_a_deeper_eagle(checkpoints, tmp_path, fmt):
+def test_sglang_refuses_a_deeper_eagle_and_vllm_stacks_its_blocks(checkpoints, tmp_path):
     from draftsmith.errors import DraftsmithError
 
-    with pytest.raises(DraftsmithError, match=f"--format {fmt}: .*n_layers=2 .*--format hf"):
-        export(checkpoints["eagle3_deep"], fmt, tmp_path / fmt)
-    assert not (tmp_path / fmt).exists()
+    with pytest.raises(DraftsmithError, match="--format sglang: .*n_layers=2 .*--format vllm or hf"):
+        export(checkpoints["eagle3_deep"], "sglang", tmp_path / "sglang")
+    assert not (tmp_path / "sglang").exists()
+    out = export(checkpoints["eagle3_deep"], "vllm", tmp_path / "vllm")  # vLLM: plain Llama layers after layer 0
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 2
+    names = load_file(str(out / "model.safetensors"))
+    assert "layers.1.input_layernorm.weight" in names and not any(k.startswith("extra.") for k in names)
 
 
 def test_eagle3_engine_contracts(checkpoints, tmp_path):

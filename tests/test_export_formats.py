@@ -277,9 +277,10 @@ def test_eagle1_engine_layout_and_forward(ckpts, target, tmp_path, name, fmt):
     ours, _ = load_drafter(ckpts[name])
     out = export(ckpts[name], fmt, tmp_path / fmt)
     cfg = json.loads((out / "config.json").read_text())
-    # vLLM turns LlamaForCausalLMEagle into EagleLlamaForCausalLM (transformers_utils/configs/eagle.py); SGLang
-    # registers the name as is.
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle"] and cfg["model_type"] == "llama"
+    # vLLM prefixes Eagle (LlamaForCausalLM -> EagleLlamaForCausalLM) and refuses LlamaForCausalLMEagle; SGLang
+    # registers that name as is. tests/test_vllm.py serves the vllm folder in vLLM itself.
+    arch = "LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"
+    assert cfg["architectures"] == [arch] and cfg["model_type"] == "llama"
     assert cfg["num_hidden_layers"] == ours.cfg.n_layers and cfg["vocab_size"] == 300
     t = load_file(str(out / "model.safetensors"))
     # SGLang overrides a draft's embeddings with the target's (written by default); vLLM's are never written

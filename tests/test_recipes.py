@@ -109,8 +109,9 @@ def test_deeper_eagle_options_are_checked():
     assert r.drafter.n_layers == 3 and r.drafter.init_layers == [27, 28]
     with pytest.raises(DraftsmithError, match=r"init_layers has 1 entries.*n_layers - 1 = 2"):
         load_recipe("eagle3-smollm2", ["drafter.n_layers=3", "drafter.init_layers=[27]", "export.formats=[hf]"])
-    with pytest.raises(DraftsmithError, match="export.formats has vllm/sglang.*n_layers is 2"):
-        load_recipe("eagle3-smollm2", ["drafter.n_layers=2"])
+    with pytest.raises(DraftsmithError, match="export.formats has sglang.*n_layers is 2"):
+        load_recipe("eagle3-smollm2", ["drafter.n_layers=2", "export.formats=[hf,vllm,sglang]"])
+    assert load_recipe("eagle3-smollm2", ["drafter.n_layers=2", "export.formats=[vllm]"]).drafter.n_layers == 2
 
 
 def test_yaml_errors_name_the_line(tmp_path):

