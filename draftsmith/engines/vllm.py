@@ -109,6 +109,10 @@ class SpecCounters:
         reached = [self.drafts, *self.per_position]
         return [reached[k] - (reached[k + 1] if k + 1 < len(reached) else 0) for k in range(len(reached))]
 
+    def plus(self, other: SpecCounters) -> SpecCounters:
+        return self.minus(SpecCounters(-other.drafts, -other.draft_tokens, -other.accepted,
+                                       [-x for x in other.per_position]))  # fmt: skip
+
     def minus(self, other: SpecCounters) -> SpecCounters:
         n = max(len(self.per_position), len(other.per_position))
         a = self.per_position + [0] * (n - len(self.per_position))
@@ -268,3 +272,67 @@ def tokens_of(output, stop_ids) -> list[int]:
     if c.finish_reason == "stop" and (not tokens or tokens[-1] not in stop_ids) and isinstance(c.stop_reason, int):
         tokens.append(c.stop_reason)
     return tokens
+
+
+# ---- draftsmith eval with eval.engine=vllm ----------------------------------------------------------------------
+
+
+def export_for_eval(ckpt: Path, out: Path) -> Path:
+    """The checkpoint as ``--format vllm`` in ``out`` (eval does this before decoding, so a drafter vLLM cannot
+    serve is refused in one line first)."""
+    if not available():
+        raise DraftsmithError("eval.engine=vllm: " + _MISSING)
+    from draftsmith.export.writer import export
+
+    return export(ckpt, "vllm", out)
+
+
+def compare(folder: Path, target: Path, prompts: list[list[int]], ec, eos: set[int], dtype: str, seed: int,
+            reference: list[list[int]], ours: list[list[int]]) -> dict:  # fmt: skip
+    """The eval prompts decoded by vLLM, each alone (batch 1, as draftsmith's eval decodes them), without and with
+    the exported drafter -> the report's ``engines.vllm`` entry. ``reference`` / ``ours``: draftsmith's plain and
+    speculative outputs of the same prompts."""
+    from draftsmith.eval.decoder import DecodeStats
+
+    max_len = max(len(p) for p in prompts) + ec.max_new_tokens + ec.draft_len + 16
+    spec = speculative_config(folder, ec.draft_len)
+    runs = {}
+    for name, conf in (("ar", None), ("spec", spec)):
+        engine = Engine(target, conf, dtype=dtype, seed=seed, max_model_len=max_len, max_num_seqs=1)
+        try:
+            runs[name] = _one_by_one(engine, prompts, ec, eos, seed)
+        finally:
+            engine.close()
+    (ar, t_ar, _), (sp, t_sp, c) = runs["ar"], runs["spec"]
+    stats = DecodeStats(accept_counts=c.accept_counts())
+    tps = {"spec": sum(map(len, sp)) / t_sp, "ar": sum(map(len, ar)) / t_ar}
+    greedy = ec.temperature == 0
+    return {
+        "version": version(),
+        "speculative_config": {**spec, "model": str(folder)},
+        "batch_size": 1,
+        "tau": c.tau,
+        "acceptance_rate": c.acceptance_rate,
+        "per_position_acceptance": stats.per_position_acceptance(),
+        "accept_counts": stats.accept_counts,
+        "drafts": c.drafts,
+        "tokens_per_s": tps,
+        "speedup_vs_ar": tps["spec"] / tps["ar"],
+        # vLLM's speculative answers against its own plain ones, against draftsmith's plain ones, and the share
+        # identical to draftsmith's speculative answers (greedy only: sampled answers differ by design)
+        "lossless_match": sum(a == b for a, b in zip(sp, ar)) / len(sp) if greedy else None,
+        "matches_draftsmith_ar": sum(a == b for a, b in zip(ar, reference)) / len(ar) if greedy else None,
+        "matches_draftsmith_spec": sum(a == b for a, b in zip(sp, ours)) / len(sp) if greedy else None,
+    }
+
+
+def _one_by_one(engine: Engine, prompts: list[list[int]], ec, eos: set[int], seed: int):
+    for _ in range(min(ec.warmup, len(prompts))):  # the first calls pay one-off costs, as in draftsmith's eval
+        engine.generate(prompts[:1], ec.max_new_tokens, ec.temperature, ec.top_k, ec.top_p, eos, seeds=[seed])
+    outs, seconds, total = [], 0.0, SpecCounters()
+    for i, p in enumerate(prompts):
+        o, s, c = engine.generate([p], ec.max_new_tokens, ec.temperature, ec.top_k, ec.top_p, eos, seeds=[seed + i])
+        outs.append(tokens_of(o[0], eos))
+        seconds += s
+        total = total.plus(c)
+    return outs, seconds, total
