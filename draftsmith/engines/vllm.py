@@ -155,6 +155,7 @@ class Engine:
         gpu_memory_utilization: float = 0.9,
         trust_remote_code: bool = False,
         capture_weights: bool = False,
+        max_logprobs: int = 20,
     ):
         _cpu_defaults()
         try:
@@ -178,6 +179,7 @@ class Engine:
                 disable_log_stats=False,  # the speculative counters
                 speculative_config=speculative,
                 trust_remote_code=trust_remote_code,
+                max_logprobs=max_logprobs,
                 **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
             )
 
@@ -242,6 +244,9 @@ class Engine:
         with contextlib.suppress(Exception):
             self.llm.llm_engine.engine_core.shutdown()
         del self.llm
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()  # its process group: a later engine (or torch.distributed) starts clean
         gc.collect()
 
 
