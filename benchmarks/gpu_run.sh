@@ -24,6 +24,8 @@
 #          `gpu-tests` passed, CURVE_SET extra overrides; packing on; no new size starts after
 #          CURVE_MAX_S seconds, default 420); curve.json in the logs. The default sizes assume generation at
 #          >= 20k and training at >= 100k tokens/s; at the 2026-11-24 pace use CURVE_TOKENS="100000 200000 400000".
+# sglang:  benchmarks/sglang_exports.py: every `--format sglang` export served by SGLang (greedy answers vs the target's,
+#          tau vs draftsmith's); needs SGLang installed on the machine (its wheels exceed the carry limit).
 # utilisation: benchmarks/utilisation.py --device cuda (tokens/s and model FLOPs utilisation of generation and of
 #          each drafter kind's training step, next to HF generate and a plain training step; UTIL_ARGS extra flags).
 # Every benchmark prints its ratios measured side by side and a line naming the machine (eval/timing.py);
@@ -124,6 +126,10 @@ for s in $stages; do
       # shellcheck disable=SC2086
       python3 benchmarks/utilisation.py --device cuda ${UTIL_ARGS:-} --json "$out/utilisation.json" 2>&1 \
         | tee "$out/utilisation.log" ;;
-    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, eagle-steps, stash, eagle3, curve, utilisation)"; exit 2 ;;
+    sglang)
+      # SGLang and its CUDA kernel package are far over the device tool's 64 MiB carry: this stage needs a machine
+      # where `import sglang` already works, and says so otherwise.
+      python3 benchmarks/sglang_exports.py --out /tmp/sglang 2>&1 | tee "$out/sglang.log" ;;
+    *) echo "unknown stage: $s (tests, gpu-tests, loss, decoder, trees, eagle-steps, stash, eagle3, curve, utilisation, sglang)"; exit 2 ;;
   esac
 done

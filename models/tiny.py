@@ -75,3 +75,32 @@ def save_tiny_llama(path, tok, seed: int = 0, **overrides) -> Path:
 def build_tiny_target(path, corpus: list[str], seed: int = 0) -> Path:
     """``save_tiny_llama`` with a tokenizer trained on ``corpus``."""
     return save_tiny_llama(path, tiny_tokenizer(corpus), seed)
+
+
+def passthrough_eagle(target, version: int = 3, seed: int = 1, counts=None, eos_ids=frozenset(), **section):
+    """An EAGLE drafter for a tiny target that drafts the target's own last prediction again: EAGLE-3's fc passes
+    the last aux layer (the target's final layer output; ``aux_layers`` ends with it unless given) into the target's
+    final norm and head, EAGLE-1's fc passes the final feature into the target's head; every other trainable tensor
+    is small and random (norms near 1), so each one changes the output a little. On the repetitive answers of tiny
+    random targets most drafts are accepted, which makes an engine's acceptance counts a real comparison.
+    ``counts``: token frequencies for a reduced head (``draft_vocab``)."""
+    from draftsmith.models.eagle import build_eagle
+
+    L, d = target.cfg.n_layers, target.cfg.dim
+    if version == 3:
+        section = {"aux_layers": [0, 1, L - 1], "draft_vocab": 120, **section}
+    e = build_eagle({"version": version, **section}, target, counts=counts, eos_ids=set(eos_ids))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in e.named_parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn_like(p) * 0.02 + (1.0 if "norm" in name else 0.0))
+        if version == 3:
+            e.fc.weight[:, 2 * d :] += torch.eye(d)
+            e.norm.weight.copy_(target.norm.weight)
+        else:  # [embedding, final feature] -> the feature
+            e.fc.weight[:, d:] += torch.eye(d)
+        d2t = getattr(e, "d2t", None)
+        keep = slice(None) if d2t is None else torch.arange(len(d2t)) + d2t
+        e.lm_head.weight.copy_(target.lm_head.weight[keep])
+    return e

@@ -36,6 +36,8 @@ MAINTAINED = [
     "utilisation",
     "packing",
     "gpu_bounds",
+    "vllm_throughput",
+    "sglang_exports",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

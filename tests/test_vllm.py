@@ -24,12 +24,11 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.export.writer import export
 from draftsmith.models.draft_lm import build_draft_lm
-from draftsmith.models.eagle import build_eagle
 from draftsmith.models.loading import load_model
 from draftsmith.models.mlp_speculator import build_mlp_speculator
 from draftsmith.models.pard import build_pard
 from draftsmith.models.registry import save_drafter
-from draftsmith.models.tiny import save_tiny_target
+from draftsmith.models.tiny import passthrough_eagle, save_tiny_target
 
 pytestmark = pytest.mark.vllm
 
@@ -77,43 +76,15 @@ def _counts(target, ar) -> torch.Tensor:
     return c
 
 
-def _small(model, seed: int, scale: float = 0.02):
-    """Every trainable tensor random and small; norm weights near 1."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                p.copy_(torch.randn_like(p) * scale + (1.0 if "norm" in name else 0.0))
-    return model
-
-
-def _head_rows(drafter, target):
-    keep = slice(None) if getattr(drafter, "d2t", None) is None else torch.arange(len(drafter.d2t)) + drafter.d2t
-    return target.lm_head.weight[keep]
-
-
 def eagle3(**section):
     def build(target, counts):
-        L, d = target.cfg.n_layers, target.cfg.dim
-        e = build_eagle({"version": 3, "aux_layers": [0, 1, L - 1], "draft_vocab": 120, **section}, target,
-                        counts=counts, eos_ids={EOS})  # fmt: skip
-        _small(e, 1)
-        with torch.no_grad():
-            e.fc.weight[:, 2 * d :] += torch.eye(d)  # the last layer's output through, into the target's head
-            e.norm.weight.copy_(target.norm.weight)
-            e.lm_head.weight.copy_(_head_rows(e, target))
-        return e
+        return passthrough_eagle(target, 3, counts=counts, eos_ids={EOS}, **section)
 
     return build
 
 
 def eagle1(target, counts):
-    d = target.cfg.dim
-    e = _small(build_eagle({"version": 1, "fc_bias": False}, target), 2)
-    with torch.no_grad():
-        e.fc.weight[:, d:] += torch.eye(d)  # [embedding, final feature] -> the feature
-        e.lm_head.weight.copy_(target.lm_head.weight)
-    return e
+    return passthrough_eagle(target, 1, seed=2, fc_bias=False)
 
 
 def draft_lm(**section):
