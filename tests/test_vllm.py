@@ -15,6 +15,7 @@ these repetitive tiny targets and every tensor still matters to the output. Skip
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -308,3 +309,93 @@ def test_data_backend_vllm_writes_the_records_the_own_engine_writes(vllm_targets
             torch.testing.assert_close(b.float(), a.float(), atol=2e-3, rtol=1e-3, msg=k)
         else:
             assert torch.equal(a, b), k  # tokens, masks, indices and top-k ids exactly
+
+
+# ---- the online learner fed from a vLLM server's requests --------------------------------------------------------
+
+
+@pytest.fixture
+def vllm_server(vllm_targets, tmp_path):
+    """`vllm serve` (vLLM's own OpenAI server, its engine in a process of its own) on loopback for the Llama target."""
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import free_port
+
+    path, port = vllm_targets["llama"][0], free_port()
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core as vLLM ships it
+    log = open(tmp_path / "vllm-serve.log", "w")  # noqa: SIM115 (closed below)
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--enforce-eager",
+        "--seed",
+        "0",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                assert proc.poll() is None, (tmp_path / "vllm-serve.log").read_text()[-3000:]
+                time.sleep(0.5)
+        else:
+            raise AssertionError("vllm serve did not come up in 300 s")
+        yield url, str(path)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_online_learns_from_a_vllm_servers_requests(vllm_server, vllm_targets, tmp_path):
+    """The official openai client asks a real `vllm serve`; its answers (token ids, vLLM's `return_token_ids`) are
+    the target's greedy ones, and a request log of them feeds `draftsmith online`, which trains and publishes."""
+    import openai
+
+    from draftsmith.cli import main
+    from draftsmith.models.loading import encode_chat
+
+    url, model = vllm_server
+    _, target, _ = vllm_targets["llama"]
+    tok = load_model(model).tokenizer
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    texts = ["Tell me about foxes.", "Write a poem about the sea.", "What is 2+2?", "Count to five."]
+    log = tmp_path / "requests.jsonl"
+    with open(log, "w") as f:
+        for i in range(16):
+            messages = [{"role": "user", "content": texts[i % 4]}]
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=16, temperature=0,
+                                               extra_body={"return_token_ids": True})  # fmt: skip
+            prompt, response = r.prompt_token_ids, r.choices[0].token_ids
+            assert prompt == encode_chat(tok, messages)
+            assert response == autoregressive_generate(target, torch.tensor(prompt), 16, eos_ids={EOS})
+            f.write(json.dumps({"prompt": prompt, "response": response}) + "\n")
+    drafter = build_draft_lm({"n_layers": 1}, target)
+    ckpt = save_drafter(tmp_path / "run" / "checkpoints" / "final", drafter, "draft_lm", {"target": model, "step": 0})
+    args = [f"target.model={model}", f"out_dir={tmp_path / 'run'}", f"eval.checkpoint={ckpt}",
+            f"online.dir={tmp_path / 'online'}", f"online.logs=[{log}]", "online.max_rounds=1", "online.poll_s=0.2",
+            "online.holdout=3", "online.min_records=8", "online.update_every_requests=8", "online.steps_per_update=20",
+            "online.eval_tokens=16"]  # fmt: skip
+    assert main(["online", "tiny", *args]) == 0
+    rounds = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()]
+    done = [m for m in rounds if m.get("stage") == "online" and "swapped" in m]
+    assert done and done[-1]["records"] + done[-1]["held_out"] == 16
