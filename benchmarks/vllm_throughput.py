@@ -8,7 +8,8 @@ Sides, each timed in a subprocess of its own (vLLM binds the CPU threads of the 
 - ``refill-tokens``: the same without capture (tokens only);
 - ``vllm``: vLLM's ``LLM.generate`` with ``max_num_seqs`` = B (tokens only; its own scheduler refills rows);
 - ``vllm+score``: vLLM's tokens, then draftsmith's teacher-forced scoring pass for the top-k signal: what
-  ``data.backend: vllm`` costs per record.
+  ``data.backend: vllm`` costs per record;
+- ``vllm+topk``: vLLM's tokens with its own top-k log-probs at every position (``data.vllm_topk``), no scoring pass.
 
 Prints response tokens/s per side (median over repeats), the ratios to ``refill`` and whether every side wrote the
 same greedy answers.
@@ -55,12 +56,14 @@ def side(a) -> dict:
     else:
         from draftsmith.engines.vllm import Engine, tokens_of
 
-        engine = Engine(tgt.path, dtype="float32", max_model_len=a.max_prompt + a.max_new + 8, max_num_seqs=a.b)
+        engine = Engine(tgt.path, dtype="float32", max_model_len=a.max_prompt + a.max_new + 8, max_num_seqs=a.b,
+                        max_logprobs=max(20, a.topk))  # fmt: skip
         if a.side == "vllm+score":
             tgt.model.optimize_for_inference()
+        logprobs = a.topk if a.side == "vllm+topk" else None
 
         def run(ps):
-            outs, _, _ = engine.generate(ps, a.max_new, stop_ids=eos)
+            outs, _, _ = engine.generate(ps, a.max_new, stop_ids=eos, logprobs=logprobs)
             answers = [tokens_of(o, eos)[: a.max_new] for o in outs]
             if a.side == "vllm+score":
                 with torch.no_grad():
@@ -92,7 +95,10 @@ def main() -> None:
     ap.add_argument("--topk", type=int, default=32, help="teacher log-probs captured per token")
     ap.add_argument("--repeats", type=int, default=2, help="alternated runs of every side (median)")
     ap.add_argument(
-        "--sides", nargs="+", default=["refill", "refill-tokens", "vllm", "vllm+score"], help="sides to time"
+        "--sides",
+        nargs="+",
+        default=["refill", "refill-tokens", "vllm", "vllm+score", "vllm+topk"],
+        help="sides to time",
     )
     ap.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side, print its JSON
     ap.add_argument("--b", type=int, help=argparse.SUPPRESS)
