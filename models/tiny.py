@@ -88,15 +88,15 @@ def passthrough_eagle(target, version: int = 3, seed: int = 1, counts=None, eos_
 
     L, d = target.cfg.n_layers, target.cfg.dim
     if version == 3:
-        section = {"aux_layers": [0, 1, L - 1], "draft_vocab": 120, **section}
+        section = {"aux_layers": sorted({0, 1, L - 1}), "draft_vocab": 120, **section}
     e = build_eagle({"version": version, **section}, target, counts=counts, eos_ids=set(eos_ids))
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, p in e.named_parameters():
             if p.requires_grad:
                 p.copy_(torch.randn_like(p) * 0.02 + (1.0 if "norm" in name else 0.0))
-        if version == 3:
-            e.fc.weight[:, 2 * d :] += torch.eye(d)
+        if version == 3:  # the last aux block of fc's input
+            e.fc.weight[:, -d:] += torch.eye(d)
             e.norm.weight.copy_(target.norm.weight)
         else:  # [embedding, final feature] -> the feature
             e.fc.weight[:, d:] += torch.eye(d)

@@ -58,24 +58,26 @@ def _cpu_defaults() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def export_kind(folder: Path) -> str:
-    """The kind of a draftsmith export folder as vLLM serves it: eagle3 / eagle1 / draft_lm / pard / ..."""
+def _export_info(folder: Path) -> dict:
     meta = Path(folder) / "drafter.json"
     if not meta.is_file():
         raise DraftsmithError(f"{folder}: not a draftsmith export (no drafter.json)")
-    info = json.loads(meta.read_text())
+    return json.loads(meta.read_text())
+
+
+def _kind(info: dict) -> str:
+    """eagle1 / eagle3 for EAGLE (vLLM serves them by different methods), else drafter.json's kind."""
     kind = info.get("kind", "?")
-    if kind == "eagle":
-        return f"eagle{info.get('config', {}).get('version', 3)}"
-    return kind
+    return f"eagle{info.get('config', {}).get('version', 3)}" if kind == "eagle" else kind
 
 
 def speculative_config(folder: Path, num_tokens: int) -> dict:
-    """vLLM's ``speculative_config`` for an export folder written with ``--format vllm``."""
-    kind = export_kind(folder)
-    info = json.loads((Path(folder) / "drafter.json").read_text())
-    if info.get("export_format") not in (None, "vllm", "sglang") and kind not in ("draft_lm", "pard"):
-        raise DraftsmithError(f"{folder}: a --format {info.get('export_format')} export; vLLM loads --format vllm")
+    """vLLM's ``speculative_config`` for an export folder written with ``--format vllm`` (or ``sglang``, which vLLM
+    reads too; a draft LM's or PARD's ``hf`` folder is the same plain Llama folder)."""
+    info = _export_info(folder)
+    kind, fmt = _kind(info), info.get("export_format", "hf")
+    if fmt not in ("vllm", "sglang") and kind not in ("draft_lm", "pard"):
+        raise DraftsmithError(f"{folder}: a --format {fmt} export; vLLM loads --format vllm")
     method = _METHODS.get(kind)
     if method is None:
         raise DraftsmithError(f"{folder}: vLLM has no speculative method for a {kind} drafter")
@@ -110,18 +112,20 @@ class SpecCounters:
         return [reached[k] - (reached[k + 1] if k + 1 < len(reached) else 0) for k in range(len(reached))]
 
     def plus(self, other: SpecCounters) -> SpecCounters:
-        return self.minus(SpecCounters(-other.drafts, -other.draft_tokens, -other.accepted,
-                                       [-x for x in other.per_position]))  # fmt: skip
+        return self._combine(other, 1)
 
     def minus(self, other: SpecCounters) -> SpecCounters:
+        return self._combine(other, -1)
+
+    def _combine(self, other: SpecCounters, sign: int) -> SpecCounters:
         n = max(len(self.per_position), len(other.per_position))
         a = self.per_position + [0] * (n - len(self.per_position))
         b = other.per_position + [0] * (n - len(other.per_position))
         return SpecCounters(
-            self.drafts - other.drafts,
-            self.draft_tokens - other.draft_tokens,
-            self.accepted - other.accepted,
-            [x - y for x, y in zip(a, b)],
+            self.drafts + sign * other.drafts,
+            self.draft_tokens + sign * other.draft_tokens,
+            self.accepted + sign * other.accepted,
+            [x + sign * y for x, y in zip(a, b)],
         )
 
 
