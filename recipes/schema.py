@@ -560,9 +560,9 @@ class ExportConfig(Strict):
     formats: list[Literal["hf", "vllm", "sglang", "medusa", "mlp-speculator"]] = Field(
         default_factory=lambda: ["hf"], min_length=1
     )
-    """hf (self-contained hub folder + model card), vllm (speculators format: EAGLE-3, draft LMs; EAGLE-1 in vLLM's
-    EAGLE layout), sglang (EAGLE-3, EAGLE-1), medusa (TensorRT-LLM / TGI Medusa heads), mlp-speculator (IBM's MLP
-    speculator layout: vLLM, TGI). Each goes to <out>/<format>."""
+    """hf (self-contained hub folder + model card), vllm (speculators format: EAGLE-3, draft LMs, PARD; EAGLE-1 in
+    vLLM's EAGLE layout), sglang (EAGLE-3, EAGLE-1), medusa (TensorRT-LLM / TGI Medusa heads), mlp-speculator (IBM's MLP
+    speculator layout: TGI, fms-extras; vLLM serves none). Each goes to <out>/<format>."""
     out: str | None = None
     """Folder for the exports; None = <out_dir>/export."""
     include_embeddings: bool = True

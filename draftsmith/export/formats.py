@@ -22,8 +22,9 @@
   head from the target. SGLang's fc has a bias, vLLM's has none (a drafter with a nonzero ``fc.bias`` is refused
   there; ``drafter.fc_bias: false`` trains one vLLM loads). A reduced head is refused: vLLM cannot express it and
   SGLang reads it only as a pickled hot-token map, which draftsmith does not write.
-- **MLP speculator** (IBM's layout, vLLM and TGI): config.json with ``model_type: mlp_speculator`` (emb_dim,
-  inner_dim, n_predict, ...) and tensors ``speculator.{emb,proj,ln,head}.{i}.*``. IBM's stage norm has no mean
+- **MLP speculator** (IBM's layout, TGI and fms-extras; vLLM 0.32 refuses it): config.json with
+  ``model_type: mlp_speculator`` (emb_dim, inner_dim, n_predict, ...) and tensors
+  ``speculator.{emb,proj,ln,head}.{i}.*``. IBM's stage norm has no mean
   subtraction and eps 1e-6; ours is a LayerNorm (eps 1e-5): the export centres ``proj`` / ``emb`` and scales them
   by sqrt(1e-6 / 1e-5), which makes IBM's norm compute ours exactly (``to_mlp_speculator``).
 - **PARD** (hf, and vllm's parallel drafting: ``"method": "draft_model", "parallel_drafting": true``): a plain
@@ -448,11 +449,11 @@ def _eagle1_back(sd: dict, info: dict, target, folder: Path) -> dict:
     return out
 
 
-_IBM_NORM_EPS = 1e-6  # fms-extras' LayerNormParameterized, as vLLM and TGI restate it
+_IBM_NORM_EPS = 1e-6  # fms-extras' LayerNormParameterized, as TGI (and vLLM before 0.33) restate it
 
 
 def to_mlp_speculator(model, info: dict, verifier: str, include_embeddings: bool):
-    """IBM's MLP speculator layout (fms-extras; vLLM and TGI load it). IBM's stage norm is x / sqrt(mean(x^2) + 1e-6)
+    """IBM's MLP speculator layout (fms-extras and TGI load it). IBM's stage norm is x / sqrt(mean(x^2) + 1e-6)
     with a learned scale and shift; ours is a LayerNorm, (x - mean) / sqrt(var + eps). Centring proj and emb (so
     their sum has zero mean) and scaling both by a = sqrt(1e-6 / eps) gives IBM's norm a x' with mean(x'^2) =
     a^2 var(x): exactly our LayerNorm of x."""
@@ -617,9 +618,9 @@ def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
         "--model_dir TARGET_FOLDER --medusa_model_dir ./this-folder --num_medusa_heads N`. The heads are "
         "`medusa_lm_head.safetensors` only (draftsmith writes no pickles): FasterDecoding/Medusa's own loader, "
         "which reads only `medusa_lm_head.pt`, cannot load them.",
-        "mlp-speculator": f"vLLM: `{spec.format(t=t, m='mlp_speculator', n=tokens)}`; TGI: `text-generation-launcher "
-        f"--model-id ./this-folder` (config.json's base_model_name_or_path names the target"
-        f"{'' if target else ': set it first'}). IBM's MLP speculator layout.",
+        "mlp-speculator": "TGI: `text-generation-launcher --model-id ./this-folder` (config.json's "
+        f"base_model_name_or_path names the target{'' if target else ': set it first'}); IBM's fms-extras. IBM's "
+        "MLP speculator layout; vLLM serves no MLP speculator (0.32 refuses it, 0.33 removed it).",
         "hf": (
             "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
             "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."

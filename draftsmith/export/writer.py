@@ -8,7 +8,7 @@ Formats (their tensor-name contracts live in draftsmith/export/formats.py):
 - ``vllm``: the speculators format vLLM detects (EAGLE-3 and draft LMs).
 - ``sglang``: the EAGLE-3 layout SGLang loads (fc, midlayer, norm, lm_head, d2t, t2d).
 - ``medusa``: the Medusa heads layout TensorRT-LLM and TGI read.
-- ``mlp-speculator``: IBM's MLP speculator layout (vLLM, TGI).
+- ``mlp-speculator``: IBM's MLP speculator layout (TGI, fms-extras; vLLM serves no MLP speculator).
 EAGLE-1 goes to ``vllm`` / ``sglang`` in the layout those engines' EAGLE loaders read.
 
 Every folder is written under ``<out>.tmp`` and renamed into place, so a killed export never leaves a complete-
