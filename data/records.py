@@ -370,6 +370,14 @@ def read_manifest(data_dir: Path) -> dict:
         isinstance(e, dict) and isinstance(e.get("file"), str) for e in manifest["shards"]
     ):
         raise DraftsmithError(f"{m}: no list of shard entries{REGENERATE}")
+    seen = set()
+    for e in manifest["shards"]:  # plain file names inside the data folder, each once
+        name = e["file"]
+        if name != Path(name).name or name in ("", ".", ".."):
+            raise DraftsmithError(f"{m}: shard entry {name!r} is not a file name inside {data_dir}{REGENERATE}")
+        if name in seen:
+            raise DraftsmithError(f"{m}: shard {name!r} is listed twice{REGENERATE}")
+        seen.add(name)
     return manifest
 
 

@@ -43,13 +43,39 @@ def find_recipe(spec: str) -> Path:
     )
 
 
+MAX_ALIASES = 32  # YAML aliases (*name) a recipe may use: enough for shared defaults, far from a "billion laughs"
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (YAML keeps the last silently) and more than
+    ``MAX_ALIASES`` aliases (nested aliases expand exponentially once the recipe is validated and printed)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            self.aliases = getattr(self, "aliases", 0) + 1
+            if self.aliases > MAX_ALIASES:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_ALIASES} aliases", mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:  # the keys written here (merged ones, <<: *x, may be overridden)
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    where = key_node.start_mark
+                    raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key_node.value!r}", where)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> dict:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DraftsmithError(f"{path}: cannot read recipe ({type(e).__name__})") from None
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

@@ -267,3 +267,19 @@ def test_probe_classifies_each_ending():
     assert ending(2, "usage: draftsmith\ndraftsmith: error: a\ndraftsmith: error: b\n") == "other"
     assert ending(1, "draftsmith: error: x\n") == "other"
     assert {"export: --out is a file", "online: rollback ../x"} <= set(probe.cases(Path("/nonexistent")))
+
+
+@pytest.mark.parametrize("entry", ["../../outside.safetensors", "sub/shard.safetensors", "twice"])
+def test_manifest_entries_are_file_names_in_the_data_folder_each_once(entry, data_dir, tmp_path, capsys):
+    import json
+
+    from draftsmith.data.records import read_manifest
+
+    data = shutil.copytree(data_dir, tmp_path / "data")
+    m = json.loads((data / "manifest.json").read_text())
+    first = m["shards"][0]
+    m["shards"].append(dict(first) if entry == "twice" else {**first, "file": entry})
+    (data / "manifest.json").write_text(json.dumps(m))
+    want = "listed twice" if entry == "twice" else "is not a file name inside"
+    with pytest.raises(DraftsmithError, match=want):
+        read_manifest(data)

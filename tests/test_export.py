@@ -22,7 +22,7 @@ from draftsmith.models.hydra import build_hydra
 from draftsmith.models.loading import load_model
 from draftsmith.models.medusa import build_medusa
 from draftsmith.models.mlp_speculator import build_mlp_speculator
-from draftsmith.models.registry import save_drafter
+from draftsmith.models.registry import load_drafter, save_drafter
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,20 @@ def test_wrong_format_for_a_kind_is_a_one_line_error(checkpoints, tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "EAGLE-3 and draft LMs" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_export_refuses_an_out_folder_that_is_or_holds_its_checkpoint(checkpoints, tmp_path, capsys):
+    import shutil
+
+    ckpt = shutil.copytree(checkpoints["draft_lm"], tmp_path / "run" / "checkpoints" / "final")
+    before = sorted(p.name for p in ckpt.iterdir())
+    for out in (ckpt, ckpt.parent, ckpt.parent.parent):  # the folder itself, checkpoints/, the run folder
+        assert main(["export", str(ckpt), "--format", "hf", "--out", str(out)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "is or contains the checkpoint" in err[0]
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    load_export(export(ckpt, "hf", ckpt / "hf"), None)  # a folder inside it is fine: the checkpoint stays whole
+    assert load_drafter(ckpt)[1]["kind"] == "draft_lm"
 
 
 def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path, monkeypatch):

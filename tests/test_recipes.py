@@ -126,6 +126,26 @@ def test_yaml_errors_name_the_line(tmp_path):
         load_recipe("nope.yaml")
 
 
+def test_duplicate_keys_and_alias_bombs_are_one_line_errors(tmp_path):
+    p = tmp_path / "dup.yaml"
+    p.write_text("name: a\ntrain:\n  steps: 3\nname: b\n")  # YAML itself would keep the last name silently
+    with pytest.raises(DraftsmithError, match=r"dup.yaml line 4: YAML syntax error: duplicate key 'name'"):
+        load_recipe(str(p))
+    p.write_text("name: a\ntrain:\n  steps: 3\n  steps: 4\n")
+    with pytest.raises(DraftsmithError, match=r"line 4: .*duplicate key 'steps'"):
+        load_recipe(str(p))
+    levels = ['a: &a ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    levels += [f"{c}: &{c} [{', '.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefgh", "bcdefghi")]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\nname: *i\n")  # 9^9 strings once expanded
+    with pytest.raises(DraftsmithError, match=r"bomb.yaml line \d+: YAML syntax error: more than 32 aliases"):
+        load_recipe(str(bomb))
+    ok = tmp_path / "ok.yaml"  # a few aliases and merge keys stay fine
+    ok.write_text("base: &b {steps: 3}\nname: ok\ntrain:\n  <<: *b\n  lr: 0.001\n")
+    with pytest.raises(DraftsmithError, match="base"):  # parsed; the schema then names the unknown key
+        load_recipe(str(ok))
+
+
 def test_recipe_reference_page_is_generated_from_the_schema_and_documents_every_key():
     """docs/recipes.md equals what the schema renders (regenerate it after a schema change, see
     recipes/reference.py), and every key of every section and drafter kind has its docstring."""

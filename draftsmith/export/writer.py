@@ -67,6 +67,9 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         raise DraftsmithError(f"export: unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     ckpt, out = Path(ckpt), Path(out)
     check_out_folder(out)
+    src, dst = ckpt.resolve(), out.resolve()
+    if dst == src or dst in src.parents:  # the export replaces its folder whole: the checkpoint would go with it
+        raise DraftsmithError(f"export: output folder {out} is or contains the checkpoint {ckpt}; name another folder")
     model, info = load_drafter(ckpt)
     refuse_own_vocab(ckpt, info, "export")
     if DRAFTERS[info["kind"]].interface is None:  # an acceptance head, the judge (load_drafter knows the kind)
