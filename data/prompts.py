@@ -78,8 +78,17 @@ def package_file(source: str) -> Path:
     return path
 
 
+MAX_LINE_BYTES = 4 << 20  # one JSONL record; a longer line is refused before it is parsed
+
+
 def _open(path: Path):
-    """Binary handle; gzip is detected by its magic bytes so a misnamed file still reads."""
+    """Binary handle; gzip is detected by its magic bytes so a misnamed file still reads. A path that is not a
+    regular file (a FIFO would block the read, a directory cannot be read) is a one-line error."""
+    if not Path(path).is_file():
+        what = (
+            "a directory" if Path(path).is_dir() else "not found" if not Path(path).exists() else "not a regular file"
+        )
+        raise DraftsmithError(f"prompts file {path}: {what}")
     with open(path, "rb") as f:
         gz = f.read(2) == b"\x1f\x8b"
     return gzip.open(path, "rb") if gz else open(path, "rb")
@@ -89,7 +98,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, Any, str]]:
     """Yield (record index, record, "line N") per non-blank line."""
     index = 0
     with _open(path) as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), 1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise DraftsmithError(f"prompts file {path} line {lineno}: longer than {MAX_LINE_BYTES >> 20} MiB")
             try:
                 text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError:

@@ -24,7 +24,9 @@ INTERFACES = ("tokens", "heads", "features")
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, protected_namespaces=(), use_attribute_docstrings=True, allow_inf_nan=False
+    )  # every float finite: train.lr=.inf would train to NaN weights
 
 
 @dataclass(frozen=True)

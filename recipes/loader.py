@@ -33,6 +33,9 @@ def find_recipe(spec: str) -> Path:
     p = Path(spec).expanduser()
     if p.is_file():
         return p
+    if p.exists() or p.is_symlink():  # there, but not a file to read (a FIFO would block the read)
+        what = "a directory" if p.is_dir() else "a broken or looping link" if p.is_symlink() else "not a regular file"
+        raise DraftsmithError(f"recipe {spec}: is {what}; name a recipe YAML file or a shipped recipe")
     if "/" not in spec:
         for folder in recipe_folders():
             if (found := folder / f"{spec.removesuffix('.yaml')}.yaml").is_file():
@@ -139,7 +142,14 @@ def validate(doc: dict, origin: str) -> Recipe:
 def load_recipe(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     path = find_recipe(spec)
     doc = apply_overrides(read_yaml(path), list(overrides))
-    return validate(doc, str(path))
+    recipe = validate(doc, str(path))
+    for p in (recipe.run_dir, *recipe.run_dir.parents):  # a run folder is made (or read) under it: a file breaks that
+        if p.is_dir():
+            break
+        if p.exists() or p.is_symlink():
+            where = "is" if p == recipe.run_dir else f"lies under {p}, which is"
+            raise DraftsmithError(f"{path}: out_dir {recipe.run_dir} {where} not a folder; name a folder")
+    return recipe
 
 
 def dump_recipe(recipe: Recipe) -> str:

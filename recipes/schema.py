@@ -14,6 +14,8 @@ from draftsmith.models import registry
 from draftsmith.models.draft_lm import DraftLMConfig
 from draftsmith.models.spec import Strict
 
+MAX_TOKENS = 1 << 20  # a bound on every token count a recipe sets (1e20 would overflow a tensor size)
+
 __all__ = ["Recipe", "Strict", "DrafterConfig", "DraftLMConfig", "hub_repo_id"]  # + every kind's section
 
 
@@ -88,7 +90,7 @@ class PromptsConfig(Strict):
     """Use the first n usable prompts (after shuffling, if on). None = all."""
     shuffle: bool = False
     """Shuffle the prompt set (with seed) before taking the first n."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)
     """Shuffle seed."""
     max_turns: int | None = Field(1, gt=0)
     """Keep at most this many user turns of each conversation. None = all."""
@@ -194,7 +196,7 @@ class DataConfig(Strict):
     too_long: Literal["truncate", "skip"] = "skip"
     """A first turn longer than max_prompt_tokens: skip the conversation, or truncate it to its last
     max_prompt_tokens tokens."""
-    max_new_tokens: int = Field(256, gt=0)
+    max_new_tokens: int = Field(256, gt=0, le=MAX_TOKENS)
     """Longest response per turn (stops earlier at EOS); dataset replies are cut to it."""
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy target responses; > 0 samples them (with top_k / top_p)."""
@@ -370,7 +372,7 @@ class TrainConfig(Strict):
     estimate from alpha = sum min(p, q) (0 = off)."""
     eval_prompts: int = Field(4, gt=0)
     """Prompts (the first of eval.prompts) used by eval_every; each decodes eval_max_new_tokens tokens."""
-    eval_max_new_tokens: int = Field(48, gt=0)
+    eval_max_new_tokens: int = Field(48, gt=0, le=MAX_TOKENS)
     """New tokens per prompt of the in-training eval (eval_every)."""
 
     @model_validator(mode="after")
@@ -494,7 +496,7 @@ class EvalConfig(Strict):
     enabled: bool = True
     """Whether `draftsmith run` runs this stage (`draftsmith eval` always does)."""
     prompts: PromptsConfig = PromptsConfig(source="mt_bench", n=20)
-    max_new_tokens: int = Field(128, gt=0)
+    max_new_tokens: int = Field(128, gt=0, le=MAX_TOKENS)
     """Longest output per prompt (stops earlier at EOS)."""
     temperature: float = Field(0.0, ge=0.0)
     """0 = greedy (output must equal the target's); > 0 = lossless rejection sampling."""
@@ -592,7 +594,7 @@ class OnlineConfig(Strict):
     """serve: bind address (loopback by default; expose deliberately)."""
     port: int = Field(8000, ge=0, le=65535)
     """serve: TCP port (0 = any free port, printed at start)."""
-    max_tokens: int = Field(256, gt=0)
+    max_tokens: int = Field(256, gt=0, le=MAX_TOKENS)
     """serve: cap on a request's max_tokens."""
     max_batch: int = Field(16, gt=0)
     """serve: requests decoded together (rows of the running batch); later ones wait in the queue."""
@@ -648,8 +650,8 @@ class Recipe(Strict):
     """Run name; also the default run folder runs/<name>."""
     out_dir: str | None = None
     """Run folder; None = runs/<name>."""
-    seed: int = 0
-    """Seeds data sampling, training and eval sampling."""
+    seed: int = Field(0, ge=0, lt=2**32)
+    """Seeds data sampling, training and eval sampling (0 <= seed < 2^32: numpy's and torch's range)."""
     target: TargetConfig = TargetConfig()
     data: DataConfig = DataConfig()
     drafter: DrafterConfig = DraftLMConfig()

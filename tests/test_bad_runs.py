@@ -283,3 +283,20 @@ def test_manifest_entries_are_file_names_in_the_data_folder_each_once(entry, dat
     want = "listed twice" if entry == "twice" else "is not a file name inside"
     with pytest.raises(DraftsmithError, match=want):
         read_manifest(data)
+
+
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_good_checkpoint(train_run, capsys):
+    """A finite but absurd learning rate: the weights blow up after the first steps. Training stops at the first
+    window whose loss or gradient norm is not finite, names the steps, writes no final checkpoint and keeps the
+    last periodic one. (train.lr=.inf itself is refused by the schema.)"""
+    run = train_run("diverge", "train.lr=1e30", "train.steps=8", "train.save_every=1",
+                    expect=2)  # fmt: skip
+    line = _error_line(capsys)
+    assert "not finite at step" in line and "the last good checkpoint is" in line and "train.lr" in line
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert "final" not in saved and saved, saved
+    from draftsmith.models.registry import load_drafter
+
+    model, _ = load_drafter(run / "checkpoints" / saved[-1])
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert main(["train", "tiny", "train.lr=.inf"]) == 2 and "finite number" in _error_line(capsys)

@@ -691,6 +691,23 @@ def test_vllm_backend_missing_is_a_clear_error(run_args, monkeypatch, capsys):
 # --- bad input ---------------------------------------------------------------------------------------------------
 
 
+def test_prompts_files_are_regular_files_with_bounded_lines(tmp_path):
+    import os
+
+    from draftsmith.data.prompts import MAX_LINE_BYTES, iter_jsonl
+
+    os.mkfifo(tmp_path / "fifo.jsonl")  # reading it would block until a writer comes
+    with pytest.raises(DraftsmithError, match="fifo.jsonl: not a regular file"):
+        list(iter_jsonl(tmp_path / "fifo.jsonl"))
+    with pytest.raises(DraftsmithError, match="prompts file .*: a directory"):
+        list(iter_jsonl(tmp_path))
+    long = tmp_path / "long.jsonl"
+    turn = {"turns": ["x" * (MAX_LINE_BYTES + 10)]}
+    long.write_text(json.dumps({"turns": ["hi"]}) + "\n" + json.dumps(turn) + "\n")
+    with pytest.raises(DraftsmithError, match="long.jsonl line 2: longer than 4 MiB"):
+        list(iter_jsonl(long))
+
+
 def test_bad_prompts_are_counted_skips_or_one_line_errors(tmp_path, run_args, capsys):
     good = {"messages": [{"role": "user", "content": "Hello there"}]}
     lines = [

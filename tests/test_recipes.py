@@ -126,6 +126,25 @@ def test_yaml_errors_name_the_line(tmp_path):
         load_recipe("nope.yaml")
 
 
+def test_a_recipe_path_that_is_no_file_says_what_it_is(tmp_path):
+    import os
+
+    (tmp_path / "dir.yaml").mkdir()
+    os.mkfifo(tmp_path / "fifo.yaml")  # reading it would block until a writer comes
+    (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
+    for name, what in (("dir.yaml", "a directory"), ("fifo.yaml", "not a regular file"), ("loop.yaml", "link")):
+        with pytest.raises(DraftsmithError, match=f"recipe .*{name}: is .*{what}"):
+            load_recipe(str(tmp_path / name))
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(DraftsmithError, match="out_dir .*/f is not a folder"):
+        load_recipe("tiny", [f"out_dir={tmp_path / 'f'}"])
+    with pytest.raises(DraftsmithError, match="out_dir .*/f/run lies under .*/f, which is not a folder"):
+        load_recipe("tiny", [f"out_dir={tmp_path / 'f' / 'run'}"])
+
+
 def test_duplicate_keys_and_alias_bombs_are_one_line_errors(tmp_path):
     p = tmp_path / "dup.yaml"
     p.write_text("name: a\ntrain:\n  steps: 3\nname: b\n")  # YAML itself would keep the last name silently

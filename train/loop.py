@@ -343,6 +343,7 @@ def train(recipe) -> Path:
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.steps:
             m = _window_metrics(window, counters, t0, recipe.eval.draft_len)
+            _stop_if_not_finite(m, step - len(window) + 1, step, ckpt_dir)
             now = time.perf_counter()
             rate = sum(w["real"] for w in window) / max(1e-9, now - tw) / acc.num_processes  # per device
             m["input_tokens_per_s"] = rate
@@ -358,6 +359,13 @@ def train(recipe) -> Path:
             runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
             bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
         if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
+            if window:  # never save weights a not-yet-logged step made non-finite
+                settled = _settle(window)
+                worst = {"loss": sum(w["loss"] for w in settled), "grad_norm": sum(w["grad_norm"] for w in settled)}
+                _stop_if_not_finite(worst, step - len(window) + 1, step, ckpt_dir)
+            finite = torch.stack([torch.isfinite(p).all() for p in drafter.parameters()]).all()
+            if not bool(finite):  # one read per save: the update itself overflowed
+                _stop_if_not_finite({"loss": math.nan, "grad_norm": math.nan}, step, step, ckpt_dir)
             counters.update(step=step, seconds=time.perf_counter() - t0)
             _save_resumable(
                 acc,
@@ -547,6 +555,20 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
         "keys": keys,
         "sums": torch.cat([sums, norm]),  # loss sum, metric count, metric sums..., grad norm: read by _settle
     }
+
+
+def _stop_if_not_finite(m: dict, first: int, last: int, ckpt_dir: Path) -> None:
+    """A non-finite loss or gradient norm ends training with one line; no checkpoint is written after it, so the
+    last one saved (train.save_every) stays the newest."""
+    if math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]):
+        return
+    steps = f"step {last}" if first == last else f"steps {first}-{last}"
+    saved = sorted(ckpt_dir.glob("step-*"))
+    keep = f"the last good checkpoint is {saved[-1]}" if saved else "no checkpoint was written"
+    raise DraftsmithError(
+        f"train: the loss or gradient norm is not finite at {steps} (loss {m['loss']}, grad norm {m['grad_norm']}): "
+        f"{keep}; lower train.lr or raise train.warmup_steps"
+    )
 
 
 def _settle(window: list[dict]) -> list[dict]:
