@@ -218,6 +218,37 @@ def server(tiny, tmp_path):
     httpd.server_close()
 
 
+def test_fuzzed_bodies_get_openai_errors_on_a_connection_that_stays_open(server):
+    """Bodies that were plain-text 500s (a lone surrogate, an integer beyond float range) or were accepted though
+    wrong (an unknown role, temperature above 2): each a 400 in OpenAI's error shape, and the keep-alive
+    connection answers the next request."""
+    import http.client
+
+    url, _ = server
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    msgs = [{"role": "user", "content": "hi"}]
+    cases = [
+        ("/v1/completions", '{"prompt": "\\ud800", "max_tokens": 2}', "prompt"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}), "messages"),
+        ("/v1/completions", '{"prompt": "hi", "max_tokens": ' + "9" * 400 + "}", "max_tokens"),
+        ("/v1/completions", '{"prompt": "hi", "temperature": ' + "9" * 400 + "}", "temperature"),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": "banana", "content": "hi"}]}), "messages"),
+        ("/v1/chat/completions", json.dumps({"messages": msgs, "temperature": 2.5}), "temperature"),
+    ]
+    for path, body, param in cases:
+        conn.request(
+            "POST", path, body=body.encode("utf-8", "surrogatepass"), headers={"Content-Type": "application/json"}
+        )
+        r = conn.getresponse()
+        out = json.loads(r.read())
+        assert r.status == 400 and out["error"]["param"] == param and out["error"]["type"] == "invalid_request_error"
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({"messages": msgs, "max_tokens": 2}).encode(),
+                 headers={"Content-Type": "application/json"})  # fmt: skip
+    r = conn.getresponse()
+    assert r.status == 200 and json.loads(r.read())["choices"][0]["message"]["role"] == "assistant"
+    conn.close()
+
+
 def test_server_answers_like_the_target_streams_and_reports(server, tiny):
     url, engine = server
     tok, eos = tiny["tgt"].tokenizer, stop_ids(tiny["tgt"].path, tiny["tgt"].tokenizer)

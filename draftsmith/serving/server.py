@@ -432,13 +432,27 @@ def _number(req: dict, name: str, default, integer: bool = False):
     v = req.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+    if isinstance(v, bool) or not isinstance(v, int | float):
         raise BadRequest(f"{name} must be a finite number", name)
+    if (isinstance(v, int) and abs(v) > 2**53) or not math.isfinite(v):  # a huge int would overflow float()
+        raise BadRequest(f"{name} must be a finite number of sensible size", name)
     if integer:
         if isinstance(v, float) and not v.is_integer():
             raise BadRequest(f"{name} must be an integer", name)
         return int(v)
     return float(v)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def _unicode(text: str, name: str) -> str:
+    """A request string that the tokenizer can encode: JSON allows lone surrogates (\\ud800), UTF-8 does not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{name} is not valid Unicode (a lone surrogate)", name) from None
+    return text
 
 
 def _text(content) -> str | None:
@@ -531,8 +545,8 @@ def build_app(engine: Engine) -> FastAPI:
             raise BadRequest(f"{name} must be at least 1", name)
         max_tokens = min(max_tokens, oc.max_tokens)
         temperature, top_p = _number(req, "temperature", 0.0), _number(req, "top_p", 1.0)
-        if temperature < 0:
-            raise BadRequest("temperature must be >= 0", "temperature")
+        if not 0 <= temperature <= 2:  # OpenAI's range
+            raise BadRequest("temperature must be in [0, 2]", "temperature")
         if not 0 < top_p <= 1:
             raise BadRequest("top_p must be in (0, 1]", "top_p")
         stream = req.get("stream")
@@ -547,12 +561,16 @@ def build_app(engine: Engine) -> FastAPI:
                         for m in msgs)
             ):  # fmt: skip
                 raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-            ids = encode_chat(tok, [{"role": m["role"], "content": _text(m["content"])} for m in msgs])
+            for m in msgs:
+                if m["role"] not in ROLES:
+                    raise BadRequest(f"role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
+            texts = [_unicode(_text(m["content"]), "messages") for m in msgs]
+            ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)])
         else:
             p, field_name = req.get("prompt"), "prompt"
             if not isinstance(p, str) or not p:
                 raise BadRequest("prompt must be a non-empty string", "prompt")
-            ids = tok.encode(p)
+            ids = tok.encode(_unicode(p, "prompt"))
         if len(ids) + max_tokens > engine.max_len:
             raise BadRequest(
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the {engine.max_len}-token "
@@ -569,6 +587,9 @@ def build_app(engine: Engine) -> FastAPI:
             prompt, max_tokens, temperature, top_p, stream = await run_in_threadpool(parse, body, chat)
         except BadRequest as e:
             return error(e.code, e.message, param=e.param)
+        except Exception as e:  # never a plain-text 500 that closes the connection: OpenAI's shape, logged
+            log.exception("serve: request failed")
+            return error(500, f"internal error ({type(e).__name__})", "server_error")
         try:
             job = engine.submit(prompt, max_tokens, temperature, top_p)
         except queue.Full:
