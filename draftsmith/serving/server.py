@@ -47,6 +47,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
@@ -444,6 +445,37 @@ def _number(req: dict, name: str, default, integer: bool = False):
 
 
 ROLES = ("system", "user", "assistant")
+# The request fields served. Any other field is a 400 naming it (never ignored: an ignored stop, n or logit_bias
+# answers something else than asked), unless it holds a value that asks for nothing (n: 1, stop: null, ...).
+FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
+          "user"}  # fmt: skip
+NEUTRAL = {
+    "n": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "logit_bias": ({},),
+    "stop": ([], ""),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+    "top_k": (0, -1),
+    "min_tokens": (0,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "stream_options": ({"include_usage": False}, {}),
+}
+
+
+def _unsupported(req: dict, temperature: float) -> None:
+    for name, value in req.items():
+        if name in FIELDS or value is None or value in NEUTRAL.get(name, ()):
+            continue
+        if name == "seed" and temperature == 0:  # greedy answers do not depend on a seed
+            continue
+        raise BadRequest(f"{name} is not supported by this server (draftsmith serve)", name)
 
 
 def _unicode(text: str, name: str) -> str:
@@ -469,7 +501,19 @@ def build_app(engine: Engine) -> FastAPI:
     oc, tok = engine.oc, engine.tok
     model_name = engine.recipe.target.model
     api_key = os.environ.get(API_KEY_ENV, "").strip()
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="draftsmith serve",
+        version=__version__,
+        description=(
+            "OpenAI-compatible completions and chat completions from the target with its drafter (lossless "
+            f"speculative decoding). Request fields served: {', '.join(sorted(FIELDS))}; a field that asks for "
+            "anything else (stop, n > 1, logprobs, penalties, logit_bias, tools, response_format, echo, best_of, "
+            "suffix, top_k, min_tokens, a seed when sampling) is a 400 naming it. Errors are OpenAI's JSON shape."
+        ),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+    )
 
     def error(code: int, msg: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
         body = {"error": {"message": redact(msg), "type": kind, "param": param, "code": code}}
@@ -577,6 +621,7 @@ def build_app(engine: Engine) -> FastAPI:
                 f"context", field_name,
             )  # fmt: skip
         temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
+        _unsupported(req, temperature)
         return ids, max_tokens, temperature, max(top_p, MIN_TOP_P), bool(stream)
 
     async def complete(request: Request, chat: bool):
@@ -685,10 +730,12 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
+        """A text completion of `prompt` (OpenAI's legacy completions API); `stream: true` for server-sent events."""
         return await complete(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        """A chat completion of `messages` (roles system, user, assistant) through the target's chat template."""
         return await complete(request, chat=True)
 
     return app
