@@ -609,7 +609,10 @@ class OnlineConfig(Strict):
     max_queue: int = Field(256, gt=0)
     """serve: requests waiting for a row beyond this get HTTP 503 with Retry-After."""
     request_timeout_s: float = Field(120.0, gt=0)
-    """serve: a request still decoding after this stops with finish_reason "length"."""
+    """serve: a request still decoding this long after it got a decoding row stops with finish_reason "length"
+    (time waiting in the queue does not count)."""
+    queue_timeout_s: float = Field(60.0, gt=0)
+    """serve: a request that waited this long for a decoding row gets 503 with Retry-After, before any token."""
     max_body_bytes: int = Field(1_000_000, gt=0)
     """serve: larger request bodies get HTTP 413."""
     idle_timeout_s: float = Field(5.0, gt=0)

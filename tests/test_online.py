@@ -279,6 +279,31 @@ def test_the_openai_client_gets_the_targets_answers_or_a_400_naming_the_field(se
     assert code == 200 and {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(paths)
 
 
+def test_a_request_that_waited_too_long_in_the_queue_gets_a_503_before_any_token(tiny, tmp_path):
+    """online.queue_timeout_s: a request still waiting for a decoding row gets 503 with Retry-After (streamed or
+    not) instead of an answer cut short later; request_timeout_s then counts decoding only."""
+    from draftsmith.serving.server import make_server
+
+    httpd, _ = make_server(
+        _recipe(tiny, tmp_path, "online.port=0", "online.learn=false", "online.queue_timeout_s=1e-9")
+    )
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions"
+        for stream in (False, True):
+            body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": stream}
+            req = urllib.request.Request(
+                url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            )
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            assert e.value.code == 503 and e.value.headers["Retry-After"] == "1"
+            assert "online.queue_timeout_s" in json.loads(e.value.read())["error"]["message"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
 def _get(url):
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.status, r.read().decode()

@@ -103,6 +103,13 @@ class TextStream:
         return delta
 
 
+def _requeue_first(events: asyncio.Queue, first) -> None:
+    """Put ``first`` back at the head of ``events`` (later events may already wait behind it)."""
+    rest = [events.get_nowait() for _ in range(events.qsize())]
+    for e in (first, *rest):
+        events.put_nowait(e)
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, code: int = 400):
         super().__init__(message)
@@ -115,13 +122,14 @@ class Job:
     max_tokens: int
     temperature: float
     top_p: float
-    deadline: float
+    deadline: float  # set when the request gets a decoding row: request_timeout_s counts decoding, not queueing
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("tokens", [id..]).. then ("done"|"error", ..)
     cancelled: bool = False  # set by the request's side when its client left
     tokens: list[int] = field(default_factory=list)  # the decode thread's copy
     versions: set[str] = field(default_factory=set)  # the drafter versions that produced its tokens (one)
     start: float = field(default_factory=time.perf_counter)
+    queued: float = field(default_factory=time.monotonic)
 
     def push(self, kind: str, val) -> None:
         try:
@@ -297,6 +305,13 @@ class Engine:
     def _admit(self, job: Job, rows: dict) -> None:
         if job.cancelled:
             return
+        waited = time.monotonic() - job.queued
+        if waited > self.oc.queue_timeout_s:  # refused before any token, never cut short for a busy server
+            with self.lock:
+                self.m["rejected"] += 1
+            job.push("busy", f"server busy: waited {waited:.0f} s for a decoding row (online.queue_timeout_s)")
+            return
+        job.deadline = time.monotonic() + self.oc.request_timeout_s
         try:
             dec = self._decoder()
             rid = dec.add(
@@ -407,10 +422,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------------------
 
     def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float) -> Job:
-        job = Job(
-            prompt, max_tokens, temperature, top_p, time.monotonic() + self.oc.request_timeout_s,
-            asyncio.get_running_loop(),
-        )  # fmt: skip
+        job = Job(prompt, max_tokens, temperature, top_p, math.inf, asyncio.get_running_loop())
         try:
             self.queue.put_nowait(job)
         except queue.Full:
@@ -641,7 +653,12 @@ def build_app(engine: Engine) -> FastAPI:
             msg = f"server busy: {oc.max_queue} requests queued (online.max_queue)"
             return error(503, msg, "server_error", headers={"Retry-After": "1"})
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if stream:
+        busy = lambda msg: error(503, msg, "server_error", headers={"Retry-After": "1"})  # noqa: E731
+        if stream:  # the status line waits for the first event: a request refused while queued gets its 503
+            first = await job.events.get()
+            if first[0] == "busy":
+                return busy(first[1])
+            _requeue_first(job.events, first)
             return StreamingResponse(
                 _events(job, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -662,6 +679,8 @@ def build_app(engine: Engine) -> FastAPI:
                     tokens += val
                 elif kind == "done":
                     info = val
+                elif kind == "busy":
+                    return busy(val)
                 else:
                     return error(500, val, "server_error")
         finally:
