@@ -304,6 +304,62 @@ def test_a_request_that_waited_too_long_in_the_queue_gets_a_503_before_any_token
         httpd.server_close()
 
 
+def test_fuzzed_bodies_never_get_a_5xx(server):
+    """hypothesis writes request bodies for both POST endpoints: JSON objects mixing the served fields, the
+    refused ones and junk keys, with values of every JSON type (huge integers, lone surrogates, nesting). Every
+    answer is a 200 or a 4xx in OpenAI's error shape; none is a 5xx."""
+    hypothesis = pytest.importorskip("hypothesis")
+    import http.client
+
+    from hypothesis import strategies as st
+
+    url, _ = server
+    scalars = st.one_of(
+        st.none(), st.booleans(), st.integers(min_value=-(10**40), max_value=10**40),
+        st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=12),
+        st.sampled_from(["a\ud800", 10**400, -(10**400), 2.5, "<|im_start|>"]),  # past bugs: surrogates, overflow
+    )  # fmt: skip
+    values = st.recursive(
+        scalars,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6,
+    )
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "banana", 3]),
+                                     "content": st.one_of(st.text(max_size=20), values)})  # fmt: skip
+    keys = ["max_tokens", "temperature", "top_p", "stream", "stop", "n", "seed", "logprobs", "model", "echo", "x"]
+    body = st.fixed_dictionaries(
+        {"messages": st.lists(message, min_size=0, max_size=2), "prompt": st.one_of(st.text(max_size=20), values)},
+        optional={k: values for k in keys},
+    )
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    seen = {}
+
+    hi = [{"role": "user", "content": "hi"}]
+
+    @hypothesis.settings(max_examples=150, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(body=body, chat=st.booleans())
+    @hypothesis.example(body={"messages": [], "prompt": "a\ud800"}, chat=False)  # once plain-text 500s
+    @hypothesis.example(body={"messages": [{"role": "user", "content": "a\ud800"}], "prompt": ""}, chat=True)
+    @hypothesis.example(body={"messages": hi, "prompt": "", "temperature": 10**400}, chat=True)
+    @hypothesis.example(body={"messages": [], "prompt": "hi", "max_tokens": -(10**400)}, chat=False)
+    def check(body, chat):
+        if isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool):
+            body["max_tokens"] = min(body["max_tokens"], 4)  # keep the valid ones quick
+        raw = json.dumps(body).encode("utf-8", "surrogatepass")
+        conn.request("POST", "/v1/chat/completions" if chat else "/v1/completions", body=raw,
+                     headers={"Content-Type": "application/json"})  # fmt: skip
+        r = conn.getresponse()
+        data = r.read()
+        seen[r.status] = seen.get(r.status, 0) + 1
+        assert r.status < 500, data[:300]
+        if r.status != 200:
+            assert set(json.loads(data)["error"]) >= {"message", "type", "param", "code"}
+
+    check()
+    conn.close()
+    assert sum(seen.values()) >= 150 and seen.get(200, 0) > 0 and sum(v for k, v in seen.items() if k >= 400) > 0
+
+
 def _get(url):
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.status, r.read().decode()
