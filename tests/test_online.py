@@ -262,8 +262,11 @@ def test_the_openai_client_gets_the_targets_answers_or_a_400_naming_the_field(se
     want = tok.decode([t for t in ref if t not in eos], skip_special_tokens=True)
     r = client.chat.completions.create(model=str(tiny["model_dir"]), messages=msgs, max_tokens=16, seed=3, n=1)
     assert r.choices[0].message.content == want and r.usage.completion_tokens == len(ref)
-    chunks = client.chat.completions.create(model=str(tiny["model_dir"]), messages=msgs, max_tokens=16, stream=True)
+    chunks = list(client.chat.completions.create(model=str(tiny["model_dir"]), messages=msgs, max_tokens=16,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == len(ref)  # the usage chunk, last
+    assert all(c.usage is None for c in chunks[:-1])
     for field, value in [("stop", ["\n"]), ("n", 2), ("logprobs", True), ("presence_penalty", 0.5),
                          ("logit_bias", {"5": 10}), ("response_format", {"type": "json_object"})]:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as e:

@@ -460,7 +460,7 @@ ROLES = ("system", "user", "assistant")
 # The request fields served. Any other field is a 400 naming it (never ignored: an ignored stop, n or logit_bias
 # answers something else than asked), unless it holds a value that asks for nothing (n: 1, stop: null, ...).
 FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-          "user"}  # fmt: skip
+          "stream_options", "user"}  # fmt: skip
 NEUTRAL = {
     "n": (1,),
     "presence_penalty": (0,),
@@ -477,7 +477,6 @@ NEUTRAL = {
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
-    "stream_options": ({"include_usage": False}, {}),
 }
 
 
@@ -518,7 +517,8 @@ def build_app(engine: Engine) -> FastAPI:
         version=__version__,
         description=(
             "OpenAI-compatible completions and chat completions from the target with its drafter (lossless "
-            f"speculative decoding). Request fields served: {', '.join(sorted(FIELDS))}; a field that asks for "
+            f"speculative decoding). Request fields served: {', '.join(sorted(FIELDS))} (include_usage); a field that "
+            "asks for "
             "anything else (stop, n > 1, logprobs, penalties, logit_bias, tools, response_format, echo, best_of, "
             "suffix, top_k, min_tokens, a seed when sampling) is a 400 naming it. Errors are OpenAI's JSON shape."
         ),
@@ -583,7 +583,7 @@ def build_app(engine: Engine) -> FastAPI:
             raise BadRequest("a JSON body is required")
         return b"".join(chunks)
 
-    def parse(body: bytes, chat: bool) -> tuple[list[int], int, float, float, bool]:
+    def parse(body: bytes, chat: bool) -> tuple[list[int], int, float, float, bool, bool]:
         try:
             req = json.loads(body)
         except RecursionError:
@@ -634,14 +634,20 @@ def build_app(engine: Engine) -> FastAPI:
             )  # fmt: skip
         temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
         _unsupported(req, temperature)
-        return ids, max_tokens, temperature, max(top_p, MIN_TOP_P), bool(stream)
+        options = req.get("stream_options") or {}
+        if not isinstance(options, dict) or set(options) - {"include_usage"}:
+            raise BadRequest("stream_options supports include_usage only", "stream_options")
+        usage = options.get("include_usage", False)
+        if not isinstance(usage, bool) or (usage and not stream):
+            raise BadRequest("stream_options.include_usage must be true or false, with stream: true", "stream_options")
+        return ids, max_tokens, temperature, max(top_p, MIN_TOP_P), bool(stream), usage
 
     async def complete(request: Request, chat: bool):
         if (refused := denied(request)) is not None:
             return refused
         try:
             body = await read_body(request)
-            prompt, max_tokens, temperature, top_p, stream = await run_in_threadpool(parse, body, chat)
+            prompt, max_tokens, temperature, top_p, stream, usage = await run_in_threadpool(parse, body, chat)
         except BadRequest as e:
             return error(e.code, e.message, param=e.param)
         except Exception as e:  # never a plain-text 500 that closes the connection: OpenAI's shape, logged
@@ -660,7 +666,7 @@ def build_app(engine: Engine) -> FastAPI:
                 return busy(first[1])
             _requeue_first(job.events, first)
             return StreamingResponse(
-                _events(job, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+                _events(job, rid, chat, usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         tokens, info, check = [], None, time.monotonic() + 0.5
         try:
@@ -706,7 +712,7 @@ def build_app(engine: Engine) -> FastAPI:
             },
         }
 
-    async def _events(job: Job, rid: str, chat: bool):
+    async def _events(job: Job, rid: str, chat: bool, usage: bool = False):
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, finish=None) -> bytes:
@@ -737,6 +743,11 @@ def build_app(engine: Engine) -> FastAPI:
                     if tail := text.finish():  # a character the answer's last token left incomplete
                         yield chunk(tail)
                     yield chunk(None, val["finish_reason"])
+                    if usage:  # stream_options.include_usage: OpenAI's last chunk, no choices, the counts
+                        n_in, n_out = val["prompt_tokens"], val["completion_tokens"]
+                        yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                     "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
+                                                              "total_tokens": n_in + n_out}})  # fmt: skip
                     break
                 else:
                     ended = True
