@@ -363,8 +363,7 @@ def train(recipe) -> Path:
                 settled = _settle(window)
                 worst = {"loss": sum(w["loss"] for w in settled), "grad_norm": sum(w["grad_norm"] for w in settled)}
                 _stop_if_not_finite(worst, step - len(window) + 1, step, ckpt_dir)
-            finite = torch.stack([torch.isfinite(p).all() for p in drafter.parameters()]).all()
-            if not bool(finite):  # one read per save: the update itself overflowed
+            if not _weights_finite(drafter):  # one read per save: the update itself overflowed
                 _stop_if_not_finite({"loss": math.nan, "grad_norm": math.nan}, step, step, ckpt_dir)
             counters.update(step=step, seconds=time.perf_counter() - t0)
             _save_resumable(
@@ -555,6 +554,23 @@ def _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx) -> di
         "keys": keys,
         "sums": torch.cat([sums, norm]),  # loss sum, metric count, metric sums..., grad norm: read by _settle
     }
+
+
+def _weights_finite(drafter) -> bool:
+    """Every weight finite, on every process: each checks its own shard (FSDP2 DTensors hold local ones) and the
+    processes agree, so all of them stop or none does."""
+    import torch.distributed as dist
+
+    ok = None
+    for p in drafter.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        f = torch.isfinite(local.detach()).all()
+        ok = f if ok is None else ok & f
+    flag = torch.tensor(1.0 if ok is None else float(ok), device="cpu")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = flag.to(next(drafter.parameters()).device) if dist.get_backend() == "nccl" else flag
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
 
 
 def _stop_if_not_finite(m: dict, first: int, last: int, ckpt_dir: Path) -> None:
