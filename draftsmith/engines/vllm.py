@@ -250,7 +250,8 @@ class Engine:
         del self.llm
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-        cleanup_dist_env_and_memory()  # its process group: a later engine (or torch.distributed) starts clean
+        with contextlib.suppress(Exception):  # close also runs while another error unwinds: never mask it
+            cleanup_dist_env_and_memory()  # its process group: a later engine (or torch.distributed) starts clean
         gc.collect()
 
 
