@@ -44,11 +44,15 @@ def test_each_export_gets_its_vllm_method(target, tiny_model_dir, tmp_path):
         folder = export(_ckpt(tmp_path / str(i), model, kind, tiny_model_dir), fmt, tmp_path / f"{i}-{fmt}")
         conf = speculative_config(folder, 3)
         assert conf == {"model": str(folder), "num_speculative_tokens": 3, **want}
-    medusa = export(
-        _ckpt(tmp_path, build_medusa({"n_heads": 2}, target), "medusa", tiny_model_dir), "hf", tmp_path / "m"
-    )
+    heads = _ckpt(tmp_path, build_medusa({"n_heads": 2}, target), "medusa", tiny_model_dir)
+    folder = export(heads, "medusa", tmp_path / "medusa-out")
+    assert speculative_config(folder, 2) == {"model": str(folder), "method": "medusa", "num_speculative_tokens": 2}
+    with pytest.raises(DraftsmithError, match="--format hf export; vLLM loads --format medusa"):
+        speculative_config(export(heads, "hf", tmp_path / "m"), 3)
+    eagle = passthrough_eagle(target, 3, counts=counts, eos_ids={2})
+    eagle_hf = export(_ckpt(tmp_path / "e", eagle, "eagle", tiny_model_dir), "hf", tmp_path / "e-hf")
     with pytest.raises(DraftsmithError, match="--format hf export; vLLM loads --format vllm"):
-        speculative_config(medusa, 3)
+        speculative_config(eagle_hf, 3)
     with pytest.raises(DraftsmithError, match="no drafter.json"):
         speculative_config(tmp_path, 3)
 

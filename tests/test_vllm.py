@@ -26,6 +26,7 @@ from draftsmith.eval.decoder import autoregressive_generate, speculative_generat
 from draftsmith.export.writer import export
 from draftsmith.models.draft_lm import build_draft_lm
 from draftsmith.models.loading import load_model
+from draftsmith.models.medusa import build_medusa
 from draftsmith.models.mlp_speculator import build_mlp_speculator
 from draftsmith.models.pard import build_pard
 from draftsmith.models.registry import save_drafter
@@ -110,6 +111,18 @@ def pard(target, counts):
     return p
 
 
+def medusa(target, counts):
+    """Full-vocabulary Medusa-1 heads that repeat the target's own prediction: small random blocks (a residual
+    block passes its input), every head the target's LM head plus a little noise."""
+    m = build_medusa({"n_heads": K, "n_layers": 1}, target)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            base = target.lm_head.weight if name.startswith("lm_heads.") else 0.0
+            p.copy_(base + torch.randn_like(p) * 0.02)
+    return m
+
+
 # name: (target family, builder, draftsmith kind, export format)
 CASES = {
     "eagle3-llama": ("llama", eagle3(), "eagle", "vllm"),
@@ -124,6 +137,7 @@ CASES = {
     "draft_lm-llama": ("llama", draft_lm(), "draft_lm", "vllm"),
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", "vllm"),
     "pard-llama": ("llama", pard, "pard", "vllm"),
+    "medusa-llama": ("llama", medusa, "medusa", "medusa"),  # vLLM's `medusa` method reads the Medusa layout
 }
 
 
@@ -143,6 +157,11 @@ def as_vllm_names(tensors: dict) -> dict:
         out["draft_id_to_target_id"] = out.pop("d2t")
     out.pop("t2d", None)
     return out
+
+
+def _medusa_name(key: str, n_layers: int) -> str:
+    head, j, *rest = key.split(".")
+    return f"lm_heads.{head}.weight" if int(j) == n_layers else f"blocks.{head}.layers.{j}.{rest[-1]}"
 
 
 def same_weights(loaded: dict, expected: dict) -> list[str]:
@@ -217,7 +236,10 @@ def test_vllm_serves_the_export(vllm_targets, tmp_path, case):
     assert counters.accept_counts() == ours, f"vLLM {counters.accept_counts()} vs draftsmith {ours}"
     assert counters.drafts == sum(ours) and 2 * counters.accepted >= counters.drafts  # many accepted: not vacuous
 
-    expected = as_vllm_names(load_file(str(folder / "model.safetensors")))
+    weights = "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
+    expected = as_vllm_names(load_file(str(folder / weights)))
+    if fmt == "medusa":  # vLLM's names for the Medusa layout: blocks.{h}.layers.{j}.*, lm_heads.{h}.*
+        expected = {_medusa_name(k, m.cfg.n_layers if (m := drafter) else 1): v for k, v in expected.items()}
     loaded = {k.removeprefix("model."): v for k, v in loaded.items() if "_scale" not in k}  # vLLM's quant scales
     if case.startswith("eagle"):  # vLLM then swaps in the target's embeddings (ours: none, or an equal copy)
         assert shared["embed_tokens"] and (shared["lm_head"] or not case.startswith("eagle1"))  # EAGLE-1: head too

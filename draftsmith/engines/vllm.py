@@ -21,7 +21,7 @@ from pathlib import Path
 from draftsmith.errors import DraftsmithError
 
 # drafter.json kind (EAGLE by its version) -> vLLM's speculative method for the export folder
-_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "draft_lm": "draft_model", "pard": "draft_model"}
+_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "draft_lm": "draft_model", "pard": "draft_model", "medusa": "medusa"}
 
 _MISSING = (
     "vLLM is not installed in this environment: install it in a virtualenv of its own (on a CPU: "
@@ -76,8 +76,9 @@ def speculative_config(folder: Path, num_tokens: int) -> dict:
     reads too; a draft LM's or PARD's ``hf`` folder is the same plain Llama folder)."""
     info = _export_info(folder)
     kind, fmt = _kind(info), info.get("export_format", "hf")
-    if fmt not in ("vllm", "sglang") and kind not in ("draft_lm", "pard"):
-        raise DraftsmithError(f"{folder}: a --format {fmt} export; vLLM loads --format vllm")
+    want = ("medusa",) if kind == "medusa" else ("vllm", "sglang") if kind not in ("draft_lm", "pard") else None
+    if want is not None and fmt not in want:
+        raise DraftsmithError(f"{folder}: a --format {fmt} export; vLLM loads --format {want[0]}")
     method = _METHODS.get(kind)
     if method is None:
         raise DraftsmithError(f"{folder}: vLLM has no speculative method for a {kind} drafter")
@@ -200,8 +201,9 @@ class Engine:
 
         def read(worker):
             draft, target = worker.model_runner.drafter.model, worker.model_runner.model
+            inner = getattr(draft, "model", None)  # Medusa heads have no embeddings
             return {
-                "embed_tokens": draft.model.embed_tokens is target.model.embed_tokens,
+                "embed_tokens": getattr(inner, "embed_tokens", None) is target.model.embed_tokens,
                 "lm_head": getattr(draft, "lm_head", None) is getattr(target, "lm_head", False),
             }
 

@@ -304,6 +304,7 @@ def to_medusa(model, info: dict, verifier: str, include_embeddings: bool):
     config = {
         "medusa_num_heads": cfg["n_heads"],
         "medusa_num_layers": cfg["n_layers"],
+        "medusa_fc_bias": True,  # vLLM builds the blocks without a bias otherwise, and drops ours silently
         "hidden_size": cfg["dim"],
         "vocab_size": cfg["vocab_size"],
         "base_model_name_or_path": verifier,
@@ -613,7 +614,8 @@ def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
         ),
         "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
         f"--speculative-draft-model-path ./this-folder`",
-        "medusa": f"TGI: `text-generation-launcher --model-id ./this-folder` (config.json's base_model_name_or_path "
+        "medusa": f"vLLM: `{spec.format(t=t, m='medusa', n=tokens)}`; "
+        f"TGI: `text-generation-launcher --model-id ./this-folder` (config.json's base_model_name_or_path "
         f"names the target{'' if target else ': set it first'}). TensorRT-LLM: `examples/medusa/convert_checkpoint.py "
         "--model_dir TARGET_FOLDER --medusa_model_dir ./this-folder --num_medusa_heads N`. The heads are "
         "`medusa_lm_head.safetensors` only (draftsmith writes no pickles): FasterDecoding/Medusa's own loader, "
