@@ -46,7 +46,7 @@ from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import load_drafter
 from draftsmith.models.sampling import row_generator
-from draftsmith.runlog import RunLog, save_recipe
+from draftsmith.runlog import RunLog, save_recipe, significant
 from draftsmith.runtime import barrier, init_distributed, resolve_device, resolve_dtype
 
 log = logging.getLogger("draftsmith.data")
@@ -505,7 +505,7 @@ def generate(recipe) -> Path:
                 "new_tokens": done,
                 "tokens_per_s": round(done / (now - t0), 1),
                 "window_tokens_per_s": round(rate, 1),
-                **{k: round(v, 6) for k, v in util.items()},
+                **significant(util),
             }
         )
 

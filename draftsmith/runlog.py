@@ -29,6 +29,12 @@ def write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def significant(metrics: dict, digits: int = 6) -> dict:
+    """``metrics`` with each float kept to ``digits`` significant figures (a tiny TFLOP/s keeps its precision where
+    a fixed number of decimals would leave one digit); ints and strings unchanged."""
+    return {k: float(f"{v:.{digits}g}") if isinstance(v, float) else v for k, v in metrics.items()}
+
+
 class RunLog:
     def __init__(
         self,

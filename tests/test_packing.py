@@ -314,7 +314,7 @@ def test_the_loop_trains_packed_like_padded_with_the_target_in_the_loop(train_ru
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     for x, y in zip(_rows(plain), _rows(packed)):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5)
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4)
         assert y["input_tokens"] == x["input_tokens"] and y["pad_frac"] < x["pad_frac"]
 
 
@@ -340,7 +340,7 @@ def test_two_gloo_processes_packing_their_halves_equal_one(train_run, tiny_model
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     for x, y in zip(_rows(one), _rows(two), strict=True):
-        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5) and y["input_tokens"] == x["input_tokens"]
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4) and y["input_tokens"] == x["input_tokens"]
 
 
 @pytest.mark.parametrize("backend", ["own", "transformers"])

@@ -230,7 +230,7 @@ def test_grad_accumulation_equals_one_big_batch(train_run):
     acc = train_run("acc", "train.micro_batch_size=2", "train.grad_accum=2", "train.steps=3")
     _close(_weights(big / "checkpoints" / "final"), _weights(acc / "checkpoints" / "final"))
     for ra, rb in zip(_rows(big), _rows(acc)):
-        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)  # float32 sums in another order, on a loss near 1e-4
 
 
 def train_two_ranks(out, tiny_model_dir, prompts_file, *overrides: str):
@@ -257,7 +257,7 @@ def test_two_gloo_processes_equal_one(train_run, tiny_model_dir, prompts_file):
     assert res.returncode == 0, res.stderr[-3000:]
     _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
     for ra, rb in zip(_rows(one), _rows(two), strict=True):
-        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)  # float32 sums in another order, on a loss near 1e-4
 
 
 @ONE_GPU_SKIP

@@ -29,7 +29,7 @@ from draftsmith.models import own_vocab
 from draftsmith.models.loading import load_model, read_json, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
-from draftsmith.runlog import RunLog, save_recipe
+from draftsmith.runlog import RunLog, save_recipe, significant
 from draftsmith.runtime import resolve_device, resolve_precision
 from draftsmith.train.objectives import Context, check_packing, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
@@ -352,11 +352,11 @@ def train(recipe) -> Path:
             tw = now
             m.update(lr=sched.get_last_lr()[0], peak_mem_mb=peak_memory_mb(str(acc.device)))
             bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
-            runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
+            runlog.log(significant(m), step=step)
             window = []
         if quick is not None and step % tc.eval_every == 0:
             m = quick(acc.unwrap_model(drafter))
-            runlog.log({k: round(v, 5) for k, v in m.items()}, step=step)
+            runlog.log(significant(m), step=step)
             bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
         if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
             if window:  # never save weights a not-yet-logged step made non-finite
