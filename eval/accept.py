@@ -110,3 +110,45 @@ def rejection_accept(
         if not float(dist.sum()) > 0:  # p <= q everywhere only if p == q up to rounding: fall back to p
             dist = p[n]
     return n, int(torch.multinomial(dist, 1, generator=generator))
+
+
+@dataclass(frozen=True)
+class Adjust:
+    """A request's changes to the target's logits (OpenAI's ``presence_penalty``, ``frequency_penalty``,
+    ``logit_bias`` and ``min_tokens``), applied to the target's logits before any acceptance rule sees them, so
+    greedy decoding follows the adjusted argmax and sampling draws exactly from the adjusted distribution whatever
+    the drafter proposed (drafts are proposed from the drafter's own, unadjusted distribution).
+
+    Penalties count the tokens generated so far (the prompt is not counted) plus, at a draft position, the drafts
+    on its path: ``logit -= frequency * count + presence * (count > 0)``. ``min_tokens`` bans ``banned`` (the stop
+    ids) at every position before that many tokens were generated."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    bias: tuple[tuple[int, float], ...] = ()  # (token id, value added to its logit)
+    min_tokens: int = 0
+    banned: tuple[int, ...] = ()
+
+    def apply(self, logits: torch.Tensor, out: list[int], ids=None, anc=None, depth=None) -> None:
+        """In place: logits (W, V) of W positions, position i predicting the token after node i of ``ids`` (W,),
+        node 0 being the last generated token (already in ``out``); ``anc`` (W, W) bool: node j is on node i's path
+        (itself included), lower-triangular for a chain (the default); ``depth`` (W,): drafts before the predicted
+        token (default 0..W-1)."""
+        W, V, dev = *logits.shape, logits.device
+        if self.bias:
+            tok = torch.tensor([t for t, _ in self.bias], device=dev)
+            logits[:, tok] += torch.tensor([v for _, v in self.bias], device=dev, dtype=logits.dtype)
+        if self.presence or self.frequency:
+            counts = torch.zeros(W, V, device=dev)
+            if out:
+                counts += torch.bincount(torch.tensor(out, device=dev), minlength=V)[:V].float()
+            if W > 1 and ids is not None:
+                path = torch.ones(W, W, dtype=torch.bool, device=dev).tril() if anc is None else anc
+                hot = torch.nn.functional.one_hot(ids[1:W].long(), V).float()  # the drafts, (W-1, V)
+                counts += path[:, 1:W].float() @ hot
+            logits -= (self.frequency * counts + self.presence * (counts > 0).float()).to(logits.dtype)
+        if self.min_tokens > len(out) and self.banned:
+            before = len(out) + (torch.arange(W, device=dev) if depth is None else depth.to(dev))
+            rows = (before < self.min_tokens).nonzero()[:, 0]
+            if rows.numel():
+                logits[rows[:, None], torch.tensor(self.banned, device=dev)[None]] = float("-inf")

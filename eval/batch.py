@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.accept import Sampler
+from draftsmith.eval.accept import Adjust, Sampler
 from draftsmith.eval.batch_shapes import HeadTrees, OwnVocabRows, RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
@@ -175,6 +175,8 @@ class _Row:
     prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/batch_shapes.py)
     shape: object = None  # ... and its step shape
     hetero: object = None  # a drafter with its own tokenizer: the row's draft side (eval/hetero.py HeteroRow)
+    adjust: Adjust | None = None  # penalties, logit bias, min_tokens: applied to the target's logits
+    top_logprobs: int | None = None  # report the target's logprobs of each emitted token (and this many best)
 
     @property
     def key(self):
@@ -507,13 +509,19 @@ class BatchDecoder:
         self.rows: list[_Row] = []  # active, in cache-row order
         self.pending: list[_Row] = []  # added, not prefilled yet
         self.stats: dict[int, DecodeStats] = {}
+        # row id -> (logprob, [(token, logprob), ...]) per emitted token, for rows added with logprobs (pop them)
+        self.logprobs: dict[int, list] = {}
         self._next_id, self._finished = 0, []
 
     # ---- rows -------------------------------------------------------------------------------------------------------
 
     def add(self, prompt_ids: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-            top_p: float = 1.0, generator: torch.Generator | None = None) -> int:  # fmt: skip
-        """Queue a prompt (T,) -> its row id. It is prefilled at the next ``step`` and joins that step's decode."""
+            top_p: float = 1.0, generator: torch.Generator | None = None, adjust: Adjust | None = None,
+            logprobs: int | None = None) -> int:  # fmt: skip
+        """Queue a prompt (T,) -> its row id. It is prefilled at the next ``step`` and joins that step's decode.
+        ``adjust``: changes to the target's logits (eval/accept.py ``Adjust``), before every acceptance rule.
+        ``logprobs`` k: ``self.logprobs[row id]`` gets, per emitted token, the target's own log-probability of it
+        (its raw logits: no temperature, penalty or bias) and its k most probable tokens."""
         if prompt_ids.dim() != 1 or prompt_ids.numel() == 0:
             raise ValueError(f"a prompt is a non-empty (T,) tensor; got shape {tuple(prompt_ids.shape)}")
         need = prompt_ids.numel() + max(max_new_tokens, 0) + self.room + 4
@@ -528,6 +536,9 @@ class BatchDecoder:
         st = DecodeStats(accept_counts=[0] * (depth + 1))
         row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
         row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
+        row.adjust, row.top_logprobs = adjust, logprobs
+        if logprobs is not None:
+            self.logprobs[rid] = []
         self.pending.append(row)
         self.stats[rid] = st
         return rid
@@ -558,6 +569,28 @@ class BatchDecoder:
         self.rows.pop()
 
     # ---- sampling ---------------------------------------------------------------------------------------------------
+
+    def _adjusted(self, rows: list[_Row], logits: torch.Tensor, ids=None, anc=None, depth=None) -> dict:
+        """Apply each row's ``adjust`` to its logits (B, W, V) in place (``ids`` (B, W), ``anc`` (B, W, W) and
+        ``depth`` (B, W) as ``Adjust.apply`` reads them; None: chains) -> {b: row b's raw logits (W, V)} for the
+        rows that report logprobs."""
+        raw = {b: logits[b].clone() for b, r in enumerate(rows) if r.top_logprobs is not None}
+        for b, r in enumerate(rows):
+            if r.adjust is not None:
+                pick = lambda x: None if x is None else x[b]  # noqa: E731
+                r.adjust.apply(logits[b], r.out, pick(ids), pick(anc), pick(depth))
+        return raw
+
+    @staticmethod
+    def _entries(r: _Row, raw: torch.Tensor, tokens: list[int]) -> list:
+        """raw (n, V): the target's logits that chose ``tokens`` (n,) -> per token (logprob, [(token, logprob)])."""
+        lp = torch.log_softmax(raw.float(), -1)
+        got = lp.gather(-1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+        if not r.top_logprobs:
+            return [(g, []) for g in got]
+        top = lp.topk(r.top_logprobs, -1)
+        pairs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
+        return list(zip(got, pairs))
 
     def _pick(self, rows: list[_Row], logits: torch.Tensor):
         """logits (B, V) -> (tokens (B,), the distributions sampled rows drew from (B, V) fp32, or None when every
@@ -636,11 +669,14 @@ class BatchDecoder:
             at[:, -1] = True
             out = self.target(ids, pos=pos, cache=tmp, valid=valid, capture_layers=self.layers, logits_at=at)
             logits, captured = out if self.layers else (out, {})  # (k, V)
+            raw = self._adjusted(group, logits[:, None])
             tok, _ = self._pick(group, logits)
             live = []
             for j, (r, t) in enumerate(zip(group, tok.tolist())):
                 r.cur, r.pos = t, r.prompt.numel()
                 r.done = r.max_new <= 0 or emit(r.out, [t], self.eos_ids, r.max_new)
+                if j in raw and r.out:
+                    self.logprobs[r.id] += self._entries(r, raw[j], [t])
                 r.new = list(r.out)
                 if not r.done:
                     live.append(j)
@@ -669,10 +705,10 @@ class BatchDecoder:
         dev, B = self.device, len(rows)
         cur = torch.tensor([r.cur for r in rows], device=dev)
         if self.rowwise:
-            acc, nxt_l, drafted, judged, t_draft, t_verify = self.prop.step(self, rows, cur, speculate)
+            acc, nxt_l, drafted, judged, t_draft, t_verify, lps = self.prop.step(self, rows, cur, speculate)
             for r, j in zip(rows, judged):
                 r.stats.judge_accepted += j
-            return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result)
+            return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result, lps)
         gam = [min(self.depth, r.max_new - len(r.out) - 1) if speculate else 0 for r in rows]  # each row's budget
         t0 = time.perf_counter()
         drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
@@ -692,6 +728,7 @@ class BatchDecoder:
         pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + torch.arange(G + 1, device=dev)
         out = self.target(ids, pos=pos, cache=self.rc.view, capture_layers=self.layers)
         logits, captured = out if self.layers else (out, {})
+        raw = self._adjusted(rows, logits, ids)
         n, nxt = self._accept(rows, drafts, qs, logits, gam)
         self.rc.keep(s0, G + 1, n + 1)
         if self.prop is not None:
@@ -699,14 +736,18 @@ class BatchDecoder:
         n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), drafts.tolist()  # the acceptance synced
         t2 = time.perf_counter()
         acc = [d[:k] for d, k in zip(d_l, n_l)]
-        return self._commit(rows, acc, nxt_l, gam_l, t1 - t0, t2 - t1, result)
+        lps = {b: self._entries(rows[b], x[: n_l[b] + 1], acc[b] + [nxt_l[b]]) for b, x in raw.items()}
+        return self._commit(rows, acc, nxt_l, gam_l, t1 - t0, t2 - t1, result, lps)
 
-    def _commit(self, rows, acc, nxt, drafted, t_draft: float, t_verify: float, result: dict) -> dict:
-        """Emit each row's accepted drafts and next token, update its state and stats, drop finished rows."""
+    def _commit(self, rows, acc, nxt, drafted, t_draft: float, t_verify: float, result: dict, lps: dict) -> dict:
+        """Emit each row's accepted drafts and next token (and ``lps[b]``, their logprobs, for the rows that report
+        them), update its state and stats, drop finished rows."""
         done = []
         for b, r in enumerate(rows):
             k = len(r.out)
             r.done = emit(r.out, acc[b] + [nxt[b]], self.eos_ids, r.max_new)
+            if b in lps:
+                self.logprobs[r.id] += lps[b][: len(r.out) - k]
             r.new += r.out[k:]
             r.cur, r.pos = nxt[b], r.pos + len(acc[b]) + 1
             r.stats.step(drafted[b], len(acc[b]), t_draft, t_verify)

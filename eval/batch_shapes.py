@@ -75,7 +75,8 @@ class RowShapes:
     @torch.no_grad()
     def step(self, dec, rows, cur: torch.Tensor, speculate: bool = True):
         """One draft + batched verify + per-row accept -> (accepted tokens per row, next token per row, drafts per
-        row, judged per row, draft seconds, verify seconds). ``speculate=False`` drafts nothing: every row takes
+        row, judged per row, draft seconds, verify seconds, {b: logprob entries} for rows reporting logprobs).
+        ``speculate=False`` drafts nothing: every row takes
         the target's next token by its own sampler."""
         t0 = time.perf_counter()
         if speculate:
@@ -105,8 +106,9 @@ class RowShapes:
         pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + depth
         out = dec.target(ids, pos=pos, cache=dec.rc.view, attn_mask=mask, capture_layers=self.layers)
         logits, captured = out if self.layers else (out, {})
+        raw = dec._adjusted(rows, logits, ids, anc, depth)  # a request's penalties and bias, before acceptance
         keep = torch.zeros(B, W, dtype=torch.bool, device=dev)
-        accepted, kept, nxt, judged = [], [], [], []
+        accepted, kept, nxt, judged, lps = [], [], [], [], {}
         for b, (r, d, n) in enumerate(zip(rows, drafts, sizes)):
             cap = {layer: c[b : b + 1, : n + 1] for layer, c in captured.items()}
             if speculate:
@@ -114,6 +116,8 @@ class RowShapes:
             else:  # a plain step: the target's own next token
                 a, k, t, j = d.tokens, [0], r.sampler.pick(logits[b, 0])[0], 0
             keep[b, k] = True
+            if b in raw:  # the target's logprobs at the kept nodes: each chose the next emitted token
+                lps[b] = dec._entries(r, raw[b][k], a.tolist() + [int(t)])
             accepted.append(a)
             kept.append(k)
             nxt.append(int(t))
@@ -121,7 +125,7 @@ class RowShapes:
         self.commit(rows, drafts, accepted, kept, captured)
         dec.rc.keep_slots(s0, keep)
         t2 = time.perf_counter()
-        return [a.tolist() for a in accepted], nxt, sizes, judged, t1 - t0, t2 - t1
+        return [a.tolist() for a in accepted], nxt, sizes, judged, t1 - t0, t2 - t1, lps
 
 
 class HeadTrees(RowShapes):
