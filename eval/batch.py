@@ -215,7 +215,7 @@ def _chain(rows: list[_Row], gam: list[int], logits: torch.Tensor, state, pick, 
                 live[b] = False
         if not any(live):
             break
-        tok, q = pick(logits)
+        tok, q = pick(logits, live)  # a row past its own budget draws nothing: its stream is its own
         toks.append(tok)
         qs.append(q)
         for b, (_, before) in enumerate(hooks):
@@ -577,8 +577,8 @@ class BatchDecoder:
         raw = {b: logits[b].clone() for b, r in enumerate(rows) if r.top_logprobs is not None}
         for b, r in enumerate(rows):
             if r.adjust is not None:
-                pick = lambda x: None if x is None else x[b]  # noqa: E731
-                r.adjust.apply(logits[b], r.out, pick(ids), pick(anc), pick(depth))
+                ids_b, anc_b, depth_b = (None if x is None else x[b] for x in (ids, anc, depth))
+                r.adjust.apply(logits[b], r.out, ids_b, anc_b, depth_b)
         return raw
 
     @staticmethod
@@ -592,13 +592,14 @@ class BatchDecoder:
         pairs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         return list(zip(got, pairs))
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor):
+    def _pick(self, rows: list[_Row], logits: torch.Tensor, live: list[bool] | None = None):
         """logits (B, V) -> (tokens (B,), the distributions sampled rows drew from (B, V) fp32, or None when every
-        row is greedy). Rows that share settings and generator draw together."""
+        row is greedy). Rows that share settings and generator draw together; a row not ``live`` draws nothing
+        (its token is the argmax, unused), so a row's generator advances as it would alone."""
         tok = logits.argmax(-1)
         groups: dict = {}
         for i, r in enumerate(rows):
-            if not r.sampler.greedy:
+            if not r.sampler.greedy and (live is None or live[i]):
                 groups.setdefault(r.key, []).append(i)
         if not groups:
             return tok, None
@@ -711,7 +712,7 @@ class BatchDecoder:
             return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result, lps)
         gam = [min(self.depth, r.max_new - len(r.out) - 1) if speculate else 0 for r in rows]  # each row's budget
         t0 = time.perf_counter()
-        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg: self._pick(rows, lg))
+        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg, live: self._pick(rows, lg, live))
         if drafted is not None and drafted[0]:
             toks, qs, gam = drafted  # gam: what each row drafted (its budget, or where its stop hook ended it)
             drafts = torch.stack(toks, 1)  # (B, G)

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -433,13 +434,35 @@ def tokenizer_hash(tok) -> str:
     return h.hexdigest()[:16]
 
 
-def encode_chat(tok, messages: list[dict]) -> list[int]:
+def encode_chat(tok, messages: list[dict], literal: bool = False) -> list[int]:
     """Render with the tokenizer's chat template (generation prompt appended) and tokenize.
 
-    Rendering to text first keeps this identical across transformers 4.x/5.x return-type changes.
+    Rendering to text first keeps this identical across transformers 4.x/5.x return-type changes. ``literal``: a
+    message's content is text, never control tokens: where it spells one (``<|im_start|>`` typed by a user), the
+    template is rendered around placeholders and the content is tokenized with special tokens split into plain
+    text, so a user cannot open a turn of another role (content that spells none tokenizes as without it).
     """
+    if literal and any(_spells_special(tok, m["content"]) for m in messages):
+        mark = f"\x00draftsmith-{uuid.uuid4().hex}-"
+        held = [{**m, "content": f"{mark}{i}\x00"} for i, m in enumerate(messages)]
+        text = tok.apply_chat_template(held, add_generation_prompt=True, tokenize=False)
+        ids = []
+        for piece in text.split(mark):
+            i, sep, rest = piece.partition("\x00")
+            if sep and i.isdigit():  # a message's content, then template text up to the next one
+                content = messages[int(i)]["content"]
+                ids += tok(content, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                piece = rest
+            ids += tok(piece, add_special_tokens=False)["input_ids"] if piece else []
+        return ids
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _spells_special(tok, text: str) -> bool:
+    """Whether ``text`` contains a special token's spelling (it tokenizes differently with them split)."""
+    plain = tok(text, add_special_tokens=False)["input_ids"]
+    return plain != tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
 def stop_ids(path: Path, tok) -> set[int]:

@@ -613,6 +613,9 @@ class OnlineConfig(Strict):
     (time waiting in the queue does not count)."""
     queue_timeout_s: float = Field(60.0, gt=0)
     """serve: a request that waited this long for a decoding row gets 503 with Retry-After, before any token."""
+    drain_s: float = Field(30.0, ge=0)
+    """serve: on SIGTERM or Ctrl-C, stop taking requests (new connections are refused) and let the running ones
+    finish and be recorded for up to this long, then exit."""
     max_body_bytes: int = Field(1_000_000, gt=0)
     """serve: larger request bodies get HTTP 413."""
     idle_timeout_s: float = Field(5.0, gt=0)

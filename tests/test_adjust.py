@@ -49,13 +49,13 @@ def reference(model, prompt: list[int], n: int, adj: Adjust) -> list[int]:
     "kind,tree", [("plain", None), ("draft_lm", None), ("eagle3", None), ("hydra++", None), ("eagle3", TREE),
                   ("medusa", TREE)],
 )  # fmt: skip
-def test_greedy_rows_follow_the_adjusted_argmax(tgt, prompts, kind, tree):
+def test_greedy_rows_follow_the_adjusted_argmax(tgt, prompts, kind, tree):  # noqa: F811
     """Rows with and without adjustments in one batch: each equals its own reference (the adjusted rows differ
     from the plain ones, so the adjustment is applied, and only to its own row)."""
     drafter = make_drafter(kind, tgt)
     dec = BatchDecoder(tgt, drafter, draft_len=3, eos_ids={EOS}, tree=tree, max_len=200)
     ids = {}
-    for i, p in enumerate(prompts[:4]):
+    for p in prompts[:4]:
         ids[dec.add(p, 24, adjust=ADJ)] = (p, ADJ)
         ids[dec.add(p, 24)] = (p, Adjust())
     outs = run(dec, list(ids), check=False)
@@ -109,7 +109,7 @@ def test_sampled_rows_follow_the_adjusted_distribution(kind):
 
 
 @pytest.mark.parametrize("kind,tree", [("plain", None), ("draft_lm", None), ("eagle3", TREE)])
-def test_logprobs_are_the_targets_own(tgt, prompts, kind, tree):
+def test_logprobs_are_the_targets_own(tgt, prompts, kind, tree):  # noqa: F811
     """Each emitted token's logprob and top-3 equal the target's raw log-softmax at its position (a full forward),
     whatever the drafter proposed and whatever the adjustment changed; rows without logprobs report none."""
     dec = BatchDecoder(tgt, make_drafter(kind, tgt), draft_len=3, eos_ids={EOS}, tree=tree, max_len=200)

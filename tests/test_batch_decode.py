@@ -374,3 +374,22 @@ def test_stop_rules_end_each_rows_block_as_alone(tgt, prompts, ar, singles, kind
             assert outs[i] == ar[b]
             st = dec.stats[i]
             assert (st.accepted_per_step, st.drafted) == (alone[1].accepted_per_step, alone[1].drafted), (rule, b)
+
+
+@pytest.mark.parametrize("kind", ["plain", "draft_lm", "eagle3", "hydra++"])
+def test_a_seeded_sampled_row_is_the_same_alone_and_in_any_batch(tgt, prompts, kind):
+    """A sampled row with its own generator draws only from it, and only what it would draw alone (a row past its
+    own draft budget draws nothing while its neighbours draft on): the same tokens alone and among rows with
+    other budgets, prompts and settings (a server's `seed`)."""
+    drafter = make_drafter(kind, tgt)
+
+    def decode(neighbours: int) -> list[int]:
+        dec = BatchDecoder(tgt, drafter, draft_len=3, max_len=200)
+        for j in range(neighbours):
+            g = torch.Generator().manual_seed(100 + j)
+            dec.add(prompts[j + 1], 40 + 7 * j, temperature=0.9, top_k=5 * j, generator=g)
+        rid = dec.add(prompts[0], 13, temperature=1.0, generator=torch.Generator().manual_seed(7))
+        return run(dec, dec.active(), check=False)[rid]
+
+    alone = decode(0)
+    assert len(alone) == 13 and decode(3) == alone and decode(5) == alone

@@ -23,6 +23,7 @@ Serving:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -49,6 +50,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, redact
+from draftsmith.eval.accept import Adjust
 from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
@@ -118,14 +120,18 @@ class BadRequest(Exception):
 
 @dataclass
 class Job:
+    """One choice of a request: its prompt and sampling, decoded in one row. A request's choices (``n``) share one
+    event queue, each event tagged with its choice's index."""
+
     prompt: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
-    deadline: float  # set when the request gets a decoding row: request_timeout_s counts decoding, not queueing
+    sampling: dict  # BatchDecoder.add's temperature, top_p, top_k, adjust, logprobs
+    seed: int | None  # its own generator from this seed; None: the server's
+    events: asyncio.Queue  # (index, "tokens", (ids, logprob entries | None)).. then (index, "done" | "error", ..)
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("tokens", [id..]).. then ("done"|"error", ..)
-    cancelled: bool = False  # set by the request's side when its client left
+    index: int = 0
+    deadline: float = math.inf  # set when it gets a decoding row: request_timeout_s counts decoding, not queueing
+    cancelled: bool = False  # set by the request's side when its client left, or a stop string ended the choice
     tokens: list[int] = field(default_factory=list)  # the decode thread's copy
     versions: set[str] = field(default_factory=set)  # the drafter versions that produced its tokens (one)
     start: float = field(default_factory=time.perf_counter)
@@ -133,7 +139,7 @@ class Job:
 
     def push(self, kind: str, val) -> None:
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, val))
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (self.index, kind, val))
         except RuntimeError:  # the event loop is gone (server stopped): nobody waits for this answer
             self.cancelled = True
 
@@ -209,6 +215,7 @@ class Engine:
         self.live: dict[str, object] = {}  # version -> its decoder, while it has rows (or is current)
         self._load_current()
         self.queue: queue.Queue[Job] = queue.Queue(maxsize=self.oc.max_queue)
+        self.closing = False  # set on SIGTERM: new requests get 503 while the running ones drain
         self.lock = threading.Lock()
         self.running = 0
         self.m = dict.fromkeys(
@@ -314,13 +321,10 @@ class Engine:
         job.deadline = time.monotonic() + self.oc.request_timeout_s
         try:
             dec = self._decoder()
-            rid = dec.add(
-                torch.tensor(job.prompt),
-                job.max_tokens,
-                temperature=job.temperature,
-                top_p=job.top_p,
-                generator=self.gen,
-            )
+            gen = self.gen
+            if job.seed is not None:  # its own stream: the same seed gives the same answer, whatever the batch
+                gen = torch.Generator(device=self.device).manual_seed(job.seed)
+            rid = dec.add(torch.tensor(job.prompt), job.max_tokens, generator=gen, **job.sampling)
         except Exception as e:  # a bad request must not take the loop down
             log.exception("serve: admitting a request failed")
             self._fail(job, e)
@@ -350,7 +354,10 @@ class Engine:
                     self.ttft.observe(time.perf_counter() - job.start)
                 job.tokens += toks
                 job.versions.add(version)
-                job.push("tokens", toks)
+                lps = dec.logprobs.get(rid)
+                if lps is not None:  # this step's entries, one per token
+                    lps, dec.logprobs[rid] = lps[:], []
+                job.push("tokens", (toks, lps))
         active, now = set(dec.active()), time.monotonic()
         for key in [k for k in rows if k[0] == version]:
             job, rid = rows[key], key[1]
@@ -359,6 +366,7 @@ class Engine:
                 active.discard(rid)
             if rid not in active:
                 del rows[key]
+                dec.logprobs.pop(rid, None)
                 self._finish(job, version, dec.stats.pop(rid, None))
 
     def _fail(self, job: Job, e: Exception) -> None:
@@ -421,15 +429,19 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------------
 
-    def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float) -> Job:
-        job = Job(prompt, max_tokens, temperature, top_p, math.inf, asyncio.get_running_loop())
-        try:
-            self.queue.put_nowait(job)
-        except queue.Full:
-            with self.lock:
+    def submit(self, req: Params) -> list[Job]:
+        """Queue a request's ``n`` choices (all or none: queue.Full when they do not fit)."""
+        events, loop = asyncio.Queue(), asyncio.get_running_loop()
+        jobs = [
+            Job(req.prompt, req.max_tokens, req.sampling, req.seed_of(i), events, loop, index=i) for i in range(req.n)
+        ]
+        with self.lock:
+            if self.closing or self.queue.qsize() + len(jobs) > self.oc.max_queue:
                 self.m["rejected"] += 1
-            raise
-        return job
+                raise queue.Full
+            for job in jobs:
+                self.queue.put_nowait(job)
+        return jobs
 
     def metrics_text(self) -> str:
         return generate_latest(self.registry).decode()
@@ -457,36 +469,180 @@ def _number(req: dict, name: str, default, integer: bool = False):
 
 
 ROLES = ("system", "user", "assistant")
-# The request fields served. Any other field is a 400 naming it (never ignored: an ignored stop, n or logit_bias
-# answers something else than asked), unless it holds a value that asks for nothing (n: 1, stop: null, ...).
-FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-          "stream_options", "user"}  # fmt: skip
+# The request fields served. Any other field is a 400 naming it (never ignored: an ignored field answers something
+# else than asked), unless it holds a value that asks for nothing (echo: false, tools: [], ...).
+FIELDS = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
+          "stream", "stream_options", "user", "n", "stop", "seed", "min_tokens", "presence_penalty",
+          "frequency_penalty", "logit_bias", "logprobs", "top_logprobs"}  # fmt: skip
 NEUTRAL = {
-    "n": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "logit_bias": ({},),
-    "stop": ([], ""),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
-    "top_k": (0, -1),
-    "min_tokens": (0,),
     "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
 }
+MAX_N = 16  # choices per request
+MAX_STOP = 4  # stop strings per request (OpenAI's bound)
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (completions' logprobs: 5)
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's bound)
 
 
-def _unsupported(req: dict, temperature: float) -> None:
+def _unsupported(req: dict, chat: bool) -> None:
     for name, value in req.items():
+        if name == "top_logprobs" and not chat and value is not None:  # completions say it with logprobs: k
+            raise BadRequest("top_logprobs is a chat field; completions take logprobs: k (0-5)", name)
         if name in FIELDS or value is None or value in NEUTRAL.get(name, ()):
             continue
-        if name == "seed" and temperature == 0:  # greedy answers do not depend on a seed
-            continue
         raise BadRequest(f"{name} is not supported by this server (draftsmith serve)", name)
+
+
+@dataclass
+class Params:
+    """A parsed request: what the decode thread needs for each of its ``n`` choices, and how to answer."""
+
+    prompt: list[int]
+    max_tokens: int
+    n: int = 1
+    sampling: dict = field(default_factory=dict)  # BatchDecoder.add's temperature, top_p, top_k, adjust, logprobs
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    usage: bool = False  # stream_options.include_usage
+
+    def seed_of(self, i: int) -> int | None:
+        """Choice i's seed: the request's for the first, one derived from it for the others."""
+        if self.seed is None:
+            return None
+        return self.seed % 2**64 if i == 0 else hash((self.seed, i)) % 2**64
+
+
+def _integer(req: dict, name: str, lo: int, hi: int, default: int | None = None) -> int | None:
+    v = _number(req, name, default, integer=True)
+    if v is not None and not lo <= v <= hi:
+        raise BadRequest(f"{name} must be an integer in [{lo}, {hi}]", name)
+    return v
+
+
+def _sampling(req: dict, chat: bool, temperature: float, top_p: float, max_tokens: int, vocab: int, eos) -> dict:
+    """The decoder's sampling keywords from a request (temperature and top_p already read)."""
+    top_k = _integer(req, "top_k", -1, vocab, 0)
+    presence, frequency = _number(req, "presence_penalty", 0.0), _number(req, "frequency_penalty", 0.0)
+    for name, v in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2 <= v <= 2:
+            raise BadRequest(f"{name} must be in [-2, 2]", name)
+    min_tokens = _integer(req, "min_tokens", 0, max_tokens, 0)
+    bias = req.get("logit_bias") or {}
+    if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"logit_bias must be an object of at most {MAX_LOGIT_BIAS} token ids", "logit_bias")
+    pairs = []
+    for k, v in bias.items():
+        if not (isinstance(k, str) and k.isdecimal() and len(k) < 10 and int(k) < vocab):
+            raise BadRequest(f"logit_bias key {k[:20]!r} is not a token id below {vocab}", "logit_bias")
+        if isinstance(v, bool) or not isinstance(v, int | float) or not -100 <= v <= 100:
+            raise BadRequest(f"logit_bias values must be numbers in [-100, 100] (token {k})", "logit_bias")
+        pairs.append((int(k), float(v)))
+    adjust = None
+    if presence or frequency or pairs or min_tokens:
+        adjust = Adjust(presence, frequency, tuple(pairs), min_tokens, tuple(sorted(eos)))
+    if chat:
+        want = req.get("logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise BadRequest("logprobs must be true or false (top_logprobs: how many alternatives)", "logprobs")
+        top = _integer(req, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        if top is not None and not want:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _integer(req, "logprobs", 0, 5)
+    return {"temperature": temperature, "top_p": top_p, "top_k": max(top_k, 0), "adjust": adjust,
+            "logprobs": logprobs}  # fmt: skip
+
+
+def _stops(req: dict) -> tuple[str, ...]:
+    stop = req.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOP and all(isinstance(x, str) and x for x in stop)):
+        raise BadRequest(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them", "stop")
+    if any(len(x) > 1000 for x in stop):
+        raise BadRequest("stop strings must be at most 1000 characters", "stop")
+    return tuple(_unicode(x, "stop") for x in stop)
+
+
+class Choice:
+    """One choice's answer as its tokens arrive: whole characters (``TextStream``), ended at the first stop string
+    (excluded from the text, as OpenAI does, wherever token boundaries fall), with text that could still begin a
+    stop string held back until it cannot; the target's logprobs of its tokens."""
+
+    def __init__(self, tok, eos: set[int], stop: tuple[str, ...]):
+        self.text, self.stop = TextStream(tok, eos), stop
+        self.full, self.sent = "", 0  # whole characters so far, and how many went out
+        self.tokens, self.entries = 0, []  # tokens so far, logprob entries not yet sent
+        self.finish: str | None = None
+
+    def push(self, tokens: list[int], entries) -> str:
+        """-> text to send now. Sets ``finish`` to "stop" when a stop string came."""
+        self.tokens += len(tokens)
+        self.entries += list(zip(tokens, entries or ()))
+        self.full += self.text.push(tokens)
+        return self._release(False)
+
+    def end(self, reason: str) -> str:
+        if self.finish is None:
+            self.full += self.text.finish()
+            tail = self._release(True)
+            self.finish = self.finish or reason
+            return tail
+        return ""
+
+    def _release(self, final: bool) -> str:
+        if self.finish is not None:
+            return ""
+        end = len(self.full)
+        if self.stop:
+            # an occurrence starts at or after what was sent: text that could begin a stop string is never sent
+            at = [i for x in self.stop if (i := self.full.find(x, self.sent)) >= 0]
+            if at:
+                end, self.finish = min(at), "stop"
+            elif not final:
+                for x in self.stop:  # hold back the longest tail that begins a stop string
+                    for k in range(min(len(x) - 1, end - self.sent), 0, -1):
+                        if self.full.endswith(x[:k]):
+                            end = min(end, len(self.full) - k)
+                            break
+        delta, self.sent = self.full[self.sent : end], max(self.sent, end)
+        return delta
+
+    def take_entries(self) -> list:
+        out, self.entries = self.entries, []
+        return out
+
+
+def _logprobs(tok, entries: list, chat: bool, k: int, offset: int = 0):
+    """OpenAI's logprobs object for ``entries`` ((logprob, [(token, logprob)..]) per token): chat's ``content``
+    list, or completions' parallel lists (``offset``: characters before the first token, for text_offset)."""
+    word = lambda t: tok.decode([t])  # noqa: E731
+    finite = lambda v: max(v, -9999.0)  # noqa: E731  (JSON has no -inf)
+    if chat:
+
+        def item(t, v):
+            w = word(t)
+            return {"token": w, "logprob": finite(v), "bytes": list(w.encode())}
+
+        return {"content": [
+            {**item(t, v), "top_logprobs": [item(a, b) for a, b in top]} for t, (v, top) in entries
+        ]}  # fmt: skip
+    words = [word(t) for t, _ in entries]
+    offsets = []
+    for w in words:
+        offsets.append(offset)
+        offset += len(w)
+    return {
+        "tokens": words,
+        "token_logprobs": [finite(v) for _, (v, _) in entries],
+        "top_logprobs": [{word(a): finite(b) for a, b in top} for _, (_, top) in entries] if k else None,
+        "text_offset": offsets,
+    }
 
 
 def _unicode(text: str, name: str) -> str:
@@ -517,10 +673,10 @@ def build_app(engine: Engine) -> FastAPI:
         version=__version__,
         description=(
             "OpenAI-compatible completions and chat completions from the target with its drafter (lossless "
-            f"speculative decoding). Request fields served: {', '.join(sorted(FIELDS))} (include_usage); a field that "
-            "asks for "
-            "anything else (stop, n > 1, logprobs, penalties, logit_bias, tools, response_format, echo, best_of, "
-            "suffix, top_k, min_tokens, a seed when sampling) is a 400 naming it. Errors are OpenAI's JSON shape."
+            f"speculative decoding). Request fields served: {', '.join(sorted(FIELDS))} (include_usage). Penalties, "
+            "logit_bias and min_tokens change the target's distribution before the lossless acceptance rule; "
+            "logprobs are the target's own (its raw logits). A field that asks for anything else (tools, "
+            "response_format, echo, best_of, suffix) is a 400 naming it. Errors are OpenAI's JSON shape."
         ),
         docs_url=None,
         redoc_url=None,
@@ -583,7 +739,9 @@ def build_app(engine: Engine) -> FastAPI:
             raise BadRequest("a JSON body is required")
         return b"".join(chunks)
 
-    def parse(body: bytes, chat: bool) -> tuple[list[int], int, float, float, bool, bool]:
+    vocab, eos = engine.tgt.model.cfg.vocab_size, engine.eos
+
+    def parse(body: bytes, chat: bool) -> Params:
         try:
             req = json.loads(body)
         except RecursionError:
@@ -592,6 +750,7 @@ def build_app(engine: Engine) -> FastAPI:
             raise BadRequest(f"body is not valid JSON ({e})") from None
         if not isinstance(req, dict):
             raise BadRequest("the request body must be a JSON object")
+        _unsupported(req, chat)
         model = req.get("model")
         if model is not None and model != model_name:
             raise BadRequest(f"model {str(model)[:200]!r} is not served here; GET /v1/models lists it", "model")
@@ -621,7 +780,8 @@ def build_app(engine: Engine) -> FastAPI:
                 if m["role"] not in ROLES:
                     raise BadRequest(f"role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
             texts = [_unicode(_text(m["content"]), "messages") for m in msgs]
-            ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)])
+            # literal: a user's "<|im_start|>" is text, not a control token that opens another role's turn
+            ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)], literal=True)
         else:
             p, field_name = req.get("prompt"), "prompt"
             if not isinstance(p, str) or not p:
@@ -633,130 +793,155 @@ def build_app(engine: Engine) -> FastAPI:
                 f"context", field_name,
             )  # fmt: skip
         temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
-        _unsupported(req, temperature)
+        sampling = _sampling(req, chat, temperature, max(top_p, MIN_TOP_P), max_tokens, vocab, eos)
+        seed = _number(req, "seed", None, integer=True)
+        n = _integer(req, "n", 1, MAX_N, 1)
         options = req.get("stream_options") or {}
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise BadRequest("stream_options supports include_usage only", "stream_options")
         usage = options.get("include_usage", False)
         if not isinstance(usage, bool) or (usage and not stream):
             raise BadRequest("stream_options.include_usage must be true or false, with stream: true", "stream_options")
-        return ids, max_tokens, temperature, max(top_p, MIN_TOP_P), bool(stream), usage
+        return Params(ids, max_tokens, n, sampling, seed, _stops(req), bool(stream), usage)
+
+    def busy(msg: str) -> JSONResponse:
+        return error(503, msg, "server_error", headers={"Retry-After": "1"})
+
+    def cancel(jobs: list[Job]) -> None:
+        for job in jobs:
+            job.cancelled = True  # the decode loop frees its row after its next step
 
     async def complete(request: Request, chat: bool):
         if (refused := denied(request)) is not None:
             return refused
         try:
             body = await read_body(request)
-            prompt, max_tokens, temperature, top_p, stream, usage = await run_in_threadpool(parse, body, chat)
+            req = await run_in_threadpool(parse, body, chat)
         except BadRequest as e:
             return error(e.code, e.message, param=e.param)
         except Exception as e:  # never a plain-text 500 that closes the connection: OpenAI's shape, logged
             log.exception("serve: request failed")
             return error(500, f"internal error ({type(e).__name__})", "server_error")
         try:
-            job = engine.submit(prompt, max_tokens, temperature, top_p)
+            jobs = engine.submit(req)
         except queue.Full:
-            msg = f"server busy: {oc.max_queue} requests queued (online.max_queue)"
-            return error(503, msg, "server_error", headers={"Retry-After": "1"})
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        busy = lambda msg: error(503, msg, "server_error", headers={"Retry-After": "1"})  # noqa: E731
-        if stream:  # the status line waits for the first event: a request refused while queued gets its 503
-            first = await job.events.get()
-            if first[0] == "busy":
-                return busy(first[1])
-            _requeue_first(job.events, first)
-            return StreamingResponse(
-                _events(job, rid, chat, usage), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            why = (
+                "the server is shutting down"
+                if engine.closing
+                else f"{oc.max_queue} requests queued (online.max_queue)"
             )
-        tokens, info, check = [], None, time.monotonic() + 0.5
+            return busy(f"server busy: {why}")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        events = jobs[0].events
+        if req.stream:  # the status line waits for the first event: a request refused while queued gets its 503
+            first = await events.get()
+            if first[1] == "busy":
+                cancel(jobs)
+                return busy(first[2])
+            _requeue_first(events, first)
+            return StreamingResponse(
+                _events(jobs, req, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        choices = [Choice(tok, eos, req.stop) for _ in jobs]
+        texts, check = [""] * len(jobs), time.monotonic() + 0.5
         try:
-            while info is None:
+            while any(c.finish is None for c in choices):
                 try:
-                    kind, val = await asyncio.wait_for(job.events.get(), 0.5)
+                    i, kind, val = await asyncio.wait_for(events.get(), 0.5)
                 except asyncio.TimeoutError:
                     kind = None
                 if time.monotonic() > check:  # twice a second: has the client left?
                     check = time.monotonic() + 0.5
                     if await request.is_disconnected():
                         return Response(status_code=499)
-                if kind is None:
+                if kind is None or choices[i].finish is not None:
                     continue
+                c = choices[i]
                 if kind == "tokens":
-                    tokens += val
+                    texts[i] += c.push(*val)
+                    if c.finish is not None:  # a stop string: this choice is answered, its row freed
+                        cancel([jobs[i]])
                 elif kind == "done":
-                    info = val
+                    texts[i] += c.end(val["finish_reason"])
                 elif kind == "busy":
                     return busy(val)
                 else:
                     return error(500, val, "server_error")
         finally:
-            if info is None:
-                job.cancelled = True  # the client left (or the server stops): free its row
-        text = tok.decode([t for t in tokens if t not in engine.eos], skip_special_tokens=True)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": text}}
-            if chat
-            else {"index": 0, "text": text, "logprobs": None}
-        )
-        choice["finish_reason"] = info["finish_reason"]
+            cancel([j for j, c in zip(jobs, choices) if c.finish is None or c.finish == "stop"])
+        k = req.sampling["logprobs"]
+        out = []
+        for i, (c, text) in enumerate(zip(choices, texts)):
+            lp = None if k is None else _logprobs(tok, c.take_entries(), chat, k)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            out.append({"index": i, **body, "logprobs": lp, "finish_reason": c.finish})
+        n_out = sum(c.tokens for c in choices)
         return {
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": model_name,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": info["prompt_tokens"],
-                "completion_tokens": info["completion_tokens"],
-                "total_tokens": info["prompt_tokens"] + info["completion_tokens"],
-            },
-        }
+            "choices": out,
+            "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": n_out,
+                      "total_tokens": len(req.prompt) + n_out},
+        }  # fmt: skip
 
-    async def _events(job: Job, rid: str, chat: bool, usage: bool = False):
-        obj = "chat.completion.chunk" if chat else "text_completion"
+    async def _events(jobs: list[Job], req: Params, rid: str, chat: bool):
+        obj, k = "chat.completion.chunk" if chat else "text_completion", req.sampling["logprobs"]
+        choices = [Choice(tok, eos, req.stop) for _ in jobs]
+        sent = [0] * len(jobs)  # characters sent per choice (completions' text_offset)
 
-        def chunk(delta: str | None, finish=None) -> bytes:
-            c = (
-                {"index": 0, "delta": {} if delta is None else {"content": delta}}
+        def chunk(i: int, delta: str | None, finish=None) -> bytes:
+            c = choices[i]
+            c_ = (
+                {"index": i, "delta": {} if delta is None else {"content": delta}}
                 if chat
-                else {"index": 0, "text": delta or ""}
+                else {"index": i, "text": delta or ""}
             )
-            c["finish_reason"] = finish
-            return event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [c]})
+            if k is not None:
+                c_["logprobs"] = _logprobs(tok, c.take_entries(), chat, k, sent[i])
+            sent[i] += len(delta or "")
+            c_["finish_reason"] = finish
+            return event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                          "choices": [c_]})  # fmt: skip
 
         def event(o: dict) -> bytes:
             return b"data: " + json.dumps(o).encode() + b"\n\n"
 
-        text, ended = TextStream(tok, engine.eos), False
+        ended = False
         try:
             if chat:
-                first = {"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}
-                yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                             "choices": [first]})  # fmt: skip
-            while True:
-                kind, val = await job.events.get()
+                for i in range(len(jobs)):
+                    first = {"index": i, "delta": {"role": "assistant"}, "finish_reason": None}
+                    yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                                 "choices": [first]})  # fmt: skip
+            while any(c.finish is None for c in choices):
+                i, kind, val = await jobs[0].events.get()
+                c = choices[i]
+                if c.finish is not None:
+                    continue
                 if kind == "tokens":
-                    if delta := text.push(val):
-                        yield chunk(delta)
+                    if delta := c.push(*val):
+                        yield chunk(i, delta)
+                    if c.finish is not None:  # a stop string ended it
+                        jobs[i].cancelled = True
+                        yield chunk(i, None, c.finish)
                 elif kind == "done":
-                    ended = True
-                    if tail := text.finish():  # a character the answer's last token left incomplete
-                        yield chunk(tail)
-                    yield chunk(None, val["finish_reason"])
-                    if usage:  # stream_options.include_usage: OpenAI's last chunk, no choices, the counts
-                        n_in, n_out = val["prompt_tokens"], val["completion_tokens"]
-                        yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                     "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                                              "total_tokens": n_in + n_out}})  # fmt: skip
+                    if tail := c.end(val["finish_reason"]):  # held text, or a character left incomplete
+                        yield chunk(i, tail)
+                    yield chunk(i, None, c.finish)
+                else:  # an error (a queued request is refused before the stream starts)
+                    yield event({"error": {"message": redact(str(val)), "type": "server_error", "param": None}})
                     break
-                else:
-                    ended = True
-                    yield event({"error": {"message": redact(val), "type": "server_error", "param": None}})
-                    break
+            ended = True
+            if req.usage:  # stream_options.include_usage: OpenAI's last chunk, no choices, the counts
+                n_in, n_out = len(req.prompt), sum(c.tokens for c in choices)
+                yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                             "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
+                                                      "total_tokens": n_in + n_out}})  # fmt: skip
             yield b"data: [DONE]\n\n"
         finally:
-            if not ended:
-                job.cancelled = True  # the client left: the decode loop frees its row after the next step
+            cancel([j for j, c in zip(jobs, choices) if not ended or c.finish == "stop"])
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -807,6 +992,30 @@ class _H11(H11Protocol):
             self.transport.close()
 
 
+class _Draining(uvicorn.Server):
+    """uvicorn's server, which on SIGTERM / SIGINT (or ``shutdown``) stops listening, closes idle connections and
+    waits up to its ``timeout_graceful_shutdown`` for the running requests; the engine refuses new ones meanwhile."""
+
+    def __init__(self, config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()  # drained: a clean exit (0), not death by the signal afterwards
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.closing = True
+        log.warning(
+            "serve: draining: %d request(s) running, up to %.0f s",
+            self.engine.running,
+            self.config.timeout_graceful_shutdown or 0,
+        )
+        await super().shutdown(sockets)
+
+
 class Server:
     """uvicorn serving ``build_app(engine)`` on a socket bound up front (so port 0 is known and a bind failure is
     one line before anything runs), with socketserver's serve_forever / shutdown / server_close."""
@@ -817,14 +1026,14 @@ class Server:
             build_app(engine),
             http=_H11,
             timeout_keep_alive=engine.oc.idle_timeout_s,
-            timeout_graceful_shutdown=2,
+            timeout_graceful_shutdown=engine.oc.drain_s,  # SIGTERM: running requests finish first
             lifespan="off",
             log_config=None,
             log_level="warning",
             access_log=False,  # request lines stay out of the logs, like prompts
             server_header=False,
         )
-        self._uv = uvicorn.Server(config)
+        self._uv = _Draining(config, engine)
         self._done = threading.Event()
 
     def serve_forever(self) -> None:
