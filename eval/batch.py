@@ -712,7 +712,8 @@ class BatchDecoder:
             return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result, lps)
         gam = [min(self.depth, r.max_new - len(r.out) - 1) if speculate else 0 for r in rows]  # each row's budget
         t0 = time.perf_counter()
-        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, lambda lg, live: self._pick(rows, lg, live))
+        pick = lambda lg, live: self._pick(rows, lg, live)  # noqa: E731
+        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, pick)
         if drafted is not None and drafted[0]:
             toks, qs, gam = drafted  # gam: what each row drafted (its budget, or where its stop hook ended it)
             drafts = torch.stack(toks, 1)  # (B, G)
