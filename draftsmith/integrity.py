@@ -88,6 +88,23 @@ def checksums(folder: Path) -> dict[str, str]:
     return {p.name: sha256_file(p) for p in sorted(Path(folder).glob("*.safetensors"))}
 
 
+def config_digest(config: dict) -> str:
+    """sha256 of a drafter config (canonical JSON): drafter.json records it next to the files' checksums, so a
+    config edited after the weights were written (a rope_theta, an eps: no shape changes) is caught at load."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def verify_config(info: dict, path: Path, hint: str = "") -> None:
+    """Refuse ``info`` (a drafter.json at ``path``) whose config does not match its recorded ``config_sha256``
+    (files written before it was recorded have none)."""
+    want = info.get("config_sha256")
+    if want is not None and config_digest(info.get("config")) != want:
+        raise DraftsmithError(
+            f"{path}: its config differs from the one the weights were saved with (config_sha256 mismatch); "
+            f"restore it or re-export from the checkpoint{hint}"
+        )
+
+
 def verify_file(path: Path, expected: str | None, start: int = 0, hint: str = "") -> None:
     """Raise a one-line DraftsmithError naming ``path`` when its sha256 (from ``start``) is not ``expected``."""
     path = Path(path)

@@ -20,7 +20,15 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.integrity import checksums, load_tensors, read_json, save_safetensors, verify_file
+from draftsmith.integrity import (
+    checksums,
+    config_digest,
+    load_tensors,
+    read_json,
+    save_safetensors,
+    verify_config,
+    verify_file,
+)
 from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator, pard
 from draftsmith.models.llama import Llama
 from draftsmith.models.medusa import ADAPTER_FILE, adapter_state
@@ -118,7 +126,8 @@ def save_drafter(
     if getattr(model, "draft_tokenizer", None) is not None:  # a draft with its own vocabulary (models/own_vocab.py)
         model.draft_tokenizer.save_pretrained(tmp / "tokenizer")
         meta = {**meta, "draft_tokenizer": "tokenizer"}
-    info = {"kind": kind, "config": model.cfg.to_dict(), **meta, "sha256": checksums(tmp)}
+    config = model.cfg.to_dict()
+    info = {"kind": kind, "config": config, "config_sha256": config_digest(config), **meta, "sha256": checksums(tmp)}
     (tmp / "drafter.json").write_text(json.dumps(info, indent=2))
     old = path.with_name(path.name + ".deleting")  # never a moment with a half-deleted folder under ``path``
     shutil.rmtree(old, ignore_errors=True)
@@ -147,6 +156,7 @@ def read_checkpoint(path: Path, hint: str = "") -> dict:
         raise DraftsmithError(f"{path / 'drafter.json'}: 'sha256' is not a {{file: checksum}} map{hint}")
     for name in sorted({"model.safetensors", *sums}):
         verify_file(path / Path(name).name, sums.get(name), hint=hint)
+    verify_config(info, path / "drafter.json", hint)
     with torch.device("meta"):  # the config must describe a drafter (built without memory)
         _from_config(info, path, hint)
     return info

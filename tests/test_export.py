@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftsmith.cli import main
+from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import speculative_generate
 from draftsmith.eval.tree import DynamicTree
 from draftsmith.eval.tree_decoder import tree_speculative_generate
@@ -240,6 +241,32 @@ def test_export_refuses_an_out_folder_that_is_or_holds_its_checkpoint(checkpoint
     assert sorted(p.name for p in ckpt.iterdir()) == before
     load_export(export(ckpt, "hf", ckpt / "hf"), None)  # a folder inside it is fine: the checkpoint stays whole
     assert load_drafter(ckpt)[1]["kind"] == "draft_lm"
+
+
+def test_an_out_folder_that_cannot_be_written_is_a_one_line_error(checkpoints, tmp_path, monkeypatch, capsys):
+    """A read-only mount or a full disk: exit 2 with one line naming the folder, and no .tmp folder left."""
+    import errno
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("draftsmith.export.writer.save_file", read_only)
+    assert main(["export", str(checkpoints["draft_lm"]), "--format", "hf", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot write" in err[0] and "Read-only file system" in err[0]
+    assert not list(tmp_path.iterdir())
+
+
+def test_an_export_whose_config_was_edited_is_refused(checkpoints, tmp_path):
+    """A drafter.json whose config changed after the export (rope_theta x 10: no shape changes, the weights'
+    checksums still match) is refused at load, naming the file; the export as written loads."""
+    out = export(checkpoints["draft_lm"], "hf", tmp_path / "x")
+    load_export(out, None)
+    meta = json.loads((out / "drafter.json").read_text())
+    meta["config"]["rope_theta"] = meta["config"].get("rope_theta", 10000.0) * 10
+    (out / "drafter.json").write_text(json.dumps(meta))
+    with pytest.raises(DraftsmithError, match="drafter.json: its config differs"):
+        load_export(out, None)
 
 
 def test_a_failed_export_leaves_no_complete_looking_folder(checkpoints, tmp_path, monkeypatch):

@@ -54,6 +54,13 @@ def _drop_field(folder: Path) -> None:
     (folder / "drafter.json").write_text(json.dumps(info))
 
 
+def _edit_config(folder: Path) -> None:
+    """rope_theta x 10 (no shape changes, the weights' checksums still match)."""
+    info = json.loads((folder / "drafter.json").read_text())
+    info["config"]["rope_theta"] = info["config"].get("rope_theta", 10000.0) * 10
+    (folder / "drafter.json").write_text(json.dumps(info))
+
+
 def _random_files(folder: Path) -> None:
     g = torch.Generator().manual_seed(0)
     for f in ("drafter.json", "model.safetensors"):
@@ -69,6 +76,7 @@ CORRUPT = {
     "flipped-bytes": (lambda f: _flip(f / "model.safetensors"), "model.safetensors"),
     "not-json": (lambda f: (f / "drafter.json").write_text("{kind: draft_lm,"), "drafter.json"),
     "config-missing-field": (_drop_field, "drafter.json"),
+    "config-edited": (_edit_config, "drafter.json"),
 }
 
 

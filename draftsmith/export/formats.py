@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.integrity import load_tensors, read_json, verify_file
+from draftsmith.integrity import load_tensors, read_json, verify_config, verify_file
 from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.llama import LlamaConfig
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
@@ -643,6 +643,7 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     fmt, cfg = info.get("export_format", "hf"), info["config"]
     for name, digest in (info.get("sha256") or {}).items():  # exports written before checksums have none
         verify_file(folder / Path(name).name, digest)
+    verify_config(info, meta)
     sd = load_tensors(folder / weights_file(fmt))
     if fmt == "medusa":
         sd = _medusa_back(sd, cfg)

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.export import formats as sf
-from draftsmith.integrity import checksums
+from draftsmith.integrity import checksums, config_digest
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
 from draftsmith.models.own_vocab import refuse_own_vocab
 from draftsmith.models.registry import DRAFTERS, load_drafter
@@ -80,50 +80,55 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
             f"too: use --format hf, which keeps target_adapter.safetensors"
         )
     tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    target = info.get("target") or ""
-    run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
-    trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
-    tgt = _verifier(recipe, target, trained_by)
-    own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
-    named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
-    if fmt == "hf":
-        tensors, config = sf.to_hf(model, named)
-    else:
-        writer = {
-            "vllm": sf.to_speculators,
-            "sglang": sf.to_sglang_eagle3,
-            "medusa": sf.to_medusa,
-            "mlp-speculator": sf.to_mlp_speculator,
-        }[fmt]
-        if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
-            writer = sf.to_eagle1(fmt)
-        tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
-    save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if (ckpt / sf.ADAPTER_FILE).is_file():
-        shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
-    sums = checksums(tmp)  # load_export and `eval.checkpoint=EXPORT` verify them, as for a checkpoint
-    meta = {**named, **sf.export_meta(model, info, fmt), "export_format": fmt, "sha256": sums}
-    (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))
-    _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] in ("draft_lm", "pard"))
-    if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
-        _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
-    report = run_dir / "eval" / "report.json"
-    card = model_card(info, fmt, json.loads(report.read_text()) if report.is_file() else None, tgt, _tokens(config))
-    (tmp / "README.md").write_text(card)
-    if tgt.hub_id is None:
-        log.warning(
-            "export: no hub id is known for target %r, so %s names no target (set "
-            "target.hub_id=org/name to name one%s); serve with: %s",
-            target,
-            out,
-            f"; its config.json says it was loaded from {tgt.hint}" if tgt.hint else "",
-            sf.usage(fmt, sf.usage_kind(info), None, _tokens(config)),
-        )
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        target = info.get("target") or ""
+        run_dir = recipe.run_dir if recipe is not None else ckpt.parent.parent
+        trained_by = next((p for p in (ckpt / "recipe.yaml", run_dir / "recipe.yaml") if p.is_file()), None)
+        tgt = _verifier(recipe, target, trained_by)
+        own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
+        named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
+        if fmt == "hf":
+            tensors, config = sf.to_hf(model, named)
+        else:
+            writer = {
+                "vllm": sf.to_speculators,
+                "sglang": sf.to_sglang_eagle3,
+                "medusa": sf.to_medusa,
+                "mlp-speculator": sf.to_mlp_speculator,
+            }[fmt]
+            if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
+                writer = sf.to_eagle1(fmt)
+            tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
+        save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if (ckpt / sf.ADAPTER_FILE).is_file():
+            shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)
+        sums = checksums(tmp)  # load_export and `eval.checkpoint=EXPORT` verify them, as for a checkpoint
+        meta = {**named, **sf.export_meta(model, info, fmt), "export_format": fmt, "sha256": sums}
+        meta["config_sha256"] = config_digest(meta["config"])  # the config as exported
+        (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))
+        _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] in ("draft_lm", "pard"))
+        if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
+            _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
+        report = run_dir / "eval" / "report.json"
+        card = model_card(info, fmt, json.loads(report.read_text()) if report.is_file() else None, tgt, _tokens(config))
+        (tmp / "README.md").write_text(card)
+        if tgt.hub_id is None:
+            log.warning(
+                "export: no hub id is known for target %r, so %s names no target (set "
+                "target.hub_id=org/name to name one%s); serve with: %s",
+                target,
+                out,
+                f"; its config.json says it was loaded from {tgt.hint}" if tgt.hint else "",
+                sf.usage(fmt, sf.usage_kind(info), None, _tokens(config)),
+            )
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+    except OSError as e:  # a read-only mount, a full disk: one line, and no half-written folder left
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise DraftsmithError(f"export: cannot write {out} ({e.strerror or e})") from None
     return out
 
 
