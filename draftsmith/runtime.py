@@ -66,6 +66,22 @@ def resolve_precision(precision: str, device: str) -> str:
     return "no"
 
 
+def refuse_independent_machines() -> None:
+    """``accelerate launch --num_machines N`` without a distributed mode (``--multi_gpu``, FSDP, DeepSpeed) uses
+    accelerate's simple launcher: each machine runs one process on its own, with no process group, so N
+    independent trainings would write the same out_dir. That launcher sets MASTER_ADDR for the machines but no
+    WORLD_SIZE: refused in one line before anything is read or written."""
+    import os
+
+    env = os.environ
+    if "ACCELERATE_MIXED_PRECISION" in env and "MASTER_ADDR" in env and "WORLD_SIZE" not in env:
+        raise DraftsmithError(
+            "accelerate launch started this process alone although --num_machines (or --num_processes) asks for "
+            "more: each machine would train on its own into the same out_dir; add --multi_gpu (or an FSDP / "
+            "DeepSpeed config) so the machines join one process group"
+        )
+
+
 def init_distributed() -> tuple[int, int, int]:
     """(rank, world size, local rank). Under torchrun / accelerate launch (WORLD_SIZE > 1) this joins the process
     group (gloo on CPU, nccl on CUDA) unless someone already did; a plain run is rank 0 of 1."""
@@ -74,6 +90,7 @@ def init_distributed() -> tuple[int, int, int]:
 
     import torch.distributed as dist
 
+    refuse_independent_machines()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -972,3 +972,42 @@ def test_in_training_tau_equals_draftsmith_eval_on_the_same_checkpoint(
     assert main(["eval", "tiny", *args, *common, "eval.baseline_hf=false"]) == 0
     report = json.loads((run / "eval" / "report.json").read_text())
     assert report["tau"] == pytest.approx(quick[0]["tau_measured"], rel=1e-9)
+
+
+def _launch_machines(out, tiny_model_dir, prompts_file, multi: bool, *overrides: str):
+    """Two `accelerate launch --num_machines 2 --machine_rank R` commands on loopback, one process each (two
+    "machines" on this host) -> their finished subprocesses."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = []
+    for rank in (0, 1):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "2", "--machine_rank",
+               str(rank), "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), "--num_processes", "2",
+               *(["--multi_gpu"] if multi else ["--cpu"]), "--mixed_precision", "no", "--dynamo_backend", "no",
+               "-m", "draftsmith", "train", "tiny", f"target.model={tiny_model_dir}",
+               f"eval.prompts.path={prompts_file}", f"out_dir={out}", "-q", *overrides]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return [(p, *p.communicate(timeout=300)) for p in procs]
+
+
+@ONE_GPU_SKIP
+def test_two_machines_on_loopback_train_as_one_process(train_run, tiny_model_dir, prompts_file):
+    """`accelerate launch --num_machines 2 --multi_gpu` twice (machine ranks 0 and 1, one process each, gloo on
+    loopback) trains exactly as one process with both micro-batches does; without --multi_gpu, accelerate's
+    simple launcher would start two independent one-process trainings on the same out_dir: each machine refuses
+    in one line, exit 2, and nothing is trained."""
+    one = train_run("one", "train.micro_batch_size=4", "train.steps=3")
+    two = one.parent / "two"
+    shutil.copytree(one / "data", two / "data")
+    for p, _, err in _launch_machines(two, tiny_model_dir, prompts_file, True, "train.micro_batch_size=2",
+                                      "train.steps=3"):  # fmt: skip
+        assert p.returncode == 0, err[-3000:]
+    _close(_weights(one / "checkpoints" / "final"), _weights(two / "checkpoints" / "final"))
+    for ra, rb in zip(_rows(one), _rows(two), strict=True):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-4)
+    bad = one.parent / "bad"
+    shutil.copytree(one / "data", bad / "data")
+    for p, _, err in _launch_machines(bad, tiny_model_dir, prompts_file, False, "train.steps=3"):
+        lines = [x for x in err.strip().splitlines() if x.startswith("draftsmith: error:")]
+        assert p.returncode != 0 and len(lines) == 1 and "--num_machines" in lines[0], err[-3000:]
+    assert not (bad / "checkpoints").exists()

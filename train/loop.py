@@ -30,7 +30,7 @@ from draftsmith.models.loading import load_model, read_json, stop_ids, tokenizer
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog, save_recipe, significant
-from draftsmith.runtime import resolve_device, resolve_precision
+from draftsmith.runtime import refuse_independent_machines, resolve_device, resolve_precision
 from draftsmith.train.objectives import Context, check_packing, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
@@ -194,6 +194,7 @@ def train(recipe) -> Path:
     from accelerate.utils import set_seed
 
     tc, run = recipe.train, recipe.run_dir
+    refuse_independent_machines()
     device = resolve_device(recipe.target.device)
     precision = resolve_precision(tc.precision, device)
     if tc.precision == "auto":
