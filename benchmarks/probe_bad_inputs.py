@@ -1,9 +1,12 @@
 """Bad inputs through the real CLI: every case runs `python -m draftsmith ...` in a subprocess on a tiny random
 Llama target built in a temporary folder (offline, CPU, about a minute on 2 cores), after one good `run` made the
-run folder the cases damage copies of: missing and corrupt recipes, bad overrides, bad and corrupt targets, an
-unavailable target device, a target that only a pickle or remote code would load, bad prompt files, corrupt or
-bit-flipped records and checkpoints, `export --out` onto a file, hub repo ids, online rollbacks outside the version
-store.
+run folder the cases damage copies of: missing and corrupt recipes (a directory, a FIFO, a symlink loop, a
+duplicate key, a YAML alias bomb), bad overrides (out of range, a seed past 2^32, 1e20 tokens), bad and corrupt
+targets, an unavailable target device, a target that only a pickle or remote code would load, bad prompt files (a
+FIFO, a 50 MB line), an out_dir that is a file, corrupt or bit-flipped records and checkpoints, manifests naming a
+file outside the data folder or a shard twice, a non-finite learning rate, a config edited after the weights,
+`export --out` onto a file, onto its own checkpoint or a read-only mount, hub repo ids, online rollbacks outside
+the version store.
 
 Reading the output: one line per case, then the totals. `clean` is what every bad input should give: exit code 2,
 exactly one `draftsmith: error: ...` line on stderr and no traceback. `traceback` means a Python traceback reached
@@ -160,6 +163,40 @@ def cases(root: Path) -> dict:
     def drop_dim(doc: dict) -> None:
         doc["config"].pop("dim")
 
+    def rope_x10(doc: dict) -> None:
+        doc["config"]["rope_theta"] = doc["config"].get("rope_theta", 10000.0) * 10
+
+    def manifest(change):
+        return lambda data: edit_json(data / "manifest.json", change)
+
+    def outside(m: dict) -> None:
+        m["shards"][0]["file"] = "../../outside.safetensors"
+
+    def twice(m: dict) -> None:
+        m["shards"].append(dict(m["shards"][0]))
+
+    def fifo(d: Path, name: str) -> Path:
+        os.mkfifo(d / name)
+        return d / name
+
+    def loop(d: Path) -> Path:
+        (d / "a.yaml").symlink_to(d / "b.yaml")
+        (d / "b.yaml").symlink_to(d / "a.yaml")
+        return d / "a.yaml"
+
+    def long_line(d: Path) -> Path:
+        line = json.dumps({"messages": [{"role": "user", "content": "x" * (50 << 20)}]})
+        return text(d, "big.jsonl", line + "\n")
+
+    bomb = (
+        "a: &a [x, x, x, x, x, x, x, x, x]\n"
+        + "".join(
+            f"{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+            for p, c in zip("abcdefgh", "bcdefghi")
+        )
+        + "name: *i\n"
+    )
+
     def bad_target(how: str):
         return lambda d: ["generate", recipe, f"target.model={corrupt_target(d, how)}", f"out_dir={d}/r"]
 
@@ -296,6 +333,28 @@ def cases(root: Path) -> dict:
             "v0042",
         ],
         "tree: not a run folder": lambda d: ["tree", text(d, "metrics.jsonl", "{bad\n").parent],
+        "export: --out is the checkpoint": lambda d: ["export", ckpt_copy(d, lambda c: None), "--out", d / "final"],
+        "export: --out holds the checkpoint": lambda d: ["export", ckpt_copy(d, lambda c: None), "--out", d],
+        "export: --out on a read-only mount": lambda d: ["export", final, "--out", "/sys/draftsmith-probe"],
+        "export: rope_theta x10 in drafter.json": lambda d: [
+            "export",
+            ckpt_copy(d, lambda c: edit_json(c / "drafter.json", rope_x10)),
+            "--out",
+            d / "out",
+        ],
+        "train: train.lr=.inf": lambda d: ["train", recipe, f"out_dir={run_copy(d, 'data')}", "train.lr=.inf"],
+        "train: manifest entry ../../outside": lambda d: data_run(d, manifest(outside)),
+        "train: a shard listed twice": lambda d: data_run(d, manifest(twice)),
+        "recipe: duplicate top-level key": lambda d: ["show", text(d, "r.yaml", recipe.read_text() + "name: again\n")],
+        "recipe: YAML alias bomb": lambda d: ["show", text(d, "r.yaml", bomb)],
+        "recipe: a directory": lambda d: ["show", d],
+        "recipe: a symlink loop": lambda d: ["show", loop(d)],
+        "recipe: a FIFO": lambda d: ["show", fifo(d, "r.yaml")],
+        "prompts: a 50 MB line": lambda d: ["generate", recipe, f"data.prompts.path={long_line(d)}", f"out_dir={d}/r"],
+        "prompts: a FIFO": lambda d: ["generate", recipe, f"data.prompts.path={fifo(d, 'p.jsonl')}", f"out_dir={d}/r"],
+        "out_dir: an existing file": lambda d: ["generate", recipe, f"out_dir={text(d, 'f', 'x')}"],
+        "override: seed 2^32": lambda d: ["show", recipe, "seed=4294967296"],
+        "override: data.max_new_tokens=1e20": lambda d: ["show", recipe, "data.max_new_tokens=1e20"],
     }
 
 
