@@ -441,6 +441,8 @@ def encode_chat(tok, messages: list[dict], literal: bool = False) -> list[int]:
     message's content is text, never control tokens: where it spells one (``<|im_start|>`` typed by a user), the
     template is rendered around placeholders and the content is tokenized with special tokens split into plain
     text, so a user cannot open a turn of another role (content that spells none tokenizes as without it).
+    The literal path sets the tokenizer's ``split_special_tokens`` flag for its content: a caller that encodes from
+    several threads holds one lock around every encode (serve does).
     """
     if literal and any(_spells_special(tok, m["content"]) for m in messages):
         mark = f"\x00draftsmith-{uuid.uuid4().hex}-"
@@ -460,9 +462,15 @@ def encode_chat(tok, messages: list[dict], literal: bool = False) -> list[int]:
 
 
 def _spells_special(tok, text: str) -> bool:
-    """Whether ``text`` contains a special token's spelling (it tokenizes differently with them split)."""
-    plain = tok(text, add_special_tokens=False)["input_ids"]
-    return plain != tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    """Whether ``text`` contains a special token's spelling. (Read from the vocabulary, not by tokenizing with
+    ``split_special_tokens``, which sets a flag on the shared tokenizer that concurrent encodes would see.)"""
+    specials = getattr(tok, "_draftsmith_specials", None)
+    if specials is None:
+        added = getattr(tok, "added_tokens_decoder", {}) or {}
+        specials = {*tok.all_special_tokens, *(t.content for t in added.values() if getattr(t, "special", False))}
+        specials = tuple(sorted(s for s in specials if s))
+        tok._draftsmith_specials = specials
+    return any(s in text for s in specials)
 
 
 def stop_ids(path: Path, tok) -> set[int]:

@@ -740,6 +740,9 @@ def build_app(engine: Engine) -> FastAPI:
         return b"".join(chunks)
 
     vocab, eos = engine.tgt.model.cfg.vocab_size, engine.eos
+    # parse runs on a thread pool; a literal chat encode sets a flag on the shared tokenizer (split_special_tokens)
+    # that another thread's encode would see, so encodes take turns (they take microseconds)
+    encoding = threading.Lock()
 
     def parse(body: bytes, chat: bool) -> Params:
         try:
@@ -781,12 +784,14 @@ def build_app(engine: Engine) -> FastAPI:
                     raise BadRequest(f"role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
             texts = [_unicode(_text(m["content"]), "messages") for m in msgs]
             # literal: a user's "<|im_start|>" is text, not a control token that opens another role's turn
-            ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)], literal=True)
+            with encoding:
+                ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)], literal=True)
         else:
             p, field_name = req.get("prompt"), "prompt"
             if not isinstance(p, str) or not p:
                 raise BadRequest("prompt must be a non-empty string", "prompt")
-            ids = tok.encode(_unicode(p, "prompt"))
+            with encoding:
+                ids = tok.encode(_unicode(p, "prompt"))
         if len(ids) + max_tokens > engine.max_len:
             raise BadRequest(
                 f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the {engine.max_len}-token "
