@@ -361,6 +361,9 @@ def test_the_openai_client_gets_every_served_parameter(server, tiny):
         assert item.logprob == pytest.approx(float(lp[j, ref[j]]), abs=1e-4)
         assert [a.logprob for a in item.top_logprobs] == pytest.approx(lp[j].topk(3).values.tolist(), abs=1e-4)
         assert item.top_logprobs[0].token == tok.decode([int(lp[j].argmax())])
+    streamed = [x for c in chat(logprobs=True, top_logprobs=3, stream=True) if c.choices and c.choices[0].logprobs
+                for x in c.choices[0].logprobs.content]  # fmt: skip
+    assert [x.logprob for x in streamed] == [x.logprob for x in content]
     c = client.completions.create(model=model, prompt="The sea", max_tokens=6, logprobs=2)
     assert len(c.choices[0].logprobs.tokens) == c.usage.completion_tokens == len(c.choices[0].logprobs.token_logprobs)
     assert all(len(d) <= 2 for d in c.choices[0].logprobs.top_logprobs)
