@@ -38,6 +38,7 @@ MAINTAINED = [
     "gpu_bounds",
     "vllm_throughput",
     "sglang_exports",
+    "code_shape",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
