@@ -664,10 +664,280 @@ def _text(content) -> str | None:
     return None
 
 
+def _error(code: int, msg: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
+    """OpenAI's error shape."""
+    body = {"error": {"message": redact(msg), "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status_code=code, headers=headers)
+
+
+def _busy(msg: str) -> JSONResponse:
+    return _error(503, msg, "server_error", headers={"Retry-After": "1"})
+
+
+def _cancel(jobs: list[Job]) -> None:
+    for job in jobs:
+        job.cancelled = True  # the decode loop frees its row after its next step
+
+
+def _json_object(body: bytes) -> dict:
+    try:
+        req = json.loads(body)
+    except RecursionError:
+        raise BadRequest("request JSON nested too deeply") from None
+    except ValueError as e:
+        raise BadRequest(f"body is not valid JSON ({e})") from None
+    if not isinstance(req, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return req
+
+
+def _messages(req: dict) -> list[dict]:
+    """Chat messages, validated: roles and text content ({role, content: text})."""
+    msgs = req.get("messages")
+    if not (
+        isinstance(msgs, list)
+        and msgs
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _text(m.get("content")) is not None
+                for m in msgs)
+    ):  # fmt: skip
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    for m in msgs:
+        if m["role"] not in ROLES:
+            raise BadRequest(f"role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
+    return [{"role": m["role"], "content": _unicode(_text(m["content"]), "messages")} for m in msgs]
+
+
+def _usage_option(req: dict, stream) -> bool:
+    options = req.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise BadRequest("stream_options supports include_usage only", "stream_options")
+    usage = options.get("include_usage", False)
+    if not isinstance(usage, bool) or (usage and not stream):
+        raise BadRequest("stream_options.include_usage must be true or false, with stream: true", "stream_options")
+    return usage
+
+
+class Api:
+    """The HTTP side: requests parsed into ``Params``, queued on the ``Engine`` and answered from its events, whole
+    or streamed (server-sent events), in OpenAI's shapes."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.oc, self.tok, self.eos = engine, engine.oc, engine.tok, engine.eos
+        self.model_name = engine.recipe.target.model
+        self.vocab = engine.tgt.model.cfg.vocab_size
+        self.api_key = os.environ.get(API_KEY_ENV, "").strip()
+        # parse runs on a thread pool; a literal chat encode sets a flag on the shared tokenizer
+        # (split_special_tokens) that another thread's encode would see, so encodes take turns (microseconds)
+        self.encoding = threading.Lock()
+
+    def denied(self, request: Request) -> JSONResponse | None:
+        if not self.api_key:
+            return None
+        given = request.headers.get("authorization", "").encode("utf-8", "replace")
+        if hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+            return None
+        msg = f"a valid API key is required (Authorization: Bearer <{API_KEY_ENV}>)"
+        return _error(401, msg, "authentication_error")
+
+    async def read_body(self, request: Request) -> bytes:
+        limit = self.oc.max_body_bytes
+        size = request.headers.get("content-length")
+        if size is not None and int(size) > limit:  # uvicorn refuses a non-numeric Content-Length
+            raise BadRequest(f"body of {size} bytes exceeds online.max_body_bytes={limit}", code=413)
+        chunks, total = [], 0
+
+        async def read():
+            nonlocal total
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    raise BadRequest(f"body exceeds online.max_body_bytes={limit}", code=413)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.oc.idle_timeout_s)
+        except asyncio.TimeoutError:
+            msg = f"body not received within online.idle_timeout_s={self.oc.idle_timeout_s}"
+            raise BadRequest(msg, code=408) from None
+        if not total:
+            raise BadRequest("a JSON body is required")
+        return b"".join(chunks)
+
+    def prompt_ids(self, req: dict, chat: bool) -> tuple[list[int], str]:
+        """The prompt's token ids and the field they came from."""
+        if chat:
+            msgs = _messages(req)
+            with self.encoding:  # literal: a user's "<|im_start|>" is text, not a control token opening a turn
+                return encode_chat(self.tok, msgs, literal=True), "messages"
+        p = req.get("prompt")
+        if not isinstance(p, str) or not p:
+            raise BadRequest("prompt must be a non-empty string", "prompt")
+        with self.encoding:
+            return self.tok.encode(_unicode(p, "prompt")), "prompt"
+
+    def parse(self, body: bytes, chat: bool) -> Params:
+        req = _json_object(body)
+        _unsupported(req, chat)
+        model = req.get("model")
+        if model is not None and model != self.model_name:
+            raise BadRequest(f"model {str(model)[:200]!r} is not served here; GET /v1/models lists it", "model")
+        name = "max_tokens" if req.get("max_tokens") is not None else "max_completion_tokens"
+        max_tokens = _number(req, name, self.oc.max_tokens, integer=True)
+        if max_tokens < 1:
+            raise BadRequest(f"{name} must be at least 1", name)
+        max_tokens = min(max_tokens, self.oc.max_tokens)
+        temperature, top_p = _number(req, "temperature", 0.0), _number(req, "top_p", 1.0)
+        if not 0 <= temperature <= 2:  # OpenAI's range
+            raise BadRequest("temperature must be in [0, 2]", "temperature")
+        if not 0 < top_p <= 1:
+            raise BadRequest("top_p must be in (0, 1]", "top_p")
+        stream = req.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest("stream must be true or false", "stream")
+        ids, field_name = self.prompt_ids(req, chat)
+        if len(ids) + max_tokens > self.engine.max_len:
+            msg = f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the {self.engine.max_len}-token "
+            raise BadRequest(msg + "context", field_name)
+        temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
+        sampling = _sampling(req, chat, temperature, max(top_p, MIN_TOP_P), max_tokens, self.vocab, self.eos)
+        seed = _number(req, "seed", None, integer=True)
+        n = _integer(req, "n", 1, MAX_N, 1)
+        return Params(ids, max_tokens, n, sampling, seed, _stops(req), bool(stream), _usage_option(req, stream))
+
+    async def complete(self, request: Request, chat: bool):
+        if (refused := self.denied(request)) is not None:
+            return refused
+        try:
+            req = await run_in_threadpool(self.parse, await self.read_body(request), chat)
+        except BadRequest as e:
+            return _error(e.code, e.message, param=e.param)
+        except Exception as e:  # never a plain-text 500 that closes the connection: OpenAI's shape, logged
+            log.exception("serve: request failed")
+            return _error(500, f"internal error ({type(e).__name__})", "server_error")
+        try:
+            jobs = self.engine.submit(req)
+        except queue.Full:
+            why = "the server is shutting down" if self.engine.closing else None
+            return _busy(f"server busy: {why or f'{self.oc.max_queue} requests queued (online.max_queue)'}")
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if not req.stream:
+            return await self.answer(request, jobs, req, rid, chat)
+        events = jobs[0].events  # the status line waits for the first event: one refused while queued gets its 503
+        first = await events.get()
+        if first[1] == "busy":
+            _cancel(jobs)
+            return _busy(first[2])
+        _requeue_first(events, first)
+        stream = self.events(jobs, req, rid, chat)
+        return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def answer(self, request: Request, jobs: list[Job], req: Params, rid: str, chat: bool):
+        """The whole answer of a request that does not stream."""
+        choices = [Choice(self.tok, self.eos, req.stop) for _ in jobs]
+        texts, check = [""] * len(jobs), time.monotonic() + 0.5
+        try:
+            while any(c.finish is None for c in choices):
+                try:
+                    i, kind, val = await asyncio.wait_for(jobs[0].events.get(), 0.5)
+                except asyncio.TimeoutError:
+                    kind = None
+                if time.monotonic() > check:  # twice a second: has the client left?
+                    check = time.monotonic() + 0.5
+                    if await request.is_disconnected():
+                        return Response(status_code=499)
+                if kind is None or choices[i].finish is not None:
+                    continue
+                if kind == "tokens":
+                    texts[i] += choices[i].push(*val)
+                    if choices[i].finish is not None:  # a stop string: this choice is answered, its row freed
+                        _cancel([jobs[i]])
+                elif kind == "done":
+                    texts[i] += choices[i].end(val["finish_reason"])
+                else:
+                    return _busy(val) if kind == "busy" else _error(500, val, "server_error")
+        finally:
+            _cancel([j for j, c in zip(jobs, choices) if c.finish is None or c.finish == "stop"])
+        k, out = req.sampling["logprobs"], []
+        for i, (c, text) in enumerate(zip(choices, texts)):
+            lp = None if k is None else _logprobs(self.tok, c.take_entries(), chat, k)
+            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            out.append({"index": i, **body, "logprobs": lp, "finish_reason": c.finish})
+        obj = "chat.completion" if chat else "text_completion"
+        usage = _usage(len(req.prompt), sum(c.tokens for c in choices))
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name, "choices": out,
+                "usage": usage}  # fmt: skip
+
+    async def events(self, jobs: list[Job], req: Params, rid: str, chat: bool):
+        """A streamed answer's server-sent events: each choice's chunks as its text comes, then the usage chunk
+        (stream_options.include_usage) and [DONE]."""
+        sse = _Chunks(self, req, rid, chat, len(jobs))
+        ended = False
+        try:
+            if chat:
+                for i in range(len(jobs)):
+                    yield sse.send({"index": i, "delta": {"role": "assistant"}, "finish_reason": None})
+            while any(c.finish is None for c in sse.choices):
+                i, kind, val = await jobs[0].events.get()
+                c = sse.choices[i]
+                if c.finish is not None:
+                    continue
+                if kind == "tokens":
+                    if delta := c.push(*val):
+                        yield sse.chunk(i, delta)
+                    if c.finish is not None:  # a stop string ended it
+                        jobs[i].cancelled = True
+                        yield sse.chunk(i, None, c.finish)
+                elif kind == "done":
+                    if tail := c.end(val["finish_reason"]):  # held text, or a character left incomplete
+                        yield sse.chunk(i, tail)
+                    yield sse.chunk(i, None, c.finish)
+                else:  # an error (a queued request is refused before the stream starts)
+                    yield _sse({"error": {"message": redact(str(val)), "type": "server_error", "param": None}})
+                    break
+            ended = True
+            if req.usage:  # OpenAI's last chunk: no choices, the counts
+                yield sse.send(None, _usage(len(req.prompt), sum(c.tokens for c in sse.choices)))
+            yield b"data: [DONE]\n\n"
+        finally:
+            _cancel([j for j, c in zip(jobs, sse.choices) if not ended or c.finish == "stop"])
+
+
+def _usage(n_in: int, n_out: int) -> dict:
+    return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+
+def _sse(o: dict) -> bytes:
+    return b"data: " + json.dumps(o).encode() + b"\n\n"
+
+
+class _Chunks:
+    """A streamed answer's chunks: each choice's text pieces with their logprobs, in chat or completions shape."""
+
+    def __init__(self, api: Api, req: Params, rid: str, chat: bool, n: int):
+        self.api, self.rid, self.chat, self.k = api, rid, chat, req.sampling["logprobs"]
+        self.obj = "chat.completion.chunk" if chat else "text_completion"
+        self.choices = [Choice(api.tok, api.eos, req.stop) for _ in range(n)]
+        self.sent = [0] * n  # characters sent per choice (completions' text_offset)
+
+    def send(self, choice: dict | None, usage: dict | None = None) -> bytes:
+        o = {"id": self.rid, "object": self.obj, "created": int(time.time()), "model": self.api.model_name,
+             "choices": [] if choice is None else [choice]}  # fmt: skip
+        return _sse(o if usage is None else {**o, "usage": usage})
+
+    def chunk(self, i: int, delta: str | None, finish=None) -> bytes:
+        if self.chat:
+            c = {"index": i, "delta": {} if delta is None else {"content": delta}}
+        else:
+            c = {"index": i, "text": delta or ""}
+        if self.k is not None:
+            c["logprobs"] = _logprobs(self.api.tok, self.choices[i].take_entries(), self.chat, self.k, self.sent[i])
+        self.sent[i] += len(delta or "")
+        c["finish_reason"] = finish
+        return self.send(c)
+
+
 def build_app(engine: Engine) -> FastAPI:
-    oc, tok = engine.oc, engine.tok
-    model_name = engine.recipe.target.model
-    api_key = os.environ.get(API_KEY_ENV, "").strip()
+    api = Api(engine)
     app = FastAPI(
         title="draftsmith serve",
         version=__version__,
@@ -683,25 +953,11 @@ def build_app(engine: Engine) -> FastAPI:
         openapi_url="/openapi.json",
     )
 
-    def error(code: int, msg: str, kind: str = "invalid_request_error", param=None, headers=None) -> JSONResponse:
-        body = {"error": {"message": redact(msg), "type": kind, "param": param, "code": code}}
-        return JSONResponse(body, status_code=code, headers=headers)
-
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
         if exc.status_code in (404, 405):
-            return error(exc.status_code, f"no route {request.method} {request.url.path}")
-        return error(exc.status_code, str(exc.detail))
-
-    def denied(request: Request) -> JSONResponse | None:
-        if not api_key:
-            return None
-        given = request.headers.get("authorization", "").encode("utf-8", "replace")
-        if hmac.compare_digest(given, f"Bearer {api_key}".encode()):
-            return None
-        return error(
-            401, f"a valid API key is required (Authorization: Bearer <{API_KEY_ENV}>)", "authentication_error"
-        )
+            return _error(exc.status_code, f"no route {request.method} {request.url.path}")
+        return _error(exc.status_code, str(exc.detail))
 
     @app.get("/health")
     async def health():
@@ -713,250 +969,19 @@ def build_app(engine: Engine) -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if (refused := denied(request)) is not None:
+        if (refused := api.denied(request)) is not None:
             return refused
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "draftsmith"}]}
-
-    async def read_body(request: Request) -> bytes:
-        size = request.headers.get("content-length")
-        if size is not None and int(size) > oc.max_body_bytes:  # uvicorn refuses a non-numeric Content-Length
-            raise BadRequest(f"body of {size} bytes exceeds online.max_body_bytes={oc.max_body_bytes}", code=413)
-        chunks, total = [], 0
-
-        async def read():
-            nonlocal total
-            async for chunk in request.stream():
-                total += len(chunk)
-                if total > oc.max_body_bytes:
-                    raise BadRequest(f"body exceeds online.max_body_bytes={oc.max_body_bytes}", code=413)
-                chunks.append(chunk)
-
-        try:
-            await asyncio.wait_for(read(), oc.idle_timeout_s)
-        except asyncio.TimeoutError:
-            raise BadRequest(f"body not received within online.idle_timeout_s={oc.idle_timeout_s}", code=408) from None
-        if not total:
-            raise BadRequest("a JSON body is required")
-        return b"".join(chunks)
-
-    vocab, eos = engine.tgt.model.cfg.vocab_size, engine.eos
-    # parse runs on a thread pool; a literal chat encode sets a flag on the shared tokenizer (split_special_tokens)
-    # that another thread's encode would see, so encodes take turns (they take microseconds)
-    encoding = threading.Lock()
-
-    def parse(body: bytes, chat: bool) -> Params:
-        try:
-            req = json.loads(body)
-        except RecursionError:
-            raise BadRequest("request JSON nested too deeply") from None
-        except ValueError as e:
-            raise BadRequest(f"body is not valid JSON ({e})") from None
-        if not isinstance(req, dict):
-            raise BadRequest("the request body must be a JSON object")
-        _unsupported(req, chat)
-        model = req.get("model")
-        if model is not None and model != model_name:
-            raise BadRequest(f"model {str(model)[:200]!r} is not served here; GET /v1/models lists it", "model")
-        name = "max_tokens" if req.get("max_tokens") is not None else "max_completion_tokens"
-        max_tokens = _number(req, name, oc.max_tokens, integer=True)
-        if max_tokens < 1:
-            raise BadRequest(f"{name} must be at least 1", name)
-        max_tokens = min(max_tokens, oc.max_tokens)
-        temperature, top_p = _number(req, "temperature", 0.0), _number(req, "top_p", 1.0)
-        if not 0 <= temperature <= 2:  # OpenAI's range
-            raise BadRequest("temperature must be in [0, 2]", "temperature")
-        if not 0 < top_p <= 1:
-            raise BadRequest("top_p must be in (0, 1]", "top_p")
-        stream = req.get("stream")
-        if stream is not None and not isinstance(stream, bool):
-            raise BadRequest("stream must be true or false", "stream")
-        if chat:
-            msgs, field_name = req.get("messages"), "messages"
-            if not (
-                isinstance(msgs, list)
-                and msgs
-                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and _text(m.get("content")) is not None
-                        for m in msgs)
-            ):  # fmt: skip
-                raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
-            for m in msgs:
-                if m["role"] not in ROLES:
-                    raise BadRequest(f"role {m['role'][:40]!r} is not one of {', '.join(ROLES)}", "messages")
-            texts = [_unicode(_text(m["content"]), "messages") for m in msgs]
-            # literal: a user's "<|im_start|>" is text, not a control token that opens another role's turn
-            with encoding:
-                ids = encode_chat(tok, [{"role": m["role"], "content": t} for m, t in zip(msgs, texts)], literal=True)
-        else:
-            p, field_name = req.get("prompt"), "prompt"
-            if not isinstance(p, str) or not p:
-                raise BadRequest("prompt must be a non-empty string", "prompt")
-            with encoding:
-                ids = tok.encode(_unicode(p, "prompt"))
-        if len(ids) + max_tokens > engine.max_len:
-            raise BadRequest(
-                f"prompt of {len(ids)} tokens plus max_tokens={max_tokens} exceeds the {engine.max_len}-token "
-                f"context", field_name,
-            )  # fmt: skip
-        temperature = 0.0 if temperature < MIN_TEMPERATURE else temperature
-        sampling = _sampling(req, chat, temperature, max(top_p, MIN_TOP_P), max_tokens, vocab, eos)
-        seed = _number(req, "seed", None, integer=True)
-        n = _integer(req, "n", 1, MAX_N, 1)
-        options = req.get("stream_options") or {}
-        if not isinstance(options, dict) or set(options) - {"include_usage"}:
-            raise BadRequest("stream_options supports include_usage only", "stream_options")
-        usage = options.get("include_usage", False)
-        if not isinstance(usage, bool) or (usage and not stream):
-            raise BadRequest("stream_options.include_usage must be true or false, with stream: true", "stream_options")
-        return Params(ids, max_tokens, n, sampling, seed, _stops(req), bool(stream), usage)
-
-    def busy(msg: str) -> JSONResponse:
-        return error(503, msg, "server_error", headers={"Retry-After": "1"})
-
-    def cancel(jobs: list[Job]) -> None:
-        for job in jobs:
-            job.cancelled = True  # the decode loop frees its row after its next step
-
-    async def complete(request: Request, chat: bool):
-        if (refused := denied(request)) is not None:
-            return refused
-        try:
-            body = await read_body(request)
-            req = await run_in_threadpool(parse, body, chat)
-        except BadRequest as e:
-            return error(e.code, e.message, param=e.param)
-        except Exception as e:  # never a plain-text 500 that closes the connection: OpenAI's shape, logged
-            log.exception("serve: request failed")
-            return error(500, f"internal error ({type(e).__name__})", "server_error")
-        try:
-            jobs = engine.submit(req)
-        except queue.Full:
-            why = (
-                "the server is shutting down"
-                if engine.closing
-                else f"{oc.max_queue} requests queued (online.max_queue)"
-            )
-            return busy(f"server busy: {why}")
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        events = jobs[0].events
-        if req.stream:  # the status line waits for the first event: a request refused while queued gets its 503
-            first = await events.get()
-            if first[1] == "busy":
-                cancel(jobs)
-                return busy(first[2])
-            _requeue_first(events, first)
-            return StreamingResponse(
-                _events(jobs, req, rid, chat), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
-        choices = [Choice(tok, eos, req.stop) for _ in jobs]
-        texts, check = [""] * len(jobs), time.monotonic() + 0.5
-        try:
-            while any(c.finish is None for c in choices):
-                try:
-                    i, kind, val = await asyncio.wait_for(events.get(), 0.5)
-                except asyncio.TimeoutError:
-                    kind = None
-                if time.monotonic() > check:  # twice a second: has the client left?
-                    check = time.monotonic() + 0.5
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                if kind is None or choices[i].finish is not None:
-                    continue
-                c = choices[i]
-                if kind == "tokens":
-                    texts[i] += c.push(*val)
-                    if c.finish is not None:  # a stop string: this choice is answered, its row freed
-                        cancel([jobs[i]])
-                elif kind == "done":
-                    texts[i] += c.end(val["finish_reason"])
-                elif kind == "busy":
-                    return busy(val)
-                else:
-                    return error(500, val, "server_error")
-        finally:
-            cancel([j for j, c in zip(jobs, choices) if c.finish is None or c.finish == "stop"])
-        k = req.sampling["logprobs"]
-        out = []
-        for i, (c, text) in enumerate(zip(choices, texts)):
-            lp = None if k is None else _logprobs(tok, c.take_entries(), chat, k)
-            body = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            out.append({"index": i, **body, "logprobs": lp, "finish_reason": c.finish})
-        n_out = sum(c.tokens for c in choices)
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": out,
-            "usage": {"prompt_tokens": len(req.prompt), "completion_tokens": n_out,
-                      "total_tokens": len(req.prompt) + n_out},
-        }  # fmt: skip
-
-    async def _events(jobs: list[Job], req: Params, rid: str, chat: bool):
-        obj, k = "chat.completion.chunk" if chat else "text_completion", req.sampling["logprobs"]
-        choices = [Choice(tok, eos, req.stop) for _ in jobs]
-        sent = [0] * len(jobs)  # characters sent per choice (completions' text_offset)
-
-        def chunk(i: int, delta: str | None, finish=None) -> bytes:
-            c = choices[i]
-            c_ = (
-                {"index": i, "delta": {} if delta is None else {"content": delta}}
-                if chat
-                else {"index": i, "text": delta or ""}
-            )
-            if k is not None:
-                c_["logprobs"] = _logprobs(tok, c.take_entries(), chat, k, sent[i])
-            sent[i] += len(delta or "")
-            c_["finish_reason"] = finish
-            return event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                          "choices": [c_]})  # fmt: skip
-
-        def event(o: dict) -> bytes:
-            return b"data: " + json.dumps(o).encode() + b"\n\n"
-
-        ended = False
-        try:
-            if chat:
-                for i in range(len(jobs)):
-                    first = {"index": i, "delta": {"role": "assistant"}, "finish_reason": None}
-                    yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                                 "choices": [first]})  # fmt: skip
-            while any(c.finish is None for c in choices):
-                i, kind, val = await jobs[0].events.get()
-                c = choices[i]
-                if c.finish is not None:
-                    continue
-                if kind == "tokens":
-                    if delta := c.push(*val):
-                        yield chunk(i, delta)
-                    if c.finish is not None:  # a stop string ended it
-                        jobs[i].cancelled = True
-                        yield chunk(i, None, c.finish)
-                elif kind == "done":
-                    if tail := c.end(val["finish_reason"]):  # held text, or a character left incomplete
-                        yield chunk(i, tail)
-                    yield chunk(i, None, c.finish)
-                else:  # an error (a queued request is refused before the stream starts)
-                    yield event({"error": {"message": redact(str(val)), "type": "server_error", "param": None}})
-                    break
-            ended = True
-            if req.usage:  # stream_options.include_usage: OpenAI's last chunk, no choices, the counts
-                n_in, n_out = len(req.prompt), sum(c.tokens for c in choices)
-                yield event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
-                             "choices": [], "usage": {"prompt_tokens": n_in, "completion_tokens": n_out,
-                                                      "total_tokens": n_in + n_out}})  # fmt: skip
-            yield b"data: [DONE]\n\n"
-        finally:
-            cancel([j for j, c in zip(jobs, choices) if not ended or c.finish == "stop"])
+        return {"object": "list", "data": [{"id": api.model_name, "object": "model", "owned_by": "draftsmith"}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         """A text completion of `prompt` (OpenAI's legacy completions API); `stream: true` for server-sent events."""
-        return await complete(request, chat=False)
+        return await api.complete(request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         """A chat completion of `messages` (roles system, user, assistant) through the target's chat template."""
-        return await complete(request, chat=True)
+        return await api.complete(request, chat=True)
 
     return app
 
