@@ -24,6 +24,7 @@ from draftsmith.eval.batches import batch_sweep, write_batch_plot
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.graphs import graph_decoding
+from draftsmith.eval.own_vocab import for_decoding
 from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
@@ -37,7 +38,6 @@ from draftsmith.models.loading import (
     to_hf_model,
 )
 from draftsmith.models.medusa import merge_adapter
-from draftsmith.models.own_vocab import for_decoding
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype

@@ -15,6 +15,7 @@ import torch
 
 from draftsmith.kernels.kv import compact_kv
 from draftsmith.kernels.tree import tree_mask
+from draftsmith.recipes.schema import tree_paths
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,9 @@ def best_nodes(scores: torch.Tensor, depths: torch.Tensor, budget: int) -> torch
 def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
     """Medusa-style choices: each entry is a path of child ranks from the root, e.g. ``[[0], [1], [0, 0]]`` is the
     root's top-2 children plus the top child of the best one. Every prefix of a path must be listed too."""
-    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    paths = tree_paths(choices)  # checked as the recipe checks them
     index: dict[tuple[int, ...], int] = {(): -1}
     for i, p in enumerate(paths):
-        if not p or min(p) < 0:
-            raise ValueError(f"tree choice {list(p)}: paths are non-empty lists of ranks >= 0")
-        if p[:-1] not in index:
-            raise ValueError(f"tree choice {list(p)}: its prefix {list(p[:-1])} is not in the tree")
         index[p] = i
     return TreeSpec(tuple(index[p[:-1]] for p in paths), tuple(p[-1] for p in paths))
 

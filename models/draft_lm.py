@@ -117,7 +117,7 @@ def build_draft_lm(
     draft_tokenizer=None,
 ) -> Llama:
     """counts: token frequencies of the training responses (needed for draft_vocab); draft_tokenizer: the loaded
-    tokenizer drafter.tokenizer names (models/own_vocab.py)."""
+    tokenizer drafter.tokenizer names (train/own_vocab.py)."""
     cfg = as_section(DraftLMConfig, cfg)
     if cfg.tokenizer is not None:
         return _build_own_vocab(cfg, target, draft_tokenizer)

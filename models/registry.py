@@ -123,7 +123,9 @@ def save_drafter(
         (tmp / "recipe.yaml").write_text(recipe_yaml)
     if extra is not None:
         extra(tmp)
-    if getattr(model, "draft_tokenizer", None) is not None:  # a draft with its own vocabulary (models/own_vocab.py)
+    if (
+        getattr(model, "draft_tokenizer", None) is not None
+    ):  # a draft with its own vocabulary (train/own_vocab.py, eval/own_vocab.py)
         model.draft_tokenizer.save_pretrained(tmp / "tokenizer")
         meta = {**meta, "draft_tokenizer": "tokenizer"}
     config = model.cfg.to_dict()

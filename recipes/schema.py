@@ -107,6 +107,20 @@ class PromptsConfig(Strict):
         return self
 
 
+def tree_paths(choices) -> list[tuple[int, ...]]:
+    """A tree's choices (paths of child ranks from the root, e.g. ``[[0], [1], [0, 0]]``) as distinct tuples,
+    shortest first: a path that is empty, has a negative rank or lacks its prefix is a ValueError naming it."""
+    paths = sorted({tuple(int(r) for r in c) for c in choices}, key=lambda p: (len(p), p))
+    seen = {()}
+    for p in paths:
+        if not p or min(p) < 0:
+            raise ValueError(f"tree choice {list(p)}: paths are non-empty lists of ranks >= 0")
+        if p[:-1] not in seen:
+            raise ValueError(f"tree choice {list(p)}: its prefix {list(p[:-1])} is not in the tree")
+        seen.add(p)
+    return paths
+
+
 class SignalsConfig(Strict):
     """Teacher signals stored with every sequence; each is optional. Bytes per token land in the manifest."""
 
@@ -406,9 +420,7 @@ class TreeConfig(Strict):
     @model_validator(mode="after")
     def _valid_choices(self):
         if self.choices is not None:
-            from draftsmith.eval.tree import tree_from_choices
-
-            tree_from_choices(self.choices)  # raises ValueError naming the bad path
+            tree_paths(self.choices)  # raises ValueError naming the bad path
         return self
 
 

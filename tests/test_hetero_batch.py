@@ -269,8 +269,8 @@ def served(tmp_path_factory, tiny_model_dir):
 
     from draftsmith.models.draft_lm import build_draft_lm
     from draftsmith.models.loading import encode_chat, load_model, stop_ids
-    from draftsmith.models.own_vocab import train_bpe
     from draftsmith.models.registry import save_drafter
+    from draftsmith.train.own_vocab import train_bpe
 
     root = tmp_path_factory.mktemp("serve-own")
     tgt = load_model(str(tiny_model_dir))
@@ -376,7 +376,7 @@ def test_an_online_round_keeps_the_tokenizer_and_its_version_loads_back(served, 
     """The learner retrains an own-vocabulary drafter on the traffic re-tokenized by the serving version's own
     tokenizer (not a BPE learned anew), measures τ with it, and the version it publishes carries that tokenizer
     and decodes losslessly."""
-    from draftsmith.models.own_vocab import for_decoding
+    from draftsmith.eval.own_vocab import for_decoding
     from draftsmith.models.registry import load_drafter
     from draftsmith.serving.online import Learner, Versions
     from draftsmith.serving.traffic import TrafficBuffer

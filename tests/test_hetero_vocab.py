@@ -225,7 +225,7 @@ def test_refuses_trees_and_hooks(toks):
 
 def test_retokenize_keeps_the_answer_mask(toks):
     from draftsmith.data.records import Record
-    from draftsmith.models.own_vocab import retokenize
+    from draftsmith.train.own_vocab import retokenize
 
     t, ds = toks
     prompt, answer = Vocabs.ids(t, "What is the capital of France?"), Vocabs.ids(t, " Paris is the capital.")
@@ -288,8 +288,8 @@ def test_smollm2_with_a_learned_8k_bpe_draft():
     from draftsmith.data.prompts import prompts_from
     from draftsmith.models.llama import Llama
     from draftsmith.models.loading import encode_chat, load_model
-    from draftsmith.models.own_vocab import train_bpe
     from draftsmith.recipes.schema import PromptsConfig
+    from draftsmith.train.own_vocab import train_bpe
 
     tgt = load_model("smollm2-135m-instruct")
     t, model = tgt.tokenizer, tgt.model.eval()

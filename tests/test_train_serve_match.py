@@ -1,4 +1,4 @@
-"""Train/serve match (eval/match.py, docs/decoding.md): what a drafter is trained to predict at a position is what
+"""Train/serve match (tests/match.py, docs/decoding.md): what a drafter is trained to predict at a position is what
 the decoder drafts there.
 
 On the target's own greedy records (T = 0) every chain the decoder starts is at a prefix of the record, so the
@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
+from match import compare, teacher_forced
 
 from draftsmith.data.dataset import collate
 from draftsmith.data.engine import Capture, Sampling, decode_batch
 from draftsmith.data.records import Record
-from draftsmith.eval.match import compare, teacher_forced
 from draftsmith.models.llama import LlamaConfig
 from draftsmith.models.registry import build_drafter, drafter_spec
 from draftsmith.recipes.schema import LossConfig

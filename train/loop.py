@@ -25,12 +25,12 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.eval.hetero import OwnVocabDrafter
 from draftsmith.eval.quick import tau_from_alpha
 from draftsmith.flops import Meter, peak_flops
-from draftsmith.models import own_vocab
 from draftsmith.models.loading import load_model, read_json, stop_ids, tokenizer_hash
 from draftsmith.models.registry import build_drafter, drafter_spec, load_weights_into, save_drafter
 from draftsmith.recipes.loader import dump_recipe
 from draftsmith.runlog import RunLog, save_recipe, significant
 from draftsmith.runtime import refuse_independent_machines, resolve_device, resolve_precision
+from draftsmith.train import own_vocab
 from draftsmith.train.objectives import Context, check_packing, features_stored, objective_for
 from draftsmith.train.state import gather, gather_rng_states, latest_resumable, prune, read_state, write_state
 
@@ -223,7 +223,7 @@ def train(recipe) -> Path:
         check_packing(kind)
     facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
     target_tok, own_tok = tgt.tokenizer, None
-    if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (models/own_vocab.py)
+    if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (train/own_vocab.py)
         own_vocab.check_loss(tc)
         own_tok = facts["draft_tokenizer"] = own_vocab.draft_tokenizer(params, run, tgt.tokenizer, data_dir)
     if getattr(params, "draft_vocab", None):  # (a field of the kinds that can reduce their vocabulary)

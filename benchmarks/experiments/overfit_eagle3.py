@@ -11,7 +11,7 @@ be well above 2. A low τ next to a high training top-1 is the train/serve misma
 2. ``draftsmith train``: EAGLE-3 (the recipe's: TTT 7 steps, 8k draft vocabulary) on them for many epochs, CE
    on the target's tokens;
 3. ``draftsmith eval``: chain γ = --draft-len, T = 0, on the same prompts: τ and per-position acceptance;
-4. the match (eval/match.py), in this process on the records: the objective's teacher-forced top-1 per TTT step
+4. the match (tests/match.py), in this process on the records: the objective's teacher-forced top-1 per TTT step
    over all trained positions, next to the decoder's per-position acceptance, and at every chain start the
    decoder's draft k against TTT step k - 1 (after accepted drafts), with the features from the records (bf16,
    as trained) and from the target (float32, as served).
@@ -147,9 +147,16 @@ def write_eval_prompts(overrides: list[str], root: Path) -> None:
 
 
 def run_match(a, root: Path, overrides: list[str]) -> dict:
+    import importlib.util
+
     from draftsmith.data.dataset import RecordDataset
     from draftsmith.eval.decoder import DecodeStats
-    from draftsmith.eval.match import compare
+
+    # the match is test support (tests/match.py), loaded from its file
+    spec = importlib.util.spec_from_file_location("match", Path(__file__).resolve().parents[2] / "tests" / "match.py")
+    match = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(match)
+    compare = match.compare
     from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
     from draftsmith.models.registry import load_drafter
     from draftsmith.recipes.loader import load_recipe

@@ -36,10 +36,10 @@ import yaml
 from safetensors.torch import save_file
 
 from draftsmith.errors import DraftsmithError, redact
+from draftsmith.eval.own_vocab import refuse_own_vocab
 from draftsmith.export import formats as sf
 from draftsmith.integrity import checksums, config_digest
 from draftsmith.models.loading import ALIAS_HUB, resolve_model_path
-from draftsmith.models.own_vocab import refuse_own_vocab
 from draftsmith.models.registry import DRAFTERS, load_drafter
 from draftsmith.recipes.schema import hub_repo_id
 

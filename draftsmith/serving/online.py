@@ -29,8 +29,8 @@ from draftsmith.data.engine import Capture, score_batch
 from draftsmith.data.records import FORMAT, Record, shard_name, write_json_atomic, write_manifest, write_shard
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import speculative_generate
+from draftsmith.eval.own_vocab import for_decoding
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids, tokenizer_hash
-from draftsmith.models.own_vocab import for_decoding
 from draftsmith.models.registry import load_drafter
 from draftsmith.runlog import RunLog
 from draftsmith.serving.traffic import TrafficBuffer

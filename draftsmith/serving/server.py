@@ -53,8 +53,8 @@ from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.accept import Adjust
 from draftsmith.eval.batch import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
+from draftsmith.eval.own_vocab import for_decoding, own_vocab_options
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
-from draftsmith.models.own_vocab import for_decoding, own_vocab_options
 from draftsmith.models.registry import check_fits_target, load_drafter
 from draftsmith.runtime import resolve_device, resolve_dtype
 from draftsmith.serving.online import Learner, Versions, online_dir

@@ -1,4 +1,5 @@
-"""Train/serve match (docs/decoding.md): what a drafter was trained to predict at a position against what the
+"""Test support (imported by tests/test_train_serve_match.py and benchmarks/experiments/overfit_eagle3.py, not by
+the product). Train/serve match (docs/decoding.md): what a drafter was trained to predict at a position against what the
 decoder drafts there, on the target's own greedy records.
 
 A greedy (T = 0) record is the target's own answer, so every chain the decoder starts on its prompt starts at a

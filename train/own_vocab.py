@@ -1,5 +1,5 @@
-"""A draft LM with its own tokenizer (``drafter.tokenizer``): learning a small byte-level BPE, re-tokenizing the
-target-written records for training, and loading such a drafter for decoding (eval/hetero.py decodes it).
+"""Training a draft LM with its own tokenizer (``drafter.tokenizer``): learning a small byte-level BPE and
+re-tokenizing the target-written records (eval/own_vocab.py loads such a drafter for decoding).
 
 Training is sequence-level distillation with cross-entropy: the records' stored top-k log-probs are over the
 target's vocabulary and cannot be moved onto another one, so only the target's text is used.
@@ -18,7 +18,6 @@ from draftsmith.errors import DraftsmithError
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_DIR = "tokenizer"  # in a checkpoint folder: the draft's tokenizer (drafter.json "draft_tokenizer")
 TRAINED_DIR = "draft_tokenizer"  # in a run folder: the BPE learned for drafter.tokenizer=train
 
 
@@ -119,54 +118,4 @@ def check_loss(tc) -> None:
             f"drafter.tokenizer: a draft with its own vocabulary trains with train.loss.kind=ce on the target's "
             f"answers (got kind={tc.loss.kind}, teacher={tc.loss.teacher}); the stored top-k log-probs and the "
             f"target's logits are over the target's vocabulary"
-        )
-
-
-def own_vocab_drafter(ckpt: Path, lm, info: dict, target_tok, method: str = "auto", ngram: bool = False,
-                      ngram_scope: str = "decode"):  # fmt: skip
-    """A loaded drafter checkpoint with its own tokenizer, wrapped for decoding (eval/hetero.py)."""
-    from transformers import AutoTokenizer
-
-    from draftsmith.eval.hetero import OwnVocabDrafter
-
-    path = Path(ckpt) / info["draft_tokenizer"]
-    if not path.is_dir():
-        raise DraftsmithError(f"{ckpt}: drafter.json names a draft tokenizer, but {path} is missing")
-    tok = AutoTokenizer.from_pretrained(path)
-    return OwnVocabDrafter(lm, tok, target_tok, method, ngram, shared_ngram=ngram and ngram_scope == "drafter")
-
-
-def own_vocab_options(ckpt: Path, info: dict, ec) -> tuple[str, bool, str] | None:
-    """eval's settings for the drafter at ``ckpt`` -> (method, n-gram cache, its scope) for one with its own
-    tokenizer, None
-    for one in the target's vocabulary. Refuses what the own-vocabulary decoder does not do (trees, eval.stop,
-    eval.judge) and eval.own_vocab set for a drafter in the target's vocabulary."""
-    ov = ec.own_vocab
-    if not info.get("draft_tokenizer"):
-        if ov is not None:
-            raise DraftsmithError(
-                f"eval.own_vocab: {ckpt} drafts in the target's vocabulary (no drafter.tokenizer); unset eval.own_vocab"
-            )
-        return None
-    if ec.strategy != "chain" or ec.stop is not None or ec.judge is not None:
-        raise DraftsmithError(
-            f"{ckpt}: a drafter with its own tokenizer decodes chains only: set eval.strategy=chain and leave "
-            f"eval.stop and eval.judge unset"
-        )
-    return (ov.method, ov.ngram_cache, ov.ngram_scope) if ov is not None else ("auto", False, "decode")
-
-
-def for_decoding(ckpt: Path, lm, info: dict, target_tok, ec):
-    """A loaded drafter as the decoders take it: one with its own tokenizer wrapped (``own_vocab_drafter``) with
-    eval.own_vocab's method and n-gram cache, any other as it is (``own_vocab_options`` refuses first)."""
-    opts = own_vocab_options(ckpt, info, ec)
-    return lm if opts is None else own_vocab_drafter(ckpt, lm, info, target_tok, *opts)
-
-
-def refuse_own_vocab(path: Path, info: dict, what: str) -> None:
-    """One line for what takes a drafter in the target's vocabulary only (export)."""
-    if info.get("draft_tokenizer"):
-        raise DraftsmithError(
-            f"{path}: this drafter has its own tokenizer; {what} takes drafters in the target's vocabulary only "
-            f"(draftsmith eval and serve decode it)"
         )
