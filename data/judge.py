@@ -111,23 +111,10 @@ def task_records(
 def mine(recipe) -> Path:
     """Run the judge-label data stage; returns the data folder (with manifest.json)."""
     dc, jc, out = recipe.data, recipe.data.judge_labels, recipe.run_dir / "data"
-    device = resolve_device(recipe.target.device)
-    dtype = resolve_dtype(recipe.target.dtype, device)
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.tmp*"):  # left by a killed run; never read
         stale.unlink()
-    t = recipe.target
-    tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
-    tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
-    draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
-    if info.get("kind") != "draft_lm":
-        raise DraftsmithError(
-            f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
-            f"the what-if swaps come from a standalone draft LM"
-        )
-    tok_hash = tokenizer_hash(tgt.tokenizer)
-    if info.get("tokenizer_hash") not in (None, tok_hash):
-        raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
+    tgt, draft, tok_hash = _mining_models(recipe)
     tasks = load_tasks(jc.tasks, jc.path, jc.n, jc.start)
     save_recipe(recipe)
     eos = stop_ids(tgt.path, tgt.tokenizer)
@@ -144,31 +131,55 @@ def mine(recipe) -> Path:
             continue
         records, counts = [], dict.fromkeys(COUNTS, 0)
         for j, task in enumerate(shard):
-            recs, c = task_records(
-                tgt.model,
-                draft,
-                tgt.tokenizer,
-                task,
-                start + j,
-                dc.max_new_tokens,
-                eos,
-                jc.max_swaps,
-                jc.timeout,
-                jc.only_correct,
-            )
+            recs, c = task_records(tgt.model, draft, tgt.tokenizer, task, start + j, dc.max_new_tokens, eos,
+                                   jc.max_swaps, jc.timeout, jc.only_correct)  # fmt: skip
             records += recs
             counts = {k: counts[k] + c[k] for k in counts}
             bar.update(1)
         write_shard(path, records, meta, counts)
         runlog.log({"shard": si, **counts, "seconds": round(time.perf_counter() - t0, 1)})
     bar.close()
-    entries = [shard_entry(out / shard_name(i)) for i in range(len(starts))]
+    totals = _write_judge_manifest(recipe, out, meta, len(starts), len(tasks))
+    runlog.log({"done": True, **totals})
+    print(
+        f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
+        f"outcome, {totals['broke']} broke a right answer, {totals['fixed']} fixed a wrong one; the target passed "
+        f"{totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}"
+    )
+    return out
+
+
+def _mining_models(recipe):
+    """The target (its fused decode path) and the draft LM whose what-if swaps are labelled -> (target, draft,
+    tokenizer hash); a checkpoint of another kind or tokenizer is refused."""
+    jc, t = recipe.data.judge_labels, recipe.target
+    device = resolve_device(t.device)
+    dtype = resolve_dtype(t.dtype, device)
+    tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
+    tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
+    draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
+    if info.get("kind") != "draft_lm":  # the swaps are a standalone draft LM's tokens
+        raise DraftsmithError(
+            f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
+            f"the what-if swaps come from a standalone draft LM"
+        )
+    tok_hash = tokenizer_hash(tgt.tokenizer)
+    if info.get("tokenizer_hash") not in (None, tok_hash):
+        raise DraftsmithError(f"data.judge_labels.checkpoint {jc.checkpoint!r} uses a different tokenizer")
+    return tgt, draft, tok_hash
+
+
+def _write_judge_manifest(recipe, out: Path, meta: dict, n_shards: int, n_tasks: int) -> dict:
+    """The manifest over every shard (shards from an earlier run included) -> the label counts; no what-if swap at
+    all is refused with the reason."""
+    jc = recipe.data.judge_labels
+    entries = [shard_entry(out / shard_name(i)) for i in range(n_shards)]
     totals = {k: sum(e["counts"].get(k, 0) for e in entries) for k in COUNTS}  # shards from before broke/fixed
     if totals["swaps"] == 0:
         why = (
-            f"the target solved none of the {len(tasks)} tasks (data.judge_labels.only_correct)"
+            f"the target solved none of the {n_tasks} tasks (data.judge_labels.only_correct)"
             if jc.only_correct and totals["base_pass"] == 0
-            else f"the draft agreed with the target everywhere on {len(tasks)} tasks"
+            else f"the draft agreed with the target everywhere on {n_tasks} tasks"
         )
         raise DraftsmithError(f"data.judge_labels: {why}; no what-if swaps to label (use more tasks or a weaker draft)")
     manifest = {
@@ -185,10 +196,4 @@ def mine(recipe) -> Path:
         "shards": entries,
     }
     write_manifest(out, manifest)
-    runlog.log({"done": True, **totals})
-    print(
-        f"generate: {totals['swaps']} what-if swaps on {totals['tasks']} tasks ({totals['acceptable']} kept the "
-        f"outcome, {totals['broke']} broke a right answer, {totals['fixed']} fixed a wrong one; the target passed "
-        f"{totals['base_pass']}) in {time.perf_counter() - t0:.0f}s -> {out}"
-    )
-    return out
+    return totals
