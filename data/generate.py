@@ -457,8 +457,7 @@ def generate(recipe) -> Path:
     if device == "cuda" and world > 1:
         device = f"cuda:{local_rank}"
     prod = Producer(recipe, device)  # the target and the prompts load first: a bad input changes nothing on disk
-    pc = dc.prompts
-    prompts = prompts_from(pc, pc.n, text_ok=True)
+    prompts = prompts_from(dc.prompts, dc.prompts.n, text_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:
         for stale in out.glob("*.tmp*"):  # left by a killed run; never read
@@ -476,97 +475,106 @@ def generate(recipe) -> Path:
     }
     starts = range(0, len(prompts), dc.shard_size)
     mine = [si for si in range(len(starts)) if si % world == rank]
-    runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
-    bar = tqdm(
-        total=sum(min(dc.shard_size, len(prompts) - starts[si]) for si in mine),
-        unit="prompt",
-        desc=f"generate[{rank}]" if world > 1 else "generate",
-        dynamic_ncols=True,
-    )
-    t0, new_tokens, last = time.perf_counter(), 0, {"t": time.perf_counter(), "tokens": 0}
-
-    def on_batch(batch: list[Unit]) -> None:
-        nonlocal new_tokens
-        new_tokens += sum(sum(u.mask) for u in batch)
-        bar.update(min(sum(u.share for u in batch), bar.total - bar.n))  # shares of 1/k may round past the total
-        bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - t0):.0f}")
-
-    def written(path: Path, entry: dict) -> None:  # in the writer thread, after each shard
-        now, done = time.perf_counter(), new_tokens
-        rate = (done - last["tokens"]) / max(1e-9, now - last["t"])  # since the previous row: this window's pace
-        last.update(t=now, tokens=done)
-        util = {} if prod.meter is None else {"tflops": prod.meter.tflops(rate), "mfu": prod.meter.mfu(rate)}
-        runlog.log(
-            {
-                "shard": int(path.name.split("-")[1].split(".")[0]),
-                "rank": rank,
-                "target_path": prod.tgt.backend,
-                "sequences": entry["n_sequences"],
-                "new_tokens": done,
-                "tokens_per_s": round(done / (now - t0), 1),
-                "window_tokens_per_s": round(rate, 1),
-                **significant(util),
-            }
-        )
-
+    total = sum(min(dc.shard_size, len(prompts) - starts[si]) for si in mine)
+    progress = _Progress(recipe, prod, rank, world, total)
     # write_shard is looked up at each call (tests replace it); shards are written while the next ones generate
-    writer = ShardWriter(lambda *a: write_shard(*a), dc.write_queue, written)
+    writer = ShardWriter(lambda *a: write_shard(*a), dc.write_queue, progress.written)
     try:
         for si in mine:
             path, start = out / shard_name(si), starts[si]
             shard_prompts = prompts[start : start + dc.shard_size]
             span = f"{start}:{start + len(shard_prompts)}"
             if shard_done(path, dhash, span, legacy_hash):
-                bar.update(len(shard_prompts))
+                progress.bar.update(len(shard_prompts))
                 continue
             stats = Stats()
             units = plan_units(shard_prompts, start, prod.tgt.tokenizer, prod.eos, dc, recipe.seed, stats)
-            bar.update(len(shard_prompts) - sum(u.share for u in units))  # unusable prompts are done at once
-            records = prod.shard_records(units, stats, on_batch) if units else []
+            progress.bar.update(len(shard_prompts) - sum(u.share for u in units))  # unusable prompts: done at once
+            records = prod.shard_records(units, stats, progress.on_batch) if units else []
             counts = {**asdict(stats), **{s: sum(u.source == s for u in units) for s in SOURCES}}
             writer.submit(path, records, {**meta, "prompt_span": span}, counts)
     except BaseException:
-        bar.close()  # an error message starts on a line of its own
+        progress.bar.close()  # an error message starts on a line of its own
         writer.abort()
         prod.close()
         raise
-    bar.close()
+    progress.bar.close()
     writer.close()
     prod.close()
     barrier()
     if rank == 0:
-        manifest = _manifest(
-            recipe, meta, prod, [shard_entry(out / shard_name(i)) for i in range(len(starts))], len(prompts)
-        )
-        if manifest["n_sequences"] == 0:
-            c = manifest["prompts"]
-            raise DraftsmithError(
-                f"data.prompts: none of the {len(prompts)} prompts is usable "
-                f"({c['skipped_too_long']} longer than data.max_prompt_tokens, "
-                f"{c['skipped_no_response']} without a reply to keep)"
-            )
-        write_manifest(out, manifest)
-        dt = time.perf_counter() - t0
-        c = manifest["prompts"]
-        runlog.log(
-            {
-                "done": True,
-                "target_path": prod.tgt.backend,
-                "n_sequences": manifest["n_sequences"],
-                "n_loss_tokens": manifest["n_loss_tokens"],
-                "seconds": round(dt, 1),
-                "bytes_per_token": manifest["bytes_per_token"]["per_token"],
-            }
-        )
-        print(
-            f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
-            f"{len(prompts)} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
-            f"{c['skipped_no_response']} without a reply; "
-            f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token "
-            f"({prod.tgt.backend} target path) -> {out}"
-        )
+        _finish(recipe, out, meta, prod, len(starts), len(prompts), progress)
     barrier()
     return out
+
+
+class _Progress:
+    """The data stage's progress bar (prompts, new tokens/s) and its metrics rows, one per written shard."""
+
+    def __init__(self, recipe, prod: Producer, rank: int, world: int, total: int):
+        self.prod, self.rank = prod, rank
+        self.runlog = RunLog(recipe.run_dir, "generate", enabled=rank == 0)
+        desc = f"generate[{rank}]" if world > 1 else "generate"
+        self.bar = tqdm(total=total, unit="prompt", desc=desc, dynamic_ncols=True)
+        self.t0 = time.perf_counter()
+        self.new_tokens, self.last = 0, {"t": self.t0, "tokens": 0}
+
+    def on_batch(self, batch: list[Unit]) -> None:
+        self.new_tokens += sum(sum(u.mask) for u in batch)
+        bar = self.bar
+        bar.update(min(sum(u.share for u in batch), bar.total - bar.n))  # shares of 1/k may round past the total
+        bar.set_postfix(tok_s=f"{self.new_tokens / (time.perf_counter() - self.t0):.0f}")
+
+    def written(self, path: Path, entry: dict) -> None:  # in the writer thread, after each shard
+        now, done, last, meter = time.perf_counter(), self.new_tokens, self.last, self.prod.meter
+        rate = (done - last["tokens"]) / max(1e-9, now - last["t"])  # since the previous row: this window's pace
+        last.update(t=now, tokens=done)
+        util = {} if meter is None else {"tflops": meter.tflops(rate), "mfu": meter.mfu(rate)}
+        self.runlog.log(
+            {
+                "shard": int(path.name.split("-")[1].split(".")[0]),
+                "rank": self.rank,
+                "target_path": self.prod.tgt.backend,
+                "sequences": entry["n_sequences"],
+                "new_tokens": done,
+                "tokens_per_s": round(done / (now - self.t0), 1),
+                "window_tokens_per_s": round(rate, 1),
+                **significant(util),
+            }
+        )
+
+
+def _finish(recipe, out: Path, meta: dict, prod: Producer, n_shards: int, n_prompts: int, progress: _Progress):
+    """Rank 0, after every rank wrote its shards: the manifest (none when no prompt was usable), the last metrics
+    row and the summary line."""
+    entries = [shard_entry(out / shard_name(i)) for i in range(n_shards)]
+    manifest = _manifest(recipe, meta, prod, entries, n_prompts)
+    c = manifest["prompts"]
+    if manifest["n_sequences"] == 0:
+        raise DraftsmithError(
+            f"data.prompts: none of the {n_prompts} prompts is usable "
+            f"({c['skipped_too_long']} longer than data.max_prompt_tokens, "
+            f"{c['skipped_no_response']} without a reply to keep)"
+        )
+    write_manifest(out, manifest)
+    dt = time.perf_counter() - progress.t0
+    progress.runlog.log(
+        {
+            "done": True,
+            "target_path": prod.tgt.backend,
+            "n_sequences": manifest["n_sequences"],
+            "n_loss_tokens": manifest["n_loss_tokens"],
+            "seconds": round(dt, 1),
+            "bytes_per_token": manifest["bytes_per_token"]["per_token"],
+        }
+    )
+    print(
+        f"generate: {manifest['n_sequences']} sequences ({manifest['n_loss_tokens']} response tokens) from "
+        f"{n_prompts} prompts in {dt:.0f}s; skipped {c['skipped_too_long']} too long, "
+        f"{c['skipped_no_response']} without a reply; "
+        f"{manifest['bytes_per_token']['file_per_loss_token']} bytes/response token "
+        f"({prod.tgt.backend} target path) -> {out}"
+    )
 
 
 def _manifest(recipe, meta: dict, prod: Producer, entries: list[dict], n_prompts: int) -> dict:
