@@ -211,117 +211,129 @@ def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
     save_recipe(recipe)
+    vllm_drafter = None
     if ec.engine == "vllm":  # exported first: a drafter vLLM cannot serve is refused before any decoding
         from draftsmith.engines import vllm as engine
 
         vllm_drafter = engine.export_for_eval(setup.ckpt, run / "eval" / "vllm-drafter")
-    tgt, drafter, info, ckpt, device, dtype = (
-        setup.tgt,
-        setup.drafter,
-        setup.info,
-        setup.ckpt,
-        setup.device,
-        setup.dtype,
-    )
-    encoded, eos, stop_drafting = setup.encoded, setup.eos, setup.stop_drafting
-    hf_model = assistant = None
-    if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
-        if tgt.backend == "transformers":  # the transformers model the target already is (one copy in memory)
-            hf_model = tgt.model.hf
-        else:
-            hf_model = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=dtype).to(device).eval()
-        assistant = _hf_assistant(drafter, info, ec.draft_len)
-    plain_target, plain_drafter = tgt.model, setup.drafter  # the batched decoder takes them unwrapped
-    optimize_models(setup, ec)
-    drafter = setup.drafter  # possibly wrapped for CUDA graphs
-    pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
-    gen = torch.Generator(device=device).manual_seed(recipe.seed)
+    dec = _Decoders(recipe, setup)
+    tally = _Tally()
+    with torch.no_grad():
+        for _, ids in setup.encoded[: ec.warmup]:  # first calls pay one-off allocation / kernel selection costs
+            dec.run_one(ids)
+        meter = CpuShare().start()  # tokens/s need the machine to ourselves: say if not
+        for i, (p, ids) in enumerate(tqdm(setup.encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
+            tally.add(setup, i, p.category or "all", dec.run_one(ids), ec.temperature == 0)
+        batches = dec.batches(tally) if ec.batch_sizes else None
+        meter.stop()
+    tps = {k: tally.toks[k] / tally.times[k] for k in tally.times if tally.times[k] > 0}
+    t = tally
+    report = build_report(recipe, setup.tgt, dec.drafter, setup.info, setup.ckpt, t.total, t.per_cat, tps,
+                          t.matches, t.n_cmp, len(setup.encoded), setup.device, t.cat_times)  # fmt: skip
+    report["machine"] = meter.machine()
+    _report_extras(report, recipe, setup, dec.drafter, tally, batches)
+    if vllm_drafter is not None:
+        dt, ids = str(setup.dtype).removeprefix("torch."), [ids for _, ids in setup.encoded]
+        vllm = engine.compare(vllm_drafter, setup.tgt.path, ids, ec, setup.eos, dt, recipe.seed, t.refs, t.specs)
+        report["engines"] = {"vllm": vllm}
+    _write_report(report, run, bool(ec.batch_sizes))
+    return report
 
-    tree = build_tree(ec, getattr(drafter, "max_draft_len", None))
-    sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
 
-    def speculative(x):
-        if tree is None:
-            return speculative_generate(
-                tgt.model,
-                drafter,
-                x,
-                ec.max_new_tokens,
-                draft_len=ec.draft_len,
-                eos_ids=eos,
-                generator=gen,
-                stop_drafting=stop_drafting,
-                judge=setup.judge,
-                **sampling,
-            )
-        return tree_speculative_generate(
-            tgt.model, drafter, x, ec.max_new_tokens, tree, eos_ids=eos, generator=gen, **sampling
-        )
+class _Decoders:
+    """What eval runs on each prompt: the speculative decoder (chain or tree), the target alone, and the
+    transformers baselines (plain and assisted generation) when eval.baseline_hf asks for them."""
 
-    def run_one(ids):
-        x = torch.tensor(ids, device=device)
-        spec, t_spec = _timed(lambda: speculative(x), device)
+    def __init__(self, recipe, setup):
+        ec, tgt = recipe.eval, setup.tgt
+        self.ec, self.setup, self.seed, self.tgt, self.device = ec, setup, recipe.seed, tgt, setup.device
+        self.hf_model = self.assistant = None
+        if ec.baseline_hf and not setup.adapted:  # HF would run the original target: not a like-for-like baseline
+            if tgt.backend == "transformers":  # the transformers model the target already is (one copy in memory)
+                self.hf_model = tgt.model.hf
+            else:
+                hf = hf_model_from_folder(tgt.path, "eval.baseline_hf", dtype=setup.dtype)
+                self.hf_model = hf.to(setup.device).eval()
+            self.assistant = _hf_assistant(setup.drafter, setup.info, ec.draft_len)
+        self.plain_target, self.plain_drafter = tgt.model, setup.drafter  # the batched decoder takes them unwrapped
+        optimize_models(setup, ec)
+        self.drafter = setup.drafter  # possibly wrapped for CUDA graphs
+        eos = setup.eos
+        self.pad_id = tgt.tokenizer.pad_token_id if tgt.tokenizer.pad_token_id is not None else min(eos)
+        self.gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
+        self.tree = build_tree(ec, getattr(self.drafter, "max_draft_len", None))
+        self.sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
+
+    def speculative(self, x):
+        ec, s, kw = self.ec, self.setup, {"eos_ids": self.setup.eos, "generator": self.gen, **self.sampling}
+        if self.tree is None:
+            return speculative_generate(self.tgt.model, self.drafter, x, ec.max_new_tokens, draft_len=ec.draft_len,
+                                        stop_drafting=s.stop_drafting, judge=s.judge, **kw)  # fmt: skip
+        return tree_speculative_generate(self.tgt.model, self.drafter, x, ec.max_new_tokens, self.tree, **kw)
+
+    def run_one(self, ids):
+        """-> (speculative (tokens, stats), its seconds, the target's own tokens, seconds, and the HF baselines'
+        tokens and seconds, None and 0 when not run)."""
+        ec, dev, eos, kw = self.ec, self.device, self.setup.eos, self.sampling
+        x = torch.tensor(ids, device=dev)
+        spec, t_spec = _timed(lambda: self.speculative(x), dev)
         ar, t_ar = _timed(
-            lambda: autoregressive_generate(tgt.model, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling),
-            device,
-        )
+            lambda: autoregressive_generate(self.tgt.model, x, ec.max_new_tokens, eos_ids=eos, generator=self.gen,
+                                            **kw), dev,
+        )  # fmt: skip
         hf, t_hf, hfa, t_hfa = None, 0.0, None, 0.0
-        if hf_model is not None:
-            hf, t_hf = _timed(
-                lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, None, **sampling), device
-            )
-            if assistant is not None:
-                hfa, t_hfa = _timed(
-                    lambda: _hf_generate(hf_model, ids, ec.max_new_tokens, eos, pad_id, assistant, **sampling), device
-                )
+        if self.hf_model is not None:
+            n, pad = ec.max_new_tokens, self.pad_id
+            hf, t_hf = _timed(lambda: _hf_generate(self.hf_model, ids, n, eos, pad, None, **kw), dev)
+            if self.assistant is not None:
+                hfa, t_hfa = _timed(lambda: _hf_generate(self.hf_model, ids, n, eos, pad, self.assistant, **kw), dev)
         return spec, t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa
 
-    with torch.no_grad():
-        for _, ids in encoded[: ec.warmup]:  # first calls pay one-off allocation / kernel selection costs
-            run_one(ids)
-        total, per_cat = DecodeStats(), defaultdict(DecodeStats)
-        times, toks, matches, n_cmp = defaultdict(float), defaultdict(int), 0, 0
-        cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
-        solved, refs, specs = defaultdict(int), [], []
-        meter = CpuShare().start()  # tokens/s need the machine to ourselves: say if not
-        for i, (p, ids) in enumerate(tqdm(encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
-            (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = run_one(ids)
-            if setup.tasks:  # task accuracy of both outputs (the judge may change the speculative one)
-                for k, out in (("spec", spec), ("ar", ar)):
-                    solved[k] += correct(setup.tasks[i], tgt.tokenizer.decode(out, skip_special_tokens=True))
-            total.merge(st)
-            cat = p.category or "all"
-            per_cat[cat].merge(st)
-            for k, out, t in (
-                ("spec", spec, t_spec),
-                ("ar", ar, t_ar),
-                ("ar_hf", hf, t_hf),
-                ("hf_assisted", hfa, t_hfa),
-            ):
-                if out is not None:
-                    times[k] += t
-                    toks[k] += len(out)
-                    cat_times[cat][k + "_s"] += t
-                    cat_times[cat][k + "_tokens"] += len(out)
-            if ec.temperature == 0:
-                ref = hf if hf is not None else ar
-                matches += spec == ref
-                n_cmp += 1
-            refs.append(ar)
-            specs.append(spec)
-        if ec.batch_sizes:
-            prompts = [torch.tensor(ids, device=device) for _, ids in encoded]
-            batches = batch_sweep(plain_target, plain_drafter, prompts, ec.batch_sizes, ec.max_new_tokens,
-                                  draft_len=ec.draft_len, eos_ids=eos, sampling=sampling, seed=recipe.seed,
-                                  reference=refs if ec.temperature == 0 else None,
-                                  batch1=specs if ec.temperature == 0 else None, stop_drafting=stop_drafting,
-                                  tree=tree, judge=setup.judge)  # fmt: skip
-        meter.stop()
-    tps = {k: toks[k] / times[k] for k in times if times[k] > 0}
-    report = build_report(
-        recipe, tgt, drafter, info, ckpt, total, per_cat, tps, matches, n_cmp, len(encoded), device, cat_times
-    )
-    report["machine"] = meter.machine()
+    def batches(self, tally: _Tally) -> dict:
+        """eval.batch_sizes: the batched decoder on every prompt at each batch size (greedy rows checked against
+        the target's and the batch-1 speculative outputs)."""
+        ec, s, greedy = self.ec, self.setup, self.ec.temperature == 0
+        prompts = [torch.tensor(ids, device=self.device) for _, ids in s.encoded]
+        return batch_sweep(self.plain_target, self.plain_drafter, prompts, ec.batch_sizes, ec.max_new_tokens,
+                           draft_len=ec.draft_len, eos_ids=s.eos, sampling=self.sampling, seed=self.seed,
+                           reference=tally.refs if greedy else None, batch1=tally.specs if greedy else None,
+                           stop_drafting=s.stop_drafting, tree=self.tree, judge=s.judge)  # fmt: skip
+
+
+class _Tally:
+    """eval's counts over the prompts: decode stats (all and per category), seconds and tokens per decoder, the
+    greedy match count, solved tasks, and each prompt's outputs."""
+
+    def __init__(self):
+        self.total, self.per_cat = DecodeStats(), defaultdict(DecodeStats)
+        self.times, self.toks, self.matches, self.n_cmp = defaultdict(float), defaultdict(int), 0, 0
+        self.cat_times = defaultdict(lambda: defaultdict(float))  # category -> decoder -> (seconds | tokens)
+        self.solved, self.refs, self.specs = defaultdict(int), [], []
+
+    def add(self, setup, i: int, cat: str, outs, greedy: bool) -> None:
+        (spec, st), t_spec, ar, t_ar, hf, t_hf, hfa, t_hfa = outs
+        if setup.tasks:  # task accuracy of both outputs (the judge may change the speculative one)
+            for k, out in (("spec", spec), ("ar", ar)):
+                self.solved[k] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
+        self.total.merge(st)
+        self.per_cat[cat].merge(st)
+        for k, out, t in (("spec", spec, t_spec), ("ar", ar, t_ar), ("ar_hf", hf, t_hf), ("hf_assisted", hfa, t_hfa)):
+            if out is not None:
+                self.times[k] += t
+                self.toks[k] += len(out)
+                self.cat_times[cat][k + "_s"] += t
+                self.cat_times[cat][k + "_tokens"] += len(out)
+        if greedy:
+            self.matches += spec == (hf if hf is not None else ar)
+            self.n_cmp += 1
+        self.refs.append(ar)
+        self.specs.append(spec)
+
+
+def _report_extras(report: dict, recipe, setup, drafter, tally: _Tally, batches) -> None:
+    """The report's optional parts: an own-vocabulary draft's tokenizer, batches, the stop rule, a judge's lossy
+    verification and task accuracy."""
+    ec, total = recipe.eval, tally.total
     if getattr(drafter, "own_vocab", False):  # the draft's vocabulary and how its drafts reach the target's
         method = drafter.method if drafter.method != "auto" else "slem" if ec.temperature <= 0 else "tli"
         report["drafter"]["tokenizer"] = {"vocab_size": len(drafter.tokenizer), "method": method}
@@ -330,25 +342,25 @@ def evaluate(recipe) -> dict:
             ngram = {"ngram_cache": True, "ngram_scope": scope, "ngram_candidates": total.ngram_candidates}
             ngram["drafted"] = total.drafted
             report["drafter"]["tokenizer"] |= ngram
-    if ec.batch_sizes:
+    if batches is not None:
         report["batches"] = batches
-    if ec.engine == "vllm":
-        dt = str(dtype).removeprefix("torch.")
-        ids = [ids for _, ids in encoded]
-        report["engines"] = {"vllm": engine.compare(vllm_drafter, tgt.path, ids, ec, eos, dt, recipe.seed, refs, specs)}
     if setup.stop_info is not None:
         report["strategy"]["stop"] = setup.stop_info
     if setup.judge is not None:  # lossy: the output may differ from the target's; say so everywhere
         report["lossy"] = {"judge": ec.judge.head, "delta": ec.judge.delta, "judge_accepted": total.judge_accepted}
     if setup.tasks:
-        report["task_accuracy"] = {k: solved[k] / len(encoded) for k in ("spec", "ar")}
+        report["task_accuracy"] = {k: tally.solved[k] / len(setup.encoded) for k in ("spec", "ar")}
         report["task_accuracy"]["tasks"] = ec.judge.tasks
+
+
+def _write_report(report: dict, run: Path, batched: bool) -> None:
+    """RUN/eval: report.json, report.md and the plots; a metrics row; the summary lines."""
     out_dir = run / "eval"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
     write_plot(report, out_dir / "acceptance.png")
     write_category_plot(report, out_dir / "by_category.png")
-    if ec.batch_sizes:
+    if batched:
         write_batch_plot(report, out_dir / "speedup_vs_batch.png")
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
@@ -367,7 +379,6 @@ def evaluate(recipe) -> dict:
         print("eval: warning: " + warning)
     if note := rounding_note(report):
         print("eval: note: " + note)
-    return report
 
 
 def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
