@@ -190,18 +190,10 @@ def _quick_eval_setup(recipe, tgt, acc):
 def train(recipe) -> Path:
     """Train the recipe's drafter on its records; returns the final checkpoint folder. Reruns resume from the
     newest resumable checkpoint (train.save_every) unless train.resume is false."""
-    from accelerate import Accelerator
     from accelerate.utils import set_seed
 
     tc, run = recipe.train, recipe.run_dir
-    refuse_independent_machines()
-    device = resolve_device(recipe.target.device)
-    precision = resolve_precision(tc.precision, device)
-    if tc.precision == "auto":
-        log.info("train.precision=auto -> %s on %s", precision, device)
-    acc = Accelerator(mixed_precision=precision, cpu=device == "cpu")
-    _check_sharding(acc, tc)
-    _configure_deepspeed(acc, tc)
+    acc = _accelerator(recipe)
     data_dir, ckpt_dir = run / "data", run / "checkpoints"
     manifest = read_manifest(data_dir)
     # The target initialises the drafter (embeddings, layers), checks the tokenizer, may teach in the loop and,
@@ -210,35 +202,12 @@ def train(recipe) -> Path:
     t = recipe.target
     tgt = load_model(t.model, torch.float32, "cpu", t.trust_remote_code, t.revision, backend=t.backend)
     set_seed(recipe.seed)
-    # checkpoints say which path ran the target; exports name the verifier by its architecture (speculators config)
-    conf = tgt.path / "config.json"
-    target_path, arch = tgt.backend, read_json(conf).get("architectures") if conf.is_file() else None
-    if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
-        raise DraftsmithError(
-            f"{data_dir}: records were made with a different tokenizer than target {recipe.target.model!r}"
-        )
-    kind, params = recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
-    spec = drafter_spec(kind)
-    if tc.packing:
-        check_packing(kind)
-    facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
-    target_tok, own_tok = tgt.tokenizer, None
-    if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (train/own_vocab.py)
-        own_vocab.check_loss(tc)
-        own_tok = facts["draft_tokenizer"] = own_vocab.draft_tokenizer(params, run, tgt.tokenizer, data_dir)
-    if getattr(params, "draft_vocab", None):  # (a field of the kinds that can reduce their vocabulary)
-        facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
-    drafter = build_drafter(kind, params, tgt.model, **facts).float().train()
+    meta = _checkpoint_meta(recipe, tgt, manifest, data_dir)
+    kind, spec = recipe.drafter.kind, drafter_spec(recipe.drafter.kind)
+    drafter, own_tok = _build(recipe, tgt, data_dir)
     quick = _quick_eval_setup(recipe, tgt, acc) if tc.eval_every and acc.is_main_process else None
-    # The frozen target runs in the loop for full-distribution teachers, or for drafters that read its hidden
-    # states when the records do not store them.
-    stored = spec.reads_features and features_stored(drafter, manifest["signals"])
-    # A kind may also ask for it itself (``needs_target``: the judge, acceptance heads on EAGLE and heads).
-    in_loop = tc.loss.teacher == "target" or (spec.reads_features and not stored) or spec.needs_target_for(drafter)
-    teacher = tgt.model.requires_grad_(False) if in_loop else None
-    if teacher is not None and tc.shard_target and acc.num_processes > 1:
-        _shard_frozen_target(teacher, acc)  # before the move: no device ever holds the whole target
-    teacher = teacher.to(acc.device) if teacher is not None else None
+    teacher, stored = _teacher(recipe, spec, drafter, manifest, tgt, acc)
+    target_tok = tgt.tokenizer
     del tgt
     signals = spec.signals_for(drafter) - (set() if stored else {"hidden_last", "hidden_aux"})
     ds = RecordDataset(data_dir, tc.max_seq_len, signals=signals if own_tok is None else set())
@@ -250,6 +219,101 @@ def train(recipe) -> Path:
     # Counted before ZeRO-3 partitions the parameters (its module then holds empty tensors).
     n_params, n_trainable = drafter.num_params(), sum(p.numel() for p in drafter.parameters() if p.requires_grad)
     loss_gen = torch.Generator(device=acc.device).manual_seed(recipe.seed * 1000 + acc.process_index)
+    drafter, opt, counters, resume_from = _start(acc, tc, spec, drafter, opt, sched, loss_gen, ckpt_dir)
+    batches = iter(_loader(acc, tc, ds, data_dir, recipe.seed, counters["batches"]))
+    ctx = Context(unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=recipe.drafter,
+                  seed=recipe.seed)  # fmt: skip
+    save_recipe(recipe, acc.is_main_process)
+    runlog = RunLog(run, "train", wandb=tc.wandb, tensorboard=tc.tensorboard, config=recipe.model_dump(mode="json"),
+                    enabled=acc.is_main_process)  # fmt: skip
+    step = counters["step"]
+    runlog.drop_after(step)  # a killed run's rows past the step resumed from (all of them when starting afresh)
+    if acc.is_main_process:
+        prune(ckpt_dir, tc.keep_last)  # what a prune killed mid-way left
+        print(
+            f"train: {kind} drafter, {n_params / 1e6:.1f}M params "
+            f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
+            f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
+            + (f", resuming at step {step} from {resume_from}" if resume_from is not None else "")
+        )
+    loop = _Loop(recipe, acc, drafter, opt, sched, batches, ctx, counters, runlog, quick)
+    loop.run(step, lambda at: _save_resumable(acc, ckpt_dir / f"step-{at:06d}", drafter, opt, sched, kind, meta,
+                                              dict(counters), loss_gen, tc.keep_last, loop.recipe_yaml))  # fmt: skip
+    final = ckpt_dir / "final"
+    acc.wait_for_everyone()
+    full, _ = _gathered(acc, drafter)  # every rank: a collective under FSDP2 / ZeRO-3
+    if acc.is_main_process:
+        unwrapped, step_meta = acc.unwrap_model(drafter), {**meta, "step": loop.step}
+        save_drafter(final, unwrapped, kind, step_meta, recipe_yaml=loop.recipe_yaml, state=full)
+        took = time.perf_counter() - loop.t0
+        print(f"train: {loop.step} steps, {counters['tokens']} target tokens, {took:.0f}s -> {final}")
+    runlog.close()
+    return final
+
+
+def _accelerator(recipe):
+    """accelerate's Accelerator for the recipe's device and precision, checked against the launch."""
+    from accelerate import Accelerator
+
+    tc = recipe.train
+    refuse_independent_machines()
+    device = resolve_device(recipe.target.device)
+    precision = resolve_precision(tc.precision, device)
+    if tc.precision == "auto":
+        log.info("train.precision=auto -> %s on %s", precision, device)
+    acc = Accelerator(mixed_precision=precision, cpu=device == "cpu")
+    _check_sharding(acc, tc)
+    _configure_deepspeed(acc, tc)
+    return acc
+
+
+def _checkpoint_meta(recipe, tgt, manifest: dict, data_dir: Path) -> dict:
+    """What every checkpoint's drafter.json says about the target (records of another tokenizer are refused)."""
+    if manifest["tokenizer_hash"] != tokenizer_hash(tgt.tokenizer):
+        raise DraftsmithError(
+            f"{data_dir}: records were made with a different tokenizer than target {recipe.target.model!r}"
+        )
+    # checkpoints say which path ran the target; exports name the verifier by its architecture (speculators config)
+    conf = tgt.path / "config.json"
+    arch = read_json(conf).get("architectures") if conf.is_file() else None
+    meta = {"target": recipe.target.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
+    meta["target_path"] = tgt.backend  # own | transformers, as in data manifests and eval reports
+    if isinstance(arch, list):
+        meta["target_architectures"] = arch
+    return meta
+
+
+def _build(recipe, tgt, data_dir: Path):
+    """The fresh drafter from its section and the target -> (drafter, its own tokenizer or None)."""
+    tc, kind, params = recipe.train, recipe.drafter.kind, recipe.drafter  # params: the kind's typed section
+    if tc.packing:
+        check_packing(kind)
+    facts = {"tokenizer": tgt.tokenizer, "eos_ids": stop_ids(tgt.path, tgt.tokenizer)}
+    own_tok = None
+    if getattr(params, "tokenizer", None):  # a draft with its own vocabulary (train/own_vocab.py)
+        own_vocab.check_loss(tc)
+        own_tok = facts["draft_tokenizer"] = own_vocab.draft_tokenizer(params, recipe.run_dir, tgt.tokenizer, data_dir)
+    if getattr(params, "draft_vocab", None):  # (a field of the kinds that can reduce their vocabulary)
+        facts["counts"] = token_counts(data_dir, tgt.model.cfg.vocab_size)
+    return build_drafter(kind, params, tgt.model, **facts).float().train(), own_tok
+
+
+def _teacher(recipe, spec, drafter, manifest: dict, tgt, acc):
+    """The frozen target in the loop, when it teaches (full-distribution teachers), feeds hidden states the records
+    do not store, or the kind asks for it (``needs_target``: the judge, acceptance heads on EAGLE and heads)
+    -> (the target on the training device or None, whether the records store the features)."""
+    tc = recipe.train
+    stored = spec.reads_features and features_stored(drafter, manifest["signals"])
+    in_loop = tc.loss.teacher == "target" or (spec.reads_features and not stored) or spec.needs_target_for(drafter)
+    teacher = tgt.model.requires_grad_(False) if in_loop else None
+    if teacher is not None and tc.shard_target and acc.num_processes > 1:
+        _shard_frozen_target(teacher, acc)  # before the move: no device ever holds the whole target
+    return (teacher.to(acc.device) if teacher is not None else None), stored
+
+
+def _start(acc, tc, spec, drafter, opt, sched, loss_gen, ckpt_dir: Path):
+    """Resume from the newest resumable checkpoint (or warm-start from train.init_checkpoint), then wrap for the
+    launch -> (drafter, optimizer, counters, the checkpoint resumed from or None)."""
     counters = {"step": 0, "batches": 0, "tokens": 0, "seconds": 0.0}
     resume_from = latest_resumable(ckpt_dir) if tc.resume else None
     fresh = (
@@ -269,15 +333,16 @@ def train(recipe) -> Path:
         counters = read_state(
             resume_from, opt, sched, {"loss": loss_gen}, model=drafter, rank=acc.process_index, hint=fresh
         )
+    return drafter, opt, counters, resume_from
+
+
+def _loader(acc, tc, ds, data_dir: Path, seed: int, start: int):
+    """This process's micro-batches from batch ``start`` on: by record count or by input tokens, packed or padded."""
     if tc.batch_tokens:  # micro-batches by input tokens: steady work per step whatever the records' lengths
         lengths = [min(n, tc.max_seq_len) for n in record_lengths(data_dir)]
-        sampler = TokenBatches(
-            lengths, tc.batch_tokens, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
-        )
+        sampler = TokenBatches(lengths, tc.batch_tokens, acc.process_index, acc.num_processes, seed, start=start)
     else:
-        sampler = GlobalBatches(
-            len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, recipe.seed, start=counters["batches"]
-        )
+        sampler = GlobalBatches(len(ds), tc.micro_batch_size, acc.process_index, acc.num_processes, seed, start=start)
     # train.packing: the sampler's micro-batch of records, packed into rows (a function of the records only, so a
     # resumed run packs as the uninterrupted one did)
     coll = partial(collate_packed, row_tokens=tc.pack_tokens or tc.max_seq_len) if tc.packing else collate
@@ -285,7 +350,7 @@ def train(recipe) -> Path:
     # its own generator: the loader's seed draw must not move the global RNG a resumed run has just restored
     cuda = acc.device.type == "cuda"
     workers = tc.loader_workers if tc.loader_workers is not None else (2 if cuda else 0)
-    loader = torch.utils.data.DataLoader(
+    return torch.utils.data.DataLoader(
         ds,
         batch_sampler=sampler,
         collate_fn=coll,
@@ -295,102 +360,83 @@ def train(recipe) -> Path:
         prefetch_factor=4 if workers else None,
         persistent_workers=workers > 0,
     )
-    batches = iter(loader)
-    objective = objective_for(kind)
-    ctx = Context(
-        unwrapped=acc.unwrap_model(drafter), target=teacher, generator=loss_gen, params=params, seed=recipe.seed
-    )
-    save_recipe(recipe, acc.is_main_process)
-    runlog = RunLog(
-        run,
-        "train",
-        wandb=tc.wandb,
-        tensorboard=tc.tensorboard,
-        config=recipe.model_dump(mode="json"),
-        enabled=acc.is_main_process,
-    )
-    step = counters["step"]
-    runlog.drop_after(step)  # a killed run's rows past the step resumed from (all of them when starting afresh)
-    if acc.is_main_process:
-        prune(ckpt_dir, tc.keep_last)  # what a prune killed mid-way left
-    if acc.is_main_process:
-        print(
-            f"train: {kind} drafter, {n_params / 1e6:.1f}M params "
-            f"({n_trainable / 1e6:.1f}M trainable), {len(ds)} sequences, {tc.steps} steps, "
-            f"{acc.num_processes} process(es) ({acc.distributed_type.value})"
-            + (f", resuming at step {step} from {resume_from}" if resume_from is not None else "")
+
+
+class _Loop:
+    """The optimizer steps from a step on: a logged metrics window every train.log_every steps (non-finite values
+    stop training), a quick eval every train.eval_every, a resumable checkpoint every train.save_every."""
+
+    def __init__(self, recipe, acc, drafter, opt, sched, batches, ctx, counters: dict, runlog, quick):
+        self.recipe, self.tc, self.acc, self.drafter, self.opt, self.sched = (
+            recipe,
+            recipe.train,
+            acc,
+            drafter,
+            opt,
+            sched,
         )
-    meta = {"target": t.model, "tokenizer_hash": manifest["tokenizer_hash"], "recipe": recipe.name}
-    meta["target_path"] = target_path  # own | transformers, as in data manifests and eval reports
-    if isinstance(arch, list):
-        meta["target_architectures"] = arch
-    recipe_yaml = dump_recipe(recipe)  # every checkpoint keeps the exact recipe that trained it
-    t0, window = time.perf_counter() - counters["seconds"], []
-    bar = tqdm(
-        total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process, dynamic_ncols=True
-    )
-    meter, tw = _meter(acc, drafter, counters.get("flops_per_token")), time.perf_counter()
-    while step < tc.steps:
-        ctx.step = step
-        if step == 1:  # the second step's FLOPs, counted once per run (a resumed run keeps the figure): MFU
-            out, meter = _counted_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
-            counters["flops_per_token"] = None if meter is None else meter.flops_per_token
-        else:
-            out = _optimizer_step(acc, drafter, opt, sched, batches, objective, tc, ctx)
-        counters["batches"] += tc.grad_accum
-        counters["tokens"] += out["tokens"]
-        window.append(out)
-        step += 1
-        bar.update(1)
-        if step % tc.log_every == 0 or step == tc.steps:
-            m = _window_metrics(window, counters, t0, recipe.eval.draft_len)
-            _stop_if_not_finite(m, step - len(window) + 1, step, ckpt_dir)
-            now = time.perf_counter()
-            rate = sum(w["real"] for w in window) / max(1e-9, now - tw) / acc.num_processes  # per device
-            m["input_tokens_per_s"] = rate
-            if meter is not None:
-                m.update(tflops=meter.tflops(rate), mfu=meter.mfu(rate))
-            tw = now
-            m.update(lr=sched.get_last_lr()[0], peak_mem_mb=peak_memory_mb(str(acc.device)))
-            bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
-            runlog.log(significant(m), step=step)
-            window = []
-        if quick is not None and step % tc.eval_every == 0:
-            m = quick(acc.unwrap_model(drafter))
-            runlog.log(significant(m), step=step)
-            bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
-        if tc.save_every and step % tc.save_every == 0 and step < tc.steps:
-            if window:  # never save weights a not-yet-logged step made non-finite
-                settled = _settle(window)
-                worst = {"loss": sum(w["loss"] for w in settled), "grad_norm": sum(w["grad_norm"] for w in settled)}
-                _stop_if_not_finite(worst, step - len(window) + 1, step, ckpt_dir)
-            if not _weights_finite(drafter):  # one read per save: the update itself overflowed
-                _stop_if_not_finite({"loss": math.nan, "grad_norm": math.nan}, step, step, ckpt_dir)
-            counters.update(step=step, seconds=time.perf_counter() - t0)
-            _save_resumable(
-                acc,
-                ckpt_dir / f"step-{step:06d}",
-                drafter,
-                opt,
-                sched,
-                kind,
-                meta,
-                dict(counters),
-                loss_gen,
-                tc.keep_last,
-                recipe_yaml,
-            )
-    bar.close()
-    final = ckpt_dir / "final"
-    acc.wait_for_everyone()
-    full, _ = _gathered(acc, drafter)  # every rank: a collective under FSDP2 / ZeRO-3
-    if acc.is_main_process:
-        save_drafter(
-            final, acc.unwrap_model(drafter), kind, {**meta, "step": step}, recipe_yaml=recipe_yaml, state=full
-        )
-        print(f"train: {step} steps, {counters['tokens']} target tokens, {time.perf_counter() - t0:.0f}s -> {final}")
-    runlog.close()
-    return final
+        self.batches, self.ctx, self.counters, self.runlog, self.quick = batches, ctx, counters, runlog, quick
+        self.objective = objective_for(recipe.drafter.kind)
+        self.ckpt_dir = recipe.run_dir / "checkpoints"
+        self.recipe_yaml = dump_recipe(recipe)  # every checkpoint keeps the exact recipe that trained it
+        self.t0, self.step = time.perf_counter() - counters["seconds"], counters["step"]
+
+    def run(self, step: int, save) -> None:
+        tc, acc, counters = self.tc, self.acc, self.counters
+        window, self.step = [], step
+        bar = tqdm(total=tc.steps, initial=step, desc="train", unit="step", disable=not acc.is_main_process,
+                   dynamic_ncols=True)  # fmt: skip
+        meter, self.tw = _meter(acc, self.drafter, counters.get("flops_per_token")), time.perf_counter()
+        args = (acc, self.drafter, self.opt, self.sched, self.batches, self.objective, tc, self.ctx)
+        while self.step < tc.steps:
+            self.ctx.step = self.step
+            if self.step == 1:  # the second step's FLOPs, counted once per run (a resumed run keeps the figure): MFU
+                out, meter = _counted_step(*args)
+                counters["flops_per_token"] = None if meter is None else meter.flops_per_token
+            else:
+                out = _optimizer_step(*args)
+            counters["batches"] += tc.grad_accum
+            counters["tokens"] += out["tokens"]
+            window.append(out)
+            self.step += 1
+            bar.update(1)
+            if self.step % tc.log_every == 0 or self.step == tc.steps:
+                self._log(window, meter, bar)
+                window = []
+            if self.quick is not None and self.step % tc.eval_every == 0:
+                m = self.quick(acc.unwrap_model(self.drafter))
+                self.runlog.log(significant(m), step=self.step)
+                bar.set_postfix(tau=f"{m['tau_measured']:.2f}", tau_est=f"{m.get('tau_estimate', float('nan')):.2f}")
+            if tc.save_every and self.step % tc.save_every == 0 and self.step < tc.steps:
+                self._check_before_save(window)
+                counters.update(step=self.step, seconds=time.perf_counter() - self.t0)
+                save(self.step)
+        bar.close()
+
+    def _log(self, window: list[dict], meter, bar) -> None:
+        """One metrics row for the steps in ``window`` (stops training on a non-finite loss or gradient)."""
+        acc, step = self.acc, self.step
+        m = _window_metrics(window, self.counters, self.t0, self.recipe.eval.draft_len)
+        _stop_if_not_finite(m, step - len(window) + 1, step, self.ckpt_dir)
+        now = time.perf_counter()
+        rate = sum(w["real"] for w in window) / max(1e-9, now - self.tw) / acc.num_processes  # per device
+        m["input_tokens_per_s"] = rate
+        if meter is not None:
+            m.update(tflops=meter.tflops(rate), mfu=meter.mfu(rate))
+        self.tw = now
+        m.update(lr=self.sched.get_last_lr()[0], peak_mem_mb=peak_memory_mb(str(acc.device)))
+        bar.set_postfix(loss=f"{m['loss']:.3f}", top1=f"{m.get('top1', 0):.2f}", tok_s=f"{m['tokens_per_s']:.0f}")
+        self.runlog.log(significant(m), step=step)
+
+    def _check_before_save(self, window: list[dict]) -> None:
+        """Never save weights a not-yet-logged step made non-finite, nor weights the update itself overflowed."""
+        step = self.step
+        if window:
+            settled = _settle(window)
+            worst = {"loss": sum(w["loss"] for w in settled), "grad_norm": sum(w["grad_norm"] for w in settled)}
+            _stop_if_not_finite(worst, step - len(window) + 1, step, self.ckpt_dir)
+        if not _weights_finite(self.drafter):  # one read per save
+            _stop_if_not_finite({"loss": math.nan, "grad_norm": math.nan}, step, step, self.ckpt_dir)
 
 
 def _shard_frozen_target(model, acc) -> None:
