@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -97,6 +98,26 @@ def sweep(
             "output does not continue with)"
         )
     setup = load_for_eval(recipe)
+    thresholds = _check_arguments(setup, thresholds, fixed, deltas, min_lens, oracle)
+    cfg = _Configs(recipe, setup, fixed, thresholds, deltas, min_lens, oracle)
+    runs = _Runs()
+    meter = CpuShare().start()
+    with torch.no_grad():
+        for i, (prompt, ids) in enumerate(tqdm(setup.encoded, desc="sweep", unit="prompt", dynamic_ncols=True)):
+            runs.prompt(cfg, setup, i, prompt.category or "all", torch.tensor(ids, device=setup.device), ec)
+    meter.stop()
+    if not runs.secs:
+        raise DraftsmithError("no prompts left after eval.warmup: raise eval.prompts.n")
+    report = _report(recipe, setup, cfg, runs, deltas, max_accuracy_drop, meter)
+    out_dir = recipe.run_dir / "eval"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps(report, indent=2))
+    _print(report, setup, cfg, deltas, max_accuracy_drop, oracle, out_dir)
+    return report
+
+
+def _check_arguments(setup, thresholds, fixed, deltas, min_lens, oracle) -> list[float]:
+    """The sweep's arguments against what the recipe loaded (a stop rule, a judge) -> the thresholds to try."""
     hook = setup.stop_drafting
     if thresholds is None:
         thresholds = DEFAULT_THRESHOLDS if hook is not None and not deltas and not oracle else []
@@ -120,144 +141,129 @@ def sweep(
         )
     if 0 in min_lens and si.get("state") == "before":
         raise DraftsmithError("--min-lens 0 needs eval.stop.state=after (a before rule judges a picked draft)")
-    tgt, drafter, eos = setup.tgt.model, setup.drafter, setup.eos
-    sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
-    gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
+    return thresholds
 
-    def spec(k, stop=None):
-        return lambda x: speculative_generate(
-            tgt, drafter, x, ec.max_new_tokens, draft_len=k, eos_ids=eos, generator=gen, stop_drafting=stop, **sampling
-        )
 
-    def with_threshold(h, m=None):
+class _Configs:
+    """The decoders a sweep compares, by name: "ar", "fixed-K", "stop-H[-mM]" (the stop rule at threshold H and
+    min_len M), "judge-D" (lossy) and the oracles, each ``x -> (tokens, stats or None)``."""
+
+    def __init__(self, recipe, setup, fixed, thresholds, deltas, min_lens, oracle: bool):
+        ec = recipe.eval
+        self.ec, self.setup, self.fixed = ec, setup, fixed
+        self.sampling = {"temperature": ec.temperature, "top_k": ec.top_k, "top_p": ec.top_p}
+        self.gen = torch.Generator(device=setup.device).manual_seed(recipe.seed)
+        self.ar_out: list[int] = []  # this prompt's AR output: "ar" runs first, the oracle after it
+        self.stop_of = (
+            {f"stop-{h:g}": (h, None) for h in thresholds}
+            if not min_lens
+            else {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}
+        )  # config name -> (threshold, min_len)
+        self.oracles = ("oracle", "oracle-skip") if oracle else ()
+        tgt, eos, n = setup.tgt.model, setup.eos, ec.max_new_tokens
+        self.fns = {
+            "ar": lambda x: (autoregressive_generate(tgt, x, n, eos_ids=eos, generator=self.gen, **self.sampling), None)
+        }
+        self.fns.update({f"fixed-{k}": self._spec(k) for k in fixed})
+        self.fns.update({name: self._stop(h, m) for name, (h, m) in self.stop_of.items()})
+        self.fns.update({f"judge-{d:g}": self._spec(ec.draft_len, judge=Judge(setup.judge.head, d)) for d in deltas})
+        self.fns.update({name: self._oracle(name == "oracle-skip") for name in self.oracles})
+
+    def _spec(self, k: int, **kw):
+        s, ec = self.setup, self.ec
+        return lambda x: speculative_generate(s.tgt.model, s.drafter, x, ec.max_new_tokens, draft_len=k,
+                                              eos_ids=s.eos, generator=self.gen, **self.sampling, **kw)  # fmt: skip
+
+    def _stop(self, h: float, m: int | None):
+        hook = self.setup.stop_drafting
+
         def run(x):
             hook.threshold = h
             if m is not None:
                 hook.min_len = m
-            return spec(ec.draft_len, hook)(x)
+            return self._spec(self.ec.draft_len, stop_drafting=hook)(x)
 
         return run
 
-    def with_judge(delta):  # lossy: the judge may keep drafts the target would not have chosen
-        judge = Judge(setup.judge.head, delta)
-        return lambda x: speculative_generate(
-            tgt,
-            drafter,
-            x,
-            ec.max_new_tokens,
-            draft_len=ec.draft_len,
-            eos_ids=eos,
-            generator=gen,
-            judge=judge,
-            **sampling,
-        )
-
-    configs = {
-        "ar": lambda x: (
-            autoregressive_generate(tgt, x, ec.max_new_tokens, eos_ids=eos, generator=gen, **sampling),
-            None,
-        )
-    }
-    configs.update({f"fixed-{k}": spec(k) for k in fixed})
-    stop_of = (
-        {f"stop-{h:g}": (h, None) for h in thresholds}
-        if not min_lens
-        else {f"stop-{h:g}-m{m}": (h, m) for h in thresholds for m in min_lens}
-    )  # config name -> (threshold, min_len)
-    configs.update({n: with_threshold(h, m) for n, (h, m) in stop_of.items()})
-    configs.update({f"judge-{d:g}": with_judge(d) for d in deltas})
-    ar_out: list[int] = []  # this prompt's AR output: "ar" runs first, the oracle after it
-
-    def with_oracle(skip):
+    def _oracle(self, skip: bool):
         def run(x):
-            rule = OracleStop(ar_out, skip)
-            return speculative_generate(
-                tgt,
-                drafter,
-                x,
-                ec.max_new_tokens,
-                draft_len=ec.draft_len,
-                eos_ids=eos,
-                generator=gen,
-                stop_drafting=rule,
-                on_token=rule.on_token,
-                **sampling,
-            )
+            rule = OracleStop(self.ar_out, skip)
+            return self._spec(self.ec.draft_len, stop_drafting=rule, on_token=rule.on_token)(x)
 
         return run
 
-    oracles = ("oracle", "oracle-skip") if oracle else ()
-    configs.update({n: with_oracle(n == "oracle-skip") for n in oracles})
-    solved = defaultdict(int)
-    secs, toks, stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
-    cat_secs, cat_toks, cat_stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
-    mismatches = 0
-    meter = CpuShare().start()
-    with torch.no_grad():
-        for i, (prompt, ids) in enumerate(tqdm(setup.encoded, desc="sweep", unit="prompt", dynamic_ncols=True)):
-            x = torch.tensor(ids, device=setup.device)
-            outs = {}
-            for name, fn in configs.items():
-                t0 = time.perf_counter()
-                out, st = fn(x)
-                if setup.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-                if name == "ar":
-                    ar_out[:] = out
-                if i < ec.warmup:
-                    continue  # first calls pay one-off allocation costs
-                outs[name] = out
-                secs[name] += dt
-                toks[name] += len(out)
-                cat = prompt.category or "all"
-                cat_secs[cat, name] += dt
-                cat_toks[cat, name] += len(out)
-                if st is not None:
-                    stats[name].merge(st)
-                    cat_stats[cat, name].merge(st)
-                if setup.tasks:
-                    solved[name] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
-            if ec.temperature == 0 and outs:
-                mismatches += sum(o != outs["ar"] for n, o in outs.items() if not n.startswith("judge-"))
-    meter.stop()
-    if not secs:
-        raise DraftsmithError("no prompts left after eval.warmup: raise eval.prompts.n")
-    n_scored = len(setup.encoded) - ec.warmup
-    rate = {n: toks[n] / secs[n] for n in configs}
-    results = {}
-    for n in configs:
-        st = stats.get(n)
-        results[n] = {
-            "tokens_per_s": rate[n],
-            "speedup_vs_ar": rate[n] / rate["ar"],
-            **(
-                {
-                    "tau": st.tau,
-                    "drafted_per_step": st.drafted / st.target_forwards,
-                    "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards,
-                }
-                if st
-                else {}
-            ),
-            **({"task_accuracy": solved[n] / n_scored} if setup.tasks else {}),
-            **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {}),
-        }
-    best_fixed = max((f"fixed-{k}" for k in fixed), key=rate.get)
-    rules = [n for n in configs if n.startswith(("stop-", "judge-"))]
-    accuracy = {n: r["task_accuracy"] for n, r in results.items()} if setup.tasks else None
-    best, left_out = best_rule(rules, rate, accuracy, max_accuracy_drop)
-    cats = sorted({c for c, _ in cat_secs})
 
-    def per_category(c, n):  # speed vs AR on this category's prompts, tau and drafts wasted per verify
-        st = cat_stats[c, n]
+class _Runs:
+    """Seconds, tokens, decode stats and solved tasks per config (overall and per category), and the greedy
+    configs' mismatches against AR."""
+
+    def __init__(self):
+        self.solved = defaultdict(int)
+        self.secs, self.toks, self.stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
+        self.cat_secs, self.cat_toks, self.cat_stats = defaultdict(float), defaultdict(int), defaultdict(DecodeStats)
+        self.mismatches = 0
+
+    def prompt(self, cfg: _Configs, setup, i: int, cat: str, x, ec) -> None:
+        outs = {}
+        for name, fn in cfg.fns.items():
+            t0 = time.perf_counter()
+            out, st = fn(x)
+            if setup.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            if name == "ar":
+                cfg.ar_out[:] = out
+            if i < ec.warmup:
+                continue  # first calls pay one-off allocation costs
+            outs[name] = out
+            self.secs[name] += dt
+            self.toks[name] += len(out)
+            self.cat_secs[cat, name] += dt
+            self.cat_toks[cat, name] += len(out)
+            if st is not None:
+                self.stats[name].merge(st)
+                self.cat_stats[cat, name].merge(st)
+            if setup.tasks:
+                self.solved[name] += correct(setup.tasks[i], setup.tgt.tokenizer.decode(out, skip_special_tokens=True))
+        if ec.temperature == 0 and outs:
+            self.mismatches += sum(o != outs["ar"] for n, o in outs.items() if not n.startswith("judge-"))
+
+    def per_category(self, c: str, n: str) -> dict:
+        """Speed vs AR on this category's prompts, tau and drafts wasted per verify."""
+        st = self.cat_stats[c, n]
         return {
-            "speedup_vs_ar": cat_toks[c, n] / cat_secs[c, n] / (cat_toks[c, "ar"] / cat_secs[c, "ar"]),
+            "speedup_vs_ar": self.cat_toks[c, n]
+            / self.cat_secs[c, n]
+            / (self.cat_toks[c, "ar"] / self.cat_secs[c, "ar"]),
             "tau": st.tau,
             "wasted_per_step": (st.drafted - st.accepted) / max(1, st.target_forwards),
         }
 
-    shown = [n for n in (best_fixed, best, *oracles) if n]
+
+def _report(recipe, setup, cfg: _Configs, runs: _Runs, deltas, max_accuracy_drop: float, meter) -> dict:
+    ec, fns, n_scored = recipe.eval, cfg.fns, len(setup.encoded) - recipe.eval.warmup
+    rate = {n: runs.toks[n] / runs.secs[n] for n in fns}
+    results = {}
+    for n in fns:
+        st = runs.stats.get(n)
+        steps = (
+            {"tau": st.tau, "drafted_per_step": st.drafted / st.target_forwards,
+             "wasted_per_step": (st.drafted - st.accepted) / st.target_forwards}
+            if st else {}
+        )  # fmt: skip
+        results[n] = {
+            "tokens_per_s": rate[n],
+            "speedup_vs_ar": rate[n] / rate["ar"],
+            **steps,
+            **({"task_accuracy": runs.solved[n] / n_scored} if setup.tasks else {}),
+            **({"judge_accepted": st.judge_accepted} if n.startswith("judge-") else {}),
+        }
+    best_fixed = max((f"fixed-{k}" for k in cfg.fixed), key=rate.get)
+    rules = [n for n in fns if n.startswith(("stop-", "judge-"))]
+    accuracy = {n: r["task_accuracy"] for n, r in results.items()} if setup.tasks else None
+    best, left_out = best_rule(rules, rate, accuracy, max_accuracy_drop)
+    cats = sorted({c for c, _ in runs.cat_secs})
+    shown = [n for n in (best_fixed, best, *cfg.oracles) if n]
     report = {
         "prompts": {
             "source": ec.prompts.source,
@@ -272,36 +278,26 @@ def sweep(
         "configs": results,
         "best_fixed": best_fixed,
         "best_stop": best,
-        **(
-            {
-                "best_threshold": stop_of[best][0] if best in stop_of else float(best.split("-", 1)[1]),
-                "gain_vs_best_fixed": rate[best] / rate[best_fixed] - 1,
-            }
-            if best
-            else {}
-        ),
-        **({"best_min_len": stop_of[best][1]} if min_lens and best in stop_of else {}),
-        **{f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in oracles},
-        "per_category": {c: {n: per_category(c, n) for n in shown} for c in cats},
-        "lossless_mismatches": mismatches if ec.temperature == 0 else None,
-        **(
-            {
-                "lossy": {
-                    "judge": ec.judge.head,
-                    "deltas": list(deltas),
-                    "max_accuracy_drop": max_accuracy_drop,
-                    "not_picked": left_out,
-                }
-            }
-            if deltas
-            else {}
-        ),
-        "machine": meter.machine(),
     }
-    out_dir = recipe.run_dir / "eval"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "sweep.json").write_text(json.dumps(report, indent=2))
-    acc = setup.tasks is not None
+    if best:
+        stop = cfg.stop_of.get(best)
+        report["best_threshold"] = stop[0] if stop else float(best.split("-", 1)[1])
+        report["gain_vs_best_fixed"] = rate[best] / rate[best_fixed] - 1
+        if stop and stop[1] is not None:
+            report["best_min_len"] = stop[1]
+    report |= {f"{n.replace('-', '_')}_gain_vs_best_fixed": rate[n] / rate[best_fixed] - 1 for n in cfg.oracles}
+    report["per_category"] = {c: {n: runs.per_category(c, n) for n in shown} for c in cats}
+    report["lossless_mismatches"] = runs.mismatches if ec.temperature == 0 else None
+    if deltas:
+        report["lossy"] = {"judge": ec.judge.head, "deltas": list(deltas), "max_accuracy_drop": max_accuracy_drop,
+                           "not_picked": left_out}  # fmt: skip
+    report["machine"] = meter.machine()
+    return report
+
+
+def _print(report: dict, setup, cfg: _Configs, deltas, max_accuracy_drop: float, oracle: bool, out_dir: Path):
+    """The sweep's table (per config, and per category when there are several) and its verdict line."""
+    acc, results = setup.tasks is not None, report["configs"]
     if warning := shared_warning(report):
         print("sweep: warning: " + warning)
     print(
@@ -314,37 +310,32 @@ def sweep(
             f"{r.get('drafted_per_step', 0):8.2f} {r.get('wasted_per_step', 0):7.2f}"
             + (f" {r['task_accuracy']:8.3f}" if acc else "")
         )
+    cats = report["per_category"]
     if len(cats) > 1:
-        print(
-            "per category (speed vs AR / tau / wasted per verify): "
-            + "; ".join(
-                f"{c}: "
-                + ", ".join(
-                    f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
-                    for n, v in report["per_category"][c].items()
-                )
-                for c in cats
-            )
-        )
-    lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
+        per = "; ".join(
+            f"{c}: " + ", ".join(f"{n} {v['speedup_vs_ar']:.2f}x/{v['tau']:.2f}/{v['wasted_per_step']:.2f}"
+                                 for n, v in cats[c].items())
+            for c in cats
+        )  # fmt: skip
+        print("per category (speed vs AR / tau / wasted per verify): " + per)
+    best, best_fixed = report["best_stop"], report["best_fixed"]
+    left_out = report.get("lossy", {}).get("not_picked", [])  # judge configs only
     if left_out:
         why = (
-            f"task accuracy below AR's {accuracy['ar']:.3f} - {max_accuracy_drop:g}"
-            if accuracy is not None
+            f"task accuracy below AR's {results['ar']['task_accuracy']:.3f} - {max_accuracy_drop:g}"
+            if acc
             else "no task accuracy scored (set eval.judge.tasks)"
         )
         print(f"sweep: not picked, {why}: {', '.join(left_out)}")
+    lossy = " (judge configs are LOSSY: compare their task accuracy with AR's)" if deltas else ""
     found = f", best {best} ({report['gain_vs_best_fixed']:+.1%} tokens/s){lossy}" if best else ""
     bound = (
-        (
-            f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
-            f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)"
-        )
+        f"; bounds: oracle {report['oracle_gain_vs_best_fixed']:+.1%} (rules judging each draft), oracle-skip "
+        f"{report['oracle_skip_gain_vs_best_fixed']:+.1%} (rules that may draft nothing)"
         if oracle
         else ""
     )
     print(f"sweep: best fixed {best_fixed}{found}{bound}; -> {out_dir / 'sweep.json'}")
-    return report
 
 
 def add_arguments(p) -> None:

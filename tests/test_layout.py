@@ -89,3 +89,14 @@ def test_test_support_stays_in_tests():
         if m.split(".")[0] in ("unittest", "pytest", "hypothesis")
     }
     assert not bad, sorted(bad)
+
+
+def test_no_product_function_is_over_80_lines():
+    """Glue that grows past a screen is split into named steps."""
+    long = []
+    for pkg in PACKAGES:
+        for p in (ROOT / pkg).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
+                    long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not long, long
