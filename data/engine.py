@@ -84,7 +84,7 @@ def specdec_labels(
     """SpecDec++ labels (algorithms.md A7). p_logits / q_logits (N, V): target and drafter at the same positions.
 
     Returns (y (N,) the drafter's sample, accept (N,) float32 = min(1, p(y)/q(y))), the exact probability that
-    speculative sampling accepts y. p and q get the same processing (C7.2); q(y) = 0 cannot happen for a sample.
+    speculative sampling accepts y. p and q get the same processing (B7.2); q(y) = 0 cannot happen for a sample.
     """
     p = process_logits(p_logits, sampling.temperature, sampling.top_k, sampling.top_p)
     q = process_logits(q_logits, sampling.temperature, sampling.top_k, sampling.top_p)

@@ -1,5 +1,5 @@
 """Acceptance rules for chain speculative decoding (batch 1): greedy prefix matching and Leviathan/Chen rejection
-sampling (docs/algorithms.md A1, C7), and the ``Sampler`` that drafts, target tokens and these rules share; the
+sampling (docs/algorithms.md A1, B7), and the ``Sampler`` that drafts, target tokens and these rules share; the
 logits processing they rely on lives in models/sampling.py. Letters follow the docs: p = target, q = draft.
 """
 
@@ -17,7 +17,7 @@ from draftsmith.models.sampling import process_logits
 @dataclass(frozen=True)
 class Sampler:
     """One decode's sampling settings. Drafts and the target's own tokens are drawn with ``pick``; the acceptance
-    rules process the target's logits with ``probs``, the same processing as the drafts' q (C7.2)."""
+    rules process the target's logits with ``probs``, the same processing as the drafts' q (B7.2)."""
 
     temperature: float = 0.0  # <= 0: greedy
     top_k: int = 0
@@ -83,7 +83,7 @@ def rejection_accept(
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) (fp32, q = 0 rejects); at the first rejection draw
     the correction from normalised max(0, p_i - q_i), else the bonus from p_{γ+1}. Returns (n, next token).
-    ``draft_probs`` must be the exact distributions the drafts were sampled from (pitfall C7.1).
+    ``draft_probs`` must be the exact distributions the drafts were sampled from (pitfall B7.1).
     On CUDA (``impl`` "auto") one fused kernel launch applies the same rule (kernels/verify.py), its Philox stream
     seeded by one draw from ``generator``; elsewhere the PyTorch rule below.
     """

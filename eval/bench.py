@@ -525,7 +525,7 @@ def build_report(
         "lossless_reference": "ar_hf" if "ar_hf" in tps else "ar",
         "per_category": {c: {"tau": s.tau, "acceptance_rate": s.acceptance_rate} for c, s in sorted(per_cat.items())},
         "by_category": _by_category(per_cat, cat_times or {c: defaultdict(float) for c in per_cat}),
-        # The share of the ideal tau-fold speedup that survives drafting and verify overheads (C6: EAGLE-3 ~0.72).
+        # The share of the ideal tau-fold speedup that survives drafting and verify overheads (B6: EAGLE-3 ~0.72).
         "efficiency": speedup["vs_ar"] / total.tau if "vs_ar" in speedup and total.tau else None,
         "time_split": {"draft_s": total.draft_time_s, "verify_s": total.verify_time_s},
         "new_tokens": total.new_tokens,

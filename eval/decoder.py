@@ -3,7 +3,7 @@ loop (``speculative_generate``) for every drafter and every step shape. What a d
 (eval/proposers.py: draft LMs, feature heads, EAGLE); what a step drafts, verifies and accepts is its shape's
 (eval/shapes.py: a chain, gpt-fast style, or a static or dynamic tree, algorithms.md A11). Lossless: at
 temperature 0 both produce identical tokens for any drafter, and with sampling the output follows the target
-distribution (docs/algorithms.md A1, C4, C7); only the judge hook is lossy, by design.
+distribution (docs/algorithms.md A1, B4, B7); only the judge hook is lossy, by design.
 """
 
 from __future__ import annotations

@@ -69,7 +69,7 @@ class Chain:
         if s.greedy:
             n, nxt = greedy_accept(draft.tokens, logits, s.impl)
         else:
-            p = s.probs(logits)  # (γ+1, V), same processing as the drafts (C7.2)
+            p = s.probs(logits)  # (γ+1, V), same processing as the drafts (B7.2)
             q = p.new_empty(0, p.shape[-1]) if draft.q is None else draft.q  # γ = 0: the "bonus" is a plain sample
             n, nxt = rejection_accept(draft.tokens, q, p, s.generator, s.impl)
         return draft.tokens[:n], list(range(n + 1)), nxt, 0

@@ -1,4 +1,4 @@
-"""Tree attention buffers from parent pointers, on device (docs/algorithms.md A11.2, C3): for every node the ancestor
+"""Tree attention buffers from parent pointers, on device (docs/algorithms.md A11.2, B3): for every node the ancestor
 mask row (itself, its ancestors and the root) and its depth (the RoPE position offset).
 
 One program per node walks up its parent chain, so building a 60-node EAGLE-2 tree costs one launch and no host

@@ -1,5 +1,5 @@
 """Fused chain verification: one kernel pass per step (two launches for greedy) decides how many drafts survive
-and draws the next token, on device, with no host synchronisation inside (docs/algorithms.md A1, C1-C2, C5).
+and draws the next token, on device, with no host synchronisation inside (docs/algorithms.md A1, B1-B2, B5).
 
 - ``verify_greedy``: accept drafts while they equal the target's argmax; next = argmax after the accepted prefix.
 - ``verify_sampling``: accept draft i with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection draw

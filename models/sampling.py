@@ -1,6 +1,6 @@
 """Logits -> probabilities processing and seeded sampling, shared by data generation and the decoder.
 
-``process_logits`` must be applied identically to draft and target logits (docs/algorithms.md C7.2). ``sample_rows``
+``process_logits`` must be applied identically to draft and target logits (docs/algorithms.md B7.2). ``sample_rows``
 draws each batch row from its own ``torch.Generator`` so a row's sample depends only on its seed, never on which
 other rows share the batch (batch size, data-parallel rank and resume order cannot change the data).
 """
