@@ -1,6 +1,6 @@
 """Drafter plug-ins: ``DRAFTERS``, one ``DrafterSpec`` per kind (models/spec.py), plus save/load of drafter checkpoints.
 
-Adding a drafter = a model file that ends with ``SPEC = DrafterSpec(...)``, its module in ``KIND_MODULES`` below and,
+Adding a drafter = a model file that ends with ``SPEC = DrafterSpec(...)`` (found by ``_kind_modules`` below) and,
 if no existing objective fits, an objective in train/objectives.py (docs/adding-a-drafter.md). Code outside the
 package (tests, experiments) may ``register_drafter`` a spec instead. The recipe schema's ``drafter`` union follows
 this dict.
@@ -10,6 +10,7 @@ A checkpoint folder holds ``model.safetensors`` (drafter weights only) and ``dra
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -29,12 +30,20 @@ from draftsmith.integrity import (
     verify_config,
     verify_file,
 )
-from draftsmith.models import acceptance, draft_lm, eagle, hydra, judge, medusa, mlp_speculator, pard
 from draftsmith.models.llama import Llama
 from draftsmith.models.medusa import ADAPTER_FILE, adapter_state
 from draftsmith.models.spec import DrafterSpec, Strict
 
-KIND_MODULES = (draft_lm, pard, medusa, mlp_speculator, hydra, eagle, acceptance, judge)
+
+def _kind_modules() -> tuple:
+    """Every module of this package that ends with ``SPEC = DrafterSpec(...)``, by file name: a kind is registered
+    by writing its file, with no list to edit (the files are read, and only the kinds' modules imported)."""
+    folder = Path(__file__).resolve().parent
+    names = sorted(p.stem for p in folder.glob("*.py") if "\nSPEC = DrafterSpec(" in p.read_text(encoding="utf-8"))
+    return tuple(importlib.import_module(f"draftsmith.models.{n}") for n in names)
+
+
+KIND_MODULES = _kind_modules()
 DRAFTERS: dict[str, DrafterSpec] = {m.SPEC.kind: m.SPEC for m in KIND_MODULES}
 _listeners: list[Callable[[], None]] = []  # called after DRAFTERS changes (the recipe schema rebuilds its union)
 log = logging.getLogger("draftsmith.checkpoint")

@@ -144,3 +144,27 @@ def test_fsdp_wraps_each_kinds_own_blocks(kind, fields, wrapped, target, draft_c
     assert units == set(wrapped)
     cfg = yaml.safe_load((RECIPE_DIR / "accelerate" / "fsdp2.yaml").read_text())["fsdp_config"]
     assert "fsdp_transformer_layer_cls_to_wrap" not in cfg and cfg["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+
+
+def test_a_new_kind_is_one_file():
+    """docs/adding-a-drafter.md: a kind is its models/<kind>.py. The registry finds every module there that ends
+    with a SPEC, and no collection in the code or the tests lists every kind (such a list would need each new one)."""
+    import ast
+    from pathlib import Path
+
+    from draftsmith.models.registry import KIND_MODULES
+
+    root = Path(__file__).resolve().parents[1]
+    files = {p.stem for p in (root / "models").glob("*.py") if "\nSPEC = DrafterSpec(" in p.read_text()}
+    assert {m.__name__.rsplit(".", 1)[-1] for m in KIND_MODULES} == files
+    kinds, full = set(DRAFTERS), []
+    for folder in ("data", "eval", "train", "models", "recipes", "kernels", "draftsmith", "tests", "benchmarks"):
+        for p in (root / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+                elts = node.keys if isinstance(node, ast.Dict) else getattr(node, "elts", None)
+                if isinstance(node, ast.List | ast.Tuple | ast.Set | ast.Dict) and elts:
+                    named = {e.value for e in elts if isinstance(e, ast.Constant) and e.value in kinds}
+                    if named == kinds:
+                        full.append(f"{p.relative_to(root)}:{node.lineno}")
+    assert not full, full
+    assert "one code file" in (root / "docs" / "adding-a-drafter.md").read_text()
