@@ -74,3 +74,13 @@ def test_cited_algorithm_sections_exist():
                 if ref not in ids and ref.split(".")[0] not in ids:
                     missing.add(f"{f.relative_to(ROOT)}: {ref}")
     assert ids and not missing, sorted(missing)
+
+
+def test_results_stay_short():
+    """benchmarks/RESULTS.md holds one short row per current figure (history lives in benchmarks/journal/)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "RESULTS.md"
+    text = path.read_text()
+    long = [line[:60] for line in text.splitlines() if line.startswith("|") and len(line) > 300]
+    assert len(text.encode()) <= 25_000 and not long, long
