@@ -1,5 +1,5 @@
 """Throughput of the bundled decoder at batch sizes B: plain batched decoding against batched speculative decoding
-(eval/batch.py ``speculative_generate_batch``), on the same MT-bench first turns and target, in one process.
+(eval/batch_decoder.py ``speculative_generate_batch``), on the same MT-bench first turns and target, in one process.
 
 The drafter is ``--drafter`` (a checkpoint folder, e.g. a quickstart run's ``checkpoints/final``), else a draft LM
 built from the target's own layers ``--layers`` (with its embeddings, norm and LM head): an untrained self-draft,
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.prompts import load_prompts
-from draftsmith.eval.batch import speculative_generate_batch
+from draftsmith.eval.batch_decoder import speculative_generate_batch
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.kernels.kv import compact_rows

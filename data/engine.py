@@ -269,10 +269,10 @@ class Refill:
     the next pending context is prefilled and joins the decode in its place. Output per context equals
     ``decode_batch`` on that context alone: the same signals, the same draws from its own generator.
 
-    The caches are eval/batch.py ``RowCache``s (rows of one slot-addressed KV cache that join and leave, compacted
-    when full, kernels/kv.py ``compact_rows``), one for the target and one for the SpecDec++ labeller. Joining
-    rows are prefilled together, right-aligned with their left padding invalid (eval/batch.py ``_aligned``), while
-    the longest needs at most ``max_prefill_pad`` padding tokens more than another.
+    The caches are eval/batch_decoder.py ``RowCache``s (rows of one slot-addressed KV cache that join and leave,
+    compacted when full, kernels/kv.py ``compact_rows``), one for the target and one for the SpecDec++ labeller. Joining
+    rows are prefilled together, right-aligned with their left padding invalid (eval/batch_decoder.py
+    ``_aligned``), while the longest needs at most ``max_prefill_pad`` padding tokens more than another.
 
     Host syncs: tokens, top-k rows, labels and hidden states are written into per-slot device buffers and copied
     to the host once per step for the rows that finished in it (one gather per signal), never per token. A step
@@ -296,7 +296,7 @@ class Refill:
         graphs: bool = True,
         min_join: int = 1,
     ):
-        from draftsmith.eval.batch import PREFILL_PAD
+        from draftsmith.eval.batch_decoder import PREFILL_PAD
 
         self.model, self.B, self.N = model, batch_size, max_new_tokens
         self.eos_ids, self.sampling, self.capture = eos_ids, sampling, capture
@@ -332,7 +332,7 @@ class Refill:
     def run(self, on_done) -> None:
         """Generate until nothing is pending or running; ``on_done(key, Generated)`` as each context finishes (it
         may ``add`` more: the next turn of a conversation)."""
-        from draftsmith.eval.batch import RowCache
+        from draftsmith.eval.batch_decoder import RowCache
 
         self.on_done = on_done
         if not self.max_len:
@@ -394,7 +394,7 @@ class Refill:
     def _join(self) -> None:
         """Prefill pending contexts into the free slots: longest first, a context shares the forward of longer
         ones while it needs at most ``pad`` padding tokens."""
-        from draftsmith.eval.batch import _aligned
+        from draftsmith.eval.batch_decoder import _aligned
 
         while any(j.budget <= 0 for j in self.pending):  # nothing to generate (its callback may add more)
             j = next(j for j in self.pending if j.budget <= 0)

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from draftsmith.data.prompts import Prompt, prompts_from
 from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.batches import batch_sweep, write_batch_plot
+from draftsmith.eval.batch_sweep import batch_sweep, write_batch_plot
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.graphs import graph_decoding

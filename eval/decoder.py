@@ -117,7 +117,8 @@ def prepare_prompt(model, prompt_ids: torch.Tensor) -> torch.Tensor:
     if prompt_ids.dim() != 1:
         # Say so rather than flatten rows into one sequence; batches have their own decoder.
         raise ValueError(
-            f"the decoder takes one prompt (T,) at a time (batches: eval/batch.py); got shape {tuple(prompt_ids.shape)}"
+            "the decoder takes one prompt (T,) at a time (batches: eval/batch_decoder.py); "
+            f"got shape {tuple(prompt_ids.shape)}"
         )
     device = next(model.parameters()).device
     return prompt_ids.to(device=device, dtype=torch.long).view(1, -1)  # (1, T)

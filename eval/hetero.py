@@ -1,7 +1,7 @@
 """Speculative decoding with a draft LM whose tokenizer differs from the target's, lossless (docs/decoding.md
 "Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv 2507.02659): one
 decode's draft side and acceptance rule (``HeteroRow``), run at batch 1 by ``hetero_generate`` and per row by the
-batched decoder (eval/batch_shapes.py ``OwnVocabRows``).
+batched decoder (eval/row_shapes.py ``OwnVocabRows``).
 
 The draft reads and writes its own token ids; the target verifies target ids. Text is the common ground:
 
@@ -269,7 +269,7 @@ class HeteroRow:
     the last one not yet in the target's cache), their draft ids (``DraftContext``), the draft's KV cache
     (``_Draft``) and its ``NgramCache``. A step is ``propose`` (candidate target ids), the target's verify of them,
     ``accept`` on its logits and ``commit``. ``hetero_generate`` runs one; the batched decoder one per row, all
-    rows verified in one target forward (eval/batch_shapes.py ``OwnVocabRows``)."""
+    rows verified in one target forward (eval/row_shapes.py ``OwnVocabRows``)."""
 
     def __init__(self, target, drafter: OwnVocabDrafter, sampler: Sampler, draft_len: int, seq: list[int],
                  max_new_tokens: int, ngram: NgramCache | None = None):  # fmt: skip

@@ -1,6 +1,6 @@
 """KV-cache compaction, in place, in every layer: ``compact_kv`` keeps a tree verify's accepted path
 (docs/algorithms.md A11.3); ``compact_rows`` right-aligns the valid slots of every row of a batch cache
-(eval/batch.py RowCache, below).
+(eval/batch_decoder.py RowCache, below).
 
 Slots ``start + keep[j]`` move to ``start + j`` with ``keep`` ascending, so keep[j] >= j: walking j upwards
 never overwrites a source that is still to be read. One program per (batch row, head) does that walk, each step a
@@ -50,7 +50,7 @@ def compact_kv(x: torch.Tensor, start: int, keep: torch.Tensor, impl: str = "aut
         )
 
 
-# ---- row compaction of a batch cache (eval/batch.py RowCache) ---------------------------------------------------
+# ---- row compaction of a batch cache (eval/batch_decoder.py RowCache) -----------------------------------------------
 #
 # Row b's valid slots in [0, length), in order, move to the right end of [0, S): the r-th of its c valid slots to
 # S - c + r. Destinations step by exactly one while sources step by at least one, so dest - src never grows along a

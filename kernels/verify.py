@@ -237,7 +237,7 @@ def verify_sampling_rows(
     impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless rejection sampling for a batch whose rows draft different amounts and keep their own generators
-    (eval/batch.py). draft (B, G), q (B, G, V), p (B, G+1, V) processed probabilities, gam (B,): row b uses its
+    (eval/batch_decoder.py). draft (B, G), q (B, G, V), p (B, G+1, V) processed probabilities, gam (B,): row b uses its
     first gam[b] drafts (the rest are ignored) and draws only from generators[b] (None: torch's default), so row b
     gets what ``rejection_accept`` gives it alone on the same generator state. The kernel takes one Philox seed
     per row, drawn from its generator as ``rejection_accept`` draws its one seed. -> (accepted (B,), next (B,))."""

@@ -7,7 +7,7 @@ The target path for architectures the own model does not implement, and for any 
   whose ``update`` writes a layer's new keys and values at slots ``[length, length + T)`` and returns slots
   ``[0, length + T)``, and a prepared 4-D attention mask built from the slots' validity exactly as the own model
   builds it (``cache_mask``): left padding, holes, rollback by lowering ``length``, compaction (eval/tree.py,
-  eval/batch.py ``RowCache``) and rows that join or leave a running batch all work as on the own model. A model
+  eval/batch_decoder.py ``RowCache``) and rows that join or leave a running batch all work as on the own model. A model
   whose attention takes no prepared 4-D mask gets ``HFCache`` instead: a transformers ``DynamicCache`` plus the
   same ``length`` / ``valid`` bookkeeping, with padding as the 2-D mask, cropped on rollback (batch 1 and the
   data engine's fixed batches only).

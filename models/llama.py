@@ -75,7 +75,7 @@ class KVCache:
 
     def rows(self, n: int, length: int, padded: bool) -> KVCache:
         """A cache over rows [0, n) of this one's storage (shared, not copied), ``length`` slots filled: what a
-        batch of rows that come and go writes through (eval/batch.py ``RowCache``, data/engine.py)."""
+        batch of rows that come and go writes through (eval/batch_decoder.py ``RowCache``, data/engine.py)."""
         v = object.__new__(KVCache)
         v.kv, v.valid = self.kv[:, :, :n], self.valid[:n]
         v.k = [v.kv[0, i] for i in range(v.kv.shape[1])]

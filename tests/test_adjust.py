@@ -1,5 +1,5 @@
 """A request's logit adjustments (OpenAI's presence / frequency penalties, logit_bias, min_tokens: eval/accept.py
-``Adjust``) and the target's logprobs, through the batch decoder (eval/batch.py) for chains, trees and plain
+``Adjust``) and the target's logprobs, through the batch decoder (eval/batch_decoder.py) for chains, trees and plain
 decoding. The reference is written here independently: a full forward per token, the penalties counted by hand."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from conftest import TINY_CFG8, noisy_copy, tiny_eagle, tiny_heads, tiny_model, 
 from test_batch_decode import LENS, make_drafter, prompts, run, tgt  # noqa: F401
 
 from draftsmith.eval.accept import Adjust
-from draftsmith.eval.batch import BatchDecoder
+from draftsmith.eval.batch_decoder import BatchDecoder
 from draftsmith.eval.tree import tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")

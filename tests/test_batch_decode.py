@@ -1,4 +1,4 @@
-"""Batched speculative decoding (eval/batch.py): every row of a batch decodes exactly as its prompt would alone.
+"""Batched speculative decoding (eval/batch_decoder.py): every row of a batch decodes exactly as its prompt would alone.
 Greedy rows equal ``autoregressive_generate`` and ``speculative_generate`` token for token, with the same accept
 count at every step, for every proposer kind and plain decoding, at B in {1, 2, 5, 8} with ragged prompts, under
 a cache so tight that ragged accepts must be compacted many times; the caches' valid slots always equal each row's
@@ -26,7 +26,7 @@ from conftest import (
 )
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

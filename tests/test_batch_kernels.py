@@ -1,5 +1,5 @@
-"""The batched decoder's fused bookkeeping (eval/batch.py): row compaction of every cache in one operation, and one
-rejection-sampling acceptance for every sampled row of a step.
+"""The batched decoder's fused bookkeeping (eval/batch_decoder.py): row compaction of every cache in one operation, and
+one rejection-sampling acceptance for every sampled row of a step.
 
 - ``compact_rows`` (kernels/kv.py) equals the per-row loop it replaced, slot for slot, on random masks (rows with
   no valid slot, rows already right-aligned, moves in both directions overlapping their sources); the Triton kernel
@@ -125,7 +125,7 @@ def test_compact_rows_checks_its_arguments():
 
 def test_row_cache_compacts_all_rows_in_one_call(monkeypatch):
     """RowCache.compact hands every row to one compact_rows call and ends as the loop would."""
-    from draftsmith.eval import batch
+    from draftsmith.eval import batch_decoder as batch
     from draftsmith.models.llama import KVCache
 
     cfg = TINY_CFG8
@@ -244,7 +244,7 @@ MIXED = [{"temperature": 1.0}, {}, {"temperature": 0.7, "top_k": 3}, {"temperatu
 def test_the_batch_decoder_accepts_sampled_rows_in_one_call(monkeypatch, drafter, settings):
     """Sampled rows (their own generators, ragged budgets), with mixed settings beside greedy rows or all alike:
     one verify_sampling_rows call per step, and every row's tokens equal the per-row loop's on the same seeds."""
-    from draftsmith.eval import batch
+    from draftsmith.eval import batch_decoder as batch
 
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     d = noisy_copy(t, 0.5) if drafter == "draft_lm" else None

@@ -1,5 +1,5 @@
-"""One-forward ragged prefill (eval/batch.py ``BatchDecoder._prefill``): rows of different prompt lengths added in
-one wave are prefilled together, right-aligned with left padding that no cache ever attends. Every row still
+"""One-forward ragged prefill (eval/batch_decoder.py ``BatchDecoder._prefill``): rows of different prompt lengths added
+in one wave are prefilled together, right-aligned with left padding that no cache ever attends. Every row still
 decodes exactly as its prompt alone (greedy tokens and accept counts), for every proposer kind; the wave costs one
 target forward (and one drafter call), or a few when ``max_prefill_tokens`` or ``max_prefill_pad`` split it
 longest-first."""
@@ -13,7 +13,7 @@ import torch
 from conftest import PROPOSER_KINDS, TINY_CFG, tiny_model
 from test_batch_decode import check_caches, make_drafter, run
 
-from draftsmith.eval.batch import BatchDecoder, RowCache
+from draftsmith.eval.batch_decoder import BatchDecoder, RowCache
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -1,4 +1,4 @@
-"""Trees and judged chains at B > 1 (eval/batch_shapes.py through ``BatchDecoder``): every row decodes exactly as
+"""Trees and judged chains at B > 1 (eval/row_shapes.py through ``BatchDecoder``): every row decodes exactly as
 its prompt would alone. Greedy rows equal ``autoregressive_generate`` and their own batch-1 tree decode (same
 accepted count at every step) for every proposer kind, static and dynamic trees, B in {1, 2, 5, 8} with ragged
 prompts under a cache so tight that the holes left by rejected branches are compacted again and again; sampled
@@ -13,7 +13,7 @@ import torch
 from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, noisy_copy, tiny_eagle, tiny_heads, tiny_model, tv
 from test_batch_decode import LENS, NEW, ar, check_caches, make_drafter, prompts, run, tgt  # noqa: F401
 
-from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import DynamicTree, tree_from_choices
 

@@ -1,4 +1,4 @@
-"""Drafts with their own tokenizer at B > 1 (eval/batch_shapes.py ``OwnVocabRows`` through ``BatchDecoder``): every
+"""Drafts with their own tokenizer at B > 1 (eval/row_shapes.py ``OwnVocabRows`` through ``BatchDecoder``): every
 row decodes exactly as its prompt would alone with ``hetero_generate`` (tokens and accepted count at every step),
 greedy with slem and tli, with and without the n-gram cache, B in {1, 2, 5} with ragged prompts under a cache
 tight enough to compact; sampled rows equal their own batch-1 decode with the same generator and follow the
@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_model, tv
 from test_hetero_vocab import TEXT, FromTarget, cfg, toks, two_token_joint  # noqa: F401
 
-from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate
 from draftsmith.eval.hetero import BAD, OwnVocabDrafter, Vocabs, hetero_generate
 

@@ -1,5 +1,5 @@
 """Batched decoding on the transformers path (models/hf_target.py): the target runs on the own model's slot KV cache
-through ``SlotView``, so eval/batch.py ``BatchDecoder`` (rows that join and leave, holes, compaction, trees),
+through ``SlotView``, so eval/batch_decoder.py ``BatchDecoder`` (rows that join and leave, holes, compaction, trees),
 `eval.batch_sizes`, `draftsmith serve`, the online learner and judge mining take any architecture whose attention
 takes a prepared 4-D mask. Float64 tiny random models; greedy rows must equal their own batch-1 decode."""
 
@@ -16,7 +16,7 @@ from test_hf_target import QUESTIONS, _save_arch
 
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.batch import BatchDecoder, speculative_generate_batch
+from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import TreeSpec
 from draftsmith.models.hf_target import HFCache

@@ -276,7 +276,7 @@ def test_sampling_acceptance_runs_the_kernel_on_cuda():
 def test_the_batched_decoder_verifies_greedy_rows_through_the_kernel(monkeypatch):
     """Rows of a batch accept through one fused greedy launch per step (forced here under the interpreter; auto
     picks it on CUDA); each row's own draft budget masks the drafts past it; outputs stay every row's own."""
-    from draftsmith.eval import batch
+    from draftsmith.eval import batch_decoder as batch
     from draftsmith.eval.decoder import autoregressive_generate
     from tests.conftest import noisy_copy, tiny_model
 

@@ -160,9 +160,9 @@ def test_sampling_keeps_the_target_distribution():
 
 
 def test_batched_rows_equal_their_own_decode_with_one_drafter_forward_per_step(target, ar_outputs, one_thread):
-    """At B > 1 (eval/batch.py) every row drafts PARD's way too: one drafter forward per batched step, over each
+    """At B > 1 (eval/batch_decoder.py) every row drafts PARD's way too: one drafter forward per batched step, over each
     row's unread tokens, cur and the masks; every row equals its batch-1 decode, tokens and per-step acceptance."""
-    from draftsmith.eval.batch import BatchDecoder
+    from draftsmith.eval.batch_decoder import BatchDecoder
 
     drafter = tiny_pard(target)
     dec = BatchDecoder(target, drafter, draft_len=3, max_len=256)

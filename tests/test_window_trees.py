@@ -18,7 +18,7 @@ import torch
 from conftest import noisy_copy
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.batch import speculative_generate_batch
+from draftsmith.eval.batch_decoder import speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import DynamicTree, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate

@@ -51,7 +51,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.accept import Adjust
-from draftsmith.eval.batch import BatchDecoder
+from draftsmith.eval.batch_decoder import BatchDecoder
 from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
 from draftsmith.eval.own_vocab import for_decoding, own_vocab_options
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
@@ -73,8 +73,8 @@ DRAFT_ROOM = 1024  # cache slots past prompt + answer for a step's drafts (trees
 
 def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop_drafting=None, tree=None):
     """The one place the server picks its decoder: rows that join and leave between steps (add / step / remove /
-    active / stats), every row verified in one batched target forward per step (eval/batch.py; trees draft row by
-    row, eval/batch_shapes.py). It takes the models without CUDA-graph wrappers, whose one static cache holds one
+    active / stats), every row verified in one batched target forward per step (eval/batch_decoder.py; trees draft
+    row by row, eval/row_shapes.py). It takes the models without CUDA-graph wrappers, whose one static cache holds one
     row."""
     return BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
                         stop_drafting=stop_drafting, tree=None if drafter is None else tree)  # fmt: skip

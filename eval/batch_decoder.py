@@ -30,10 +30,10 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Adjust, Sampler
-from draftsmith.eval.batch_shapes import HeadTrees, OwnVocabRows, RowShapes
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
+from draftsmith.eval.row_shapes import HeadTrees, OwnVocabRows, RowShapes
 from draftsmith.eval.tree import TreeSpec
 from draftsmith.kernels.kv import compact_rows
 from draftsmith.kernels.verify import verify_greedy, verify_sampling_rows
@@ -172,7 +172,7 @@ class _Row:
     feats: torch.Tensor | None = None  # EAGLE: the unread features (len(unread) + 1, F)
     h: torch.Tensor | None = None  # heads: the context state that produced cur (D,)
     stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
-    prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/batch_shapes.py)
+    prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/row_shapes.py)
     shape: object = None  # ... and its step shape
     hetero: object = None  # a drafter with its own tokenizer: the row's draft side (eval/hetero.py HeteroRow)
     adjust: Adjust | None = None  # penalties, logit bias, min_tokens: applied to the target's logits
@@ -462,7 +462,7 @@ class BatchDecoder:
     """Continuous-batching speculative decoder: ``add`` rows, call ``step`` until ``active()`` is empty. drafter
     None decodes plainly (one target forward per step for the whole batch). Chains draft as one batch per drafter
     step; ``tree`` (a ``TreeSpec`` or ``DynamicTree``) and ``judge`` (lossy Judge-Decoding chains) draft row by row
-    with batch-1 proposers and verify as one batch (eval/batch_shapes.py), as does a draft LM with its own
+    with batch-1 proposers and verify as one batch (eval/row_shapes.py), as does a draft LM with its own
     tokenizer (eval/hetero.py ``OwnVocabDrafter``: each row's chain of re-tokenized candidates).
 
     ``stats[row_id]`` is kept after the row finishes or is removed (pop it when done). A step's draft and verify

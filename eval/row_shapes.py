@@ -1,5 +1,5 @@
-"""Trees and judged chains at B > 1, for ``BatchDecoder`` (eval/batch.py): every drafter kind, static and dynamic
-trees, greedy and sampled, and lossy Judge-Decoding chains.
+"""Trees and judged chains at B > 1, for ``BatchDecoder`` (eval/batch_decoder.py): every drafter kind, static and
+dynamic trees, greedy and sampled, and lossy Judge-Decoding chains.
 
 Each row drafts with its own batch-1 proposer and step shape (eval/proposers.py, eval/shapes.py: the same drafting
 and acceptance code as ``speculative_generate``), so a row's drafts and accepted path are exactly its batch-1 ones.
@@ -132,7 +132,7 @@ class HeadTrees(RowShapes):
     """Heads (Medusa, Hydra, Hydra++, MLP speculator) on a static tree, drafted as one batch: node i of every row
     is the ``ranks[i]``-th best token of its parent's distribution, one ``logits_after`` per distinct parent for
     all rows at once (eval/proposers.py ``HeadProposer.static_tree`` per row), and the accepted paths' states are
-    read into the heads' context as one batch (``heads``: eval/batch.py ``_BatchHeads``, its caches and
+    read into the heads' context as one batch (``heads``: eval/batch_decoder.py ``_BatchHeads``, its caches and
     ``read_kept``). Verify and acceptance are ``RowShapes``'."""
 
     def __init__(self, target, drafter, *, tree, draft_len: int, heads):

@@ -1,8 +1,9 @@
 """Eval at the batch sizes users serve at (``eval.batch_sizes``): for each B, the prompts are decoded with B rows in
 flight at once (a finished row is replaced by the next prompt, as a continuously batching server does), once by
-draftsmith's own plain decoding and once speculatively, with the same batched decoder (eval/batch.py). Reports, per
-B, τ, tokens/s of both, the speedup and the lossless match against each prompt's own batch-1 output; the crossover
-is the smallest B at which speculation stops paying (speedup < 1). ``write_batch_plot`` draws speedup against B.
+draftsmith's own plain decoding and once speculatively, with the same batched decoder (eval/batch_decoder.py).
+Reports, per B, τ, tokens/s of both, the speedup and the lossless match against each prompt's own batch-1 output;
+the crossover is the smallest B at which speculation stops paying (speedup < 1). ``write_batch_plot`` draws speedup
+against B.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.eval.batch import BatchDecoder, step_room
+from draftsmith.eval.batch_decoder import BatchDecoder, step_room
 from draftsmith.eval.decoder import DecodeStats, _sync
 
 
