@@ -279,6 +279,14 @@ class ConfidenceStop:
         return n >= self.min_len and 1.0 - self.p_all > self.threshold
 
 
+def check_recipe(recipe) -> None:
+    """An acceptance head against the rest of the recipe (DrafterSpec.check): its stop rule adapts chains."""
+    if recipe.eval.strategy != "chain":
+        raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
+    if recipe.train.eval_every:
+        raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
+
+
 SPEC = DrafterSpec(
     kind="acceptance_head",
     config=AcceptanceHeadConfig,
@@ -289,4 +297,5 @@ SPEC = DrafterSpec(
     # Labels: stored with the records for a draft LM, made in the loop (with the target) for EAGLE and heads.
     signals=lambda head: head.signals_needed,
     needs_target=lambda head: head.needs_target,
+    check=check_recipe,
 )

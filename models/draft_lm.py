@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.hf_target import io_weights, layer_state
@@ -55,6 +55,12 @@ class DraftLMConfig(Strict):
     intersection of the vocabularies when sampling). Needs init_from_target=false; None = the target's."""
     vocab_size: int = Field(8192, gt=256)
     """Tokens of the BPE learned for tokenizer=train."""
+
+    @model_validator(mode="after")
+    def _init_layers_fit(self):
+        if self.init_layers is not None and len(self.init_layers) != self.n_layers:
+            raise ValueError(f"drafter.init_layers has {len(self.init_layers)} entries but n_layers is {self.n_layers}")
+        return self
 
 
 def draft_lm_config(cfg: DraftLMConfig, target_cfg: LlamaConfig) -> LlamaConfig:

@@ -452,6 +452,16 @@ def eagle_from_config(cfg: dict) -> Eagle:
     return Eagle(EagleConfig(**cfg))
 
 
+def check_recipe(recipe) -> None:
+    """EAGLE against the rest of the recipe (DrafterSpec.check): SGLang loads a one-layer EAGLE-3."""
+    d, ex = recipe.drafter, recipe.export
+    if d.version == 3 and d.n_layers > 1 and ex.enabled and "sglang" in ex.formats:
+        raise ValueError(
+            f"export.formats has sglang, which loads a one-layer EAGLE-3, but drafter.n_layers is "
+            f"{d.n_layers}: export formats [vllm] or [hf], or train one layer"
+        )
+
+
 SPEC = DrafterSpec(
     kind="eagle",
     config=EagleDrafterConfig,
@@ -462,4 +472,5 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk", "hidden_last", "hidden_aux"}),
     fsdp_wrap=(Block,),
     packs=True,
+    check=check_recipe,
 )  # Block: the layers after the first

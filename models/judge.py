@@ -77,6 +77,12 @@ class Judge:
 
 
 # needs_target: the loop runs the frozen target, whose states at the what-if tokens the judge reads.
+def check_recipe(recipe) -> None:
+    """The judge against the rest of the recipe (DrafterSpec.check)."""
+    if recipe.train.eval_every:
+        raise ValueError("train.eval_every does not apply to a judge: run `draftsmith eval` with eval.judge")
+
+
 SPEC = DrafterSpec(
     kind="judge",
     config=JudgeDrafterConfig,
@@ -86,4 +92,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:judge_objective",
     signals=frozenset({"judge"}),
     needs_target=True,
+    check=check_recipe,
 )

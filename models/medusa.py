@@ -214,6 +214,16 @@ def build_medusa(
     return heads
 
 
+def check_recipe(recipe) -> None:
+    """Medusa against the rest of the recipe (DrafterSpec.check): the Medusa layout has full-vocabulary heads."""
+    ex = recipe.export
+    if recipe.drafter.draft_vocab and ex.enabled and "medusa" in ex.formats:
+        raise ValueError(
+            "export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
+            "which the Medusa layout cannot express: drop one of them (hf exports either)"
+        )
+
+
 SPEC = DrafterSpec(
     kind="medusa",
     config=MedusaDrafterConfig,
@@ -224,4 +234,5 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk", "hidden_last"}),
     fsdp_wrap=(ResBlock, Block),
     packs=True,
+    check=check_recipe,
 )  # Block: Medusa-2's adapted target

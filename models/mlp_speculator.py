@@ -138,6 +138,17 @@ def build_mlp_speculator(
 
 
 # No block to wrap: the stages are loose linears, embeddings and norms (FSDP shards the whole speculator as one unit).
+def check_recipe(recipe) -> None:
+    """The MLP speculator against the rest of the recipe (DrafterSpec.check): IBM's layout has full-vocabulary
+    heads."""
+    ex = recipe.export
+    if recipe.drafter.draft_vocab and ex.enabled and "mlp-speculator" in ex.formats:
+        raise ValueError(
+            "export.formats has mlp-speculator, but drafter.draft_vocab reduces the heads' vocabulary, "
+            "which IBM's layout cannot express: drop one of them (hf exports either)"
+        )
+
+
 SPEC = DrafterSpec(
     kind="mlp_speculator",
     config=MLPSpeculatorDrafterConfig,
@@ -147,4 +158,5 @@ SPEC = DrafterSpec(
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     packs=True,
+    check=check_recipe,
 )

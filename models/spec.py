@@ -57,6 +57,9 @@ class DrafterSpec:
     packs: the objective trains on packed batches (train.packing, data/dataset.py ``collate_packed``): it passes
         the batch's per-document positions and mask (train/objectives.py ``packed_kw``) to every forward that
         mixes positions and keeps shifted targets inside a document. Kinds without it refuse train.packing.
+    check: ``check(recipe) -> None``, raising ValueError: the kind's checks of its section against the recipe's other
+        sections (export formats, eval strategy, train options), run when a recipe is validated. Checks within the
+        section go in its own validators.
     """
 
     kind: str
@@ -69,6 +72,7 @@ class DrafterSpec:
     needs_target: bool | Callable = False
     fsdp_wrap: tuple[type, ...] = ()
     packs: bool = False
+    check: Callable | None = None
 
     def __post_init__(self):
         if self.interface not in (*INTERFACES, None):

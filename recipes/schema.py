@@ -694,47 +694,18 @@ class Recipe(Strict):
     @model_validator(mode="after")
     def _cross_checks(self):
         d = self.drafter
-        if d.kind in ("draft_lm", "pard") and d.init_layers is not None and len(d.init_layers) != d.n_layers:
-            raise ValueError(f"drafter.init_layers has {len(d.init_layers)} entries but n_layers is {d.n_layers}")
-        if self.train.packing and not registry.drafter_spec(d.kind).packs:
+        spec = registry.drafter_spec(d.kind)
+        if self.train.packing and not spec.packs:
             raise ValueError(
                 f"train.packing: drafter.kind={d.kind} trains on one record per row (its objective has no packed "
                 f"layout); set train.packing=false"
             )
         if self.eval.judge is not None and (self.eval.strategy != "chain" or self.eval.temperature > 0):
             raise ValueError("eval.judge (lossy judge verification) works with greedy chain decoding only")
-        if d.kind == "judge" and self.train.eval_every:
-            raise ValueError("train.eval_every does not apply to a judge: run `draftsmith eval` with eval.judge")
-        if (d.kind == "acceptance_head" or self.eval.stop is not None) and self.eval.strategy != "chain":
+        if self.eval.stop is not None and self.eval.strategy != "chain":
             raise ValueError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
-        if d.kind == "acceptance_head" and self.train.eval_every:
-            raise ValueError("train.eval_every does not apply to an acceptance head: run `draftsmith eval`")
-        if (
-            d.kind == "eagle"
-            and d.version == 3
-            and d.n_layers > 1
-            and self.export.enabled
-            and "sglang" in self.export.formats
-        ):
-            raise ValueError(
-                f"export.formats has sglang, which loads a one-layer EAGLE-3, but drafter.n_layers is "
-                f"{d.n_layers}: export formats [vllm] or [hf], or train one layer"
-            )
-        if (
-            d.kind == "mlp_speculator"
-            and d.draft_vocab
-            and self.export.enabled
-            and "mlp-speculator" in self.export.formats
-        ):
-            raise ValueError(
-                "export.formats has mlp-speculator, but drafter.draft_vocab reduces the heads' vocabulary, "
-                "which IBM's layout cannot express: drop one of them (hf exports either)"
-            )
-        if d.kind == "medusa" and d.draft_vocab and self.export.enabled and "medusa" in self.export.formats:
-            raise ValueError(
-                "export.formats has medusa, but drafter.draft_vocab reduces the heads' vocabulary, "
-                "which the Medusa layout cannot express: drop one of them (hf exports either)"
-            )
+        if spec.check is not None:  # the kind's own checks against the other sections (models/<kind>.py)
+            spec.check(self)
         return self
 
 
