@@ -155,7 +155,7 @@ def test_plain_batch_builds_on_one_forward_per_step(tgt, prompts, ar):
     assert all(s.target_forwards == NEW - 1 and s.drafted == 0 for s in stats)
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft_lm", "hydra++", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_eos_inside_an_accepted_block_ends_only_its_row(tgt, prompts, ar, kind):
     """EOS ids the target does emit: one row hits one mid-block (the target drafting for itself accepts whole
     blocks), the others go on to their budget or their own EOS."""
@@ -176,7 +176,7 @@ def test_eos_inside_an_accepted_block_ends_only_its_row(tgt, prompts, ar, kind):
     assert [s.new_tokens for s in stats] == [len(w) for w in want]
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft_lm", "mlp_speculator", "hydra++", "eagle1", "eagle3-vocab"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_rows_join_and_leave_mid_run(tgt, prompts, ar, kind):
     drafter = make_drafter(kind, tgt)
     dec = BatchDecoder(tgt, drafter, draft_len=GAMMA, max_len=100)

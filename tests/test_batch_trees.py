@@ -94,7 +94,7 @@ def test_eos_on_an_accepted_path_ends_only_its_row(tgt, prompts, ar, kind, tree)
     assert [s.new_tokens for s in stats] == [len(w) for w in want]
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle1", "eagle3-vocab"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_tree_rows_join_and_leave_mid_run(tgt, prompts, ar, kind):
     dec = BatchDecoder(tgt, make_drafter(kind, tgt), tree=TREES["dynamic"], max_len=160)
     outs: dict[int, list[int]] = {}

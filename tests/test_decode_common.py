@@ -285,7 +285,7 @@ class _BeforeHook:
         return n >= self.at
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "mlp_speculator", "hydra++", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_before_feed_stop_costs_no_extra_drafter_forward(target, ar_outputs, kind):
     """A rule that judges draft n from the state that produced it (models/acceptance.py ``state: before``) is
     asked right after each pick, stays lossless, and a block it ends after n drafts costs exactly what a fixed
@@ -344,7 +344,7 @@ class _SkipHook:
         return n >= 2 or (n == 0 and bool(torch.rand((), generator=self.gen) < 0.5))
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(target, ar_outputs, kind):
     """eval/sweep.py OracleStop (the bound on stop rules that judge each picked draft): it knows the greedy output
     and ends each block right after the first draft the target rejects. Every block then accepts exactly what the
@@ -377,7 +377,7 @@ def test_oracle_stop_accepts_what_the_cap_accepts_and_wastes_at_most_one_draft(t
     assert saved > 0 and skipped > 0  # some block stopped before the cap; some drafted nothing
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "mlp_speculator", "hydra++", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_confidence_stop_leaves_out_distrusted_drafts_and_stays_lossless(target, ar_outputs, kind):
     """models/acceptance.py ConfidenceStop (after, min_len 0) on every chain drafter: a threshold no block can
     exceed drafts exactly what the fixed cap drafts; one every draft exceeds drafts nothing (plain target steps);
@@ -401,7 +401,7 @@ def test_confidence_stop_leaves_out_distrusted_drafts_and_stays_lossless(target,
         check_tau_consistency(mid)
 
 
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "hydra++", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_min_len_zero_skips_drafting_and_stays_lossless(target, ar_outputs, kind):
     """With min_len 0 a stop rule may draft nothing: that step is a plain target step (one token, no drafts),
     the drafter's cache stays consistent, and the output still equals the target's greedy output."""
