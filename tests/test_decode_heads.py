@@ -85,7 +85,7 @@ def test_feature_heads_are_lossless_and_features_aligned(target, ar_outputs, dra
         assert out == ar_outputs[tuple(prompt)] and st.accepted <= st.target_forwards * max(tree.depths)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra++", "mlp_speculator"])
+@pytest.mark.parametrize("kind", proposer_kinds("heads"))
 def test_heads_with_a_reduced_vocabulary_decode_losslessly_and_round_trip(target, ar_outputs, kind, tmp_path):
     """drafter.draft_vocab for heads: the N most frequent tokens' rows of the target's LM head, -inf elsewhere in
     the target vocabulary; lossless chain and tree; checkpoint and pre-packed (eval.optimize) paths agree."""
