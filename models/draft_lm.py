@@ -234,4 +234,5 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
     packs=True,
+    exports={"vllm": "draftsmith.export.formats:to_hf_writer"},  # vLLM's draft_model method reads an HF folder
 )

@@ -452,6 +452,15 @@ def eagle_from_config(cfg: dict) -> Eagle:
     return Eagle(EagleConfig(**cfg))
 
 
+def export_formats(info: dict) -> dict[str, str]:
+    """EAGLE-3 writes speculators' layout for vLLM and SGLang's own; EAGLE-1 the engines' EAGLE-1 layout
+    (DrafterSpec.exports)."""
+    w = "draftsmith.export.formats:"
+    if info["config"].get("version") == 3:
+        return {"vllm": w + "to_speculators", "sglang": w + "to_sglang_eagle3"}
+    return {"vllm": w + "to_eagle1_vllm", "sglang": w + "to_eagle1_sglang"}
+
+
 def check_recipe(recipe) -> None:
     """EAGLE against the rest of the recipe (DrafterSpec.check): SGLang loads a one-layer EAGLE-3."""
     d, ex = recipe.drafter, recipe.export
@@ -473,4 +482,5 @@ SPEC = DrafterSpec(
     fsdp_wrap=(Block,),
     packs=True,
     check=check_recipe,
+    exports=export_formats,
 )  # Block: the layers after the first

@@ -235,4 +235,5 @@ SPEC = DrafterSpec(
     fsdp_wrap=(ResBlock, Block),
     packs=True,
     check=check_recipe,
+    exports={"medusa": "draftsmith.export.formats:to_medusa"},
 )  # Block: Medusa-2's adapted target

@@ -138,6 +138,13 @@ def build_mlp_speculator(
 
 
 # No block to wrap: the stages are loose linears, embeddings and norms (FSDP shards the whole speculator as one unit).
+# vLLM 0.32 refuses MLPSpeculatorPreTrainedModel and 0.33 removed it: an export for it would not load
+VLLM_REFUSAL = (
+    "refused: vLLM serves no mlp_speculator (0.32 refuses MLPSpeculatorPreTrainedModel, 0.33 removed it); "
+    "--format mlp-speculator writes IBM's layout for TGI and fms-extras"
+)
+
+
 def check_recipe(recipe) -> None:
     """The MLP speculator against the rest of the recipe (DrafterSpec.check): IBM's layout has full-vocabulary
     heads."""
@@ -159,4 +166,5 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk", "hidden_last"}),
     packs=True,
     check=check_recipe,
+    exports={"mlp-speculator": "draftsmith.export.formats:to_mlp_speculator", "vllm": VLLM_REFUSAL},
 )

@@ -226,4 +226,5 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
     packs=True,
+    exports={"vllm": "draftsmith.export.formats:to_pard_vllm"},  # vLLM's parallel drafting: an HF folder
 )

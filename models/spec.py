@@ -12,7 +12,7 @@ recipe section can sit next to its model without models importing recipes.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -57,6 +57,11 @@ class DrafterSpec:
     packs: the objective trains on packed batches (train.packing, data/dataset.py ``collate_packed``): it passes
         the batch's per-document positions and mask (train/objectives.py ``packed_kw``) to every forward that
         mixes positions and keeps shifted targets inside a document. Kinds without it refuse train.packing.
+    exports: the export formats (``draftsmith export --format``) besides ``hf``, which every proposer writes:
+        {format: the writer ``"module:function"``, ``writer(model, info, verifier, include_embeddings) -> (tensors,
+        config)``, or ``"refused: <why>"`` when the format cannot carry the kind}; a callable of drafter.json's info
+        when the answer depends on the config (EAGLE's version). A format not listed is refused in one line naming
+        the kind's formats.
     check: ``check(recipe) -> None``, raising ValueError: the kind's checks of its section against the recipe's other
         sections (export formats, eval strategy, train options), run when a recipe is validated. Checks within the
         section go in its own validators.
@@ -72,15 +77,20 @@ class DrafterSpec:
     needs_target: bool | Callable = False
     fsdp_wrap: tuple[type, ...] = ()
     packs: bool = False
+    exports: dict | Callable = field(default_factory=dict)
     check: Callable | None = None
+
+    def export_formats(self, info: dict) -> dict[str, str]:
+        """{format: writer or refusal} for the checkpoint drafter.json's ``info`` describes (``exports``)."""
+        return dict(self.exports(info) if callable(self.exports) else self.exports)
 
     def __post_init__(self):
         if self.interface not in (*INTERFACES, None):
             raise ValueError(
                 f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, got {self.interface!r}"
             )
-        field = self.config.model_fields.get("kind")
-        if field is None or get_args(field.annotation) != (self.kind,):
+        tag = self.config.model_fields.get("kind")
+        if tag is None or get_args(tag.annotation) != (self.kind,):
             raise ValueError(
                 f"DrafterSpec {self.kind!r}: {self.config.__name__} needs a field "
                 f"kind: Literal[{self.kind!r}] = {self.kind!r}"

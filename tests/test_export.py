@@ -225,7 +225,7 @@ def test_model_card_without_an_eval_says_so():
 def test_wrong_format_for_a_kind_is_a_one_line_error(checkpoints, tmp_path, capsys):
     assert main(["export", str(checkpoints["hydra"]), "--format", "vllm", "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and "EAGLE-3 and draft LMs" in err
+    assert err.count("\n") == 0 and "drafter.kind hydra exports as hf (not vllm)" in err
     assert not (tmp_path / "x").exists()
 
 

@@ -65,6 +65,10 @@ __all__ = [
     "to_medusa",
     "to_mlp_speculator",
     "to_eagle1",
+    "to_eagle1_vllm",
+    "to_eagle1_sglang",
+    "to_hf_writer",
+    "to_pard_vllm",
     "export_meta",
     "usage_kind",
     "usage",
@@ -79,10 +83,6 @@ log = logging.getLogger("draftsmith.export")
 
 def weights_file(fmt: str) -> str:
     return "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
-
-
-def _is_eagle3(info: dict) -> bool:
-    return info["kind"] == "eagle" and info["config"].get("version") == 3
 
 
 def _one_layer(info: dict, fmt: str) -> None:
@@ -221,27 +221,25 @@ def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
     }
 
 
+def to_hf_writer(model, info: dict, verifier: str, include_embeddings: bool):
+    """A draft LM for vLLM: its draft-model path takes a plain HF folder (speculators 0.9 has no standalone type:
+    its "independent" was dropped)."""
+    return to_hf(model, info)
+
+
+def to_pard_vllm(model, info: dict, verifier: str, include_embeddings: bool):
+    """PARD for vLLM's parallel drafting: the HF folder, with the mask token inside the target's vocabulary."""
+    if info["config"].get("mask_token") is None:
+        raise DraftsmithError(
+            "export --format vllm: vLLM's parallel drafting needs the PARD mask inside the target's vocabulary; "
+            "this drafter appends it (train with drafter.mask_token=<a reserved id>, or use --format hf)"
+        )
+    return to_hf(model, info)
+
+
 def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
+    """EAGLE-3 in speculators' layout (vLLM reads it)."""
     cfg = info["config"]
-    if info["kind"] == "draft_lm":  # vLLM's draft-model path takes a plain HF folder (speculators 0.9 has no
-        return to_hf(model, info)  # standalone type: its "independent" was dropped)
-    if info["kind"] == "pard":  # vLLM's parallel drafting: the same folder, pard_token inside the vocabulary
-        if cfg.get("mask_token") is None:
-            raise DraftsmithError(
-                "export --format vllm: vLLM's parallel drafting needs the PARD mask inside the target's vocabulary; "
-                "this drafter appends it (train with drafter.mask_token=<a reserved id>, or use --format hf)"
-            )
-        return to_hf(model, info)
-    if info["kind"] == "mlp_speculator":
-        raise DraftsmithError(
-            "export --format vllm: vLLM serves no mlp_speculator (0.32 refuses MLPSpeculatorPreTrainedModel, 0.33 "
-            "removed it); --format mlp-speculator writes IBM's layout for TGI and fms-extras"
-        )
-    if not _is_eagle3(info):
-        raise DraftsmithError(
-            f"export --format vllm: supported for EAGLE-3 and draft LMs, not {info['kind']} "
-            f"(use --format hf, or medusa for Medusa heads)"
-        )
     _eagle3_engine_checks(info, "vllm")
     config = {
         "architectures": ["Eagle3Speculator"],
@@ -259,11 +257,6 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
 
 
 def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool):
-    if not _is_eagle3(info):
-        raise DraftsmithError(
-            f"export --format sglang: the SGLang layout is EAGLE-3's, not {info['kind']} "
-            f"(a draft LM serves as is from --format hf)"
-        )
     _eagle3_engine_checks(info, "sglang")
     cfg = info["config"]
     config = {
@@ -284,8 +277,6 @@ def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool)
 
 
 def to_medusa(model, info: dict, verifier: str, include_embeddings: bool):
-    if info["kind"] != "medusa":
-        raise DraftsmithError(f"export --format medusa: only Medusa heads use this layout, not {info['kind']}")
     cfg, out = info["config"], {}
     if cfg.get("head_vocab_size"):  # the layout has no d2t map: its heads must cover the whole vocabulary
         raise DraftsmithError(
@@ -423,6 +414,9 @@ def to_eagle1(fmt: str):
     return write
 
 
+to_eagle1_vllm, to_eagle1_sglang = to_eagle1("vllm"), to_eagle1("sglang")
+
+
 def _eagle1_back(sd: dict, info: dict, target, folder: Path) -> dict:
     out = {}
     for k, v in sd.items():
@@ -458,8 +452,6 @@ def to_mlp_speculator(model, info: dict, verifier: str, include_embeddings: bool
     with a learned scale and shift; ours is a LayerNorm, (x - mean) / sqrt(var + eps). Centring proj and emb (so
     their sum has zero mean) and scaling both by a = sqrt(1e-6 / eps) gives IBM's norm a x' with mean(x'^2) =
     a^2 var(x): exactly our LayerNorm of x."""
-    if info["kind"] != "mlp_speculator":
-        raise DraftsmithError(f"export --format mlp-speculator: IBM's MLP speculator layout, not {info['kind']}")
     cfg = info["config"]
     if cfg.get("head_vocab_size"):
         raise DraftsmithError(

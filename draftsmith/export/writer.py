@@ -24,6 +24,7 @@ stopped saving it, and where present it names the model the folder was loaded fr
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -92,15 +93,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         if fmt == "hf":
             tensors, config = sf.to_hf(model, named)
         else:
-            writer = {
-                "vllm": sf.to_speculators,
-                "sglang": sf.to_sglang_eagle3,
-                "medusa": sf.to_medusa,
-                "mlp-speculator": sf.to_mlp_speculator,
-            }[fmt]
-            if sf.usage_kind(info) == "eagle1" and fmt in ("vllm", "sglang"):  # the engines' EAGLE-1 layout
-                writer = sf.to_eagle1(fmt)
-            tensors, config = writer(model, named, tgt.hub_id, include_embeddings)
+            tensors, config = _writer(info, fmt)(model, named, tgt.hub_id, include_embeddings)
         save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if (ckpt / sf.ADAPTER_FILE).is_file():
@@ -130,6 +123,20 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise DraftsmithError(f"export: cannot write {out} ({e.strerror or e})") from None
     return out
+
+
+def _writer(info: dict, fmt: str):
+    """The writer of ``fmt`` for this kind (its DrafterSpec.exports), or a one-line refusal naming its formats."""
+    kind = info["kind"]
+    formats = DRAFTERS[kind].export_formats(info)
+    target = formats.get(fmt)
+    if target is None:
+        usable = ", ".join(["hf", *(f for f, w in formats.items() if not w.startswith("refused: "))])
+        raise DraftsmithError(f"export --format {fmt}: drafter.kind {kind} exports as {usable} (not {fmt})")
+    if target.startswith("refused: "):
+        raise DraftsmithError(f"export --format {fmt}: {target.removeprefix('refused: ')}")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def check_out_folder(out: Path) -> None:
