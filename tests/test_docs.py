@@ -13,9 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = "docs|benchmarks|models|data|train|eval|kernels|recipes|tests|draftsmith"
 PATH = re.compile(rf"(?<![\w/.-])(?:{FOLDERS})/[\w./-]*\w\.(?:py|md|yaml|sh)\b")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-SECTION = r"[AC]\d+(?:\.\d+)*"
+SECTION = r"[AB]\d+(?:\.\d+)*"
 CITE = re.compile(
-    rf"algorithms\.md(?:\)|,)?,?\s+(?:\(?sections?\s+)?({SECTION}(?:\s*(?:,|/|and|-|–)\s*[AC]?\d+(?:\.\d+)*)*)"
+    rf"algorithms\.md(?:\)|,)?,?\s+(?:\(?sections?\s+)?({SECTION}(?:\s*(?:,|/|and|-|–)\s*[AB]?\d+(?:\.\d+)*)*)"
 )
 
 
@@ -63,14 +63,14 @@ def test_repo_paths_cited_in_code_docs_and_recipes_exist():
 
 
 def test_cited_algorithm_sections_exist():
-    ids = set(re.findall(r"^#+\s+([AC]\d+(?:\.\d+)*)\b", (ROOT / "docs" / "algorithms.md").read_text(), re.M))
+    ids = set(re.findall(r"^#+\s+([AB]\d+(?:\.\d+)*)\b", (ROOT / "docs" / "algorithms.md").read_text(), re.M))
     files = [p for p in _tracked("*.py", "*.md", "*.yaml") if "journal" not in p.parts and p.exists()]
     missing = set()
     for f in files:
         for group in CITE.findall(f.read_text()):
             letter = group[0]
-            for ref in re.findall(r"[AC]?\d+(?:\.\d+)*", group):
-                ref = ref if ref[0] in "AC" else letter + ref
+            for ref in re.findall(r"[AB]?\d+(?:\.\d+)*", group):
+                ref = ref if ref[0] in "AB" else letter + ref
                 if ref not in ids and ref.split(".")[0] not in ids:
                     missing.add(f"{f.relative_to(ROOT)}: {ref}")
     assert ids and not missing, sorted(missing)
