@@ -332,7 +332,7 @@ class Refill:
     def run(self, on_done) -> None:
         """Generate until nothing is pending or running; ``on_done(key, Generated)`` as each context finishes (it
         may ``add`` more: the next turn of a conversation)."""
-        from draftsmith.eval.batch_decoder import RowCache
+        from draftsmith.eval.row_cache import RowCache
 
         self.on_done = on_done
         if not self.max_len:
@@ -394,7 +394,7 @@ class Refill:
     def _join(self) -> None:
         """Prefill pending contexts into the free slots: longest first, a context shares the forward of longer
         ones while it needs at most ``pad`` padding tokens."""
-        from draftsmith.eval.batch_decoder import _aligned
+        from draftsmith.eval.row_cache import aligned as _aligned
 
         while any(j.budget <= 0 for j in self.pending):  # nothing to generate (its callback may add more)
             j = next(j for j in self.pending if j.budget <= 0)

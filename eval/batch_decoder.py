@@ -30,14 +30,13 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Adjust, Sampler
+from draftsmith.eval.batch_proposers import FeatureRows, HeadRows, TokenRows
 from draftsmith.eval.decoder import DecodeStats, _sync, emit
 from draftsmith.eval.graphs import GraphedLlama
-from draftsmith.eval.proposers import FeatureProposer, HeadProposer, _run_drafter, proposer_for
-from draftsmith.eval.row_shapes import HeadTrees, OwnVocabRows, RowShapes
-from draftsmith.eval.tree import TreeSpec
-from draftsmith.kernels.kv import compact_rows
+from draftsmith.eval.proposers import FeatureProposer, HeadProposer, proposer_for
+from draftsmith.eval.row_cache import RowCache, aligned
+from draftsmith.eval.row_shapes import BatchTrees, OwnVocabRows, RowShapes
 from draftsmith.kernels.verify import verify_greedy, verify_sampling_rows
-from draftsmith.models.feature_heads import first_stop, split_stop
 from draftsmith.models.llama import KVCache
 
 # A prefill forward's fixed cost in prompt tokens, per device type: a prompt pads to a longer one's length (and
@@ -45,114 +44,6 @@ from draftsmith.models.llama import KVCache
 # on one thread takes about 55 ms per forward plus 3.7 ms per token (15 tokens); CUDA: launches and weight reads
 # cost a few hundred tokens' compute (an estimate).
 PREFILL_PAD = {"cpu": 16, "cuda": 256}
-
-
-class RowCache:
-    """A ``KVCache`` whose rows come and go. ``view`` is a KVCache over the active rows ``[0, n)`` that the models
-    write through (it shares storage with ``full``, which has ``cap`` rows); ``make(batch, max_len)`` builds the
-    storage (a model's ``new_cache`` / ``new_context``)."""
-
-    def __init__(self, make, max_len: int):
-        self.make, self.max_len, self.n = make, max_len, 0
-        self.compactions = 0
-        self.full: KVCache | None = None
-        self.view: KVCache | None = None
-
-    @property
-    def length(self) -> int:
-        return 0 if self.view is None else self.view.length
-
-    def _refresh(self, length: int, padded: bool) -> None:
-        # padded: some row has an invalid slot below length (a hole, padding), so attention needs the mask; while
-        # none has (batch 1, rows in lockstep), a lone new token reads every slot unmasked, as at batch 1
-        self.view = self.full.rows(self.n, length, padded)
-
-    def _grow(self, rows: int) -> None:
-        cap = 0 if self.full is None else self.full.valid.shape[0]
-        if rows <= cap:
-            return
-        new = self.make(max(rows, 2 * cap), self.max_len)
-        if self.full is not None:
-            new.kv[:, :, : self.n] = self.full.kv[:, :, : self.n]
-            new.valid[: self.n] = self.full.valid[: self.n]
-        self.full = new
-
-    def reserve(self, rows: int) -> None:
-        """Storage for ``rows`` rows now: while no more join, the buffers never move (CUDA graphs read them)."""
-        self._grow(rows)
-
-    def counts(self) -> torch.Tensor:
-        """Valid slots per active row (n,)."""
-        return self.view.valid[:, : self.length].sum(1)
-
-    def compact(self, min_len: int = 0, impl: str = "auto") -> None:
-        """Move every row's valid slots, in order, to the right end of [0, S), S = max(largest row count, min_len):
-        one operation for all rows, layers, K and V (kernels/kv.py ``compact_rows``; Triton on CUDA)."""
-        counts = self.counts().tolist()
-        S = max(counts + [min_len])
-        self.compactions += 1
-        self.view.padded = min(counts) < S
-        compact_rows(self.full.kv, self.full.valid[: self.n], self.length, S, impl)
-        self.view.length = S
-
-    def ensure(self, width: int) -> None:
-        """Room for ``width`` new slots, compacting if needed."""
-        if self.length + width > self.max_len:
-            self.compact()
-            if self.length + width > self.max_len:
-                raise DraftsmithError(f"batch KV cache: {self.length}+{width} slots exceed max_len={self.max_len}")
-
-    def keep(self, s0: int, width: int, kept: torch.Tensor) -> None:
-        """Of the ``width`` slots written from s0, row b keeps its first kept[b]; the rest become holes, and slots
-        no row kept are rolled back."""
-        if width == 0:
-            return
-        ar = torch.arange(width, device=kept.device)
-        self.view.valid[:, s0 : s0 + width] &= ar[None] < kept[:, None]
-        lo, hi = torch.stack([kept.min(), kept.max()]).tolist()
-        self.view.length = s0 + hi
-        self.view.padded |= lo < hi
-
-    def keep_slots(self, s0: int, keep: torch.Tensor) -> None:
-        """Of the keep.shape[1] slots written from s0, row b keeps those where keep[b] (any subset: a tree's root
-        and accepted path); the rest become holes, and slots past the last one any row kept are rolled back."""
-        self.view.valid[:, s0 : s0 + keep.shape[1]] &= keep
-        hi = int(keep.any(0).nonzero()[-1]) + 1
-        self.view.length = s0 + hi
-        self.view.padded |= not bool(keep[:, :hi].all())
-
-    def join(self, tmp: KVCache, rows: list[int], count: int) -> None:
-        """Append rows ``rows`` of ``tmp`` as new active rows: their first ``count`` slots, each valid where
-        ``tmp.valid`` says (a ragged prefill's left padding is invalid there and stays a hole here)."""
-        k = len(rows)
-        if k == 0:
-            return
-        self._grow(self.n + k)
-        length, padded = self.length, self.n > 0 and self.view.padded
-        if self.view is not None and self.n and length < count:
-            self.compact(count)
-            length = self.length
-        length = max(length, count) if self.n else count
-        src = torch.tensor(rows, device=self.full.valid.device)
-        valid = tmp.valid.index_select(0, src)[:, :count]
-        padded |= count < length or (self.n > 0 and bool((self.counts() < length).any()))
-        padded |= bool(count and not valid.all())
-        dst = slice(self.n, self.n + k)
-        self.full.valid[dst] = False
-        if count:
-            self.full.kv[:, :, dst, :, length - count : length] = tmp.kv.index_select(2, src)[:, :, :, :, :count]
-            self.full.valid[dst, length - count : length] = valid
-        self.n += k
-        self._refresh(length, padded)
-
-    def remove(self, i: int) -> None:
-        """Drop active row i: the last active row takes its place."""
-        last = self.n - 1
-        if i != last:
-            self.full.kv[:, :, i] = self.full.kv[:, :, last]
-            self.full.valid[i] = self.full.valid[last]
-        self.n = last
-        self._refresh(self.length if self.n else 0, self.n > 0 and self.view.padded)
 
 
 @dataclass
@@ -184,254 +75,6 @@ class _Row:
         return (s.temperature, s.top_k, s.top_p, None if s.generator is None else id(s.generator))
 
 
-def _aligned(seqs: list[torch.Tensor], starts: list[int]):
-    """Right-align per-row sequences (u_b, ...) into (B, W, ...) -> (padded, valid (B, W) or None when no row is
-    padded, pos (B, W)); row b's real entries sit at positions starts[b] .. starts[b] + u_b - 1."""
-    lens = [len(s) for s in seqs]
-    B, W, dev = len(seqs), max(lens), seqs[0].device
-    pad = seqs[0].new_zeros((B, W, *seqs[0].shape[1:]))
-    for b, s in enumerate(seqs):
-        if len(s):
-            pad[b, W - len(s) :] = s
-    lead = torch.tensor([W - u for u in lens], device=dev)[:, None]  # padding slots before each row's entries
-    ar = torch.arange(W, device=dev)[None]
-    pos = torch.tensor(starts, device=dev)[:, None] - lead + ar
-    return pad, None if min(lens) == W else ar >= lead, pos
-
-
-def _chain(rows: list[_Row], gam: list[int], logits: torch.Tensor, state, pick, expand):
-    """Every row's chain after its root: logits (B, V) for the first draft, state (B, S) or None (what stop hooks
-    read), ``expand(tok (B,), i) -> (logits, state)`` feeds draft i to the drafter. Row b drafts until gam[b] or
-    until its stop hook ends its block (eval/shapes.py ``draft_chain``, per row); the loop runs while any row
-    drafts. -> (drafts [(B,)], q [(B, V) or None], drafts per row, drafts fed)."""
-    hooks = [split_stop(r.stop) for r in rows]
-    firsts = [first_stop(after) for after, _ in hooks]
-    count, live = [0] * len(rows), [g > 0 for g in gam]
-    toks, qs, fed = [], [], 0
-    for i in range(max(gam)):
-        for b, (after, _) in enumerate(hooks):
-            st = None if state is None else state[b]
-            if live[b] and after is not None and i >= firsts[b] and after(i, logits[b], st):
-                live[b] = False
-        if not any(live):
-            break
-        tok, q = pick(logits, live)  # a row past its own budget draws nothing: its stream is its own
-        toks.append(tok)
-        qs.append(q)
-        for b, (_, before) in enumerate(hooks):
-            if not live[b]:
-                continue
-            count[b] = i + 1
-            st = None if state is None else state[b]
-            if i + 1 >= gam[b] or (before is not None and before(i + 1, logits[b], st, tok[b : b + 1])):
-                live[b] = False  # its last draft is never fed: the verify decides whether it survives
-        if not any(live):
-            break
-        logits, state = expand(tok, i)
-        fed += 1
-    return toks, qs, count, fed
-
-
-class _BatchTokens:
-    """A draft LM's side: its own RowCache; per row ``dpos`` committed positions and ``unread`` tokens (the cache
-    invariant of eval/proposers.py TokenProposer, per row)."""
-
-    def __init__(self, target, drafter, max_len: int, stop=None):
-        self.t, self.d, self.depth = target, drafter, float("inf")
-        self.pard = getattr(drafter, "parallel_drafts", 0)  # PARD: every draft from one forward over masks
-        if self.pard:
-            self.depth = self.pard
-        self.layers: tuple[int, ...] = ()
-        self.rc = RowCache(drafter.new_cache, max_len)
-        self.caches = [self.rc]
-        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
-
-    def _call(self, ids: torch.Tensor, last: int = 0, **kw):
-        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None);
-        last > 0: at the last ``last`` positions instead ((B, last, V), (B, last, D))."""
-        at = slice(-last, None) if last else -1
-        if not self.hidden:
-            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, at], None
-        L = self.d.cfg.n_layers
-        logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
-        return logits[:, at], self.d.norm(cap[L][:, at])
-
-    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
-        k, W = ids.shape
-        tmp = self.d.new_cache(k, W)
-        v = _run_drafter(self.d, ids, cache=tmp, pos=pos, valid=valid).shape[-1]
-        if v != self.t.cfg.vocab_size:  # draft ids are fed to the target as they are: the vocabularies must agree
-            raise ValueError(f"drafter vocabulary {v} != target vocabulary {self.t.cfg.vocab_size}")
-        self.rc.join(tmp, live, W)
-        for j in live:
-            rows[j].dpos, rows[j].unread = rows[j].prompt.numel(), ids.new_empty(0)
-
-    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
-        G = max(gam)
-        if G == 0:
-            self.fed = None
-            for b, r in enumerate(rows):
-                r.unread = torch.cat([r.unread, cur[b : b + 1]])
-            return None
-        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
-        ids, valid, pos = _aligned(seqs, [r.dpos for r in rows])
-        self.rc.ensure(ids.shape[1] + G - 1)
-        if self.pard:
-            return self._draft_parallel(rows, seqs, ids, valid, pos, gam, pick)
-        logits, state = self._call(ids, pos=pos, valid=valid)
-        for r, s in zip(rows, seqs):
-            r.dpos, r.unread = r.dpos + len(s), s[:0]
-        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        self.s_exp = self.rc.length
-        toks, qs, count, self.fed = _chain(
-            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
-        )
-        return toks, qs, count
-
-    def _draft_parallel(self, rows: list[_Row], seqs, ids, valid, pos, gam: list[int], pick):
-        """PARD (eval/proposers.py PardProposer, per row): one forward over each row's unread + cur and G-1 masks
-        at the next positions; the masks' slots are rolled back at once and nothing is fed after it."""
-        B, G = len(rows), max(gam)
-        ar = torch.arange(1, G, device=ids.device)
-        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
-        valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
-        pos = torch.cat([pos, pos[:, -1:] + ar], 1)
-        logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None
-        s0 = self.rc.length - (G - 1)
-        self.rc.keep(s0, G - 1, torch.zeros(B, dtype=torch.long, device=ids.device))  # the masks' slots
-        for r, s in zip(rows, seqs):
-            r.dpos, r.unread = r.dpos + len(s), s[:0]
-        self.s_exp = self.rc.length
-
-        def expand(tok, i):
-            return logits[:, i + 1], None if states is None else states[:, i + 1]
-
-        first = None if states is None else states[:, 0]
-        toks, qs, count, _ = _chain(rows, gam, logits[:, 0], first, pick, expand)
-        self.fed = 0
-        return toks, qs, count
-
-    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
-        if self.fed is None:  # it read nothing this step
-            return
-        kept = n.clamp(max=self.fed)
-        self.rc.keep(self.s_exp, self.fed, kept)
-        for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
-            r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
-
-
-class _BatchHeads:
-    """Medusa / Hydra / MLP-speculator heads: per row the context state ``h``; Hydra++'s prefix layer keeps a
-    RowCache of its own."""
-
-    def __init__(self, target, drafter, max_len: int):
-        self.t, self.d, self.depth = target, drafter, drafter.max_draft_len
-        self.layers = (target.cfg.n_layers,)
-        has_ctx = drafter.new_context(1, 1) is not None
-        self.rc = RowCache(lambda b, m: drafter.new_context(m, b), max_len) if has_ctx else None
-        self.caches = [self.rc] if has_ctx else []
-
-    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
-        k, W = ids.shape
-        hs = self.t.norm(captured[self.layers[0]])  # (k, W, D)
-        if self.rc is None:
-            out = self.d.read_context(hs)
-        else:  # the prefix layer attends only to each row's own prompt, at its own positions
-            tmp = self.d.new_context(W, k)
-            out = self.d.read_context(hs, tmp, pos, valid)
-            self.rc.join(tmp, live, W)
-        for j in live:
-            rows[j].h, rows[j].dpos = out[j, -1], rows[j].prompt.numel()
-
-    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
-        if max(gam) == 0:
-            return None
-        h, path = torch.stack([r.h for r in rows]), [cur]
-
-        def expand(tok, i):
-            path.append(tok)
-            return self.d.draft_step(h, path)  # (B, V), the state head i + 1 read them from
-
-        toks, qs, count, _ = _chain(rows, gam, *self.d.draft_step(h, path), pick, expand)
-        return toks, qs, count
-
-    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
-        self.read_kept(rows, captured, [list(range(k + 1)) for k in n.tolist()])  # kept: cur and the accepted drafts
-
-    def read_kept(self, rows: list[_Row], captured: dict, kept: list[list[int]]) -> None:
-        """Read the target's states at each row's kept verify positions (kept[b], ascending) into the context."""
-        hs = self.t.norm(captured[self.layers[0]])  # (B, W, D)
-        if self.rc is None:
-            out = self.d.read_context(hs)
-            for b, r in enumerate(rows):
-                r.h = out[b, kept[b][-1]]
-            return
-        seqs = [hs[b, k] for b, k in enumerate(kept)]
-        x, valid, pos = _aligned(seqs, [r.dpos for r in rows])
-        self.rc.ensure(x.shape[1])
-        out = self.d.read_context(x, self.rc.view, pos, valid)
-        for b, (r, s) in enumerate(zip(rows, seqs)):
-            r.h, r.dpos = out[b, -1], r.dpos + len(s)
-
-
-class _BatchFeatures:
-    """EAGLE: per row the unread (token, feature) pairs (eval/proposers.py FeatureProposer) and a RowCache whose
-    drafted slots are rolled back every step (only committed pairs are ever kept)."""
-
-    def __init__(self, target, drafter, max_len: int):
-        self.t, self.d, self.depth = target, drafter, float("inf")
-        self.layers = drafter.capture_layers
-        self.rc = RowCache(drafter.new_cache, max_len)
-        self.caches = [self.rc]
-
-    def join(self, rows: list[_Row], ids, valid, pos, captured: dict, live: list[int]) -> None:
-        k, W = ids.shape
-        f = self.d.features(captured, self.t)  # (k, W, F): pair i is (f_i, x_{i+1}) at i; the last waits for cur
-        tmp = self.d.new_cache(k, W - 1)
-        if W > 1:  # a pair is valid where its feature is (a 1-token prompt has none)
-            v = None if valid is None else valid[:, :-1]
-            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], pos=pos[:, :-1], cache=tmp, last_only=True, valid=v)
-        self.rc.join(tmp, live, W - 1)
-        for j in live:
-            rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
-
-    def draft(self, rows: list[_Row], cur: torch.Tensor, gam: list[int], pick):
-        G = max(gam)
-        self.root_end = None
-        if G == 0:
-            return None
-        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
-        starts = [r.dpos for r in rows]
-        ids, valid, pos = _aligned(seqs, starts)
-        feats, _, _ = _aligned([r.feats for r in rows], starts)
-        self.rc.ensure(ids.shape[1] + G - 1)
-        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
-        for r, s in zip(rows, seqs):
-            r.dpos += len(s)
-        self.root_end = self.rc.length
-        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-
-        def expand(tok, i):
-            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
-            state_in[0] = out
-            return logits[:, -1], out[:, -1]
-
-        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
-        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
-        return toks, qs, count
-
-    def commit(self, rows: list[_Row], cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
-        f = self.d.features(captured, self.t)  # (B, G+1, F)
-        read = self.root_end is not None
-        if read:
-            self.rc.view.length = self.root_end  # drafted nodes are never kept: roll back every row at once
-        for b, (r, m) in enumerate(zip(rows, n.tolist())):
-            if not read:  # it read nothing this step: the new pairs queue up behind the unread ones
-                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
-            else:
-                r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
-
-
 def _unwrapped(model):
     """The plain model inside a batch-1 CUDA-graph wrapper (eval/graphs.py), whose single static cache rows of a
     batch would share."""
@@ -446,16 +89,17 @@ def _proposer(target, drafter, max_len: int, stop=None, tree=None, judge=None, d
             raise ValueError("a drafter with its own vocabulary decodes chains only: no tree, judge or stop hook")
         return OwnVocabRows(target, drafter, draft_len=draft_len)
     kind = proposer_for(drafter)
-    if tree is not None or judge is not None:
-        if isinstance(tree, TreeSpec) and judge is None and stop is None and kind is HeadProposer:
-            heads = _BatchHeads(target, drafter, max_len)
-            return HeadTrees(target, drafter, tree=tree, draft_len=draft_len, heads=heads)
-        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
     if kind is HeadProposer:
-        return _BatchHeads(target, drafter, max_len)
-    if kind is FeatureProposer:
-        return _BatchFeatures(target, drafter, max_len)
-    return _BatchTokens(target, drafter, max_len, stop)
+        prop = HeadRows(target, drafter, max_len)
+    elif kind is FeatureProposer:
+        prop = FeatureRows(target, drafter, max_len)
+    else:
+        prop = TokenRows(target, drafter, max_len, stop)
+    if tree is not None and judge is None and stop is None:
+        return BatchTrees(target, drafter, tree=tree, draft_len=draft_len, prop=prop)
+    if tree is not None or judge is not None:
+        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
+    return prop
 
 
 class BatchDecoder:
@@ -664,7 +308,7 @@ class BatchDecoder:
             while k < rows and W - order[k].prompt.numel() <= self.max_prefill_pad:
                 k += 1
             group, order = order[:k], order[k:]
-            ids, valid, pos = _aligned([r.prompt for r in group], [0] * len(group))  # (k, W)
+            ids, valid, pos = aligned([r.prompt for r in group], [0] * len(group))  # (k, W)
             tmp = self.target.new_cache(*ids.shape)
             at = torch.zeros_like(ids, dtype=torch.bool)
             at[:, -1] = True

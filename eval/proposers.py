@@ -312,16 +312,16 @@ class TreeGraph:
         return graphs[spec]
 
     def _levels(self):
-        return tree_levels(self.run, self.root, None, self.base, self.spec, self._level)
+        return tuple(x[0] for x in tree_levels(self.run, self.root[None], None, self.base, self.spec, self._level))
 
     def _level(self, run, tokens, states, d: int, base: torch.Tensor, n_fed: int, anc, paths):
-        k, m = tokens.numel(), self.model
+        (k, m), tokens, anc = (tokens.shape[1], self.model), tokens[0], anc[0]
         mask = (m._arange < base).expand(k, -1).clone()  # the committed prefix, then this tree's slots
         mask[:, base + m._arange[: anc.shape[1]]] = anc
         pos = (base - 1 + d).expand(k)
         return _run_drafter(
             m, tokens.view(1, -1), cache=m._cache, pos=pos.view(1, -1), attn_mask=mask[None], s0=base + n_fed
-        )[0], None
+        ), None
 
     def __call__(self, root_logits: torch.Tensor, base: int):
         if self.root is None:

@@ -23,7 +23,8 @@ from draftsmith.eval.accept import Sampler
 from draftsmith.eval.decoder import _sync
 from draftsmith.eval.hetero import HeteroRow, resolve_method
 from draftsmith.eval.proposers import proposer_for
-from draftsmith.eval.shapes import Draft, StaticTree, shape_for
+from draftsmith.eval.shapes import Draft, shape_for
+from draftsmith.eval.tree import DynamicTree
 
 
 class RowShapes:
@@ -32,7 +33,7 @@ class RowShapes:
 
     def __init__(self, target, drafter, *, tree, judge, draft_len: int, stop=None):
         self.t, self.d, self.tree, self.judge, self.draft_len, self.stop = target, drafter, tree, judge, draft_len, stop
-        prop = self._proposer()
+        prop = self._probe = self._proposer()
         probe = self._shape(prop, Sampler(0.0))  # refuses what batch 1 refuses (a stop hook on a tree, ...)
         self.depth, self.room = probe.depth, probe.room
         self.layers = tuple(dict.fromkeys(prop.layers + probe.layers))
@@ -128,39 +129,41 @@ class RowShapes:
         return [a.tolist() for a in accepted], nxt, sizes, judged, t1 - t0, t2 - t1, lps
 
 
-class HeadTrees(RowShapes):
-    """Heads (Medusa, Hydra, Hydra++, MLP speculator) on a static tree, drafted as one batch: node i of every row
-    is the ``ranks[i]``-th best token of its parent's distribution, one ``logits_after`` per distinct parent for
-    all rows at once (eval/proposers.py ``HeadProposer.static_tree`` per row), and the accepted paths' states are
-    read into the heads' context as one batch (``heads``: eval/batch_decoder.py ``_BatchHeads``, its caches and
-    ``read_kept``). Verify and acceptance are ``RowShapes``'."""
+class BatchTrees(RowShapes):
+    """Trees of every drafter kind drafted as one batch (eval/batch_proposers.py: the row proposer ``prop`` drafts
+    every row's static or dynamic tree with one drafter forward per level, and reads the accepted paths as one
+    batch). Verify and acceptance are ``RowShapes``': each row's batch-1 tree rule on its own nodes."""
 
-    def __init__(self, target, drafter, *, tree, draft_len: int, heads):
+    def __init__(self, target, drafter, *, tree, draft_len: int, prop):
         super().__init__(target, drafter, tree=tree, judge=None, draft_len=draft_len)
-        self.heads, self.caches = heads, heads.caches
+        self.prop, self.caches = prop, prop.caches
+        self.dynamic = isinstance(tree, DynamicTree)
 
     def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
-        self.heads.join(rows, ids, valid, pos, captured, live)
+        self.prop.join(rows, ids, valid, pos, captured, live)
         for j in live:
-            rows[j].shape = StaticTree(self.tree, self.d.max_draft_len, rows[j].sampler, ids.device)
+            rows[j].shape = self._shape(self._probe, rows[j].sampler)  # its acceptance rule
 
     def draft(self, dec, rows, cur: torch.Tensor) -> list[Draft]:
-        spec, h = self.tree, torch.stack([r.h for r in rows])
-        tokens = cur.new_zeros(len(rows), len(spec))
-        child = {}  # parent node (-1: the root) -> its children's logits (B, V)
-        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
-            if par not in child:
-                path, n = [], par
-                while n >= 0:
-                    path.append(tokens[:, n])
-                    n = spec.parents[n]
-                child[par] = self.d.logits_after(h, [cur, *reversed(path)])
-            tokens[:, i] = torch.topk(child[par], rank + 1, -1).indices[:, -1]
-        s = rows[0].shape
-        return [Draft(cur[b : b + 1], t, parents=s.parents, anc=s.anc, depths=s.depths) for b, t in enumerate(tokens)]
+        self.drafted = True
+        if not self.dynamic:
+            s = rows[0].shape
+            tokens = self.prop.static_tree(rows, cur, self.tree, s.anc, self.room)
+            return [
+                Draft(cur[b : b + 1], t, parents=s.parents, anc=s.anc, depths=s.depths) for b, t in enumerate(tokens)
+            ]
+        tokens, parents, anc, depths = self.prop.dynamic_tree(rows, cur, self.tree, self.room)
+        return [
+            Draft(cur[b : b + 1], tokens[b], parents=parents[b], anc=anc[b], depths=depths[b]) for b in range(len(rows))
+        ]
 
     def commit(self, rows, drafts: list[Draft], accepted: list, kept: list[list[int]], captured: dict) -> None:
-        self.heads.read_kept(rows, captured, kept)
+        cur = None if self.drafted else torch.cat([d.cur for d in drafts])
+        self.prop.commit_tree(rows, accepted, kept, captured, cur)
+
+    def step(self, dec, rows, cur: torch.Tensor, speculate: bool = True):
+        self.drafted = False
+        return super().step(dec, rows, cur, speculate)
 
 
 class OwnVocabRows(RowShapes):

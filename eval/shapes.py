@@ -237,71 +237,80 @@ def draft_dynamic(run, cur: torch.Tensor, spec: DynamicTree):
     Root: the drafter's top-k tokens. Each level: feed the k frontier nodes in one forward (tree mask: committed
     prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
     frontier. Finally keep the ``total_tokens`` best of all recorded nodes. Every shape is fixed by (k, depth), so
-    the whole step stays on the device with no host sync (``tree_levels``).
+    the whole step stays on the device with no host sync (``tree_levels``, here with one row).
     """
     root_logits, root_state = run.root(cur)
-    return tree_levels(run, root_logits, root_state, run.cache.length, spec, feed_level)
+    state = None if root_state is None else root_state[None]
+    out = tree_levels(run, root_logits[None], state, run.cache.length, spec, feed_level)
+    return tuple(x[0] for x in out)
 
 
 def feed_level(run, tokens, states, d: int, base: int, n_fed: int, anc, paths):
-    """One level of a dynamic tree: the k frontier nodes in one forward, after the n_fed nodes already in the
-    cache; anc (k, n_fed + k) is their ancestor mask over the tree slots."""
-    k = tokens.numel()
-    mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=tokens.device), anc], 1)
+    """One level of a batch-1 dynamic tree: the k frontier nodes (1, k) in one forward, after the n_fed nodes
+    already in the cache; anc (1, k, n_fed + k) is their ancestor mask over the tree slots."""
+    k = tokens.shape[1]
+    mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=tokens.device), anc[0]], 1)
     run.cache.length = base + n_fed
     pos = torch.full((k,), base - 1 + d, device=tokens.device)
-    return run.expand(tokens, states, pos, mask[None], paths=paths)
+    out, st = run.expand(tokens[0], None if states is None else states[0], pos, mask[None], paths=paths[0])
+    return out[None], None if st is None else st[None]
 
 
 def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
-    """The levels and the final selection of ``draft_dynamic``; ``level`` runs the drafter on a frontier. Node ids
-    are assigned level by level (children after their parents), an ancestor matrix grows with them, and a stable
-    sort by score ranks them; ``base`` (the root's slot + 1) may be a device tensor (proposers.py ``TreeGraph``)."""
-    k, device = spec.top_k, root_logits.device
+    """The levels and the final selection of a dynamic tree for B rows at once: root_logits (B, V), root_state
+    (B, S) or None -> (tokens (B, N), parents (B, N), tree mask (B, N+1, N+1), depths (B, N+1)); every row's tree
+    has the same N. ``level(run, tokens (B, k), states, d, base, n_fed, anc (B, k, n_fed + k), paths (B, k, d))``
+    runs the drafter on a frontier -> (logits (B, k, V), states or None). Node ids are assigned level by level
+    (children after their parents), an ancestor matrix grows with them, and a stable sort by score ranks them;
+    ``base`` (the root's slot + 1) may be a device tensor (proposers.py ``TreeGraph``)."""
+    k, device, B = spec.top_k, root_logits.device, root_logits.shape[0]
     n_max = k + (spec.depth - 1) * k * k
+    rows = torch.arange(B, device=device)[:, None]
     top = torch.log_softmax(root_logits.float(), -1).topk(k)
-    tok = torch.zeros(n_max, dtype=torch.long, device=device)
-    score = torch.full((n_max,), float("-inf"), device=device)
-    par = torch.full((n_max,), -1, dtype=torch.long, device=device)
-    depth = torch.ones(n_max, dtype=torch.long, device=device)
-    anc = torch.eye(n_max, dtype=torch.bool, device=device)  # row n: n and its ancestors (root excluded)
-    tok[:k], score[:k] = top.indices, top.values
-    state = root_state.expand(n_max, -1).clone() if run.passes_state else None  # a node's input: its parent's output
-    path = torch.zeros(n_max, spec.depth, dtype=torch.long, device=device)  # node tokens from the root down
-    path[:k, 0] = top.indices
-    frontier = torch.arange(k, device=device)
-    fed = frontier[:0]  # node ids in slot order after base
+    tok = torch.zeros(B, n_max, dtype=torch.long, device=device)
+    score = torch.full((B, n_max), float("-inf"), device=device)
+    par = torch.full((B, n_max), -1, dtype=torch.long, device=device)
+    depth = torch.ones(B, n_max, dtype=torch.long, device=device)
+    anc = torch.eye(n_max, dtype=torch.bool, device=device).repeat(B, 1, 1)  # [b, n]: n and its ancestors
+    tok[:, :k], score[:, :k] = top.indices, top.values
+    passes = run.passes_state
+    state = root_state[:, None].expand(-1, n_max, -1).clone() if passes else None  # a node's input: its parent's
+    path = torch.zeros(B, n_max, spec.depth, dtype=torch.long, device=device)  # node tokens from the root down
+    path[:, :k, 0] = top.indices
+    frontier = torch.arange(k, device=device).expand(B, k)
+    fed = frontier[:, :0]  # node ids in slot order after base
     for d in range(1, spec.depth):
-        order = torch.cat([fed, frontier])
+        order = torch.cat([fed, frontier], 1)
         out, out_st = level(
             run,
-            tok[frontier],
-            state[frontier] if run.passes_state else None,
+            tok[rows, frontier],
+            state[rows, frontier] if passes else None,
             d,
             base,
-            fed.numel(),
-            anc[frontier][:, order],
-            path[frontier, :d],
-        )  # (k, V)
+            fed.shape[1],
+            anc[rows[:, :, None], frontier[:, :, None], order[:, None, :]],
+            path[rows, frontier, :d],
+        )  # (B, k, V)
         fed = order
-        cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (k, k)
+        cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (B, k, k)
         new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
-        tok[new], score[new] = ci.flatten(), (score[frontier, None] + cv).flatten()
-        par[new] = frontier.repeat_interleave(k)
-        depth.index_fill_(0, new, d + 1)  # a scalar through index_put_ would be a host copy (no CUDA graph)
-        path[new] = path[par[new]]
-        path[new, d] = tok[new]
-        anc[new] |= anc[par[new]]
-        if run.passes_state:
-            state[new] = out_st.repeat_interleave(k, 0)
-        frontier = new[score[new].topk(k).indices]
+        tok[:, new], score[:, new] = ci.flatten(1), (score[rows, frontier][:, :, None] + cv).flatten(1)
+        par[:, new] = frontier.repeat_interleave(k, 1)
+        depth.index_fill_(1, new, d + 1)  # a scalar through index_put_ would be a host copy (no CUDA graph)
+        path[:, new] = path[rows, par[:, new]]
+        path[:, new, d] = tok[:, new]
+        anc[:, new] |= anc[rows, par[:, new]]
+        if passes:
+            state[:, new] = out_st.repeat_interleave(k, 1)
+        frontier = new[score[:, new].topk(k, -1).indices]
     keep = best_nodes(score, depth, min(spec.total_tokens, n_max))  # ancestor-closed, parents first
-    index = torch.full((n_max,), -1, dtype=torch.long, device=device)
-    index[keep] = torch.arange(keep.numel(), device=device)
-    parents = torch.where(par[keep] >= 0, index[par[keep].clamp_min(0)], -1)
-    n = keep.numel()
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool, device=device)
-    mask[:, 0] = True
-    mask[1:, 1:] = anc[keep][:, keep]
-    depths = torch.cat([depth.new_zeros(1), depth[keep]]).int()
-    return tok[keep], parents, mask, depths
+    n = keep.shape[1]
+    index = torch.full((B, n_max), -1, dtype=torch.long, device=device)
+    index[rows, keep] = torch.arange(n, device=device).expand(B, n)
+    kp = par[rows, keep]
+    parents = torch.where(kp >= 0, index[rows, kp.clamp_min(0)], -1)
+    mask = torch.zeros(B, n + 1, n + 1, dtype=torch.bool, device=device)
+    mask[:, :, 0] = True
+    mask[:, 1:, 1:] = anc[rows[:, :, None], keep[:, :, None], keep[:, None, :]]
+    depths = torch.cat([depth.new_zeros(B, 1), depth[rows, keep]], 1).int()
+    return tok[rows, keep], parents, mask, depths

@@ -52,13 +52,14 @@ class DynamicTree:
 
 
 def best_nodes(scores: torch.Tensor, depths: torch.Tensor, budget: int) -> torch.Tensor:
-    """Ids of the ``budget`` best nodes by (-score, id), sorted by (depth, id) so parents come first.
+    """Ids of the ``budget`` best nodes by (-score, id), sorted by (depth, id) so parents come first (per row of
+    (B, n) scores and depths, or of one tree's (n,)).
 
     Ancestor-closed whenever every child has a larger id than its parent and no higher score, as cumulative draft
     log-probs recorded parents-first are: ties included, a parent precedes its child in the stable sort. So the
     result has a fixed size and needs no host sync (tested against a closure-by-walking reference)."""
-    keep = torch.sort(-scores, stable=True).indices[:budget]
-    return keep[(depths[keep] * scores.numel() + keep).argsort()]
+    keep = torch.sort(-scores, stable=True).indices[..., :budget]
+    return keep.gather(-1, (depths.gather(-1, keep) * scores.shape[-1] + keep).argsort(-1))
 
 
 def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:

@@ -1,0 +1,419 @@
+"""Proposers of the batched decoder: a drafter's side of a step for every row of a batch at once, one class per way
+a drafter reads the sequence (eval/batch_decoder.py ``BatchDecoder`` calls them):
+
+- ``TokenRows``: a draft LM (also with a reduced vocabulary, and PARD's parallel drafts over mask tokens) with its
+  own ``RowCache``;
+- ``HeadRows``: feature heads (Medusa, Hydra, Hydra++, MLP speculator) reading the target's final hidden state;
+- ``FeatureRows``: EAGLE, reading (target feature, token) pairs with its own ``RowCache``.
+
+Each drafts chains (``draft`` / ``commit``) and trees: ``root`` reads every row's unread tokens and the current
+one, ``expand`` runs drafted nodes of every row at once under each row's tree mask, and ``commit_tree`` reads the
+accepted paths. The tree algorithms over them (``_Rows``) are batch 1's (eval/shapes.py) with a row dimension;
+the dynamic tree's levels are the same function, ``tree_levels``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from draftsmith.eval.proposers import _run_drafter
+from draftsmith.eval.row_cache import RowCache, aligned
+from draftsmith.eval.shapes import tree_levels
+from draftsmith.models.feature_heads import first_stop, split_stop
+
+
+def _chain(rows: list, gam: list[int], logits: torch.Tensor, state, pick, expand):
+    """Every row's chain after its root: logits (B, V) for the first draft, state (B, S) or None (what stop hooks
+    read), ``expand(tok (B,), i) -> (logits, state)`` feeds draft i to the drafter. Row b drafts until gam[b] or
+    until its stop hook ends its block (eval/shapes.py ``draft_chain``, per row); the loop runs while any row
+    drafts. -> (drafts [(B,)], q [(B, V) or None], drafts per row, drafts fed)."""
+    hooks = [split_stop(r.stop) for r in rows]
+    firsts = [first_stop(after) for after, _ in hooks]
+    count, live = [0] * len(rows), [g > 0 for g in gam]
+    toks, qs, fed = [], [], 0
+    for i in range(max(gam)):
+        for b, (after, _) in enumerate(hooks):
+            st = None if state is None else state[b]
+            if live[b] and after is not None and i >= firsts[b] and after(i, logits[b], st):
+                live[b] = False
+        if not any(live):
+            break
+        tok, q = pick(logits, live)  # a row past its own budget draws nothing: its stream is its own
+        toks.append(tok)
+        qs.append(q)
+        for b, (_, before) in enumerate(hooks):
+            if not live[b]:
+                continue
+            count[b] = i + 1
+            st = None if state is None else state[b]
+            if i + 1 >= gam[b] or (before is not None and before(i + 1, logits[b], st, tok[b : b + 1])):
+                live[b] = False  # its last draft is never fed: the verify decides whether it survives
+        if not any(live):
+            break
+        logits, state = expand(tok, i)
+        fed += 1
+    return toks, qs, count, fed
+
+
+class _Rows:
+    """What the row proposers share: tree drafting over their ``root`` / ``expand`` (eval/shapes.py
+    ``draft_static`` and ``draft_dynamic`` for B rows at once). After ``root``, ``s_root`` is the slot after every
+    row's root and ``root_pos`` (B,) each root's RoPE position; a node at depth d sits at ``root_pos + d``."""
+
+    passes_state = False  # a drafted node's output state is its children's input (EAGLE)
+    rc: RowCache | None = None
+
+    def seek(self, slot: int) -> None:
+        """The drafter's cache ends at ``slot``: where the next level's nodes are written."""
+        self.rc.view.length = slot
+
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc: torch.Tensor, room: int) -> torch.Tensor:
+        """Every row's static tree -> node tokens (B, N): one forward per depth level for all rows' nodes, node i
+        the ``ranks[i]``-th best of its parent's distribution; the deepest level is never fed."""
+        B, dev, depths = len(rows), cur.device, spec.depths
+        root_logits, root_state = self.root(rows, cur, room, max(depths))
+        logits, states = {-1: root_logits}, {-1: root_state}  # parent node -> (B, V), (B, S)
+        base, pos0 = self.s_root, self.root_pos(rows)
+        tokens = cur.new_zeros(B, len(spec))
+        for d in range(1, max(depths) + 1):
+            level = [i for i, di in enumerate(depths) if di == d]
+            for i in level:
+                tokens[:, i] = torch.topk(logits[spec.parents[i]], spec.ranks[i] + 1, -1).indices[:, -1]
+            if d == max(depths):
+                break
+            lo, hi = level[0], level[-1] + 1
+            mask = torch.ones(B, hi - lo, base + hi, dtype=torch.bool, device=dev)
+            mask[:, :, base:] = anc[lo + 1 : hi + 1, 1 : hi + 1]
+            self.seek(base + lo)  # levels are fed in order, so the cache ends where this level starts
+            st = torch.stack([states[spec.parents[i]] for i in level], 1) if self.passes_state else None
+            out, out_st = self.expand(tokens[:, lo:hi], st, (pos0 + d)[:, None].expand(B, hi - lo), mask, d)
+            logits.update({i: out[:, i - lo] for i in level})
+            if self.passes_state:
+                states.update({i: out_st[:, i - lo] for i in level})
+        return tokens
+
+    def dynamic_tree(self, rows: list, cur: torch.Tensor, spec, room: int):
+        """Every row's EAGLE-2 tree -> (tokens (B, N), parents (B, N), mask (B, N+1, N+1), depths (B, N+1))."""
+        root_logits, root_state = self.root(rows, cur, room, spec.depth)
+        self._pos0 = self.root_pos(rows)
+        return tree_levels(self, root_logits, root_state, self.s_root, spec, _feed_rows)
+
+    def root_pos(self, rows: list) -> torch.Tensor:
+        return torch.tensor([r.dpos - 1 for r in rows], device=self.rc.view.valid.device)
+
+
+def _feed_rows(run: _Rows, tokens, states, d: int, base: int, n_fed: int, anc, paths):
+    """One level of every row's dynamic tree: the frontiers (B, k) in one forward after the n_fed nodes already
+    in the cache, each row under its own ancestor mask anc (B, k, n_fed + k)."""
+    B, k = tokens.shape
+    mask = torch.cat([torch.ones(B, k, base, dtype=torch.bool, device=tokens.device), anc], 2)
+    run.seek(base + n_fed)
+    return run.expand(tokens, states, (run._pos0 + d)[:, None].expand(B, k), mask, d, paths)
+
+
+class TokenRows(_Rows):
+    """A draft LM's side: its own RowCache; per row ``dpos`` committed positions and ``unread`` tokens (the cache
+    invariant of eval/proposers.py TokenProposer, per row)."""
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.pard = getattr(drafter, "parallel_drafts", 0)  # PARD: every draft from one forward over masks
+        if self.pard:
+            self.depth = self.pard
+        self.layers: tuple[int, ...] = ()
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
+
+    def _call(self, ids: torch.Tensor, last: int = 0, **kw):
+        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None);
+        last > 0: at the last ``last`` positions instead ((B, last, V), (B, last, D))."""
+        at = slice(-last, None) if last else -1
+        if not self.hidden:
+            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, at], None
+        L = self.d.cfg.n_layers
+        logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
+        return logits[:, at], self.d.norm(cap[L][:, at])
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        tmp = self.d.new_cache(k, W)
+        v = _run_drafter(self.d, ids, cache=tmp, pos=pos, valid=valid).shape[-1]
+        if v != self.t.cfg.vocab_size:  # draft ids are fed to the target as they are: the vocabularies must agree
+            raise ValueError(f"drafter vocabulary {v} != target vocabulary {self.t.cfg.vocab_size}")
+        self.rc.join(tmp, live, W)
+        for j in live:
+            rows[j].dpos, rows[j].unread = rows[j].prompt.numel(), ids.new_empty(0)
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        if G == 0:
+            self.fed = None
+            for b, r in enumerate(rows):
+                r.unread = torch.cat([r.unread, cur[b : b + 1]])
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(ids.shape[1] + G - 1)
+        if self.pard:
+            return self._draft_parallel(rows, seqs, ids, valid, pos, gam, pick)
+        logits, state = self._call(ids, pos=pos, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        self.s_exp = self.rc.length
+        toks, qs, count, self.fed = _chain(
+            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
+        )
+        return toks, qs, count
+
+    def _draft_parallel(self, rows: list, seqs, ids, valid, pos, gam: list[int], pick):
+        """PARD (eval/proposers.py PardProposer, per row): one forward over each row's unread + cur and G-1 masks
+        at the next positions; the masks' slots are rolled back at once and nothing is fed after it."""
+        B, G = len(rows), max(gam)
+        ar = torch.arange(1, G, device=ids.device)
+        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
+        valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + ar], 1)
+        logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None
+        s0 = self.rc.length - (G - 1)
+        self.rc.keep(s0, G - 1, torch.zeros(B, dtype=torch.long, device=ids.device))  # the masks' slots
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        self.s_exp = self.rc.length
+
+        def expand(tok, i):
+            return logits[:, i + 1], None if states is None else states[:, i + 1]
+
+        first = None if states is None else states[:, 0]
+        toks, qs, count, _ = _chain(rows, gam, logits[:, 0], first, pick, expand)
+        self.fed = 0
+        return toks, qs, count
+
+    def seek(self, slot: int) -> None:
+        if not self.pard:  # PARD feeds no node: its cache ends at the root
+            self.rc.view.length = slot
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        """A tree's root for every row: read each row's unread tokens and cur (PARD: and ``width`` - 1 mask
+        tokens, whose distributions ``expand`` hands out) -> (logits (B, V), None). ``room``: the slots the tree's
+        nodes will take after it."""
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(ids.shape[1] + max(room, width - 1))
+        if self.pard:
+            B, ar = len(rows), torch.arange(1, width, device=ids.device)
+            ids = torch.cat([ids, ids.new_full((B, width - 1), self.d.cfg.mask_id)], 1)
+            valid = None if valid is None else torch.cat([valid, valid.new_ones(B, width - 1)], 1)
+            pos = torch.cat([pos, pos[:, -1:] + ar], 1)
+            self.dists, _ = self._call(ids, last=width, pos=pos, valid=valid)  # (B, width, V)
+            self.rc.keep(self.rc.length - (width - 1), width - 1, torch.zeros(B, dtype=torch.long, device=ids.device))
+            logits = self.dists[:, 0]
+        else:
+            logits, _ = self._call(ids, pos=pos, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        self.s_root = self.rc.length
+        return logits, None
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask: torch.Tensor, depth: int, paths=None):
+        """Nodes at ``depth`` of every row's tree (B, n) at RoPE positions ``pos`` under ``mask`` (B, n, slots)
+        -> (their children's logits (B, n, V), None). PARD runs nothing: depth d's distribution for every node."""
+        if self.pard:
+            return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
+        return self._call(tokens, last=tokens.shape[1], pos=pos, attn_mask=mask)
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        """The tree's slots are rolled back; each row's accepted path is read with its next root. ``cur`` given:
+        no tree was drafted (a plain step), and the current tokens join the unread ones."""
+        if cur is not None:
+            for b, r in enumerate(rows):
+                r.unread = torch.cat([r.unread, cur[b : b + 1]])
+            return
+        self.rc.view.length = self.s_root
+        for r, a in zip(rows, accepted):
+            r.unread = a
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        if self.fed is None:  # it read nothing this step
+            return
+        kept = n.clamp(max=self.fed)
+        self.rc.keep(self.s_exp, self.fed, kept)
+        for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
+            r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
+
+
+class HeadRows(_Rows):
+    """Medusa / Hydra / MLP-speculator heads: per row the context state ``h``; Hydra++'s prefix layer keeps a
+    RowCache of its own."""
+
+    def __init__(self, target, drafter, max_len: int):
+        self.t, self.d, self.depth = target, drafter, drafter.max_draft_len
+        self.layers = (target.cfg.n_layers,)
+        has_ctx = drafter.new_context(1, 1) is not None
+        self.rc = RowCache(lambda b, m: drafter.new_context(m, b), max_len) if has_ctx else None
+        self.caches = [self.rc] if has_ctx else []
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        hs = self.t.norm(captured[self.layers[0]])  # (k, W, D)
+        if self.rc is None:
+            out = self.d.read_context(hs)
+        else:  # the prefix layer attends only to each row's own prompt, at its own positions
+            tmp = self.d.new_context(W, k)
+            out = self.d.read_context(hs, tmp, pos, valid)
+            self.rc.join(tmp, live, W)
+        for j in live:
+            rows[j].h, rows[j].dpos = out[j, -1], rows[j].prompt.numel()
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        if max(gam) == 0:
+            return None
+        h, path = torch.stack([r.h for r in rows]), [cur]
+
+        def expand(tok, i):
+            path.append(tok)
+            return self.d.draft_step(h, path)  # (B, V), the state head i + 1 read them from
+
+        toks, qs, count, _ = _chain(rows, gam, *self.d.draft_step(h, path), pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        self.h, self.cur, self.s_root = torch.stack([r.h for r in rows]), cur, 0
+        return self.d.logits_after(self.h, [cur]), None
+
+    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths: torch.Tensor):
+        """paths (B, n, depth): each node's tokens from the root down -> its children's logits (B, n, V), None."""
+        B, n = tokens.shape
+        h = self.h[:, None].expand(-1, n, -1).reshape(B * n, -1)
+        flat = paths.reshape(B * n, -1)
+        logits = self.d.logits_after(h, [self.cur[:, None].expand(-1, n).reshape(-1), *flat.t()])
+        return logits.view(B, n, -1), None
+
+    def seek(self, slot: int) -> None:
+        pass  # heads keep no cache of drafted nodes
+
+    def root_pos(self, rows: list) -> torch.Tensor:
+        return self.cur.new_zeros(len(rows))  # heads read no positions
+
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc, room: int) -> torch.Tensor:
+        """Node i of every row is the ``ranks[i]``-th best token of its parent's distribution: one ``logits_after``
+        per distinct parent for all rows at once -> tokens (B, N)."""
+        h = torch.stack([r.h for r in rows])
+        tokens = cur.new_zeros(len(rows), len(spec))
+        child = {}  # parent node (-1: the root) -> its children's logits (B, V)
+        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
+            if par not in child:
+                path, n = [], par
+                while n >= 0:
+                    path.append(tokens[:, n])
+                    n = spec.parents[n]
+                child[par] = self.d.logits_after(h, [cur, *reversed(path)])
+            tokens[:, i] = torch.topk(child[par], rank + 1, -1).indices[:, -1]
+        return tokens
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        self.read_kept(rows, captured, kept)
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        self.read_kept(rows, captured, [list(range(k + 1)) for k in n.tolist()])  # kept: cur and the accepted drafts
+
+    def read_kept(self, rows: list, captured: dict, kept: list[list[int]]) -> None:
+        """Read the target's states at each row's kept verify positions (kept[b], ascending) into the context."""
+        hs = self.t.norm(captured[self.layers[0]])  # (B, W, D)
+        if self.rc is None:
+            out = self.d.read_context(hs)
+            for b, r in enumerate(rows):
+                r.h = out[b, kept[b][-1]]
+            return
+        seqs = [hs[b, k] for b, k in enumerate(kept)]
+        x, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(x.shape[1])
+        out = self.d.read_context(x, self.rc.view, pos, valid)
+        for b, (r, s) in enumerate(zip(rows, seqs)):
+            r.h, r.dpos = out[b, -1], r.dpos + len(s)
+
+
+class FeatureRows(_Rows):
+    """EAGLE: per row the unread (token, feature) pairs (eval/proposers.py FeatureProposer) and a RowCache whose
+    drafted slots are rolled back every step (only committed pairs are ever kept)."""
+
+    def __init__(self, target, drafter, max_len: int):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.layers = drafter.capture_layers
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        f = self.d.features(captured, self.t)  # (k, W, F): pair i is (f_i, x_{i+1}) at i; the last waits for cur
+        tmp = self.d.new_cache(k, W - 1)
+        if W > 1:  # a pair is valid where its feature is (a 1-token prompt has none)
+            v = None if valid is None else valid[:, :-1]
+            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], pos=pos[:, :-1], cache=tmp, last_only=True, valid=v)
+        self.rc.join(tmp, live, W - 1)
+        for j in live:
+            rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        self.root_end = None
+        if G == 0:
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = aligned(seqs, starts)
+        feats, _, _ = aligned([r.feats for r in rows], starts)
+        self.rc.ensure(ids.shape[1] + G - 1)
+        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.root_end = self.rc.length
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+
+        def expand(tok, i):
+            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
+            state_in[0] = out
+            return logits[:, -1], out[:, -1]
+
+        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
+        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
+        return toks, qs, count
+
+    passes_state = True  # a drafted node's output state is its children's input
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = aligned(seqs, starts)
+        feats, _, _ = aligned([r.feats for r in rows], starts)
+        self.rc.ensure(ids.shape[1] + room)
+        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.s_root = self.root_end = self.rc.length
+        return logits[:, -1], out[:, -1]
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask: torch.Tensor, depth: int, paths=None):
+        return self.d.step(states, tokens, pos=pos, cache=self.rc.view, attn_mask=mask)
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        f = self.d.features(captured, self.t)  # (B, W, F)
+        if cur is not None:  # no tree was drafted: the new pairs queue up behind the unread ones
+            for b, r in enumerate(rows):
+                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
+            return
+        self.rc.view.length = self.root_end  # drafted nodes are never kept
+        for b, (r, a, k) in enumerate(zip(rows, accepted, kept)):
+            r.unread, r.feats = a, f[b, k]
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, n: torch.Tensor, captured: dict, G: int) -> None:
+        f = self.d.features(captured, self.t)  # (B, G+1, F)
+        read = self.root_end is not None
+        if read:
+            self.rc.view.length = self.root_end  # drafted nodes are never kept: roll back every row at once
+        for b, (r, m) in enumerate(zip(rows, n.tolist())):
+            if not read:  # it read nothing this step: the new pairs queue up behind the unread ones
+                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
+            else:
+                r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
