@@ -11,6 +11,11 @@ checked against its own B=1 plain decode of the same prompt (float32: a batch ma
     python benchmarks/batch_decode.py [--n 16] [--batch 1,4,16] [--max-new 64] [--draft-len 3]
         [--drafter RUN/checkpoints/final | --layers 0,29]
 
+``--tree dynamic|static`` times tree decoding at each B > 1 instead: every row's tree drafted as one batch (one
+drafter forward per tree level for all rows, eval/batch_proposers.py) against drafting row by row with each row's
+batch-1 proposer (eval/row_shapes.py ``RowShapes``, the path trees took before), alternated chunk by chunk; the
+verify is one batched forward in both. Static: the 6-node tree of the tests; dynamic: top-3, depth 3, 8 nodes.
+
 ``--compaction`` times only the batch cache's compaction (kernels/kv.py ``compact_rows``) at the largest --batch
 on CPU, on a cache of SmolLM2-135M's KV shape (30 layers, 3 KV heads, head dim 64, 256 slots) and a tiny one, 30%
 of slots holes: the per-row loop it replaced against the vectorised gather/scatter (its CPU path), median of 15.
@@ -44,6 +49,7 @@ def main() -> None:
     ap.add_argument("--layers", default="0,29", help="target layers the self-draft copies (no --drafter)")
     ap.add_argument("--drafter", default=None, help="a drafter checkpoint folder (registry load_drafter)")
     ap.add_argument("--optimize", type=int, default=1, help="fused, pre-packed matmuls (eval.optimize)")
+    ap.add_argument("--tree", choices=["static", "dynamic"], help="time batched tree drafting against row by row")
     ap.add_argument(
         "--compaction",
         action="store_true",
@@ -65,6 +71,8 @@ def main() -> None:
         drafter.optimize_for_inference()
     eos = stop_ids(loaded.path, tok)
     prompts = [torch.tensor(encode_chat(tok, first_turn(p.messages))) for p in load_prompts("mt_bench", n=a.n)]
+    if a.tree:
+        return trees(a, target, drafter, prompts, eos)
     ref = {}
     name = a.drafter or f"self-draft from layers {a.layers}"
     print(f"{a.n} MT-bench first turns, {a.max_new} new tokens max, greedy, draft_len {a.draft_len}, ", end="")
@@ -108,6 +116,54 @@ def main() -> None:
             tau = (acc + fwd) / fwd if fwd else 1.0
             match = sum(o == ref.get(k) for k, o in got[mode].items())
             print(f"{B:>3} {mode:>6} {toks / secs:8.1f} {toks:7d} {secs:7.1f} {tau:5.2f} {match:>3}/{a.n}", flush=True)
+    other = share.stop()
+    print(f"machine: {os.cpu_count()} CPUs; other processes used {other or 0:.0%} of them meanwhile")
+
+
+def trees(a, target, drafter, prompts, eos) -> None:
+    """Tree decoding at each B: rows drafted as one batch against row by row (module docstring)."""
+    from draftsmith.eval import batch_decoder
+    from draftsmith.eval.row_shapes import RowShapes
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
+
+    spec = {"static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
+            "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8)}[a.tree]  # fmt: skip
+    batched_trees = batch_decoder.BatchTrees
+
+    def rowwise(target, drafter, *, tree, draft_len, prop):  # the row-by-row path, for comparison
+        return RowShapes(target, drafter, tree=tree, judge=None, draft_len=draft_len)
+
+    def run(how):
+        def go(chunk, n):
+            batch_decoder.BatchTrees = batched_trees if how == "batched" else rowwise
+            return speculative_generate_batch(target, drafter, chunk, n, tree=spec, eos_ids=eos)
+
+        return go
+
+    print(f"{a.tree} tree; {'B':>3} {'mode':>8} {'tok/s':>8} {'tokens':>7} {'s':>7} {'tau':>5}")
+    share = CpuShare().start()
+    for B in [int(x) for x in a.batch.split(",")]:
+        modes = {"batched": run("batched"), "rowwise": run("rowwise")}
+        for fn in modes.values():
+            fn(prompts[:B], 8)
+        res = {m: [0, 0.0, 0, 0] for m in modes}
+        outs: dict = {m: [] for m in modes}
+        for k, i in enumerate(range(0, a.n, B)):
+            for mode in list(modes)[:: 1 if k % 2 == 0 else -1]:
+                t0 = time.perf_counter()
+                got, stats = modes[mode](prompts[i : i + B], a.max_new)
+                r = res[mode]
+                r[1] += time.perf_counter() - t0
+                outs[mode] += got
+                r[0] += sum(len(o) for o in got)
+                r[2] += sum(st.accepted for st in stats)
+                r[3] += sum(st.target_forwards for st in stats)
+        same = sum(x == y for x, y in zip(outs["batched"], outs["rowwise"]))
+        for mode, (toks, secs, acc, fwd) in res.items():
+            print(f"{B:>3} {mode:>8} {toks / secs:8.1f} {toks:7d} {secs:7.1f} {(acc + fwd) / fwd:5.2f}", flush=True)
+        ratio = (res["batched"][0] / res["batched"][1]) / (res["rowwise"][0] / res["rowwise"][1])
+        print(f"{B:>3} batched/rowwise {ratio:.2f}x; outputs identical {same}/{len(outs['batched'])}")
+    batch_decoder.BatchTrees = batched_trees
     other = share.stop()
     print(f"machine: {os.cpu_count()} CPUs; other processes used {other or 0:.0%} of them meanwhile")
 
