@@ -11,10 +11,10 @@ checked against its own B=1 plain decode of the same prompt (float32: a batch ma
     python benchmarks/batch_decode.py [--n 16] [--batch 1,4,16] [--max-new 64] [--draft-len 3]
         [--drafter RUN/checkpoints/final | --layers 0,29]
 
-``--tree dynamic|static`` times tree decoding at each B > 1 instead: every row's tree drafted as one batch (one
-drafter forward per tree level for all rows, eval/batch_proposers.py) against drafting row by row with each row's
-batch-1 proposer (eval/row_shapes.py ``RowShapes``, the path trees took before), alternated chunk by chunk; the
-verify is one batched forward in both. Static: the 6-node tree of the tests; dynamic: top-3, depth 3, 8 nodes.
+``--tree dynamic|static`` times tree decoding at each B > 1 instead: every row's tree drafted and verified as one
+batch (one drafter forward per tree level for all rows, eval/proposers.py) against the same prompts decoded one at
+a time (``speculative_generate``), alternated chunk by chunk. Static: the 6-node tree of the tests; dynamic: top-3,
+depth 3, 8 nodes.
 
 ``--compaction`` times only the batch cache's compaction (kernels/kv.py ``compact_rows``) at the largest --batch
 on CPU, on a cache of SmolLM2-135M's KV shape (30 layers, 3 KV heads, head dim 64, 256 slots) and a tiny one, 30%
@@ -121,29 +121,23 @@ def main() -> None:
 
 
 def trees(a, target, drafter, prompts, eos) -> None:
-    """Tree decoding at each B: rows drafted as one batch against row by row (module docstring)."""
-    from draftsmith.eval import batch_decoder
-    from draftsmith.eval.row_shapes import RowShapes
+    """Tree decoding at each B: the B rows as one batch against the same prompts one at a time (module docstring)."""
     from draftsmith.eval.tree import DynamicTree, tree_from_choices
 
     spec = {"static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
             "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8)}[a.tree]  # fmt: skip
-    batched_trees = batch_decoder.BatchTrees
 
-    def rowwise(target, drafter, *, tree, draft_len, prop):  # the row-by-row path, for comparison
-        return RowShapes(target, drafter, tree=tree, judge=None, draft_len=draft_len)
+    def batched(chunk, n):
+        return speculative_generate_batch(target, drafter, chunk, n, tree=spec, eos_ids=eos)
 
-    def run(how):
-        def go(chunk, n):
-            batch_decoder.BatchTrees = batched_trees if how == "batched" else rowwise
-            return speculative_generate_batch(target, drafter, chunk, n, tree=spec, eos_ids=eos)
-
-        return go
+    def single(chunk, n):
+        res = [speculative_generate(target, drafter, p, n, tree=spec, eos_ids=eos) for p in chunk]
+        return [o for o, _ in res], [st for _, st in res]
 
     print(f"{a.tree} tree; {'B':>3} {'mode':>8} {'tok/s':>8} {'tokens':>7} {'s':>7} {'tau':>5}")
     share = CpuShare().start()
     for B in [int(x) for x in a.batch.split(",")]:
-        modes = {"batched": run("batched"), "rowwise": run("rowwise")}
+        modes = {"batched": batched, "single": single}
         for fn in modes.values():
             fn(prompts[:B], 8)
         res = {m: [0, 0.0, 0, 0] for m in modes}
@@ -158,12 +152,11 @@ def trees(a, target, drafter, prompts, eos) -> None:
                 r[0] += sum(len(o) for o in got)
                 r[2] += sum(st.accepted for st in stats)
                 r[3] += sum(st.target_forwards for st in stats)
-        same = sum(x == y for x, y in zip(outs["batched"], outs["rowwise"]))
+        same = sum(x == y for x, y in zip(outs["batched"], outs["single"]))
         for mode, (toks, secs, acc, fwd) in res.items():
             print(f"{B:>3} {mode:>8} {toks / secs:8.1f} {toks:7d} {secs:7.1f} {(acc + fwd) / fwd:5.2f}", flush=True)
-        ratio = (res["batched"][0] / res["batched"][1]) / (res["rowwise"][0] / res["rowwise"][1])
-        print(f"{B:>3} batched/rowwise {ratio:.2f}x; outputs identical {same}/{len(outs['batched'])}")
-    batch_decoder.BatchTrees = batched_trees
+        ratio = (res["batched"][0] / res["batched"][1]) / (res["single"][0] / res["single"][1])
+        print(f"{B:>3} batched/single {ratio:.2f}x; outputs identical {same}/{len(outs['batched'])}")
     other = share.stop()
     print(f"machine: {os.cpu_count()} CPUs; other processes used {other or 0:.0%} of them meanwhile")
 

@@ -23,7 +23,6 @@ import torch
 
 from draftsmith.eval.accept import Sampler
 from draftsmith.eval.decoder import DecodeStats, emit, prepare_prompt, target_pass
-from draftsmith.eval.proposers import proposer_for
 from draftsmith.models.llama import Llama
 from draftsmith.models.sampling import process_logits, sample_rows
 
@@ -591,8 +590,12 @@ def write_one(
     A standalone draft LM writes through the batched generator (``decode_batch``) instead. The stats count the
     steps (one target forward and one draft per token after the first), not their time.
     """
-    proposer = proposer_for(drafter)(target, drafter)
-    if not proposer.reads_target:
+    from draftsmith.eval.batch_decoder import _Row
+    from draftsmith.eval.decoder import reads_target
+    from draftsmith.eval.proposers import proposer_for
+    from draftsmith.eval.shapes import Verdict
+
+    if not reads_target(drafter):
         raise ValueError(
             "write mode is for drafters that read the target's states; a standalone draft LM writes "
             "through the batched generator (data/engine.py decode_batch)"
@@ -603,17 +606,20 @@ def write_one(
     sampler = Sampler(temperature, top_k, top_p, generator)
     prompt = prepare_prompt(target, prompt_ids)
     max_len = prompt.shape[1] + max_new_tokens + 2
+    proposer = proposer_for(drafter)(target, drafter, max_len)
     cache = target.new_cache(1, max_len)
     logits, captured = target_pass(target, prompt, cache, proposer.layers, last_only=True)
     cur, _ = sampler.pick(logits)
-    proposer.prefill(prompt, captured, max_len)
+    row = _Row(0, prompt[0], max_new_tokens, sampler, stats)
+    proposer.join([row], prompt, None, torch.arange(prompt.shape[1], device=prompt.device)[None], captured, [0])
+    nothing = Verdict([[]], [[0]], [0], [0], torch.zeros(1, dtype=torch.long, device=prompt.device))  # cur kept
     out: list[int] = []
     done = emit(out, [int(cur)], eos_ids, max_new_tokens)
     while not done:
-        draft = proposer.chain(cur, 1, sampler.pick)
+        toks, _, _ = proposer.draft([row], cur.view(1), [1], lambda lg, live: (sampler.pick(lg[0])[0].view(1), None))
         _, captured = target_pass(target, cur.view(1, 1), cache, proposer.layers)  # the states at cur, one behind
-        proposer.commit(draft, draft.tokens[:0], [0], captured)  # nothing of the verify is kept but cur's state
-        cur = draft.tokens
+        proposer.commit([row], cur.view(1), toks[0][:, None], nothing, captured)  # of the verify only cur's state
+        cur = toks[0]
         done = emit(out, [int(cur)], eos_ids, max_new_tokens)
         stats.step(1, 0, 0.0, 0.0)
     stats.new_tokens = len(out)

@@ -1,23 +1,26 @@
-"""Batched speculative decoding (B >= 1) on the slot-addressed KV cache, with rows that join and leave between steps
-(continuous batching). Greedy output of every row equals that prompt's own ``autoregressive_generate`` /
-``speculative_generate`` output token for token; sampled rows follow the target's distribution (docs/decoding.md,
-"Batches").
+"""The speculative decoder: one loop (``BatchDecoder.step``) for every drafter, every step shape and every batch
+size, with rows that join and leave between steps (continuous batching). Batch 1 is B = 1 (eval/decoder.py
+``speculative_generate``). Greedy output of every row equals that prompt's own plain decoding token for token, and
+sampled rows follow the target's distribution (docs/decoding.md); only the judge shape is lossy, by design.
 
-Layout. Every cache (the target's, a draft LM's or EAGLE's, Hydra++'s prefix context) is a ``RowCache``: rows share
-slots, and a step writes the same slots for every row. Each row keeps its own committed length, which is the RoPE
-position of its next token, so rows of different prompt lengths and different accept counts never need padding
-to line up. What a row rejects stays in its slots but is marked invalid in the cache's key-validity mask (a hole);
-slots past the longest kept run are rolled back for all rows at once. When a write would not fit, the cache is
-compacted: every row's valid slots, in order, are moved to the right end of ``[0, S)`` with S the largest row
-count. Keys carry their RoPE rotation from when they were written and queries only ever see valid slots at or
-before their own, so moving slots changes no attention score.
+A step: new rows are prefilled (prompts of different lengths together), then the shape (eval/shapes.py) drafts
+for every active row at once through the drafter's proposer (eval/proposers.py), one target forward verifies
+every row's drafts, each row accepts by its own rule (greedy or rejection sampling with its own sampler; a tree's
+path), and the proposer reads what was kept. A row that hits EOS or its token budget reports its last tokens and
+leaves the batch.
 
-A step: new rows are prefilled (prompts of different lengths together, right-aligned with their left padding
-invalid, in temporary caches that are then copied into the batch), then every active row drafts a chain of up to
-``draft_len`` tokens (its own budget may cut it shorter: a shorter row's extra drafts are ignored), one target
-forward verifies all rows, and each row accepts by its own rule (greedy prefix or rejection sampling with its own
-sampler). A row that hits EOS or its token budget reports its last tokens and leaves the batch; its cache rows are
-swapped out, which costs one row's copy.
+The target's cache is one of two:
+
+- ``SlotTarget`` (any B): every cache (the target's, a draft LM's or EAGLE's, Hydra++'s prefix context) is a
+  ``RowCache`` (eval/row_cache.py): rows share slots, and a step writes the same slots for every row. Each row
+  keeps its own committed length, which is the RoPE position of its next token, so rows of different prompt
+  lengths and different accept counts never need padding to line up. What a row rejects stays in its slots but is
+  marked invalid (a hole); slots past the longest kept run are rolled back for all rows at once, and the cache is
+  compacted when a write would not fit. Keys carry their RoPE rotation from when they were written and queries
+  only ever see valid slots at or before their own, so moving slots changes no attention score. A tree's rows are
+  written at the same slots, each under its own tree mask at RoPE positions ``pos_b + depth``.
+- ``DenseTarget`` (one row): the target's own contiguous cache, a tree's accepted path compacted into place: any
+  target (a transformers model without the slot cache too) and its batch-1 CUDA-graph wrapper (eval/graphs.py).
 """
 
 from __future__ import annotations
@@ -30,12 +33,12 @@ import torch
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import Adjust, Sampler
-from draftsmith.eval.batch_proposers import FeatureRows, HeadRows, TokenRows
-from draftsmith.eval.decoder import DecodeStats, _sync, emit
+from draftsmith.eval.decoder import DecodeStats, _sync, emit, target_pass
 from draftsmith.eval.graphs import GraphedLlama
-from draftsmith.eval.proposers import FeatureProposer, HeadProposer, proposer_for
+from draftsmith.eval.proposers import proposer_for
 from draftsmith.eval.row_cache import RowCache, aligned
-from draftsmith.eval.row_shapes import BatchTrees, OwnVocabRows, RowShapes
+from draftsmith.eval.shapes import Drafted, Verdict, shape_for
+from draftsmith.eval.tree import compact_cache
 from draftsmith.kernels.verify import verify_greedy, verify_sampling_rows
 from draftsmith.models.llama import KVCache
 
@@ -44,6 +47,8 @@ from draftsmith.models.llama import KVCache
 # on one thread takes about 55 ms per forward plus 3.7 ms per token (15 tokens); CUDA: launches and weight reads
 # cost a few hundred tokens' compute (an estimate).
 PREFILL_PAD = {"cpu": 16, "cuda": 256}
+
+__all__ = ["BatchDecoder", "RowCache", "speculative_generate_batch", "step_room", "PREFILL_PAD"]
 
 
 @dataclass
@@ -63,8 +68,6 @@ class _Row:
     feats: torch.Tensor | None = None  # EAGLE: the unread features (len(unread) + 1, F)
     h: torch.Tensor | None = None  # heads: the context state that produced cur (D,)
     stop: object = None  # this row's own copy of the stop hook (rules keep per-block state)
-    prop: object = None  # trees and judged chains: the row's batch-1 proposer (eval/row_shapes.py)
-    shape: object = None  # ... and its step shape
     hetero: object = None  # a drafter with its own tokenizer: the row's draft side (eval/hetero.py HeteroRow)
     adjust: Adjust | None = None  # penalties, logit bias, min_tokens: applied to the target's logits
     top_logprobs: int | None = None  # report the target's logprobs of each emitted token (and this many best)
@@ -75,55 +78,165 @@ class _Row:
         return (s.temperature, s.top_k, s.top_p, None if s.generator is None else id(s.generator))
 
 
+class SlotTarget:
+    """The target's side of a batch on the slot-addressed cache (module docstring): any B."""
+
+    def __init__(self, target, max_len: int):
+        self.target, self.rc, self.batch = target, RowCache(target.new_cache, max_len), True
+
+    def prefill(self, ids, valid, pos, layers: tuple[int, ...]):
+        """Prompts (k, W), right-aligned -> (logits at each last position (k, V), captured states)."""
+        self.tmp = self.target.new_cache(*ids.shape)
+        at = torch.zeros_like(ids, dtype=torch.bool)
+        at[:, -1] = True
+        out = self.target(ids, pos=pos, cache=self.tmp, valid=valid, capture_layers=layers, logits_at=at)
+        return out if layers else (out, {})
+
+    def join(self, live: list[int], width: int) -> None:
+        self.rc.join(self.tmp, live, width)
+        self.tmp = None
+
+    def verify(self, rows, ids: torch.Tensor, d: Drafted, layers: tuple[int, ...]):
+        """Every row's cur and drafts (B, W) in one forward -> (logits (B, W, V), captured states)."""
+        B, W = ids.shape
+        self.rc.ensure(W)
+        self.s0 = self.rc.length
+        base = torch.tensor([r.pos for r in rows], device=ids.device)[:, None]
+        if d.anc is None:  # chains: causal
+            pos, mask = base + torch.arange(W, device=ids.device), None
+        else:  # trees: each node sees the committed prefix and its ancestors (a padding node only itself)
+            pos = base + d.depths
+            mask = torch.ones(B, W, self.s0 + W, dtype=torch.bool, device=ids.device)
+            mask[:, :, self.s0 :] = d.anc
+        out = self.target(ids, pos=pos, cache=self.rc.view, attn_mask=mask, capture_layers=layers)
+        return out if layers else (out, {})
+
+    def keep(self, v: Verdict, width: int) -> None:
+        if v.prefix:
+            self.rc.keep(self.s0, width, v.n + 1)
+            return
+        keep = torch.zeros(len(v.kept), width, dtype=torch.bool, device=self.rc.view.valid.device)
+        for b, k in enumerate(v.kept):
+            keep[b, k] = True
+        self.rc.keep_slots(self.s0, keep)
+
+    def remove(self, i: int) -> None:
+        self.rc.remove(i)
+
+
+class DenseTarget:
+    """The target's side of one row on its own contiguous cache (module docstring): the batch-1 decoder's."""
+
+    batch = False
+
+    def __init__(self, target, max_len: int):
+        self.target, self.max_len, self.rc = target, max_len, None
+
+    def prefill(self, ids, valid, pos, layers: tuple[int, ...]):
+        self.cache = self.target.new_cache(1, self.max_len)
+        logits, captured = target_pass(self.target, ids, self.cache, layers, last_only=True)
+        return logits[None], captured
+
+    def join(self, live: list[int], width: int) -> None:
+        pass
+
+    def verify(self, rows, ids: torch.Tensor, d: Drafted, layers: tuple[int, ...]):
+        self.t_len, kw = self.cache.length, {}
+        if d.anc is not None:  # a tree: RoPE position slot(cur) + depth, the committed prefix and its ancestors
+            W = ids.shape[1]
+            mask = torch.ones(1, W, self.t_len + W, dtype=torch.bool, device=ids.device)
+            mask[0, :, self.t_len :] = d.anc[0]
+            kw = {"pos": self.t_len + d.depths[:1], "attn_mask": mask}
+        return target_pass(self.target, ids, self.cache, layers, **kw)
+
+    def keep(self, v: Verdict, width: int) -> None:
+        compact_cache(self.cache, self.t_len, v.kept[0])
+
+    def remove(self, i: int) -> None:
+        self.cache = None
+
+
 def _unwrapped(model):
     """The plain model inside a batch-1 CUDA-graph wrapper (eval/graphs.py), whose single static cache rows of a
     batch would share."""
     return model.model if isinstance(model, GraphedLlama) else model
 
 
-def _proposer(target, drafter, max_len: int, stop=None, tree=None, judge=None, draft_len: int = 0):
+def plan(target, drafter, draft_len: int, max_len: int, tree=None, judge=None, stop=None):
+    """The drafter's proposer and the step's shape (None, None: plain decoding). Refuses what is not implemented
+    (eval/shapes.py ``shape_for``; a drafter with its own tokenizer decodes chains only)."""
     if drafter is None:
-        return None
-    if getattr(drafter, "own_vocab", False):  # its own tokenizer: per-row drafting, one batched verify
+        if stop is not None:
+            raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
+        if tree is not None or judge is not None:
+            raise ValueError("a tree or a judge needs a drafter; plain decoding (drafter None) has none")
+        return None, None
+    if getattr(drafter, "own_vocab", False):  # a draft LM with its own tokenizer (eval/hetero.py)
+        from draftsmith.eval.hetero import OwnVocabRows
+        from draftsmith.eval.shapes import Chain
+
         if tree is not None or judge is not None or stop is not None:
             raise ValueError("a drafter with its own vocabulary decodes chains only: no tree, judge or stop hook")
-        return OwnVocabRows(target, drafter, draft_len=draft_len)
-    kind = proposer_for(drafter)
-    if kind is HeadProposer:
-        prop = HeadRows(target, drafter, max_len)
-    elif kind is FeatureProposer:
-        prop = FeatureRows(target, drafter, max_len)
-    else:
-        prop = TokenRows(target, drafter, max_len, stop)
-    if tree is not None and judge is None and stop is None:
-        return BatchTrees(target, drafter, tree=tree, draft_len=draft_len, prop=prop)
-    if tree is not None or judge is not None:
-        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop)
-    return prop
+        prop = OwnVocabRows(target, drafter, draft_len)
+        return prop, Chain(prop, prop.depth)
+    prop = proposer_for(drafter)(target, drafter, max_len, stop)
+    return prop, shape_for(target, prop, tree, draft_len, judge, stop)
 
 
 class BatchDecoder:
     """Continuous-batching speculative decoder: ``add`` rows, call ``step`` until ``active()`` is empty. drafter
-    None decodes plainly (one target forward per step for the whole batch). Chains draft as one batch per drafter
-    step; ``tree`` (a ``TreeSpec`` or ``DynamicTree``) and ``judge`` (lossy Judge-Decoding chains) draft row by row
-    with batch-1 proposers and verify as one batch (eval/row_shapes.py), as does a draft LM with its own
-    tokenizer (eval/hetero.py ``OwnVocabDrafter``: each row's chain of re-tokenized candidates).
+    None decodes plainly (one target forward per step for the whole batch). ``tree`` (a ``TreeSpec`` or
+    ``DynamicTree``), ``judge`` (lossy Judge-Decoding chains) and ``stop_drafting`` (adaptive chain length) choose
+    the step's shape; every shape drafts for all rows at once. ``one_row``: a decoder of a single row on the
+    target's own contiguous cache (``DenseTarget``: any target, CUDA-graph wrappers kept), which is how
+    ``speculative_generate`` decodes.
 
     ``stats[row_id]`` is kept after the row finishes or is removed (pop it when done). A step's draft and verify
     wall times are added to every row in it, so ``new_tokens / (draft_time_s + verify_time_s)`` is a row's rate,
     not the batch's: time the batch's tokens yourself."""
 
+    impl = "auto"  # the chain acceptance kernels: fused (Triton) on CUDA, the PyTorch rules elsewhere
+
     def __init__(self, target, drafter, *, draft_len: int = 4, eos_ids=None, max_len: int = 4096,
                  stop_drafting=None, tree=None, judge=None, max_prefill_tokens: int = 8192,
-                 max_prefill_pad: int | None = None):  # fmt: skip
+                 max_prefill_pad: int | None = None, one_row: bool = False):  # fmt: skip
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         if max_prefill_pad is not None and max_prefill_pad < 0:
             raise ValueError(f"max_prefill_pad must be >= 0, got {max_prefill_pad}")
-        target, drafter = _unwrapped(target), _unwrapped(drafter)
+        if not one_row:
+            target, drafter = _unwrapped(target), _unwrapped(drafter)
+            self._check_slots(target)
         self.target, self.drafter, self.eos_ids, self.max_len = target, drafter, set(eos_ids or ()), max_len
+        self.stop = stop_drafting
+        self.prop, self.shape = plan(target, drafter, draft_len, max_len, tree, judge, stop_drafting)
+        self.depth = 0 if self.shape is None else self.shape.depth
+        self.room = 0 if self.shape is None else self.shape.room  # slots a step may write past a row's tokens
+        layers = () if self.prop is None else tuple(self.prop.layers) + tuple(self.shape.layers)
+        self.layers = tuple(dict.fromkeys(layers))  # what every target forward captures
+        self.device = next(target.parameters()).device
+        self.max_prefill_tokens = max_prefill_tokens
+        if max_prefill_pad is None:  # about a forward's fixed cost in prompt tokens
+            max_prefill_pad = PREFILL_PAD.get(self.device.type, PREFILL_PAD["cpu"])
+        self.max_prefill_pad = max_prefill_pad
+        self.tside = DenseTarget(target, max_len) if one_row else SlotTarget(target, max_len)
+        self.one_row = one_row
+        self.rows: list[_Row] = []  # active, in cache-row order
+        self.pending: list[_Row] = []  # added, not prefilled yet
+        self.stats: dict[int, DecodeStats] = {}
+        # row id -> (logprob, [(token, logprob), ...]) per emitted token, for rows added with logprobs (pop them)
+        self.logprobs: dict[int, list] = {}
+        self._next_id, self._finished = 0, []
+
+    @property
+    def rc(self) -> RowCache | None:
+        """The target's row cache (None for a one-row decoder)."""
+        return self.tside.rc
+
+    @staticmethod
+    def _check_slots(target) -> None:
         if hasattr(target, "require_slots"):  # a transformers target (models/hf_target.py)
             target.require_slots("batched decoding (eval.batch_sizes, serve, online)")
         if not isinstance(target.new_cache(1, 1), KVCache):
@@ -131,31 +244,6 @@ class BatchDecoder:
                 f"batched decoding needs a Llama-family target on the slot cache (models/llama.py), not "
                 f"{type(target).__name__}: decode it at batch 1"
             )
-        self.stop = stop_drafting
-        self.impl = "auto"  # greedy acceptance: the fused kernel on CUDA, the PyTorch rule elsewhere
-        if stop_drafting is not None and drafter is None:
-            raise ValueError("stop_drafting adapts a drafter's chains; plain decoding (drafter None) has none")
-        if drafter is None and (tree is not None or judge is not None):
-            raise ValueError("a tree or a judge needs a drafter; plain decoding (drafter None) has none")
-        self.prop = _proposer(target, drafter, max_len, stop_drafting, tree, judge, draft_len)
-        self.rowwise = isinstance(self.prop, RowShapes)
-        self.depth = 0 if self.prop is None else int(min(draft_len, self.prop.depth))
-        if self.rowwise:
-            self.depth = self.prop.depth  # a tree's depth is its own
-        self.room = self.prop.room + 2 if self.rowwise else 2 * self.depth  # slots a step may write past a row's
-        self.layers = () if self.prop is None else tuple(self.prop.layers)
-        self.device = next(target.parameters()).device
-        self.max_prefill_tokens = max_prefill_tokens
-        if max_prefill_pad is None:  # about a forward's fixed cost in prompt tokens
-            max_prefill_pad = PREFILL_PAD.get(self.device.type, PREFILL_PAD["cpu"])
-        self.max_prefill_pad = max_prefill_pad
-        self.rc = RowCache(target.new_cache, max_len)
-        self.rows: list[_Row] = []  # active, in cache-row order
-        self.pending: list[_Row] = []  # added, not prefilled yet
-        self.stats: dict[int, DecodeStats] = {}
-        # row id -> (logprob, [(token, logprob), ...]) per emitted token, for rows added with logprobs (pop them)
-        self.logprobs: dict[int, list] = {}
-        self._next_id, self._finished = 0, []
 
     # ---- rows -------------------------------------------------------------------------------------------------------
 
@@ -175,11 +263,13 @@ class BatchDecoder:
                 f"the batch decoder has max_len={self.max_len}"
             )
         s = Sampler(temperature, top_k, top_p, generator)
-        depth = self.prop.check(s) if self.rowwise else self.depth  # refuses what this row's shape refuses
+        depth = 0 if self.shape is None else self.shape.check(s)  # refuses what this row's shape refuses
         rid, self._next_id = self._next_id, self._next_id + 1
         st = DecodeStats(accept_counts=[0] * (depth + 1))
         row = _Row(rid, prompt_ids.to(self.device, torch.long), max_new_tokens, s, st)
-        row.stop = None if self.stop is None else copy.copy(self.stop)  # stop rules keep per-block state
+        # stop rules keep per-block state: each row asks its own copy (one row: the caller's own object, which it
+        # may also feed, as eval/sweep.py OracleStop's on_token does)
+        row.stop = self.stop if self.one_row or self.stop is None else copy.copy(self.stop)
         row.adjust, row.top_logprobs = adjust, logprobs
         if logprobs is not None:
             self.logprobs[rid] = []
@@ -204,10 +294,11 @@ class BatchDecoder:
         raise KeyError(f"no active row {row_id}")
 
     def _caches(self) -> list[RowCache]:
-        return [self.rc] + ([] if self.prop is None else self.prop.caches)
+        return ([] if self.rc is None else [self.rc]) + ([] if self.prop is None else self.prop.caches)
 
     def _drop(self, i: int) -> None:
-        for c in self._caches():
+        self.tside.remove(i)
+        for c in [] if self.prop is None else self.prop.caches:
             c.remove(i)
         self.rows[i] = self.rows[-1]
         self.rows.pop()
@@ -236,7 +327,7 @@ class BatchDecoder:
         pairs = [list(zip(i, v)) for i, v in zip(top.indices.tolist(), top.values.tolist())]
         return list(zip(got, pairs))
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor, live: list[bool] | None = None):
+    def pick(self, rows: list[_Row], logits: torch.Tensor, live: list[bool] | None = None):
         """logits (B, V) -> (tokens (B,), the distributions sampled rows drew from (B, V) fp32, or None when every
         row is greedy). Rows that share settings and generator draw together; a row not ``live`` draws nothing
         (its token is the argmax, unused), so a row's generator advances as it would alone."""
@@ -255,7 +346,7 @@ class BatchDecoder:
             tok[ix] = torch.multinomial(p, 1, generator=s.generator)[:, 0]
         return tok, probs
 
-    def _accept(self, rows, drafts, qs, logits, gam: torch.Tensor):
+    def accept_chains(self, rows, drafts, qs, logits, gam: torch.Tensor):
         """Each row's rule on its first gam[b] drafts -> (n accepted (B,), next tokens (B,))."""
         G, dev = logits.shape[1] - 1, logits.device
         idx = [b for b, r in enumerate(rows) if not r.sampler.greedy]
@@ -309,13 +400,9 @@ class BatchDecoder:
                 k += 1
             group, order = order[:k], order[k:]
             ids, valid, pos = aligned([r.prompt for r in group], [0] * len(group))  # (k, W)
-            tmp = self.target.new_cache(*ids.shape)
-            at = torch.zeros_like(ids, dtype=torch.bool)
-            at[:, -1] = True
-            out = self.target(ids, pos=pos, cache=tmp, valid=valid, capture_layers=self.layers, logits_at=at)
-            logits, captured = out if self.layers else (out, {})  # (k, V)
+            logits, captured = self.tside.prefill(ids, valid, pos, self.layers)  # (k, V)
             raw = self._adjusted(group, logits[:, None])
-            tok, _ = self._pick(group, logits)
+            tok, _ = self.pick(group, logits)
             live = []
             for j, (r, t) in enumerate(zip(group, tok.tolist())):
                 r.cur, r.pos = t, r.prompt.numel()
@@ -325,13 +412,27 @@ class BatchDecoder:
                 r.new = list(r.out)
                 if not r.done:
                     live.append(j)
-            self.rc.join(tmp, live, ids.shape[1])
-            if self.prop is not None and live:
-                self.prop.join(group, ids, valid, pos, captured, live)
+            self.tside.join(live, ids.shape[1])
+            if self.shape is not None and live:
+                self.shape.join(group, ids, valid, pos, captured, live)
             for r in group:
                 r.stats.new_tokens = len(r.out)
             self.rows += [group[j] for j in live]
             self._finished += [r for r in group if r.done]
+
+    @torch.no_grad()
+    def prefill(self) -> dict[int, list[int]]:
+        """Prefill what was added now -> {row id: its first token} (``step`` does it too; streaming callers call
+        this first, so the first token is out before anything is drafted). Rows done at once leave."""
+        self._finished = []
+        for r in self.rows:
+            r.new = []
+        self._prefill()
+        out = {r.id: r.new for r in self._finished}
+        out.update({r.id: list(r.new) for r in self.rows if r.new})
+        for r in self.rows:
+            r.new = []
+        return out
 
     @torch.no_grad()
     def step(self, speculate: bool = True) -> dict[int, list[int]]:
@@ -349,41 +450,33 @@ class BatchDecoder:
             return result
         dev, B = self.device, len(rows)
         cur = torch.tensor([r.cur for r in rows], device=dev)
-        if self.rowwise:
-            acc, nxt_l, drafted, judged, t_draft, t_verify, lps = self.prop.step(self, rows, cur, speculate)
-            for r, j in zip(rows, judged):
-                r.stats.judge_accepted += j
-            return self._commit(rows, acc, nxt_l, drafted, t_draft, t_verify, result, lps)
-        gam = [min(self.depth, r.max_new - len(r.out) - 1) if speculate else 0 for r in rows]  # each row's budget
         t0 = time.perf_counter()
-        pick = lambda lg, live: self._pick(rows, lg, live)  # noqa: E731
-        drafted = None if self.prop is None else self.prop.draft(rows, cur, gam, pick)
-        if drafted is not None and drafted[0]:
-            toks, qs, gam = drafted  # gam: what each row drafted (its budget, or where its stop hook ended it)
-            drafts = torch.stack(toks, 1)  # (B, G)
-            qs = None if qs[0] is None else torch.stack(qs, 1)  # (B, G, V)
+        if self.shape is None:
+            d = Drafted(cur.new_zeros(B, 0), [0] * B)
         else:
-            drafts, qs, gam = cur.new_zeros(B, 0), None, [0] * B
-        G, gam_l = drafts.shape[1], gam
-        gam = torch.tensor(gam, device=dev)
+            budgets = [r.max_new - len(r.out) - 1 for r in rows] if speculate else None
+            d = self.shape.draft(self, rows, cur, budgets)
         _sync(dev)
         t1 = time.perf_counter()
-        ids = torch.cat([cur[:, None], drafts], 1)  # (B, G+1)
-        self.rc.ensure(G + 1)
-        s0 = self.rc.length
-        pos = torch.tensor([r.pos for r in rows], device=dev)[:, None] + torch.arange(G + 1, device=dev)
-        out = self.target(ids, pos=pos, cache=self.rc.view, capture_layers=self.layers)
-        logits, captured = out if self.layers else (out, {})
-        raw = self._adjusted(rows, logits, ids)
-        n, nxt = self._accept(rows, drafts, qs, logits, gam)
-        self.rc.keep(s0, G + 1, n + 1)
-        if self.prop is not None:
-            self.prop.commit(rows, cur, drafts, n, captured, G)
-        n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), drafts.tolist()  # the acceptance synced
+        ids = torch.cat([cur[:, None], d.tokens], 1)  # (B, W)
+        logits, captured = self.tside.verify(rows, ids, d, self.layers)
+        raw = self._adjusted(rows, logits, ids, d.anc, d.depths)  # a request's penalties and bias, before acceptance
+        if self.shape is None:
+            v = self._plain(rows, d, logits)
+        else:
+            v = self.shape.accept(self, rows, d, logits, captured)
+        self.tside.keep(v, ids.shape[1])
+        if self.shape is not None:
+            self.shape.commit(rows, cur, d, v, captured)
         t2 = time.perf_counter()
-        acc = [d[:k] for d, k in zip(d_l, n_l)]
-        lps = {b: self._entries(rows[b], x[: n_l[b] + 1], acc[b] + [nxt_l[b]]) for b, x in raw.items()}
-        return self._commit(rows, acc, nxt_l, gam_l, t1 - t0, t2 - t1, result, lps)
+        lps = {b: self._entries(rows[b], x[v.kept[b]], v.accepted[b] + [v.nxt[b]]) for b, x in raw.items()}
+        for r, j in zip(rows, v.judged):
+            r.stats.judge_accepted += j
+        return self._commit(rows, v.accepted, v.nxt, d.count, t1 - t0, t2 - t1, result, lps)
+
+    def _plain(self, rows, d: Drafted, logits: torch.Tensor) -> Verdict:
+        n, nxt = self.accept_chains(rows, d.tokens, None, logits, torch.zeros(len(rows), dtype=torch.long))
+        return Verdict([[] for _ in rows], [[0] for _ in rows], nxt.tolist(), [0] * len(rows), n)
 
     def _commit(self, rows, acc, nxt, drafted, t_draft: float, t_verify: float, result: dict, lps: dict) -> dict:
         """Emit each row's accepted drafts and next token (and ``lps[b]``, their logprobs, for the rows that report
@@ -409,11 +502,8 @@ class BatchDecoder:
 def step_room(target, drafter, draft_len: int, tree=None, judge=None, stop=None) -> int:
     """Cache slots a step may write past a row's committed tokens (``BatchDecoder.room``): a row's prompt + its
     max_new_tokens + this + 4 is the ``max_len`` that ``add`` asks for."""
-    if getattr(drafter, "own_vocab", False):  # up to 2 * draft_len candidates (slem)
-        return OwnVocabRows(target, drafter, draft_len=draft_len).room + 2
-    if drafter is not None and (tree is not None or judge is not None):
-        return RowShapes(target, drafter, tree=tree, judge=judge, draft_len=draft_len, stop=stop).room + 2
-    return 2 * draft_len
+    _, shape = plan(target, drafter, draft_len, 1, tree, judge, stop)
+    return 0 if shape is None else shape.room
 
 
 @torch.no_grad()

@@ -1,22 +1,20 @@
-"""The bundled speculative decoder on our own KV cache, batch 1: plain autoregressive decoding and one speculative
-loop (``speculative_generate``) for every drafter and every step shape. What a drafter does is its proposer's
-(eval/proposers.py: draft LMs, feature heads, EAGLE); what a step drafts, verifies and accepts is its shape's
-(eval/shapes.py: a chain, gpt-fast style, or a static or dynamic tree, algorithms.md A11). Lossless: at
+"""Batch-1 decoding: plain autoregressive decoding on our KV cache (``autoregressive_generate``), the batch-1 entry
+point of the speculative decoder (``speculative_generate``: the one loop of eval/batch_decoder.py with one row),
+and what every decode shares: ``DecodeStats``, ``emit``, ``target_pass``. What a drafter does is its proposer's
+(eval/proposers.py: draft LMs, feature heads, EAGLE, PARD); what a step drafts, verifies and accepts is its
+shape's (eval/shapes.py: a chain, gpt-fast style, or a static or dynamic tree, algorithms.md A11). Lossless: at
 temperature 0 both produce identical tokens for any drafter, and with sampling the output follows the target
 distribution (docs/algorithms.md A1, B4, B7); only the judge hook is lossy, by design.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from draftsmith.eval.accept import Sampler
-from draftsmith.eval.proposers import proposer_for
-from draftsmith.eval.shapes import shape_for
-from draftsmith.eval.tree import DynamicTree, TreeSpec, compact_cache
+from draftsmith.eval.tree import DynamicTree, TreeSpec
 
 
 @dataclass
@@ -156,8 +154,8 @@ def autoregressive_generate(target, prompt_ids: torch.Tensor, max_new_tokens: in
 
 
 def reads_target(drafter) -> bool:
-    """Heads and EAGLE read the target's states (and decode through their own proposers); a draft LM reads tokens."""
-    return proposer_for(drafter).reads_target
+    """Heads and EAGLE read the target's states; a draft LM reads tokens."""
+    return bool(getattr(drafter, "reads_target_hidden", False) or getattr(drafter, "reads_target_features", False))
 
 
 @torch.no_grad()
@@ -165,59 +163,36 @@ def speculative_generate(target, drafter, prompt_ids: torch.Tensor, max_new_toke
                          tree: TreeSpec | DynamicTree | None = None, temperature: float = 0.0, top_k: int = 0,
                          top_p: float = 1.0, eos_ids: set[int] | None = None, generator: torch.Generator | None = None,
                          stop_drafting=None, judge=None, on_token=None) -> tuple[list[int], DecodeStats]:  # fmt: skip
-    """Speculative decoding: prompt_ids (T,) -> (new tokens, truncated after the first EOS and to max_new_tokens;
-    stats). Each step drafts a chain of up to ``draft_len`` tokens, or the ``tree`` (a static ``TreeSpec`` or an
-    EAGLE-2 ``DynamicTree``), verifies it in one target forward, keeps what the acceptance rule accepts and adds
-    the target's own next token. Cache invariant: the target's cache holds every committed token except the
-    current one ``cur`` (a tree's accepted path is compacted into place); the drafter's side is its proposer's.
+    """Speculative decoding, batch 1: prompt_ids (T,) -> (new tokens, truncated after the first EOS and to
+    max_new_tokens; stats). Each step drafts a chain of up to ``draft_len`` tokens, or the ``tree`` (a static
+    ``TreeSpec`` or an EAGLE-2 ``DynamicTree``), verifies it in one target forward, keeps what the acceptance rule
+    accepts and adds the target's own next token. It is the batched decoder's one loop (eval/batch_decoder.py
+    ``BatchDecoder``) with one row on the target's own contiguous cache, so any target decodes here (a
+    transformers model without the slot cache, a CUDA-graph wrapper).
 
     Hooks: ``stop_drafting(n, logits, hidden) -> bool`` (chains) is asked, once the drafter has read its n-th draft,
     whether to end this step's block there (adaptive draft length: SpecDec++, entropy and confidence rules, with
-    ``before_feed`` and ``min_len`` 0 variants; eval/shapes.py ``draft_chain``); draft_len stays the cap and the
+    ``before_feed`` and ``min_len`` 0 variants; eval/proposers.py ``_chain``); draft_len stays the cap and the
     output stays lossless. ``judge`` (models/judge.py ``Judge``): **lossy** Judge-Decoding verification, greedy
     chains of a draft LM (eval/shapes.py ``Judged``). ``on_token(t)`` sees each token as it is committed
     (streaming); it may raise to abandon the decode. A drafter with its own tokenizer (eval/hetero.py
-    ``OwnVocabDrafter``) decodes chains through ``hetero_generate``.
+    ``OwnVocabDrafter``) decodes chains.
     """
-    if getattr(drafter, "own_vocab", False):  # a draft LM with its own tokenizer (eval/hetero.py)
-        from draftsmith.eval.hetero import hetero_generate
+    from draftsmith.eval.batch_decoder import BatchDecoder, step_room
 
-        if tree is not None or judge is not None or stop_drafting is not None:
-            raise ValueError("a drafter with its own vocabulary decodes chains only: no tree, judge or stop hook")
-        return hetero_generate(target, drafter, prompt_ids, max_new_tokens, draft_len=draft_len,
-                               temperature=temperature, top_k=top_k, top_p=top_p, eos_ids=eos_ids,
-                               generator=generator, on_token=on_token)  # fmt: skip
-    sampler = Sampler(temperature, top_k, top_p, generator)
-    proposer = proposer_for(drafter)(target, drafter, stop_drafting)
-    shape = shape_for(target, proposer, tree, draft_len, sampler, judge)
-    stats = DecodeStats(accept_counts=[0] * (shape.depth + 1))
-    if max_new_tokens <= 0:
-        return [], stats
-    prompt = prepare_prompt(target, prompt_ids)
-    max_len = prompt.shape[1] + max_new_tokens + shape.room + 2
-    tcache = target.new_cache(1, max_len)
-    logits, captured = target_pass(target, prompt, tcache, proposer.layers, last_only=True)
-    cur, _ = sampler.pick(logits)  # (1,): the first new token comes from the prefill's last row
-    proposer.prefill(prompt, captured, max_len, check_vocab=tree is None)
-    layers = proposer.layers + shape.layers  # what every verify captures: for the proposer, for the judge
+    prompt = prepare_prompt(target, prompt_ids)[0]
+    room = step_room(target, drafter, draft_len, tree, judge, stop_drafting)
+    max_len = prompt.numel() + max(max_new_tokens, 0) + room
+    dec = BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, stop_drafting=stop_drafting, tree=tree,
+                       judge=judge, max_len=max_len + 4, one_row=True)  # fmt: skip
+    rid = dec.add(prompt, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
     out: list[int] = []
-    done = emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
-    while not done:
-        t0 = time.perf_counter()
-        draft = shape.draft(proposer, cur, max_new_tokens - len(out) - 1)
-        _sync(prompt.device)
-        t1 = time.perf_counter()
-        t_len = tcache.length
-        logits, captured = target_pass(
-            target, torch.cat([cur, draft.tokens]).view(1, -1), tcache, layers, **shape.placement(draft, t_len)
-        )
-        accepted, keep, nxt, judged = shape.accept(draft, logits[0], captured)  # keep: cur + accepted positions
-        t2 = time.perf_counter()  # the acceptance rule synced on its result
-        compact_cache(tcache, t_len, keep)
-        proposer.commit(draft, accepted, keep, captured)
-        cur = cur.new_tensor([nxt])
-        done = emit(out, accepted.tolist() + [nxt], eos_ids, max_new_tokens, on_token)
-        stats.step(draft.tokens.numel(), accepted.numel(), t1 - t0, t2 - t1)
-        stats.judge_accepted += judged
-    stats.new_tokens = len(out)
-    return out, stats
+    new = dec.prefill()  # the first token is streamed before the first draft (stop rules may count tokens)
+    while True:
+        for t in new.get(rid, []):
+            out.append(t)
+            if on_token is not None:
+                on_token(t)
+        if not dec.active():
+            return out, dec.stats[rid]
+        new = dec.step()

@@ -1,7 +1,6 @@
 """Speculative decoding with a draft LM whose tokenizer differs from the target's, lossless (docs/decoding.md
 "Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv 2507.02659): one
-decode's draft side and acceptance rule (``HeteroRow``), run at batch 1 by ``hetero_generate`` and per row by the
-batched decoder (eval/row_shapes.py ``OwnVocabRows``).
+decode's draft side and acceptance rule (``HeteroRow``), run at batch 1 by the decoder through ``OwnVocabRows``.
 
 The draft reads and writes its own token ids; the target verifies target ids. Text is the common ground:
 
@@ -21,7 +20,6 @@ everything on the draft side it changes only which candidates the target sees, n
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -224,7 +222,7 @@ class _Draft:
 
 
 class OwnVocabDrafter(torch.nn.Module):
-    """A draft LM with its own tokenizer, ready for ``speculative_generate`` (which hands it to ``hetero_generate``).
+    """A draft LM with its own tokenizer, ready for the decoders (its proposer: ``OwnVocabRows``).
     method: "slem", "tli", or "auto" (slem when greedy, tli when sampling); ngram: use an ``NgramCache``, one per
     decode, or with ``shared_ngram`` one for every decode of this drafter (``shared``: learned across prompts and
     requests; it changes which candidates the target sees, never what is committed)."""
@@ -268,8 +266,8 @@ class HeteroRow:
     """One decode's draft side and acceptance rule with an ``OwnVocabDrafter``: the committed target ids (``seq``,
     the last one not yet in the target's cache), their draft ids (``DraftContext``), the draft's KV cache
     (``_Draft``) and its ``NgramCache``. A step is ``propose`` (candidate target ids), the target's verify of them,
-    ``accept`` on its logits and ``commit``. ``hetero_generate`` runs one; the batched decoder one per row, all
-    rows verified in one target forward (eval/row_shapes.py ``OwnVocabRows``)."""
+    ``accept`` on its logits and ``commit``; the decoder keeps one per row (``OwnVocabRows``), every row verified in
+    one target forward."""
 
     def __init__(self, target, drafter: OwnVocabDrafter, sampler: Sampler, draft_len: int, seq: list[int],
                  max_new_tokens: int, ngram: NgramCache | None = None):  # fmt: skip
@@ -348,45 +346,69 @@ class HeteroRow:
         self.context, self.cand, self.drafts, self.q = None, [], [], []  # re-tokenized when the next step needs it
 
 
-@torch.no_grad()
-def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, max_new_tokens: int, *,
-                    draft_len: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    eos_ids: set[int] | None = None, generator: torch.Generator | None = None, on_token=None,
-                    ngram: NgramCache | None = None):  # fmt: skip
-    """Speculative decoding with an ``OwnVocabDrafter``: prompt_ids (T,) target ids -> (new target ids, truncated
-    after the first EOS and to max_new_tokens; stats), as ``speculative_generate``. Each step the draft writes
-    ``draft_len`` of its tokens; a slem step verifies up to 2·draft_len target tokens of their text, a tli step
-    exactly the drafts. Counters: drafted/accepted are target tokens; ngram_candidates those the cache wrote."""
-    from draftsmith.eval.decoder import DecodeStats, _sync, emit, prepare_prompt, target_pass
+class OwnVocabRows:
+    """The proposer of a draft LM with its own tokenizer (``OwnVocabDrafter``), for the chain shape: each row keeps
+    its own ``HeteroRow`` (committed target ids, draft-side context, draft KV cache, n-gram cache); its candidates
+    are a chain of 0..2·draft_len target ids (slem re-tokenizes text, so rows differ), verified with every other
+    row's in one target forward and accepted by the chain's rule: the greedy prefix, or rejection sampling with a
+    point proposal at each slem candidate or tli's intersection distribution as q (``HeteroRow.accept``'s rule).
+    Greedy rows use slem and sampled rows tli under method auto."""
 
-    sampler = Sampler(temperature, top_k, top_p, generator)
-    _, depth = resolve_method(drafter.method, sampler, draft_len)
-    stats = DecodeStats(accept_counts=[0] * (depth + 1))
-    if max_new_tokens <= 0:
-        return [], stats
-    prompt = prepare_prompt(target, prompt_ids)
-    device = prompt.device
-    tcache = target.new_cache(1, prompt.shape[1] + max_new_tokens + depth + 2)
-    logits, _ = target_pass(target, prompt, tcache, last_only=True)
-    cur, _ = sampler.pick(logits)
-    row = HeteroRow(target, drafter, sampler, draft_len, prompt[0].tolist() + [int(cur)], max_new_tokens, ngram)
-    out: list[int] = []
-    done = emit(out, [int(cur)], eos_ids, max_new_tokens, on_token)
-    while not done:
-        t0 = time.perf_counter()
-        cand = row.propose(max_new_tokens - len(out) - 1)
-        _sync(device)
-        t1 = time.perf_counter()
-        t_len = tcache.length
-        cand_t = torch.tensor(cand, dtype=torch.long, device=device)
-        logits, _ = target_pass(target, torch.cat([cur, cand_t]).view(1, -1), tcache)
-        n, nxt = row.accept(cand_t, logits[0])
-        t2 = time.perf_counter()
-        tcache.length = t_len + n + 1  # cur and the accepted candidates
-        row.commit(n, nxt)
-        cur = cur.new_tensor([nxt])
-        done = emit(out, cand[:n] + [nxt], eos_ids, max_new_tokens, on_token)
-        stats.step(len(cand), n, t1 - t0, t2 - t1)
-        stats.ngram_candidates += row.cached
-    stats.new_tokens = len(out)
-    return out, stats
+    reads_target = False
+    layers: tuple[int, ...] = ()
+
+    def __init__(self, target, drafter: OwnVocabDrafter, draft_len: int):
+        resolve_method(drafter.method, Sampler(0.0), draft_len)  # refuses a bad method or draft_len now
+        self.t, self.d, self.draft_len = target, drafter, draft_len
+        self.depth = 2 * draft_len if drafter.method in ("slem", "auto") else draft_len  # the most a row verifies
+        self.caches: list = []
+
+    def row_depth(self, sampler: Sampler) -> int:
+        return resolve_method(self.d.method, sampler, self.draft_len)[1]
+
+    def join(self, rows, ids: torch.Tensor, valid, pos, captured: dict, live: list[int]) -> None:
+        for j in live:
+            r = rows[j]
+            r.hetero = HeteroRow(self.t, self.d, r.sampler, self.draft_len, r.prompt.tolist() + [r.cur], r.max_new)
+
+    def draft(self, rows, cur: torch.Tensor, gam: list[int], pick):
+        """Every row's candidates (each row's draft side, one after another) -> (candidates per position [(B,)],
+        their q per position [(B, V)] or [None] when every row is greedy, candidates per row); None: none."""
+        cands = []
+        for r, g in zip(rows, gam):
+            cands.append(r.hetero.propose(g) if g > 0 else [])
+            if g > 0:
+                r.stats.ngram_candidates += r.hetero.cached
+        G = max(len(c) for c in cands)
+        if G == 0:
+            return None
+        B, V, dev = len(rows), self.t.cfg.vocab_size, cur.device
+        toks = torch.zeros(B, G, dtype=torch.long, device=dev)
+        for b, c in enumerate(cands):
+            toks[b, : len(c)] = torch.tensor(c, dtype=torch.long, device=dev)
+        q = None
+        if any(not r.sampler.greedy for r in rows):
+            q = torch.zeros(B, G, V, device=dev)
+            for b, (r, c) in enumerate(zip(rows, cands)):
+                if r.sampler.greedy or not c:
+                    continue
+                if r.hetero.method == "tli":
+                    q[b, : len(c)] = torch.stack(r.hetero.q[: len(c)])
+                else:  # a point proposal at each candidate (lossless for any proposal: the module docstring)
+                    q[b, torch.arange(len(c), device=dev), toks[b, : len(c)]] = 1.0
+        return list(toks.unbind(1)), [None] * G if q is None else list(q.unbind(1)), [len(c) for c in cands]
+
+    def commit(self, rows, cur: torch.Tensor, drafts: torch.Tensor, v, captured: dict) -> None:
+        for r, a, t in zip(rows, v.accepted, v.nxt):
+            r.hetero.commit(len(a), t)
+
+
+def hetero_generate(target, drafter: OwnVocabDrafter, prompt_ids: torch.Tensor, max_new_tokens: int, **options):
+    """Speculative decoding with an ``OwnVocabDrafter``, batch 1: prompt_ids (T,) target ids -> (new target ids,
+    truncated after the first EOS and to max_new_tokens; stats), as ``speculative_generate`` (the same loop; its
+    keywords in ``options``). Each step the draft writes ``draft_len`` of its tokens; a slem step verifies up to
+    2·draft_len target tokens of their text, a tli step exactly the drafts. Counters: drafted/accepted are target
+    tokens; ngram_candidates those the n-gram cache wrote."""
+    from draftsmith.eval.decoder import speculative_generate
+
+    return speculative_generate(target, drafter, prompt_ids, max_new_tokens, **options)

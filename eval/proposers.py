@@ -1,78 +1,45 @@
-"""Proposers: a drafter's side of a decode, one class per way a drafter reads the sequence. ``proposer_for`` is
-the one place that maps a drafter to its proposer.
+"""Proposers: a drafter's side of a decoding step, for every row of a batch at once (batch 1 is B = 1), one class
+per way a drafter reads the sequence. ``proposer_for`` is the one place that maps a drafter to its proposer.
 
-- ``TokenProposer``: a standalone draft LM (Llama-like: ``drafter(ids, cache=c)``, ``new_cache``), also with a
-  reduced vocabulary (``d2t``); it reads tokens with its own KV cache.
-- ``HeadProposer``: feature heads (Medusa, Hydra, MLP speculator: ``reads_target_hidden``); they read the target's
-  final hidden state and keep no cache.
-- ``FeatureProposer``: EAGLE (``reads_target_features``); it reads (target feature, token) pairs with its own cache.
+- ``TokenRows``: a standalone draft LM (also with a reduced vocabulary, ``d2t``, and PARD's parallel drafts over
+  mask tokens, ``parallel_drafts``) with its own ``RowCache``;
+- ``HeadRows``: feature heads (Medusa, Hydra, Hydra++, MLP speculator: ``reads_target_hidden``) reading the
+  target's final hidden state; Hydra++'s prefix layer keeps a ``RowCache``;
+- ``FeatureRows``: EAGLE (``reads_target_features``), reading (target feature, token) pairs with its own
+  ``RowCache``;
+- a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
 
-The interface the loop (eval/decoder.py) and the shapes (eval/shapes.py) call:
-
-- ``layers``: the target hidden states every target forward must capture for it (Llama ``capture_layers``);
-  ``max_draft_len``: how deep it can draft (a heads drafter's head count); ``reads_target``.
-- ``prefill(prompt, captured, max_len, check_vocab)``: after the target's prefill, whose captured states it reads.
-- ``chain(cur, γ, pick)`` -> ``Draft``; ``static_tree(cur, spec, anc)`` -> node tokens; ``dynamic_tree(cur, spec)``
-  -> (tokens, parents, mask, depths): one step's drafts for each shape. By default the shapes' own algorithms over
-  the primitives ``root`` / ``expand`` (eval/shapes.py); heads draft chains and static trees their own way.
-- ``commit(draft, accepted, keep, captured)``: after the verify. accepted (n,): the drafts kept; keep: the verify
-  positions kept (cur first, then the accepted drafts); captured: the verify's states at all positions.
+What the decoder (eval/batch_decoder.py) and the step shapes (eval/shapes.py) call: ``layers`` (the target states
+every verify must capture for it), ``depth`` (how deep it can draft), ``caches``; ``join`` after the target's
+prefill of new rows; chains: ``draft(rows, cur, gam, pick)`` and ``commit`` after the verify; trees: ``root`` /
+``expand`` / ``seek`` under ``static_tree`` and ``dynamic_tree``, then ``commit_tree``. Per row the proposer keeps
+``dpos`` (its committed positions) and what it has not read yet (``unread``, EAGLE's ``feats``, the heads' ``h``).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
 
 from draftsmith.eval.graphs import GraphedLlama
-from draftsmith.eval.shapes import Draft, draft_chain, draft_dynamic, draft_static, tree_levels
-from draftsmith.eval.tree import DynamicTree, TreeSpec
+from draftsmith.eval.row_cache import RowCache, aligned
+from draftsmith.eval.shapes import tree_levels
+from draftsmith.eval.tree import DynamicTree
+from draftsmith.models.feature_heads import first_stop, split_stop
 
 log = logging.getLogger(__name__)
 
 
-def proposer_for(drafter) -> type[Proposer]:
+def proposer_for(drafter) -> type:
     """The proposer class that decodes with ``drafter``: heads read the target's final hidden state, EAGLE its
-    feature layers; anything else is a token drafter."""
+    feature layers; anything else is a token drafter (PARD included)."""
     if getattr(drafter, "reads_target_hidden", False):
-        return HeadProposer
+        return HeadRows
     if getattr(drafter, "reads_target_features", False):
-        return FeatureProposer
-    if getattr(drafter, "parallel_drafts", 0):
-        return PardProposer
-    return TokenProposer
-
-
-class Proposer:
-    """What every proposer shares: the shapes' drafting algorithms over its ``root`` / ``expand``, and the chain's
-    stop hook. Subclasses add ``prefill``, ``root``, ``expand`` and ``commit`` (module docstring)."""
-
-    reads_target = False
-    max_draft_len = math.inf
-    layers: tuple[int, ...] = ()
-    passes_state = False  # a drafted node's output state is its children's input (EAGLE)
-    root_len: int | None = None  # the drafter's cache length after this step's root; None before it is read
-
-    def __init__(self, target, drafter, stop=None):
-        self.target, self.d, self.stop = target, drafter, stop  # stop: the chain's stop hook (shapes.draft_chain)
-
-    def chain(self, cur: torch.Tensor, gamma: int, pick) -> Draft:
-        return draft_chain(self, cur, gamma, pick, self.stop)
-
-    def static_tree(self, cur: torch.Tensor, spec: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
-        return draft_static(self, cur, spec, anc)
-
-    def dynamic_tree(self, cur: torch.Tensor, spec: DynamicTree):
-        return draft_dynamic(self, cur, spec)
-
-
-def _placed(pos, mask) -> dict:
-    """A drafted node's RoPE positions and mask as the drafters' forwards take them (none: causal after the cache)."""
-    return {**({} if pos is None else {"pos": pos.view(1, -1)}), **({} if mask is None else {"attn_mask": mask})}
+        return FeatureRows
+    return TokenRows
 
 
 def _run_drafter(drafter, ids: torch.Tensor, **kw):
@@ -91,200 +58,439 @@ def _run_drafter(drafter, ids: torch.Tensor, **kw):
     return (full, *extra) if extra else full
 
 
-class TokenProposer(Proposer):
-    """A draft LM. Cache invariant: its cache holds every committed token except the current one and ``unread``,
-    the tokens the next root reads first: after a chain step that kept all γ drafts, the last one (never fed);
-    after a tree step, the accepted path (its nodes were drafted in tree slots, which are rolled back); after a
-    step that drafted nothing, the current token too. Chains read the prompt at prefill, to check the vocabulary
-    (drafters promise the plain Llama call only); trees read it with the first root."""
-
-    def __init__(self, target, drafter, stop=None):
-        super().__init__(target, drafter, stop)
-        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
-
-    def prefill(self, prompt: torch.Tensor, captured: dict, max_len: int, check_vocab: bool = False) -> None:
-        self.cache, self.unread = self.d.new_cache(1, max_len), prompt[0]
-        if check_vocab:  # draft ids are fed to the target as they are: the vocabularies must agree
-            v_draft = _run_drafter(self.d, prompt, cache=self.cache).shape[-1]
-            if v_draft != self.target.cfg.vocab_size:
-                raise ValueError(f"drafter vocabulary {v_draft} != target vocabulary {self.target.cfg.vocab_size}")
-            self.unread = prompt[0, :0]
-
-    def _call(self, ids: torch.Tensor, **kw):
-        """ids (T,) -> (logits (T, V), the final state after the norm at the last position (1, D) when a stop hook
-        reads it, else None)."""
-        if not self.hidden:
-            return _run_drafter(self.d, ids.view(1, -1), cache=self.cache, **kw)[0], None
-        L = self.d.cfg.n_layers
-        logits, cap = _run_drafter(self.d, ids.view(1, -1), cache=self.cache, capture_layers=(L,), **kw)
-        return logits[0], self.d.norm(cap[L][0, -1:])
-
-    def root(self, cur: torch.Tensor):
-        logits, hidden = self._call(torch.cat([self.unread, cur]))
-        self.root_len = self.cache.length
-        return logits[-1], None if hidden is None else hidden[-1]
-
-    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None, paths=None):
-        return self._call(tokens, **_placed(pos, mask))
-
-    def dynamic_tree(self, cur: torch.Tensor, spec: DynamicTree):
-        """A draft LM in a ``GraphedLlama`` drafts every level after the root from one captured graph."""
-        graphed = isinstance(self.d, GraphedLlama) and not self.hidden and self.cache is self.d._cache
-        graph = TreeGraph.of(self.d, spec) if graphed else None
-        if graph is None or not graph.usable:
-            return super().dynamic_tree(cur, spec)
-        root_logits, _ = self.root(cur)
-        return graph(root_logits, self.cache.length)
-
-    def commit(self, draft: Draft, accepted: torch.Tensor, keep: list[int], captured: dict) -> None:
-        if self.root_len is None:  # it read nothing this step
-            self.unread = torch.cat([self.unread, draft.cur, accepted])
-            return
-        kept = min(accepted.numel(), draft.fed)  # accepted drafts it read in order after the root (a chain's)
-        self.cache.length = self.root_len + kept
-        self.unread, self.root_len = accepted[kept:], None
+def _chain(rows: list, gam: list[int], logits: torch.Tensor, state, pick, expand):
+    """Every row's chain after its root: logits (B, V) for the first draft, state (B, S) or None (what stop hooks
+    read), ``expand(tok (B,), i) -> (logits, state)`` feeds draft i to the drafter. Row b drafts until gam[b] or
+    until its stop hook ends its block; the loop runs while any row
+    drafts. -> (drafts [(B,)], q [(B, V) or None], drafts per row, drafts fed)."""
+    hooks = [split_stop(r.stop) for r in rows]
+    firsts = [first_stop(after) for after, _ in hooks]
+    count, live = [0] * len(rows), [g > 0 for g in gam]
+    toks, qs, fed = [], [], 0
+    for i in range(max(gam)):
+        for b, (after, _) in enumerate(hooks):
+            st = None if state is None else state[b]
+            if live[b] and after is not None and i >= firsts[b] and after(i, logits[b], st):
+                live[b] = False
+        if not any(live):
+            break
+        tok, q = pick(logits, live)  # a row past its own budget draws nothing: its stream is its own
+        toks.append(tok)
+        qs.append(q)
+        for b, (_, before) in enumerate(hooks):
+            if not live[b]:
+                continue
+            count[b] = i + 1
+            st = None if state is None else state[b]
+            if i + 1 >= gam[b] or (before is not None and before(i + 1, logits[b], st, tok[b : b + 1])):
+                live[b] = False  # its last draft is never fed: the verify decides whether it survives
+        if not any(live):
+            break
+        logits, state = expand(tok, i)
+        fed += 1
+    return toks, qs, count, fed
 
 
-class PardProposer(TokenProposer):
-    """PARD (models/pard.py): every step is ONE drafter forward over (unread + cur + γ-1 mask tokens); its logits at
-    cur and at mask i are the distributions of draft 1 and draft i+1, none depending on another draft. The mask
-    slots are rolled back at once, so the cache invariant is TokenProposer's with nothing fed after the root: the
-    accepted drafts become ``unread``. Chains pick each draft from its own distribution (stop hooks are asked as
-    for any chain, over the precomputed distributions); a tree node at depth d is a top token of distribution d
-    (static: the ranks[i]-th best; dynamic: EAGLE-2's scoring, children of every frontier node from the same
-    distribution). Drafts at most ``pard_k`` deep, the distances it was trained for."""
+class _Rows:
+    """What the row proposers share: tree drafting over their ``root`` / ``expand`` for B rows at once. After
+    ``root``, ``s_root`` is the slot after every row's root and ``root_pos`` (B,) each root's RoPE position; a
+    node at depth d sits at ``root_pos + d``."""
 
-    def __init__(self, target, drafter, stop=None):
-        super().__init__(target, drafter, stop)
-        self.max_draft_len, self.mask_id = drafter.parallel_drafts, drafter.cfg.mask_id
-        self.width = 1  # distributions the next root reads: set by the shape before it
+    passes_state = False  # a drafted node's output state is its children's input (EAGLE)
+    rc: RowCache | None = None
 
-    def root(self, cur: torch.Tensor):
-        n = self.width
-        ids = torch.cat([self.unread, cur, cur.new_full((n - 1,), self.mask_id)]).view(1, -1)
-        if self.hidden:
-            L = self.d.cfg.n_layers
-            logits, cap = _run_drafter(self.d, ids, cache=self.cache, capture_layers=(L,))
-            self.states = self.d.norm(cap[L][0, -n:])
-        else:
-            logits, self.states = _run_drafter(self.d, ids, cache=self.cache), None
-        self.logits, self.depth = logits[0, -n:], 0  # (n, V): draft i+1's distribution in row i
-        self.cache.length -= n - 1  # the masks' slots: rolled back at once
-        self.root_len = self.cache.length
-        return self.logits[0], None if self.states is None else self.states[0]
+    def seek(self, slot: int) -> None:
+        """The drafter's cache ends at ``slot``: where the next level's nodes are written."""
+        self.rc.view.length = slot
 
-    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None, paths=None):
-        """No forward: the next depth's distribution for every node (depth from ``paths`` in a dynamic tree,
-        else the next one in a chain)."""
-        self.depth = paths.shape[1] if paths is not None else self.depth + 1
-        n = tokens.numel()
-        st = None if self.states is None else self.states[self.depth].expand(n, -1)
-        return self.logits[self.depth].expand(n, -1), st
-
-    def chain(self, cur: torch.Tensor, gamma: int, pick) -> Draft:
-        self.width = max(gamma, 1)
-        return replace(draft_chain(self, cur, gamma, pick, self.stop), fed=0)  # no draft was fed
-
-    def static_tree(self, cur: torch.Tensor, spec: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
-        self.width = max(spec.depths)
-        self.root(cur)
-        top = self.logits.topk(max(spec.ranks) + 1, -1).indices  # (depth, r)
-        return top[torch.tensor(spec.depths, device=cur.device) - 1, torch.tensor(spec.ranks, device=cur.device)]
-
-    def dynamic_tree(self, cur: torch.Tensor, spec: DynamicTree):
-        self.width = spec.depth
-        return draft_dynamic(self, cur, spec)
-
-
-class FeatureProposer(Proposer):
-    """EAGLE reads (feature f_i, token x_{i+1}) pairs: committed positions with the target's features from every
-    target forward (``capture_layers``, ``features``), drafted nodes with its own output state, which is what its
-    training-time test simulates. So every root re-reads the accepted drafts with the real features; drafted
-    nodes are rolled back. Unread: ``ids`` (k,) with ``feats`` (k + 1, F), the last feature pairing with cur."""
-
-    reads_target = True
-    passes_state = True
-
-    def __init__(self, target, drafter, stop=None):
-        super().__init__(target, drafter, stop)
-        self.layers = drafter.capture_layers
-
-    def prefill(self, prompt: torch.Tensor, captured: dict, max_len: int, check_vocab: bool = False) -> None:
-        self.cache = self.d.new_cache(1, max_len)
-        self.ids, self.feats = prompt[0, 1:], self.d.features(captured, self.target)[0]  # pair i holds token i+1
-
-    def _call(self, ids: torch.Tensor, states: torch.Tensor, **kw):
-        logits, out = self.d.step(states[None], ids.view(1, -1), cache=self.cache, **kw)
-        return logits[0], out[0]
-
-    def root(self, cur: torch.Tensor):
-        logits, out = self._call(torch.cat([self.ids, cur]), self.d.project(self.feats), last_only=True)
-        self.root_len = self.cache.length
-        return logits[-1], out[-1]
-
-    def expand(self, tokens: torch.Tensor, states: torch.Tensor, pos=None, mask=None, paths=None):
-        return self._call(tokens, states, last_only=False, **_placed(pos, mask))
-
-    def commit(self, draft: Draft, accepted: torch.Tensor, keep: list[int], captured: dict) -> None:
-        feats = self.d.features(captured, self.target)[0][keep]  # (n + 1, F): at cur and at the accepted drafts
-        if self.root_len is None:  # it read nothing this step: the new pairs queue up behind the unread ones
-            self.ids, self.feats = torch.cat([self.ids, draft.cur, accepted]), torch.cat([self.feats, feats])
-            return
-        self.cache.length, self.root_len = self.root_len, None
-        self.ids, self.feats = accepted, feats
-
-
-class HeadProposer(Proposer):
-    """Feature heads draft from the context state at the position that produced cur: the target's final hidden
-    state after its norm, through the drafter's context layer when it has one (Hydra++'s prefix attention reads
-    only committed positions). Every target forward returns the next one, so the drafter runs no model of its own
-    over the sequence and has no cache. Chains: ``propose``. Static trees: node (r1..rd) is the r_d-th best token of
-    head d-1 after its ancestors' tokens, one ``logits_after`` per distinct parent. Dynamic trees: head d scores
-    the children of every depth-d frontier node in one batched ``logits_after`` (``root`` / ``expand``)."""
-
-    reads_target = True
-
-    def __init__(self, target, drafter, stop=None):
-        super().__init__(target, drafter, stop)
-        self.max_draft_len, self.layers = drafter.max_draft_len, (target.cfg.n_layers,)
-        self.cache = SimpleNamespace(length=0)  # written by dynamic-tree drafting, read by nothing
-
-    def prefill(self, prompt: torch.Tensor, captured: dict, max_len: int, check_vocab: bool = False) -> None:
-        self.context = self.d.new_context(max_len)
-        self._read(captured[self.layers[0]][0])
-
-    def _read(self, hs: torch.Tensor) -> None:
-        """Final hidden states of newly committed positions (n, D) -> the context state at the last one, whose
-        LM-head output is the current token."""
-        self.h = self.d.read_context(self.target.norm(hs), self.context)[-1]
-
-    def chain(self, cur: torch.Tensor, gamma: int, pick) -> Draft:
-        drafts, q = self.d.propose(self.h, cur, gamma, pick, **({} if self.stop is None else {"stop": self.stop}))
-        return Draft(cur, drafts, q)
-
-    def static_tree(self, cur: torch.Tensor, spec: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
-        tokens = torch.zeros(len(spec), dtype=torch.long, device=cur.device)
-        child_logits = {}  # parent node (-1 = root) -> logits of its children
-        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
-            if par not in child_logits:
-                path, n = [], par
-                while n >= 0:
-                    path.append(tokens[n : n + 1])
-                    n = spec.parents[n]
-                child_logits[par] = self.d.logits_after(self.h, [cur, *reversed(path)])
-            tokens[i] = torch.topk(child_logits[par], rank + 1).indices[-1]
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc: torch.Tensor, room: int) -> torch.Tensor:
+        """Every row's static tree -> node tokens (B, N): one forward per depth level for all rows' nodes, node i
+        the ``ranks[i]``-th best of its parent's distribution; the deepest level is never fed."""
+        B, dev, depths = len(rows), cur.device, spec.depths
+        root_logits, root_state = self.root(rows, cur, room, max(depths))
+        logits, states = {-1: root_logits}, {-1: root_state}  # parent node -> (B, V), (B, S)
+        base, pos0 = self.s_root, self.root_pos(rows)
+        tokens = cur.new_zeros(B, len(spec))
+        for d in range(1, max(depths) + 1):
+            level = [i for i, di in enumerate(depths) if di == d]
+            for i in level:
+                tokens[:, i] = torch.topk(logits[spec.parents[i]], spec.ranks[i] + 1, -1).indices[:, -1]
+            if d == max(depths):
+                break
+            lo, hi = level[0], level[-1] + 1
+            mask = torch.ones(B, hi - lo, base + hi, dtype=torch.bool, device=dev)
+            mask[:, :, base:] = anc[lo + 1 : hi + 1, 1 : hi + 1]
+            self.seek(base + lo)  # levels are fed in order, so the cache ends where this level starts
+            st = torch.stack([states[spec.parents[i]] for i in level], 1) if self.passes_state else None
+            out, out_st = self.expand(tokens[:, lo:hi], st, (pos0 + d)[:, None].expand(B, hi - lo), mask, d)
+            logits.update({i: out[:, i - lo] for i in level})
+            if self.passes_state:
+                states.update({i: out_st[:, i - lo] for i in level})
         return tokens
 
-    def root(self, cur: torch.Tensor):
-        self.cur = cur
+    def dynamic_tree(self, rows: list, cur: torch.Tensor, spec, room: int):
+        """Every row's EAGLE-2 tree -> (tokens (B, N), parents (B, N), mask (B, N+1, N+1), depths (B, N+1))."""
+        root_logits, root_state = self.root(rows, cur, room, spec.depth)
+        self._pos0 = self.root_pos(rows)
+        return self._levels(root_logits, root_state, spec)
+
+    def _levels(self, root_logits: torch.Tensor, root_state, spec):
+        return tree_levels(self, root_logits, root_state, self.s_root, spec, _feed_rows)
+
+    def root_pos(self, rows: list) -> torch.Tensor:
+        return torch.tensor([r.dpos - 1 for r in rows], device=self.rc.view.valid.device)
+
+
+def _unwrapped(model):
+    """The plain model inside a batch-1 CUDA-graph wrapper (eval/graphs.py): a temporary prefill cache must not be
+    the wrapper's one static cache."""
+    return model.model if isinstance(model, GraphedLlama) else model
+
+
+def _feed_rows(run: _Rows, tokens, states, d: int, base: int, n_fed: int, anc, paths):
+    """One level of every row's dynamic tree: the frontiers (B, k) in one forward after the n_fed nodes already
+    in the cache, each row under its own ancestor mask anc (B, k, n_fed + k)."""
+    B, k = tokens.shape
+    mask = torch.cat([torch.ones(B, k, base, dtype=torch.bool, device=tokens.device), anc], 2)
+    run.seek(base + n_fed)
+    return run.expand(tokens, states, (run._pos0 + d)[:, None].expand(B, k), mask, d, paths)
+
+
+class TokenRows(_Rows):
+    """A draft LM. Per row: ``dpos`` committed positions in its cache and ``unread``, the committed tokens the
+    next step reads first: after a chain step that kept all γ drafts, the last one (never fed); after a tree step,
+    the accepted path (its nodes were drafted in tree slots, which are rolled back); after a step that drafted
+    nothing, the current token too. The prompt is read at ``join``, which also checks the vocabulary (draft ids
+    are fed to the target as they are)."""
+
+    reads_target = False
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.pard = getattr(drafter, "parallel_drafts", 0)  # PARD: every draft from one forward over masks
+        if self.pard:
+            self.depth = self.pard
+        self.layers: tuple[int, ...] = ()
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+        self.hidden = stop is not None and hasattr(drafter, "cfg")  # stop hooks see the drafter's final state
+
+    def _call(self, ids: torch.Tensor, last: int = 0, **kw):
+        """ids (B, T) -> (logits at the last position (B, V), its final state after the norm (B, D) or None);
+        last > 0: at the last ``last`` positions instead ((B, last, V), (B, last, D))."""
+        at = slice(-last, None) if last else -1
+        if not self.hidden:
+            return _run_drafter(self.d, ids, cache=self.rc.view, **kw)[:, at], None
+        L = self.d.cfg.n_layers
+        logits, cap = _run_drafter(self.d, ids, cache=self.rc.view, capture_layers=(L,), **kw)
+        return logits[:, at], self.d.norm(cap[L][:, at])
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        tmp = _unwrapped(self.d).new_cache(k, W)  # not a CUDA-graph wrapper's static cache: ``rc`` gets that one
+        v = _run_drafter(self.d, ids, cache=tmp, pos=pos, valid=valid).shape[-1]
+        if v != self.t.cfg.vocab_size:  # draft ids are fed to the target as they are: the vocabularies must agree
+            raise ValueError(f"drafter vocabulary {v} != target vocabulary {self.t.cfg.vocab_size}")
+        self.rc.join(tmp, live, W)
+        for j in live:
+            rows[j].dpos, rows[j].unread = rows[j].prompt.numel(), ids.new_empty(0)
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        if G == 0:
+            self.fed = None
+            for b, r in enumerate(rows):
+                r.unread = torch.cat([r.unread, cur[b : b + 1]])
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(ids.shape[1] + G - 1)
+        if self.pard:
+            return self._draft_parallel(rows, seqs, ids, valid, pos, gam, pick)
+        logits, state = self._call(ids, pos=pos, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        self.s_exp = self.rc.length
+        toks, qs, count, self.fed = _chain(
+            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
+        )
+        return toks, qs, count
+
+    def _draft_parallel(self, rows: list, seqs, ids, valid, pos, gam: list[int], pick):
+        """PARD (models/pard.py): one forward over each row's unread + cur and G-1 mask tokens at the next
+        positions; its logits at cur and at mask i are the distributions of draft 1 and draft i+1, none depending
+        on another draft. The masks' slots are rolled back at once and nothing is fed after it; drafts at most
+        ``parallel_drafts`` deep, the distances it was trained for."""
+        B, G = len(rows), max(gam)
+        ar = torch.arange(1, G, device=ids.device)
+        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
+        valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + ar], 1)
+        logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None
+        s0 = self.rc.length - (G - 1)
+        self.rc.keep(s0, G - 1, torch.zeros(B, dtype=torch.long, device=ids.device))  # the masks' slots
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        self.s_exp = self.rc.length
+
+        def expand(tok, i):
+            return logits[:, i + 1], None if states is None else states[:, i + 1]
+
+        first = None if states is None else states[:, 0]
+        toks, qs, count, _ = _chain(rows, gam, logits[:, 0], first, pick, expand)
+        self.fed = 0
+        return toks, qs, count
+
+    def seek(self, slot: int) -> None:
+        if not self.pard:  # PARD feeds no node: its cache ends at the root
+            self.rc.view.length = slot
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        """A tree's root for every row: read each row's unread tokens and cur (PARD: and ``width`` - 1 mask
+        tokens, whose distributions ``expand`` hands out) -> (logits (B, V), None). ``room``: the slots the tree's
+        nodes will take after it."""
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(ids.shape[1] + max(room, width - 1))
+        if self.pard:
+            B, ar = len(rows), torch.arange(1, width, device=ids.device)
+            ids = torch.cat([ids, ids.new_full((B, width - 1), self.d.cfg.mask_id)], 1)
+            valid = None if valid is None else torch.cat([valid, valid.new_ones(B, width - 1)], 1)
+            pos = torch.cat([pos, pos[:, -1:] + ar], 1)
+            self.dists, _ = self._call(ids, last=width, pos=pos, valid=valid)  # (B, width, V)
+            self.rc.keep(self.rc.length - (width - 1), width - 1, torch.zeros(B, dtype=torch.long, device=ids.device))
+            logits = self.dists[:, 0]
+        else:
+            logits, _ = self._call(ids, pos=pos, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos, r.unread = r.dpos + len(s), s[:0]
+        self.s_root = self.rc.length
+        return logits, None
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask: torch.Tensor, depth: int, paths=None):
+        """Nodes at ``depth`` of every row's tree (B, n) at RoPE positions ``pos`` under ``mask`` (B, n, slots)
+        -> (their children's logits (B, n, V), None). PARD runs nothing: depth d's distribution for every node."""
+        if self.pard:
+            return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
+        return self._call(tokens, last=tokens.shape[1], pos=pos, attn_mask=mask)
+
+    def _levels(self, root_logits: torch.Tensor, root_state, spec):
+        """A draft LM in a ``GraphedLlama`` at batch 1 drafts every level after the root from one captured graph
+        (``TreeGraph``); otherwise the levels run as for any proposer."""
+        graphed = isinstance(self.d, GraphedLlama) and not self.hidden and not self.pard
+        if graphed and root_logits.shape[0] == 1 and self.rc.view is self.d._cache:
+            graph = TreeGraph.of(self.d, spec)
+            if graph.usable:
+                return tuple(x[None] for x in graph(root_logits[0], self.rc.length))
+        return super()._levels(root_logits, root_state, spec)
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        """The tree's slots are rolled back; each row's accepted path is read with its next root. ``cur`` given:
+        no tree was drafted (a plain step), and the current tokens join the unread ones."""
+        if cur is not None:
+            for b, r in enumerate(rows):
+                r.unread = torch.cat([r.unread, cur[b : b + 1]])
+            return
+        self.rc.view.length = self.s_root
+        for r, a in zip(rows, accepted):
+            r.unread = a
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, v, captured: dict) -> None:
+        """After a chain's verify: ``v`` (eval/shapes.py ``Verdict``) says what each row accepted (``v.n``)."""
+        if self.fed is None:  # it read nothing this step
+            return
+        n = v.n
+        kept = n.clamp(max=self.fed)
+        self.rc.keep(self.s_exp, self.fed, kept)
+        for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
+            r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
+
+
+class HeadRows(_Rows):
+    """Feature heads draft from the context state at the position that produced cur: the target's final hidden
+    state after its norm, through the drafter's context layer when it has one (Hydra++'s prefix attention reads
+    only committed positions, in its ``RowCache``). Every verify returns the next one, so the heads run no model
+    over drafted nodes. Chains: ``draft_step`` per position; static trees: one ``logits_after`` per distinct
+    parent; dynamic trees: head d scores the children of every depth-d frontier node in one ``logits_after``."""
+
+    reads_target = True
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, drafter.max_draft_len
+        self.layers = (target.cfg.n_layers,)
+        has_ctx = drafter.new_context(1, 1) is not None
+        self.rc = RowCache(lambda b, m: drafter.new_context(m, b), max_len) if has_ctx else None
+        self.caches = [self.rc] if has_ctx else []
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        hs = self.t.norm(captured[self.layers[0]])  # (k, W, D)
+        if self.rc is None:
+            out = self.d.read_context(hs)
+        else:  # the prefix layer attends only to each row's own prompt, at its own positions
+            tmp = self.d.new_context(W, k)
+            out = self.d.read_context(hs, tmp, pos, valid)
+            self.rc.join(tmp, live, W)
+        for j in live:
+            rows[j].h, rows[j].dpos = out[j, -1], rows[j].prompt.numel()
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        if max(gam) == 0:
+            return None
+        h, path = torch.stack([r.h for r in rows]), [cur]
+
+        def expand(tok, i):
+            path.append(tok)
+            return self.d.draft_step(h, path)  # (B, V), the state head i + 1 read them from
+
+        toks, qs, count, _ = _chain(rows, gam, *self.d.draft_step(h, path), pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        self.h, self.cur, self.s_root = torch.stack([r.h for r in rows]), cur, 0
         return self.d.logits_after(self.h, [cur]), None
 
-    def expand(self, tokens: torch.Tensor, states, pos=None, mask=None, paths=None):
-        n = paths.shape[0]  # the nodes' tokens from the root down
-        return self.d.logits_after(self.h.expand(n, -1), [self.cur.expand(n), *paths.t()]), None
+    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths: torch.Tensor):
+        """paths (B, n, depth): each node's tokens from the root down -> its children's logits (B, n, V), None."""
+        B, n = tokens.shape
+        h = self.h[:, None].expand(-1, n, -1).reshape(B * n, -1)
+        flat = paths.reshape(B * n, -1)
+        logits = self.d.logits_after(h, [self.cur[:, None].expand(-1, n).reshape(-1), *flat.t()])
+        return logits.view(B, n, -1), None
 
-    def commit(self, draft: Draft, accepted: torch.Tensor, keep: list[int], captured: dict) -> None:
-        self._read(captured[self.layers[0]][0, keep])
+    def seek(self, slot: int) -> None:
+        pass  # heads keep no cache of drafted nodes
+
+    def root_pos(self, rows: list) -> torch.Tensor:
+        return self.cur.new_zeros(len(rows))  # heads read no positions
+
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc, room: int) -> torch.Tensor:
+        """Node i of every row is the ``ranks[i]``-th best token of its parent's distribution: one ``logits_after``
+        per distinct parent for all rows at once -> tokens (B, N)."""
+        h = torch.stack([r.h for r in rows])
+        tokens = cur.new_zeros(len(rows), len(spec))
+        child = {}  # parent node (-1: the root) -> its children's logits (B, V)
+        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
+            if par not in child:
+                path, n = [], par
+                while n >= 0:
+                    path.append(tokens[:, n])
+                    n = spec.parents[n]
+                child[par] = self.d.logits_after(h, [cur, *reversed(path)])
+            tokens[:, i] = torch.topk(child[par], rank + 1, -1).indices[:, -1]
+        return tokens
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        self.read_kept(rows, captured, kept)
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, v, captured: dict) -> None:
+        self.read_kept(rows, captured, v.kept)  # kept: cur and the accepted drafts
+
+    def read_kept(self, rows: list, captured: dict, kept: list[list[int]]) -> None:
+        """Read the target's states at each row's kept verify positions (kept[b], ascending) into the context."""
+        hs = self.t.norm(captured[self.layers[0]])  # (B, W, D)
+        if self.rc is None:
+            out = self.d.read_context(hs)
+            for b, r in enumerate(rows):
+                r.h = out[b, kept[b][-1]]
+            return
+        seqs = [hs[b, k] for b, k in enumerate(kept)]
+        x, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(x.shape[1])
+        out = self.d.read_context(x, self.rc.view, pos, valid)
+        for b, (r, s) in enumerate(zip(rows, seqs)):
+            r.h, r.dpos = out[b, -1], r.dpos + len(s)
+
+
+class FeatureRows(_Rows):
+    """EAGLE reads (feature f_i, token x_{i+1}) pairs: committed positions with the target's features from every
+    verify (``capture_layers``, ``features``), drafted nodes with its own output state, which is what its
+    training-time test simulates. So every step's root re-reads the accepted drafts with the real features, and
+    drafted slots are rolled back (only committed pairs are ever kept). Per row: ``unread`` ids (k,) with
+    ``feats`` (k + 1, F), the last feature pairing with cur."""
+
+    reads_target = True
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, float("inf")
+        self.layers = drafter.capture_layers
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        f = self.d.features(captured, self.t)  # (k, W, F): pair i is (f_i, x_{i+1}) at i; the last waits for cur
+        tmp = _unwrapped(self.d).new_cache(k, W - 1)
+        if W > 1:  # a pair is valid where its feature is (a 1-token prompt has none)
+            v = None if valid is None else valid[:, :-1]
+            self.d.step(self.d.project(f[:, :-1]), ids[:, 1:], pos=pos[:, :-1], cache=tmp, last_only=True, valid=v)
+        self.rc.join(tmp, live, W - 1)
+        for j in live:
+            rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        self.root_end = None
+        if G == 0:
+            return None
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = aligned(seqs, starts)
+        feats, _, _ = aligned([r.feats for r in rows], starts)
+        self.rc.ensure(ids.shape[1] + G - 1)
+        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.root_end = self.rc.length
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+
+        def expand(tok, i):
+            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
+            state_in[0] = out
+            return logits[:, -1], out[:, -1]
+
+        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
+        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
+        return toks, qs, count
+
+    passes_state = True  # a drafted node's output state is its children's input
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = aligned(seqs, starts)
+        feats, _, _ = aligned([r.feats for r in rows], starts)
+        self.rc.ensure(ids.shape[1] + room)
+        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.s_root = self.root_end = self.rc.length
+        return logits[:, -1], out[:, -1]
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask: torch.Tensor, depth: int, paths=None):
+        return self.d.step(states, tokens, pos=pos, cache=self.rc.view, attn_mask=mask)
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        f = self.d.features(captured, self.t)  # (B, W, F)
+        if cur is not None:  # no tree was drafted: the new pairs queue up behind the unread ones
+            for b, r in enumerate(rows):
+                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
+            return
+        self.rc.view.length = self.root_end  # drafted nodes are never kept
+        for b, (r, a, k) in enumerate(zip(rows, accepted, kept)):
+            r.unread, r.feats = a, f[b, k]
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, v, captured: dict) -> None:
+        f, n = self.d.features(captured, self.t), v.n  # (B, G+1, F)
+        read = self.root_end is not None
+        if read:
+            self.rc.view.length = self.root_end  # drafted nodes are never kept: roll back every row at once
+        for b, (r, m) in enumerate(zip(rows, n.tolist())):
+            if not read:  # it read nothing this step: the new pairs queue up behind the unread ones
+                r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
+            else:
+                r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
 
 
 class TreeGraph:

@@ -1,6 +1,6 @@
 """The slot-addressed KV cache of a batch whose rows come and go (``RowCache``), and ``aligned``, which lines up
 per-row sequences of different lengths for one forward. The batched decoder (eval/batch_decoder.py), its proposers
-(eval/batch_proposers.py) and the data stage's generator (data/engine.py) write through them.
+(eval/proposers.py) and the data stage's generator (data/engine.py) write through them.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class RowCache:
     def _refresh(self, length: int, padded: bool) -> None:
         # padded: some row has an invalid slot below length (a hole, padding), so attention needs the mask; while
         # none has (batch 1, rows in lockstep), a lone new token reads every slot unmasked, as at batch 1
+        if self.n == 1 and self.full.valid.shape[0] == 1:  # one row in one-row storage: the storage itself, which a
+            self.full.length, self.full.padded = length, padded  # CUDA-graph wrapper recognises as its static cache
+            self.view = self.full
+            return
         self.view = self.full.rows(self.n, length, padded)
 
     def _grow(self, rows: int) -> None:

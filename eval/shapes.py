@@ -1,15 +1,11 @@
-"""What one decoding step drafts and verifies (docs/algorithms.md A1, A11): a chain of up to γ drafts, a static tree
-(``TreeSpec``, Medusa-style choices) or an EAGLE-2 dynamic tree (``DynamicTree``) rebuilt every step from the
-drafter's confidence. A shape drafts through a proposer (eval/proposers.py), places its nodes for the target's one
-verify forward (none for a chain; a tree mask and RoPE positions for a tree) and accepts by its rule: the chain's
-greedy prefix or rejection sampling, a tree's deepest argmax path or point-mass walk, or lossy judge verification
-(``Judged``, the judge hook). The loop that runs them is eval/decoder.py ``speculative_generate``.
-
-The drafting algorithms here are generic over a proposer's two primitives: ``root(cur)`` reads what the drafter
-has not seen yet plus the current token and returns the root's logits (V,) and state (EAGLE's output; a token
-drafter's final hidden state when a stop hook asks for it; else None); ``expand(tokens, states, pos, mask, paths)``
-runs drafted nodes after it -> (logits (n, V), states or None). ``cache.length`` is where the next node's slot is
-(batch 1, unpadded: slot index == RoPE position).
+"""What one decoding step drafts, verifies and accepts, for every row of a batch at once (batch 1 is B = 1;
+docs/algorithms.md A1, A11): a chain of up to γ drafts (``Chain``; with a stop hook, adaptive length), a static
+tree (``StaticTree``, Medusa-style choices), an EAGLE-2 dynamic tree (``DynamicShape``) rebuilt every step from
+the drafter's confidence, or a lossy judged chain (``Judged``, Judge Decoding). A shape drafts through its proposer
+(eval/proposers.py), tells the verify where its nodes sit (``Drafted``: a chain is causal; a tree gives each row's
+ancestor mask and depths) and accepts by its rule, row by row or, for chains, as one batch: the greedy prefix or
+rejection sampling (eval/accept.py), a tree's deepest argmax path or point-mass walk (eval/tree.py). The loop that
+runs them is eval/batch_decoder.py ``BatchDecoder.step``.
 """
 
 from __future__ import annotations
@@ -18,242 +14,196 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.eval.accept import Sampler, greedy_accept, judge_accept, rejection_accept
+from draftsmith.eval.accept import Sampler, judge_accept
 from draftsmith.eval.tree import DynamicTree, TreeSpec, best_nodes, greedy_tree_accept, sample_tree_accept
 from draftsmith.kernels.tree import tree_mask
-from draftsmith.models.feature_heads import first_stop, split_stop
 
 
 @dataclass
-class Draft:
-    """One step's proposal after the current token ``cur`` (1,). tokens (N,): the drafts (a tree's nodes in
-    depth-sorted order). q (N, V): the distributions chain drafts were sampled from (None when greedy, or for a
-    tree). parents (N,), anc (N+1, N+1), depths (N+1,): a tree's structure, root first (None for a chain). fed: how
-    many chain drafts the drafter has read, in order after the root (its cache may keep the accepted ones)."""
+class Drafted:
+    """One step's drafts for B rows. tokens (B, N): row b's first count[b] are its drafts (a tree's nodes in
+    depth-sorted order), the rest padding the verify ignores. q (B, N, V): the distributions sampled chain drafts
+    were drawn from (None when every row is greedy, and for trees). A tree's structure, root first: parents
+    (B, N), anc (B, N+1, N+1) ancestors, depths (B, N+1); None for a chain (causal)."""
 
-    cur: torch.Tensor
     tokens: torch.Tensor
+    count: list[int]
     q: torch.Tensor | None = None
     parents: torch.Tensor | None = None
     anc: torch.Tensor | None = None
     depths: torch.Tensor | None = None
-    fed: int = 0
 
 
-# ---- shapes -----------------------------------------------------------------------------------------------------
+@dataclass
+class Verdict:
+    """What each row's rule kept: its accepted drafts, the verify positions kept (cur first, then the accepted
+    drafts' positions), the next token (the target's correction or bonus) and how many drafts a judge kept that
+    the target would not have chosen. ``n``: accepted counts (B,) on the device, for chain proposers."""
+
+    accepted: list[list[int]]
+    kept: list[list[int]]
+    nxt: list[int]
+    judged: list[int]
+    n: torch.Tensor | None = None
+
+    @property
+    def prefix(self) -> bool:
+        """Every row kept a prefix of its verify positions (a chain), not a tree path."""
+        return self.n is not None
 
 
 class Chain:
-    """Up to ``draft_len`` drafts in a row; a drafter's own cap (a heads drafter's head count) bounds it."""
+    """Up to ``draft_len`` drafts in a row (a drafter's own cap, a heads drafter's head count, bounds it). Every
+    row's chain is drafted as one batch; the greedy prefix and rejection sampling run for all rows at once."""
 
     layers: tuple[int, ...] = ()  # target states the verify must capture for the acceptance rule
 
-    def __init__(self, draft_len: int, max_draft_len, sampler: Sampler):
+    def __init__(self, prop, draft_len: int):
         if draft_len < 0:
             raise ValueError(f"draft_len must be >= 0, got {draft_len}")
-        self.depth = min(draft_len, max_draft_len)  # the longest accepted run: DecodeStats.accept_counts' range
-        self.room = self.depth  # KV-cache slots a step may fill beyond the tokens it keeps
-        self.sampler = sampler
+        self.prop = prop
+        self.depth = int(min(draft_len, prop.depth))  # the longest accepted run: DecodeStats.accept_counts' range
+        self.room = 2 * self.depth  # KV-cache slots a step may fill beyond the tokens it keeps
 
-    def draft(self, proposer, cur: torch.Tensor, budget: int) -> Draft:
-        # A step emits at most γ+1 tokens: never overshoot max_new_tokens (this also bounds the caches).
-        return proposer.chain(cur, min(self.depth, budget), self.sampler.pick)
+    def check(self, sampler: Sampler) -> int:
+        """Refuse at ``add`` what this shape does not do with ``sampler`` -> the row's longest accepted run (a
+        proposer may draft less for some samplers: ``row_depth``)."""
+        row_depth = getattr(self.prop, "row_depth", None)
+        return self.depth if row_depth is None else min(self.depth, row_depth(sampler))
 
-    def placement(self, draft: Draft, t_len: int) -> dict:
-        return {}  # causal, right after the cache
+    def join(self, rows, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        self.prop.join(rows, ids, valid, pos, captured, live)
 
-    def accept(self, draft: Draft, logits: torch.Tensor, captured: dict):
-        """The chain rule on the verify logits (γ+1, V) -> (accepted drafts (n,), the verify positions kept (cur
-        and them), next token, 0 judged)."""
-        s = self.sampler
-        if s.greedy:
-            n, nxt = greedy_accept(draft.tokens, logits, s.impl)
-        else:
-            p = s.probs(logits)  # (γ+1, V), same processing as the drafts (B7.2)
-            q = p.new_empty(0, p.shape[-1]) if draft.q is None else draft.q  # γ = 0: the "bonus" is a plain sample
-            n, nxt = rejection_accept(draft.tokens, q, p, s.generator, s.impl)
-        return draft.tokens[:n], list(range(n + 1)), nxt, 0
+    def draft(self, dec, rows, cur: torch.Tensor, budgets: list[int] | None) -> Drafted:
+        """Row b drafts up to min(depth, budgets[b]) (a step emits at most γ+1 tokens: never past max_new_tokens);
+        ``budgets`` None: a plain step, nothing drafted (the drafter still reads what is committed)."""
+        gam = [0] * len(rows) if budgets is None else [min(self.depth, b) for b in budgets]
+        out = self.prop.draft(rows, cur, gam, lambda lg, live: dec.pick(rows, lg, live))
+        if out is None or not out[0]:
+            return Drafted(cur.new_zeros(len(rows), 0), [0] * len(rows))
+        toks, qs, count = out  # count: what each row drafted (its budget, or where its stop hook ended it)
+        return Drafted(torch.stack(toks, 1), count, None if qs[0] is None else torch.stack(qs, 1))
+
+    def accept(self, dec, rows, d: Drafted, logits: torch.Tensor, captured: dict) -> Verdict:
+        n, nxt = dec.accept_chains(rows, d.tokens, d.q, logits, torch.tensor(d.count, device=logits.device))
+        n_l, nxt_l, d_l = n.tolist(), nxt.tolist(), d.tokens.tolist()  # the acceptance synced
+        return Verdict([x[:k] for x, k in zip(d_l, n_l)], [list(range(k + 1)) for k in n_l], nxt_l, [0] * len(rows), n)
+
+    def commit(self, rows, cur: torch.Tensor, d: Drafted, v: Verdict, captured: dict) -> None:
+        self.prop.commit(rows, cur, d.tokens, v, captured)
 
 
 class Judged(Chain):
     """**Lossy** Judge-Decoding verification (models/judge.py ``Judge``), greedy chains of a draft LM: a draft the
     target would not have chosen is still kept when the judge accepts the target's final state at it
-    (``judge_accept``). The verify forward also returns those states."""
+    (``judge_accept``), row by row. The verify also returns those states."""
 
-    def __init__(self, draft_len: int, max_draft_len, sampler: Sampler, judge, target):
-        super().__init__(draft_len, max_draft_len, sampler)
+    def __init__(self, prop, draft_len: int, judge, target):
+        super().__init__(prop, draft_len)
         self.judge, self.norm, self.layers = judge, target.norm, (target.cfg.n_layers,)
 
-    def accept(self, draft: Draft, logits: torch.Tensor, captured: dict):
-        states = self.norm(captured[self.layers[0]])  # (1, γ+1, D) after the final norm
-        n, nxt, judged = judge_accept(draft.tokens, logits, self.judge.accepts(states[0, 1:]))
-        return draft.tokens[:n], list(range(n + 1)), nxt, judged
+    def check(self, sampler: Sampler) -> int:
+        if not sampler.greedy:
+            raise ValueError("judge verification is implemented for greedy chain decoding with a standalone draft LM")
+        return self.depth
+
+    def accept(self, dec, rows, d: Drafted, logits: torch.Tensor, captured: dict) -> Verdict:
+        states = self.norm(captured[self.layers[0]])  # (B, W, D) after the final norm
+        acc, nxt, judged = [], [], []
+        for b, c in enumerate(d.count):
+            n, t, j = judge_accept(d.tokens[b, :c], logits[b, : c + 1], self.judge.accepts(states[b, 1 : c + 1]))
+            acc.append(d.tokens[b, :n].tolist())
+            nxt.append(t)
+            judged.append(j)
+        n_t = torch.tensor([len(a) for a in acc], device=logits.device)
+        return Verdict(acc, [list(range(len(a) + 1)) for a in acc], nxt, judged, n_t)
 
 
 class _Tree:
-    """What static and dynamic trees share: the verify under the tree mask, and the tree acceptance rules."""
+    """What static and dynamic trees share: every row's tree drafted as one batch, verified under its own tree
+    mask, and accepted by its own row's rule: greedy (the deepest argmax path) or the point-mass walk."""
 
     layers: tuple[int, ...] = ()
-    sampler: Sampler
     depth: int
 
-    def _check(self, max_draft_len) -> None:
-        if self.depth > max_draft_len:
-            raise ValueError(f"tree depth {self.depth} exceeds the drafter's {max_draft_len} heads")
+    def _check_depth(self, prop) -> None:
+        if self.depth > prop.depth:
+            raise ValueError(f"tree depth {self.depth} exceeds the drafter's {prop.depth} heads")
 
-    def placement(self, draft: Draft, t_len: int) -> dict:
-        """Each node attends to the committed prefix and its own ancestors, at RoPE position slot(cur) + depth."""
-        n = draft.tokens.numel()
-        mask = torch.ones(1, n + 1, t_len + n + 1, dtype=torch.bool, device=draft.tokens.device)
-        mask[0, :, t_len:] = draft.anc
-        return {"pos": (t_len + draft.depths).view(1, -1), "attn_mask": mask}
+    def check(self, sampler: Sampler) -> int:
+        return self.depth
 
-    def accept(self, draft: Draft, logits: torch.Tensor, captured: dict):
-        """Greedy (deepest argmax path) or point-mass sampling over the tree (N+1, V) -> (the accepted path's
-        tokens, the verify positions kept: the root and the path, next token, 0 judged)."""
-        s = self.sampler
-        if s.greedy:
-            path, nxt = greedy_tree_accept(draft.tokens, draft.parents, logits)
-        else:
-            path, nxt = sample_tree_accept(draft.tokens, draft.parents, s.probs(logits), s.generator)
-        return draft.tokens[path], [0] + [i + 1 for i in path], nxt, 0
+    def join(self, rows, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        self.prop.join(rows, ids, valid, pos, captured, live)
+
+    def accept(self, dec, rows, d: Drafted, logits: torch.Tensor, captured: dict) -> Verdict:
+        acc, kept, nxt = [], [], []
+        for b, (r, c) in enumerate(zip(rows, d.count)):
+            s = r.sampler
+            if c == 0:  # a plain step: the target's own next token
+                path, t = [], int(s.pick(logits[b, 0])[0])
+            elif s.greedy:
+                path, t = greedy_tree_accept(d.tokens[b], d.parents[b], logits[b, : c + 1])
+            else:
+                path, t = sample_tree_accept(d.tokens[b], d.parents[b], s.probs(logits[b, : c + 1]), s.generator)
+            acc.append(d.tokens[b, path].tolist())
+            kept.append([0] + [i + 1 for i in path])
+            nxt.append(int(t))
+        return Verdict(acc, kept, nxt, [0] * len(rows))
+
+    def commit(self, rows, cur: torch.Tensor, d: Drafted, v: Verdict, captured: dict) -> None:
+        accepted = [cur.new_tensor(a) for a in v.accepted]
+        self.prop.commit_tree(rows, accepted, v.kept, captured, None if d.count[0] else cur)
 
 
 class StaticTree(_Tree):
     """The same tree every step; node i is the ``ranks[i]``-th best child of its parent."""
 
-    def __init__(self, spec: TreeSpec, max_draft_len, sampler: Sampler, device):
-        self.spec, self.sampler, self.depth = spec, sampler, max(spec.depths)
-        self._check(max_draft_len)
-        self.room = len(spec) + self.depth
+    def __init__(self, prop, spec: TreeSpec, device):
+        self.prop, self.spec, self.depth = prop, spec, max(spec.depths)
+        self._check_depth(prop)
+        self.room = len(spec) + self.depth + 2
         self.parents = torch.tensor(spec.parents, dtype=torch.long, device=device)
         self.anc, self.depths = tree_mask(self.parents)  # (N+1, N+1) ancestors, (N+1,) depths, root first
 
-    def draft(self, proposer, cur: torch.Tensor, budget: int) -> Draft:
-        tokens = proposer.static_tree(cur, self.spec, self.anc)
-        return Draft(cur, tokens, parents=self.parents, anc=self.anc, depths=self.depths)
+    def draft(self, dec, rows, cur: torch.Tensor, budgets: list[int] | None) -> Drafted:
+        B = len(rows)
+        if budgets is None:  # a plain step (a tree is drafted whole whatever the budget: emit truncates)
+            return Drafted(cur.new_zeros(B, 0), [0] * B)
+        tokens = self.prop.static_tree(rows, cur, self.spec, self.anc, self.room)
+        return Drafted(tokens, [len(self.spec)] * B, None, self.parents.expand(B, -1),
+                       self.anc.expand(B, -1, -1), self.depths.expand(B, -1))  # fmt: skip
 
 
 class DynamicShape(_Tree):
-    """EAGLE-2's tree, rebuilt every step from the drafter's cumulative log-probs (``draft_dynamic``)."""
+    """EAGLE-2's tree, rebuilt every step from the drafter's cumulative log-probs (``tree_levels``)."""
 
-    def __init__(self, spec: DynamicTree, max_draft_len, sampler: Sampler):
-        self.spec, self.sampler, self.depth = spec, sampler, spec.depth
-        self._check(max_draft_len)
-        self.room = spec.top_k + (spec.depth - 1) * spec.top_k**2 + self.depth  # every node a step records
+    def __init__(self, prop, spec: DynamicTree):
+        self.prop, self.spec, self.depth = prop, spec, spec.depth
+        self._check_depth(prop)
+        self.room = spec.top_k + (spec.depth - 1) * spec.top_k**2 + self.depth + 2  # every node a step records
 
-    def draft(self, proposer, cur: torch.Tensor, budget: int) -> Draft:
-        tokens, parents, anc, depths = proposer.dynamic_tree(cur, self.spec)
-        return Draft(cur, tokens, parents=parents, anc=anc, depths=depths)
+    def draft(self, dec, rows, cur: torch.Tensor, budgets: list[int] | None) -> Drafted:
+        B = len(rows)
+        if budgets is None:
+            return Drafted(cur.new_zeros(B, 0), [0] * B)
+        tokens, parents, anc, depths = self.prop.dynamic_tree(rows, cur, self.spec, self.room)
+        return Drafted(tokens, [tokens.shape[1]] * B, None, parents, anc, depths)
 
 
-def shape_for(target, proposer, tree: TreeSpec | DynamicTree | None, draft_len: int, sampler: Sampler, judge=None):
+def shape_for(target, prop, tree: TreeSpec | DynamicTree | None, draft_len: int, judge=None, stop=None):
     """The step's shape: a chain (``tree`` None, verified by the judge when one is given) or a tree. Refuses
-    combinations that are not implemented: a judge outside greedy chains of a draft LM, a stop hook on a tree."""
-    if judge is not None and (not sampler.greedy or proposer.reads_target or tree is not None):
+    combinations that are not implemented: a judge outside chains of a standalone draft LM, a stop hook on a
+    tree."""
+    if judge is not None and (prop.reads_target or tree is not None):
         raise ValueError("judge verification is implemented for greedy chain decoding with a standalone draft LM")
     if tree is None:
-        if judge is None:
-            return Chain(draft_len, proposer.max_draft_len, sampler)
-        return Judged(draft_len, proposer.max_draft_len, sampler, judge, target)
-    if proposer.stop is not None:
+        return Chain(prop, draft_len) if judge is None else Judged(prop, draft_len, judge, target)
+    if stop is not None:
         raise ValueError("stop_drafting adapts a chain's length; tree decoding takes no stop hook")
     if isinstance(tree, DynamicTree):
-        return DynamicShape(tree, proposer.max_draft_len, sampler)
-    return StaticTree(tree, proposer.max_draft_len, sampler, next(target.parameters()).device)
-
-
-# ---- drafting, generic over a proposer's root / expand ------------------------------------------------------------
-
-
-def draft_chain(run, cur: torch.Tensor, gamma: int, pick, stop=None) -> Draft:
-    """Up to γ drafts in a row. γ = 0 drafts nothing and runs nothing (the verify is a plain target step).
-
-    The last draft is never fed: the verify decides whether it survives. ``stop(n, logits, state)`` (adaptive
-    draft length: SpecDec++, entropy, confidence rules) is asked once the drafter has read draft n < γ: logits (V,)
-    its distribution for the next token, state its state at draft n's position; True ends the block with n drafts.
-    It is first asked at n = 1, or at n = 0 (the drafter has just read the current token) when the hook's
-    ``min_len`` is 0: stopping there drafts nothing. A hook with ``before_feed`` is asked instead right after
-    draft n < γ is picked, with the logits and state that produced it and the draft: ``stop(n, logits, state,
-    token)``; stopping there costs no drafter forward. pick(logits) -> (token (1,), q (V,) or None).
-    """
-    if gamma == 0:
-        return Draft(cur, cur.new_empty(0))
-    logits, state = run.root(cur)
-    drafts, qs, fed = [], [], 0
-    after, before = split_stop(stop)
-    first = first_stop(after)
-    for i in range(gamma):
-        if after is not None and i >= first and after(i, logits, state):
-            break
-        tok, q = pick(logits)
-        drafts.append(tok)
-        qs.append(q)
-        if before is not None and i + 1 < gamma and before(i + 1, logits, state, tok):
-            break  # draft i + 1 was never fed: the verify decides whether it survives, as at the cap
-        if i + 1 < gamma:
-            out, st = run.expand(tok, None if state is None else state[None])
-            logits, state, fed = out[-1], None if st is None else st[-1], fed + 1
-    q = torch.stack(qs) if drafts and qs[0] is not None else None  # (γ, V)
-    return Draft(cur, torch.cat(drafts) if drafts else cur.new_empty(0), q, fed=fed)
-
-
-def draft_static(run, cur: torch.Tensor, tree: TreeSpec, anc: torch.Tensor) -> torch.Tensor:
-    """Greedy static-tree drafting -> node tokens (N,) in the tree's (depth-sorted) order.
-
-    After the root, one forward per depth level over that level's nodes: node i sits at slot ``base + i`` and
-    attends to the committed prefix and its ancestors (``anc`` = ancestor_mask). Node i's token is the
-    ``ranks[i]``-th best of its parent's distribution. The deepest level is never fed (nothing below it is drafted).
-    """
-    device = cur.device
-    root_logits, root_state = run.root(cur)
-    logits, states = {-1: root_logits}, {-1: root_state}  # parent node -> its logits (V,) and state
-    base = run.cache.length  # the root is at base - 1
-    depths = tree.depths
-    tokens = torch.zeros(len(tree), dtype=torch.long, device=device)
-    for d in range(1, max(depths) + 1):
-        level = [i for i, di in enumerate(depths) if di == d]
-        for i in level:
-            tokens[i] = torch.topk(logits[tree.parents[i]], tree.ranks[i] + 1).indices[-1]
-        if d == max(depths):
-            break
-        lo, hi = level[0], level[-1] + 1
-        mask = torch.ones(1, hi - lo, base + hi, dtype=torch.bool, device=device)
-        mask[0, :, base:] = anc[lo + 1 : hi + 1, 1 : hi + 1]
-        pos = torch.full((hi - lo,), base - 1 + d, device=device)
-        run.cache.length = base + lo  # levels are fed in order, so the cache ends where this level starts
-        st = torch.stack([states[tree.parents[i]] for i in level]) if run.passes_state else None
-        out, out_st = run.expand(tokens[lo:hi], st, pos, mask)  # (n, V)
-        logits.update({i: out[i - lo] for i in level})
-        if run.passes_state:
-            states.update({i: out_st[i - lo] for i in level})
-    return tokens
-
-
-def draft_dynamic(run, cur: torch.Tensor, spec: DynamicTree):
-    """EAGLE-2 dynamic tree -> (node tokens (N,), parents (N,), tree mask (N+1, N+1), depths (N+1,)) in depth-sorted
-    order, mask and depths as kernels/tree.py ``tree_mask`` gives them.
-
-    Root: the drafter's top-k tokens. Each level: feed the k frontier nodes in one forward (tree mask: committed
-    prefix + own ancestors), score their top-k children by cumulative log-prob, keep the k best as the next
-    frontier. Finally keep the ``total_tokens`` best of all recorded nodes. Every shape is fixed by (k, depth), so
-    the whole step stays on the device with no host sync (``tree_levels``, here with one row).
-    """
-    root_logits, root_state = run.root(cur)
-    state = None if root_state is None else root_state[None]
-    out = tree_levels(run, root_logits[None], state, run.cache.length, spec, feed_level)
-    return tuple(x[0] for x in out)
-
-
-def feed_level(run, tokens, states, d: int, base: int, n_fed: int, anc, paths):
-    """One level of a batch-1 dynamic tree: the k frontier nodes (1, k) in one forward, after the n_fed nodes
-    already in the cache; anc (1, k, n_fed + k) is their ancestor mask over the tree slots."""
-    k = tokens.shape[1]
-    mask = torch.cat([torch.ones(k, base, dtype=torch.bool, device=tokens.device), anc[0]], 1)
-    run.cache.length = base + n_fed
-    pos = torch.full((k,), base - 1 + d, device=tokens.device)
-    out, st = run.expand(tokens[0], None if states is None else states[0], pos, mask[None], paths=paths[0])
-    return out[None], None if st is None else st[None]
+        return DynamicShape(prop, tree)
+    return StaticTree(prop, tree, next(target.parameters()).device)
 
 
 def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):

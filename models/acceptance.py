@@ -24,7 +24,7 @@ Which state the head reads (``state``):
   the exact conditional the threshold rule multiplies: draft n matters only when drafts 1..n-1 were accepted,
   i.e. when the drafter's prefix is the target's own text, which is what the head is trained on (no mixing).
 
-In the decoder, a *stop rule* decides after each draft whether to end the block (eval/shapes.py ``draft_chain``):
+In the decoder, a *stop rule* decides after each draft whether to end the block (eval/proposers.py ``_chain``):
 - ``AcceptanceStop``: keep P = prod of predicted acceptances of this block's drafts; stop once 1 - P > threshold
   (the paper's threshold policy);
 - ``EntropyStop``: training-free baseline (SVIP-style): stop once the draft's next-token entropy exceeds a

@@ -21,7 +21,7 @@ output projections: a 1-layer checkpoint grows into a deeper one unchanged) or a
 (``init_layers``), as the standalone draft LM's depth came from the target's layers
 (benchmarks/journal/2026-11-24-deep-draft-lm.md).
 
-Decoding (eval/proposers.py ``FeatureProposer``): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on
+Decoding (eval/proposers.py ``FeatureRows``): ``step(state, ids, pos, cache, attn_mask)`` runs the layer on
 new positions with a KV cache, for the chain and for EAGLE-2 dynamic trees (on CUDA replayed from graphs:
 eval/graphs.py GraphedEagle);
 ``features(captured, target)`` turns a target forward's captured hidden states into f.

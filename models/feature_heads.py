@@ -3,7 +3,7 @@
 Decoder protocol: ``reads_target_hidden = True``; ``max_draft_len``; ``logits_after(h, path)`` = the logits of
 the token after ``path``, where h (D,) is the drafter's context state at the position that produced path[0] (the
 current token) and path[1:] are drafted tokens. Head k = len(path) - 1 answers. The chain proposal and the tree
-drafting (eval/proposers.py ``HeadProposer``) are built on that one method; it also takes a batch of rows
+drafting (eval/proposers.py ``HeadRows``) are built on that one method; it also takes a batch of rows
 (h (B, D)), which the data stage's batched writer uses (data/engine.py ``write_batch``).
 
 The context state is the target's final hidden state itself, unless the drafter has a context layer (Hydra++'s
@@ -127,29 +127,6 @@ class FeatureHeads(ReducedVocab, nn.Module):
         """Target hidden states of new committed positions (n, D), or (B, n, D) for a batch (``pos`` / ``valid``
         (B, n): left-padded rows) -> the heads' context states, same shape."""
         return hs
-
-    @torch.no_grad()
-    def propose(self, h: torch.Tensor, cur: torch.Tensor, gamma: int, pick, stop=None):
-        """A chain of up to gamma drafts after ``cur``. pick(logits (V,)) -> (token (1,), q (V,) or None); each
-        draft is drawn from the q it reports, which is all rejection sampling needs. ``stop(n, logits, None)``
-        (adaptive draft length, eval/shapes.py ``draft_chain``) may end the chain after n drafts (n >= 1, or n >= 0
-        for a hook with min_len 0); a ``before_feed`` hook is asked right after draft n: stop(n, logits, state,
-        tok). The state handed to a hook is the one the next (after) or just picked (before) draft comes from."""
-        after, before = split_stop(stop)
-        path, qs, first = [cur], [], first_stop(after)
-        n_max = min(gamma, self.max_draft_len)
-        for i in range(n_max):
-            logits, state = self.draft_step(h, path)
-            if after is not None and i >= first and after(i, logits, state):
-                break
-            tok, q = pick(logits)
-            path.append(tok)
-            qs.append(q)
-            if before is not None and i + 1 < n_max and before(i + 1, logits, state, tok):
-                break
-        if len(path) == 1:
-            return cur.new_empty(0), None
-        return torch.cat(path[1:]), (torch.stack(qs) if qs[0] is not None else None)
 
 
 def split_stop(stop):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +73,17 @@ class KVCache:
         # Static-shape mode (eval/graphs.py, CUDA graphs): new K/V go to these slots (a (T,) device tensor),
         # attention reads the whole buffer under the caller's full-width mask, and ``length`` is the caller's job.
         self.slots: torch.Tensor | None = None
+
+    @classmethod
+    def keyless(cls, batch: int, max_len: int, device=None) -> KVCache:
+        """A cache with no layers, for a drafter that keeps no keys (a bigram table): only the decoder's
+        bookkeeping (``length``, ``valid``), which its forward keeps with ``advance``."""
+        return cls(SimpleNamespace(n_layers=0, n_kv_heads=1, hd=1), batch, max_len, torch.float32, device)
+
+    def advance(self, T: int, valid: torch.Tensor | None = None) -> None:
+        """T new slots written: valid where ``valid`` (B, T) says (all by default), then ``length`` moves on."""
+        prepare_cache(self, T, valid, None)
+        self.length += T
 
     def rows(self, n: int, length: int, padded: bool) -> KVCache:
         """A cache over rows [0, n) of this one's storage (shared, not copied), ``length`` slots filled: what a

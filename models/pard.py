@@ -2,7 +2,7 @@
 
 After the context (the committed tokens it has not read yet, then the current token) it reads k-1 copies of a
 reserved mask token, each at its own next RoPE position under the causal mask; its logits at the current token
-and at mask i are its distributions for draft 1 and draft i+1 (eval/proposers.py ``PardProposer``). Each
+and at mask i are its distributions for draft 1 and draft i+1 (eval/proposers.py ``TokenRows``). Each
 distribution depends on the committed context only, never on the other drafts, so sampling draft i from its own
 q_i is a valid proposal for the chain's rejection rule.
 

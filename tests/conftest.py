@@ -414,26 +414,36 @@ def sampled_joint(decode, target, prompt, depth: int, N: int):
 
 class AlignedOracleHeads:
     """A feature drafter that checks the decoder hands it the right hidden state (the target's LM head on it gives
-    back ``cur``) and proposes the known greedy continuation ``ar``: full acceptance iff everything lines up."""
+    back ``cur``) and proposes the known greedy continuation ``ar``: full acceptance iff everything lines up. One
+    row; chains (``draft_step``, one call per draft of a step, all accepted)."""
 
     reads_target_hidden = True
     max_draft_len = 4
 
     def __init__(self, target, ar):
-        self.target, self.ar, self.k, self.checked = target, ar, 0, 0
+        self.target, self.ar, self.k, self.checked, self.calls = target, ar, 0, 0, None
 
-    def new_context(self, max_len):
+    def new_context(self, max_len, batch=1):
         return None
 
-    def read_context(self, hs, cache=None):
+    def read_context(self, hs, cache=None, pos=None, valid=None):
         return hs
 
-    def propose(self, h, cur, gamma, pick):
-        assert int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
-        drafts = self.ar[self.k + 1 : self.k + 1 + gamma]
-        self.k += len(drafts) + 1  # all accepted, then one bonus token
-        self.checked += 1
-        return torch.tensor(drafts, dtype=torch.long), None
+    def draft_step(self, h, path):
+        if len(path) == 1:  # a step's first draft: h is the state that produced cur
+            if self.calls is not None:
+                self.k += self.calls + 1  # the last step's drafts, all accepted, and its bonus token
+            self.calls = 0
+            assert int(self.target.lm_head(h[0]).argmax()) == int(path[0][0]) == self.ar[self.k]
+            self.checked += 1
+        self.calls += 1
+        nxt = self.k + len(path)
+        logits = torch.zeros(1, self.target.cfg.vocab_size, dtype=h.dtype)
+        logits[0, self.ar[nxt] if nxt < len(self.ar) else 0] = 10.0
+        return logits, h
+
+    def logits_after(self, h, path):
+        return self.draft_step(h, path)[0]
 
 
 class EagleOracle:
@@ -455,12 +465,14 @@ class EagleOracle:
         return f
 
     def new_cache(self, batch, max_len):
-        return type("Cache", (), {"length": 0})()
+        from draftsmith.models.llama import KVCache
 
-    def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only=False):
+        return KVCache.keyless(batch, max_len)
+
+    def step(self, state, ids, pos=None, cache=None, attn_mask=None, last_only=False, valid=None):
         T = ids.shape[1]
         pos = torch.arange(cache.length, cache.length + T) if pos is None else pos[0]
-        cache.length += T
+        cache.advance(T, valid)
         if self._real:  # pair at position i: feature f_i, token x_{i+1}
             self._real = False
             for j in range(T):

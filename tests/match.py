@@ -62,9 +62,9 @@ def chain_steps(target, drafter, prompt: torch.Tensor, max_new_tokens: int, gamm
     """A greedy chain decode (γ = ``gamma``) -> (new tokens, [(that step's drafts, how many were accepted)])."""
     steps, draft = [], Chain.draft
 
-    def spy(self, proposer, cur, budget):
-        d = draft(self, proposer, cur, budget)
-        steps.append(d.tokens.tolist())
+    def spy(self, dec, rows, cur, budgets):
+        d = draft(self, dec, rows, cur, budgets)
+        steps.append(d.tokens[0, : d.count[0]].tolist())  # one row
         return d
 
     with mock.patch.object(Chain, "draft", spy):

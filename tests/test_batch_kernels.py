@@ -139,9 +139,11 @@ def test_row_cache_compacts_all_rows_in_one_call(monkeypatch):
     rc.view.valid[2] = False  # a row with nothing valid
     kv_r, valid_r = rc.full.kv.clone(), rc.full.valid.clone()
     loop_compact(kv_r, valid_r[:5], 12, int(valid_r[:5, :12].sum(1).max()))
+    from draftsmith.eval import row_cache
+
     calls = []
-    real = batch.compact_rows
-    monkeypatch.setattr(batch, "compact_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = row_cache.compact_rows
+    monkeypatch.setattr(row_cache, "compact_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     rc.compact()
     assert calls == [1]
     assert torch.equal(rc.full.valid, valid_r) and torch.equal(rc.full.kv, kv_r)
@@ -216,7 +218,7 @@ def test_sampling_rows_check_shapes():
 
 
 def _loop_accept(self, rows, drafts, qs, logits, gam):
-    """BatchDecoder._accept as it was: one rejection_accept per sampled row."""
+    """BatchDecoder.accept_chains as a loop: one rejection_accept per sampled row."""
     from draftsmith.kernels.verify import verify_greedy
 
     G = logits.shape[1] - 1
@@ -267,7 +269,7 @@ def test_the_batch_decoder_accepts_sampled_rows_in_one_call(monkeypatch, drafter
     monkeypatch.setattr(batch, "verify_sampling_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused, steps = decode()
     assert 0 < len(calls) <= steps
-    monkeypatch.setattr(batch.BatchDecoder, "_accept", _loop_accept)
+    monkeypatch.setattr(batch.BatchDecoder, "accept_chains", _loop_accept)
     looped, _ = decode()
     assert fused == looped
 

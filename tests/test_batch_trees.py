@@ -1,4 +1,5 @@
-"""Trees and judged chains at B > 1 (eval/row_shapes.py through ``BatchDecoder``): every row decodes exactly as
+"""Trees and judged chains at B > 1 (eval/shapes.py through ``BatchDecoder``, every row's tree drafted as one
+batch): every row decodes exactly as
 its prompt would alone. Greedy rows equal ``autoregressive_generate`` and their own batch-1 tree decode (same
 accepted count at every step) for every proposer kind, static and dynamic trees, B in {1, 2, 5, 8} with ragged
 prompts under a cache so tight that the holes left by rejected branches are compacted again and again; sampled

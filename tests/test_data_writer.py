@@ -26,11 +26,13 @@ class _WritingOracleHeads(AlignedOracleHeads):
     """Writes the target's greedy continuation one token per step, checking it is handed the state whose LM-head
     output is ``cur``: the writer reproduces AR iff every step lines up."""
 
-    def propose(self, h, cur, gamma, pick):
-        assert gamma == 1 and int(self.target.lm_head(h).argmax()) == int(cur) == self.ar[self.k]
+    def draft_step(self, h, path):
+        assert len(path) == 1 and int(self.target.lm_head(h[0]).argmax()) == int(path[0][0]) == self.ar[self.k]
         self.k += 1
         self.checked += 1
-        return torch.tensor(self.ar[self.k : self.k + 1], dtype=torch.long), None
+        logits = torch.zeros(1, self.target.cfg.vocab_size, dtype=h.dtype)
+        logits[0, self.ar[self.k] if self.k < len(self.ar) else 0] = 10.0
+        return logits, h
 
 
 @pytest.mark.parametrize("kind", proposer_kinds("heads", "features"))

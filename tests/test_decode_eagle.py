@@ -1,4 +1,4 @@
-"""EAGLE drafters (FeatureProposer): (feature, next token) pairs re-read with the target's features after every
+"""EAGLE drafters (FeatureRows): (feature, next token) pairs re-read with the target's features after every
 verify. Lossless chains, static and dynamic trees for EAGLE-1/3, reduced vocabularies and deeper stacks; the
 pairs, features and positions aligned (an oracle); sampling keeping the target's distribution."""
 

@@ -1,4 +1,4 @@
-"""Feature heads (HeadProposer: Medusa, Hydra, Hydra++, MLP speculator): lossless chains, static and dynamic
+"""Feature heads (HeadRows: Medusa, Hydra, Hydra++, MLP speculator): lossless chains, static and dynamic
 trees, the hidden state handed to them aligned with cur (oracles), reduced vocabularies, Hydra++'s prefix
 layer context, and sampling through chains and trees keeping the target's distribution."""
 
@@ -35,9 +35,9 @@ class _TreeOracleHeads(AlignedOracleHeads):
         self.k, self.depth = None, depth
 
     def logits_after(self, h, path):
-        if h.dim() == 1:  # a step's root: cur is ar[k], just after the last accepted path
-            cur = int(path[0])
-            assert int(self.target.lm_head(h).argmax()) == cur
+        if len(path) == 1:  # a step's root: cur is ar[k], just after the last accepted path
+            cur = int(path[0][0])
+            assert int(self.target.lm_head(h[0]).argmax()) == cur
             lo = 0 if self.k is None else self.k + 1
             self.k = (
                 lo
@@ -50,7 +50,7 @@ class _TreeOracleHeads(AlignedOracleHeads):
         nxt = self.k + len(path)
         for r, row in enumerate(rows):
             logits[r, self.ar[nxt] if row == self.ar[self.k : nxt] and nxt < len(self.ar) else r % 5] = 10.0
-        return logits[0] if h.dim() == 1 else logits
+        return logits
 
 
 @pytest.mark.parametrize("kind", proposer_kinds("heads"))

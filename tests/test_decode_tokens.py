@@ -1,4 +1,4 @@
-"""Draft LMs (TokenProposer): chains lossless for good, bad, oracle and adversarial drafters with the rollback of
+"""Draft LMs (TokenRows): chains lossless for good, bad, oracle and adversarial drafters with the rollback of
 both caches mid-chain, the fused fp32 fast path, speculative sampling end to end, and the stop hook reading the
 drafter's final state. Trees of draft LMs are in tests/test_tree.py."""
 

@@ -119,7 +119,7 @@ def test_eagle_drafters_draft_through_the_static_step():
                 assert out == out_e == ref and st.accepted == st_e.accepted, params
         # chain drafts (1 token, last-only roots of 1..5 tokens) and tree levels (own masks and positions)
         keys = set(g._runs)  # (T, own mask, own positions, last-only)
-        assert (1, False, False, False) in keys and (1, False, False, True) in keys, params  # chain, root
+        assert (1, False, True, False) in keys and (1, False, True, True) in keys, params  # chain, root
         assert any(k[1] and k[2] for k in keys), params  # tree levels
         # step by step, as the static path sees them: a multi-token root, a draft, a tree level
         c_e, c_s = d.new_cache(1, 64), g.new_cache(1, 64)
@@ -178,29 +178,32 @@ def test_graphed_decoding_is_lossless():
     assert out == ref and stats.tau > 3
 
 
+@torch.no_grad()
 def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
     """TreeGraph (a dynamic tree with its slot offset on the device and full-width masks, captured on CUDA) against
     the eager levels it replaces, uncaptured on CPU: the same tokens, parents, mask and depths, step after step."""
-    from draftsmith.eval.proposers import TokenProposer, TreeGraph
-    from draftsmith.eval.shapes import Draft, feed_level, tree_levels
+    from draftsmith.eval.accept import Sampler
+    from draftsmith.eval.batch_decoder import _Row
+    from draftsmith.eval.decoder import DecodeStats
+    from draftsmith.eval.proposers import TokenRows, TreeGraph, _Rows
 
     gd = GraphedLlama(_model(1, n_layers=1), 256, graphs=False)
     p = torch.randint(0, 300, (12,))
     for spec in (DynamicTree(depth=3, top_k=3, total_tokens=8), DynamicTree(depth=5, top_k=4, total_tokens=30)):
-        run = TokenProposer(None, gd)
-        run.prefill(p.view(1, -1), {}, 256)  # as trees do: the prompt is read with the first root
-        assert run.cache is gd._cache
+        run = TokenRows(_model(0), gd, 256)
+        row = _Row(0, p, 64, Sampler(0.0), DecodeStats())
+        run.join([row], p.view(1, -1), None, torch.arange(12)[None], {}, [0])
+        assert run.rc.view is gd._cache  # one row in one-row storage: the wrapper's static cache
         cur = torch.tensor([5])
         with torch.no_grad():
             for accepted in ([], [7, 9], [11]):  # three steps: the tree's first slot moves on
-                logits, _ = run.root(cur)
-                base = run.cache.length
-                want = [x[0] for x in tree_levels(run, logits[None], None, base, spec, feed_level)]  # one row
-                got = TreeGraph.of(gd, spec)(logits, base)
+                logits, _ = run.root([row], cur, 40, spec.depth)
+                run._pos0, base = run.root_pos([row]), run.rc.length
+                want = [x[0] for x in _Rows._levels(run, logits, None, spec)]  # the eager levels, one row
+                got = TreeGraph.of(gd, spec)(logits[0], base)
                 for w, g in zip(want, got, strict=True):
                     assert torch.equal(w, g)
-                kept = torch.tensor(accepted, dtype=torch.long)
-                run.commit(Draft(cur, want[0]), kept, list(range(len(accepted) + 1)), {})
+                run.commit_tree([row], [torch.tensor(accepted, dtype=torch.long)], [], {})
     assert len(gd._tree_graphs) == 2
 
 

@@ -131,11 +131,12 @@ def test_ngram_cache_learns_and_translates(toks):
     t, ds = toks
     target = TextOracle(tiny_model(0, cfg(len(t))), t, TEXT)
     lm = TextOracle(tiny_model(1, cfg(len(ds[260]))), ds[260], TEXT)
-    drafter = OwnVocabDrafter(lm, ds[260], t, method="slem")
-    cache = NgramCache()
+    drafter = OwnVocabDrafter(lm, ds[260], t, method="slem", ngram=True, shared_ngram=True)
+    cache = drafter.shared  # one table for both decodes
+    assert isinstance(cache, NgramCache)
     p = Vocabs.ids(t, "The quick brown")
     ref = autoregressive_generate(target, torch.tensor(p), NEW)
-    runs = [hetero_generate(target, drafter, torch.tensor(p), NEW, draft_len=4, ngram=cache) for _ in range(2)]
+    runs = [hetero_generate(target, drafter, torch.tensor(p), NEW, draft_len=4) for _ in range(2)]
     assert [out for out, _ in runs] == [ref, ref]
     assert cache.table and cache.hits >= runs[1][1].target_forwards - 1  # the second decode: (nearly) every step
     assert runs[0][1].accept_counts == runs[1][1].accept_counts  # as the tokenizer would have

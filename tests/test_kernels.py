@@ -221,25 +221,24 @@ def test_the_decoder_verifies_through_the_kernels_where_auto_picks_them(monkeypa
     """The chain decoder's acceptance runs the fused kernels where ``impl`` picks them (auto: on CUDA; forced here
     under the interpreter): one sampling launch per verify step, its Philox seed one draw from the decode's
     generator (so a seeded decode repeats), and greedy decoding through the greedy kernel stays exact."""
-    from functools import partial
 
-    from draftsmith.eval import accept, decoder
-    from draftsmith.eval.accept import Sampler, rejection_accept
+    from draftsmith.eval import batch_decoder, decoder
+    from draftsmith.eval.accept import rejection_accept
     from tests.conftest import noisy_copy, tiny_model
 
     target = tiny_model(0).double()
     drafter = noisy_copy(target).double()
     prompt = torch.arange(3, 11)
     calls = {"sampling": 0, "greedy": 0}
-    for name in calls:
-        real = getattr(accept, f"verify_{name}")
+    for name, fn in (("sampling", "verify_sampling_rows"), ("greedy", "verify_greedy")):
+        real = getattr(batch_decoder, fn)
 
         def spy(*args, _real=real, _name=name):
             calls[_name] += args[-1] == "triton"
             return _real(*args)
 
-        monkeypatch.setattr(accept, f"verify_{name}", spy)
-    monkeypatch.setattr(decoder, "Sampler", partial(Sampler, impl="triton"))
+        monkeypatch.setattr(batch_decoder, fn, spy)
+    monkeypatch.setattr(batch_decoder.BatchDecoder, "impl", "triton")
 
     def run(temperature, seed):
         gen = torch.Generator().manual_seed(seed)

@@ -1,4 +1,4 @@
-"""PARD (models/pard.py): the drafter kind, its one-forward decoding at batch 1 (eval/proposers.py PardProposer),
+"""PARD (models/pard.py): the drafter kind, its one-forward decoding (eval/proposers.py TokenRows),
 greedy and sampled losslessness, trees, the COD training layout and a tiny training run. Float64 tiny models."""
 
 from __future__ import annotations
@@ -72,28 +72,39 @@ def test_greedy_chain_equals_target_with_one_drafter_forward_per_step(target, ar
     assert accepted > 0
 
 
+def _one_row(prompt: list[int]):
+    from draftsmith.eval.accept import Sampler
+    from draftsmith.eval.batch_decoder import _Row
+    from draftsmith.eval.decoder import DecodeStats
+
+    return _Row(0, torch.tensor(prompt), 64, Sampler(0.0), DecodeStats())
+
+
+@torch.no_grad()
 def test_drafts_are_the_argmax_of_each_parallel_distribution(target):
     """One step by hand: the chain's drafts are the argmax at cur and at each mask of one forward; the mask slots
     are rolled back and the next step reads the accepted drafts first."""
-    from draftsmith.eval.accept import Sampler
-    from draftsmith.eval.proposers import PardProposer, proposer_for
+    from draftsmith.eval.proposers import TokenRows, proposer_for
+    from draftsmith.eval.shapes import Verdict
 
     drafter = tiny_pard(target)
-    assert proposer_for(drafter) is PardProposer
-    prop = PardProposer(target, drafter)
-    prompt = torch.tensor([[3, 14, 15, 92, 65]])
-    prop.prefill(prompt, {}, 64, check_vocab=True)
-    cur = torch.tensor([7])
-    d = prop.chain(cur, 3, Sampler(0.0).pick)
+    assert proposer_for(drafter) is TokenRows
+    prop = TokenRows(target, drafter, 64)
+    assert prop.pard and prop.depth == drafter.parallel_drafts
+    row, prompt = _one_row([3, 14, 15, 92, 65]), torch.tensor([[3, 14, 15, 92, 65]])
+    prop.join([row], prompt, None, torch.arange(5)[None], {}, [0])
+    pick = lambda lg, live: (lg.argmax(-1), None)  # noqa: E731
+    toks, _, count = prop.draft([row], torch.tensor([7]), [3], pick)
     m = drafter.cfg.vocab_size
     want = drafter(torch.tensor([[3, 14, 15, 92, 65, 7, m, m]]))[0, -3:].argmax(-1)
-    assert d.tokens.tolist() == want.tolist() and d.q is None
-    assert prop.cache.length == 6 and prop.root_len == 6  # the mask slots are rolled back at once
-    prop.commit(d, d.tokens[:2], [0, 1, 2], {})
-    assert prop.cache.length == 6 and prop.unread.tolist() == want[:2].tolist()
-    d2 = prop.chain(torch.tensor([9]), 2, Sampler(0.0).pick)
+    assert torch.cat(toks).tolist() == want.tolist() and count == [3]
+    assert prop.rc.length == 6 and row.dpos == 6  # the mask slots are rolled back at once
+    v = Verdict([want[:2].tolist()], [[0, 1, 2]], [0], [0], torch.tensor([2]))
+    prop.commit([row], torch.tensor([7]), torch.stack(toks, 1), v, {})
+    assert prop.rc.length == 6 and row.unread.tolist() == want[:2].tolist()
+    toks2, _, _ = prop.draft([row], torch.tensor([9]), [2], pick)
     ref = drafter(torch.tensor([[3, 14, 15, 92, 65, 7, *want[:2].tolist(), 9, m]]))[0, -2:].argmax(-1)
-    assert d2.tokens.tolist() == ref.tolist()
+    assert torch.cat(toks2).tolist() == ref.tolist()
 
 
 def test_chain_longer_than_pard_k_is_capped(target, ar_outputs):
@@ -119,18 +130,22 @@ def test_trees_are_lossless_with_one_drafter_forward(target, ar_outputs, shape):
         ev.close()
         assert out == ar_outputs[tuple(prompt)], (shape, len(prompt))
         check_tau_consistency(st)
-        kinds = "".join(k for k, _ in ev.log)
-        assert "DD" not in kinds and st.accepted > 0
+        kinds = "".join(k for k, _ in ev.log)  # the prefill reads the prompt (and checks the vocabulary) first
+        assert kinds.startswith("TD") and "DD" not in kinds[2:] and st.accepted > 0
 
 
+@torch.no_grad()
 def test_static_tree_nodes_are_ranked_tokens_of_their_depths_distribution(target):
-    from draftsmith.eval.proposers import PardProposer
+    from draftsmith.eval.proposers import TokenRows
 
     drafter = tiny_pard(target)
-    prop = PardProposer(target, drafter)
-    prop.prefill(torch.tensor([[5, 6]]), {}, 64)
+    prop = TokenRows(target, drafter, 64)
+    row = _one_row([5, 6])
+    prop.join([row], torch.tensor([[5, 6]]), None, torch.arange(2)[None], {}, [0])
     spec = TREES["static"]
-    tokens = prop.static_tree(torch.tensor([8]), spec, None)
+    from draftsmith.kernels.tree import tree_mask
+
+    tokens = prop.static_tree([row], torch.tensor([8]), spec, tree_mask(torch.tensor(spec.parents))[0], 16)[0]
     m = drafter.cfg.vocab_size
     logits = drafter(torch.tensor([[5, 6, 8, m, m]]))[0, -3:]
     for tok, d, r in zip(tokens.tolist(), spec.depths, spec.ranks):

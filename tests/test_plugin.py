@@ -16,6 +16,7 @@ import yaml
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.llama import KVCache
 from draftsmith.models.registry import DRAFTERS, kinds, load_drafter, register_drafter, unregister_drafter
 from draftsmith.models.spec import DrafterSpec, Strict
 from draftsmith.recipes.loader import find_recipe, validate
@@ -42,14 +43,6 @@ class BigramConfig:
         return asdict(self)
 
 
-class _Cache:
-    """The decoder keeps ``length`` (committed positions) and rolls it back after a rejection; a bigram needs no
-    state beyond the current token."""
-
-    def __init__(self):
-        self.length = 0
-
-
 class Bigram(nn.Module):
     """A token drafter (interface "tokens"): ``drafter(ids, cache=...) -> logits (B, T, V)`` and ``new_cache``."""
 
@@ -59,12 +52,12 @@ class Bigram(nn.Module):
         self.table = nn.Embedding(cfg.vocab_size, cfg.vocab_size)  # row t: logits of the token after t
         nn.init.zeros_(self.table.weight)
 
-    def new_cache(self, batch: int, max_len: int) -> _Cache:
-        return _Cache()
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return KVCache.keyless(batch, max_len, self.table.weight.device)  # a bigram keeps no keys
 
-    def forward(self, ids: torch.Tensor, cache: _Cache | None = None, **_) -> torch.Tensor:
-        if cache is not None:
-            cache.length += ids.shape[1]
+    def forward(self, ids: torch.Tensor, cache: KVCache | None = None, valid=None, **_) -> torch.Tensor:
+        if cache is not None:  # the decoder's bookkeeping: which slots hold this row's tokens
+            cache.advance(ids.shape[1], valid)
         return self.table(ids)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
@@ -169,6 +162,18 @@ def test_a_kind_defined_in_a_test_trains_checkpoints_and_decodes_losslessly(
             assert got == want  # greedy: token for token the target's own output
             drafted += stats.drafted
     assert drafted > 0
+    # the batched decoder and trees take it as they take the shipped kinds: rows of a batch, static and dynamic
+    from draftsmith.eval.batch_decoder import speculative_generate_batch
+    from draftsmith.eval.tree import DynamicTree, tree_from_choices
+
+    prompts = [
+        torch.randint(3, target.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (3, 9, 5)
+    ]
+    wants = [autoregressive_generate(target, p, 24) for p in prompts]
+    for tree in (None, tree_from_choices([[0], [1], [0, 0]]), DynamicTree(top_k=2, depth=3, total_tokens=6)):
+        outs, stats = speculative_generate_batch(target, drafter, prompts, 24, draft_len=3, tree=tree)
+        assert outs == wants and sum(st.drafted for st in stats) > 0
+        assert [speculative_generate(target, drafter, p, 24, draft_len=3, tree=tree)[0] for p in prompts] == wants
     # and `draftsmith eval` on the run: the same decoder, timed against plain decoding
     from draftsmith.cli import main
 

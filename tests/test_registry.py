@@ -15,10 +15,10 @@ from draftsmith.models.llama import Llama, LlamaConfig
 from draftsmith.models.registry import DRAFTERS, build_drafter, drafter_spec, load_drafter, save_drafter
 
 CFG = LlamaConfig(vocab_size=96, dim=32, n_layers=6, n_heads=4, n_kv_heads=2, hidden_dim=64)
-# What the decoders (eval/decoder.py, eval/tree_decoder.py) call on a drafter of each interface.
+# What the decoder (eval/proposers.py) calls on a drafter of each interface.
 PROTOCOL = {
     "tokens": ("new_cache",),
-    "heads": ("reads_target_hidden", "max_draft_len", "logits_after", "propose", "new_context", "read_context"),
+    "heads": ("reads_target_hidden", "max_draft_len", "draft_step", "logits_after", "new_context", "read_context"),
     "features": ("reads_target_features", "capture_layers", "features", "project", "step"),
 }
 

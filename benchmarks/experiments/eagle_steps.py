@@ -17,8 +17,8 @@ draft steps per dtype (where a bf16 draft step spends its time next to an fp32 o
     python benchmarks/experiments/eagle_steps.py                        # CUDA if present, fp32 and bf16
     python benchmarks/experiments/eagle_steps.py --device cpu --dtypes float32 --reps 20
 
-It calls the decoder's drafting pieces (eval/proposers.py ``FeatureProposer``, eval/shapes.py ``draft_chain``)
-to time one draft block on its own.
+It calls the decoder's drafting piece (eval/proposers.py ``FeatureRows.draft``, one row) to time one draft block on
+its own.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import torch
 
 from draftsmith.eval.accept import Sampler
 from draftsmith.eval.bench import fast_model
-from draftsmith.eval.proposers import FeatureProposer
-from draftsmith.eval.shapes import draft_chain
+from draftsmith.eval.proposers import FeatureRows
 from draftsmith.eval.timing import interleave, sync
 from draftsmith.models.eagle import build_eagle
 from draftsmith.models.llama import Llama, LlamaConfig
@@ -100,15 +99,19 @@ def step_jobs(target, drafter, args, device: str) -> dict:
         # A whole block as the decoder drafts it: root over the accepted token, γ - 1 fed drafts, greedy picks.
         prompt = ids(ctx)[0]
         feats = torch.randn(ctx, drafter.cfg.feature_dim, device=dev, dtype=dt)
-        run = FeatureProposer(target, drafter)
-        run.cache, run.ids, run.feats = drafter.new_cache(1, max_len), prompt[1:], feats  # as after a prefill
-        cur, pick = ids(1)[0], Sampler().pick
+        run = FeatureRows(target, drafter, max_len)
+        row = SimpleNamespace(dpos=0, unread=prompt[1:], feats=feats, stop=None)  # as after a prefill
+        run.rc.join(drafter.new_cache(1, 1), [0], 0)
+        cur, sampler = ids(1)[0], Sampler()
+
+        def pick(lg, live):
+            return sampler.pick(lg[0])[0].view(1), None
 
         def block():
-            draft_chain(run, cur, g, pick)
+            run.draft([row], cur, [g], pick)
             # nothing accepted: roll back to the root, and the next root reads one pair
-            run.cache.length, run.root_len = run.root_len, None
-            run.ids, run.feats = cur.new_empty(0), feats[:1]
+            run.rc.view.length = run.root_end
+            row.unread, row.feats = cur.new_empty(0), feats[:1]
 
         jobs[f"chain block γ={g}"] = block
     return jobs

@@ -74,7 +74,7 @@ DRAFT_ROOM = 1024  # cache slots past prompt + answer for a step's drafts (trees
 def make_decoder(target, drafter, *, draft_len: int, eos_ids, max_len: int, stop_drafting=None, tree=None):
     """The one place the server picks its decoder: rows that join and leave between steps (add / step / remove /
     active / stats), every row verified in one batched target forward per step (eval/batch_decoder.py; trees draft
-    row by row, eval/row_shapes.py). It takes the models without CUDA-graph wrappers, whose one static cache holds one
+    as one batch, eval/proposers.py). It takes the models without CUDA-graph wrappers, whose one static cache holds one
     row."""
     return BatchDecoder(target, drafter, draft_len=draft_len, eos_ids=eos_ids, max_len=max_len,
                         stop_drafting=stop_drafting, tree=None if drafter is None else tree)  # fmt: skip
