@@ -508,7 +508,8 @@ def write_batch(
     gens: list[torch.Generator],
 ) -> list[Generated]:
     """On-policy responses written by a drafter that reads the target's states (heads, EAGLE): ``write_one`` for
-    a left-padded batch, with one target KV cache and one drafter cache.
+    a batch of rows, on the decoder's proposers (eval/proposers.py) and its slot cache (one target cache, the
+    drafter's caches).
 
     The first token is the target's; every later one is the drafter's first draft after the last token. The
     target only runs one step behind, over the token just written, for the state the drafter reads next: its
@@ -516,51 +517,47 @@ def write_batch(
     (EAGLE, read in (feature, next token) pairs). Row b draws only from gens[b] and stops drawing at its EOS, so
     its text does not depend on its batch-mates: it equals ``write_one``'s.
     """
+    from draftsmith.eval.accept import Sampler
+    from draftsmith.eval.batch_decoder import SlotTarget, _Row
+    from draftsmith.eval.proposers import proposer_for
+    from draftsmith.eval.row_cache import aligned
+    from draftsmith.eval.shapes import Drafted, Verdict
+
     if max_new_tokens <= 0:
         return [Generated([]) for _ in contexts]
     dev = model.embed_tokens.weight.device
-    B, L = len(contexts), max(len(c) for c in contexts)
-    ids, valid, pos = _left_pad(contexts, dev)
-    eagle = getattr(drafter, "reads_target_features", False)
-    layer_ids = drafter.capture_layers if eagle else (model.cfg.n_layers,)
-    cache = model.new_cache(B, L + max_new_tokens)
-    dcache = drafter.new_cache(B, L + max_new_tokens) if eagle else drafter.new_context(L + max_new_tokens, B)
-    last = torch.zeros(B, L, dtype=torch.bool, device=dev)
-    last[:, -1] = True  # the target's LM head runs once, for the first token; the drafter writes the rest
-
-    def target(x, p, v, at):
-        logits, cap = model(x, pos=p, cache=cache, valid=v, capture_layers=layer_ids, logits_at=at)
-        return logits, drafter.features(cap, model) if eagle else model.norm(cap[model.cfg.n_layers])
-
-    def draft(states, toks, p, v=None):
-        """The drafter's logits (B, V) for the token after toks[:, -1], from the target's states (B, T, ·) at
-        the T positions before ``toks``: EAGLE reads them as pairs (f_i, x_{i+1}); heads feed them through
-        their context layer and draft from the last one."""
-        if eagle:
-            logits, _ = drafter.step(drafter.project(states), toks, pos=p, cache=dcache, valid=v, last_only=True)
-            return logits[:, -1]
-        ctx = drafter.read_context(states, dcache, pos=p, valid=v)[:, -1]
-        return drafter.logits_after(ctx, [toks[:, -1]])
-
-    logits, states = target(ids, pos, valid, last)
+    B, max_len = len(contexts), max(len(c) for c in contexts) + max_new_tokens + 2
+    proposer, tside = proposer_for(drafter)(model, drafter, max_len), SlotTarget(model, max_len)
+    prompts = [torch.tensor(c, device=dev) for c in contexts]
+    ids, valid, pos = aligned(prompts, [0] * B)
+    logits, captured = tside.prefill(ids, valid, pos, proposer.layers)
+    tside.join(list(range(B)), ids.shape[1])
+    rows = [_Row(b, p, max_new_tokens, Sampler(), DecodeStats(), pos=p.numel()) for b, p in enumerate(prompts)]
+    proposer.join(rows, ids, valid, pos, captured, list(range(B)))
     cur = sampling.pick(logits, gens)
-    # EAGLE's pair i is (f_i, x_{i+1}): the prompt shifted by one, then the first token
-    q = draft(states, torch.cat([ids[:, 1:], cur[:, None]], 1) if eagle else cur[:, None], pos, valid)
+
+    def pick(lg: torch.Tensor, live: list[bool]):  # a finished row draws nothing: its stream is its own
+        nxt, idx = lg.argmax(-1), [b for b, x in enumerate(live) if x]
+        nxt[idx] = sampling.pick(lg[idx], [gens[b] for b in idx])
+        return nxt, None
+
     eos = torch.tensor(sorted(eos_ids), dtype=torch.long, device=dev)
     active = torch.ones(B, dtype=torch.bool, device=dev)
-    no_head = torch.zeros(B, 1, dtype=torch.bool, device=dev)
-    toks, next_pos = [], pos[:, -1:] + 1
+    nothing = Drafted(cur.new_zeros(B, 0), [0] * B)  # the verify reads cur alone and keeps it
+    kept = Verdict([[] for _ in rows], [[0] for _ in rows], [0] * B, [0] * B, cur.new_zeros(B))
+    toks = []
     for t in range(max_new_tokens):
         toks.append(cur)
         active &= ~torch.isin(cur, eos)
         if not active.any() or t == max_new_tokens - 1:
             break
-        rows = active.nonzero()[:, 0].tolist()
-        nxt = cur.clone()  # finished rows repeat a token nobody keeps; they draw nothing
-        nxt[rows] = sampling.pick(q[rows], [gens[b] for b in rows])
-        _, states = target(cur[:, None], next_pos, None, no_head)  # the state at cur, one step behind
-        q = draft(states, nxt[:, None], next_pos)
-        cur, next_pos = nxt, next_pos + 1
+        drafts, _, _ = proposer.draft(rows, cur, [int(a) for a in active.tolist()], pick)
+        _, captured = tside.verify(rows, cur[:, None], nothing, proposer.layers)  # the states at cur, one behind
+        tside.keep(kept, 1)
+        proposer.commit(rows, cur, drafts[0][:, None], kept, captured)  # of the verify only cur's state
+        for r in rows:
+            r.pos += 1
+        cur = torch.where(active, drafts[0], cur)  # finished rows repeat a token nobody keeps
     out = []
     for row in torch.stack(toks, 1).tolist():
         k = next((j + 1 for j, x in enumerate(row) if x in eos_ids), len(row))  # keep EOS, drop what follows

@@ -49,17 +49,9 @@ def quick_eval(
     stats, alphas = DecodeStats(), []
     for ids in prompts:
         prompt = torch.tensor(ids, device=device)
+        kw = {"tree": tree, "stop_drafting": stop_drafting, "eos_ids": eos_ids, "generator": gen}
         out, st = speculative_generate(
-            target,
-            drafter,
-            prompt,
-            max_new_tokens,
-            draft_len=draft_len,
-            tree=tree,
-            stop_drafting=stop_drafting,
-            temperature=temperature,
-            eos_ids=eos_ids,
-            generator=gen,
+            target, drafter, prompt, max_new_tokens, draft_len=draft_len, temperature=temperature, **kw
         )
         stats.merge(st)
         # heads / EAGLE: the loop logs alpha per head or TTT step; a draft with its own vocabulary has no per-token

@@ -145,18 +145,6 @@ def interleave(
     return out
 
 
-def time_call(
-    fn: Callable[[], Any],
-    *,
-    warmup: int = 1,
-    repeats: int = 5,
-    number: int = 1,
-    device: str | torch.device | None = "cpu",
-    measure: Callable[[Any], float] | None = None,
-    clock: Callable[[], float] = time.perf_counter,
-    name: str = "call",
-) -> Timing:
-    """``interleave`` for one callable: its ``Timing``."""
-    return interleave(
-        {name: fn}, warmup=warmup, repeats=repeats, number=number, device=device, measure=measure, clock=clock
-    )[name]
+def time_call(fn: Callable[[], Any], *, name: str = "call", **options) -> Timing:
+    """``interleave`` for one callable (``options``: its keywords) -> its ``Timing``."""
+    return interleave({name: fn}, **options)[name]
