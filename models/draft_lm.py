@@ -235,4 +235,5 @@ SPEC = DrafterSpec(
     fsdp_wrap=(Block,),
     packs=True,
     exports={"vllm": "draftsmith.export.formats:to_hf_writer"},  # vLLM's draft_model method reads an HF folder
+    engines={"vllm": {"method": "draft_model", "formats": ("hf", "vllm")}},
 )

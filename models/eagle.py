@@ -461,6 +461,13 @@ def export_formats(info: dict) -> dict[str, str]:
     return {"vllm": w + "to_eagle1_vllm", "sglang": w + "to_eagle1_sglang"}
 
 
+def engine_methods(info: dict) -> dict:
+    """vLLM serves EAGLE-3 by its eagle3 method and EAGLE-1 by eagle, from the vllm (or sglang) folder
+    (DrafterSpec.engines)."""
+    method = "eagle3" if info["config"].get("version") == 3 else "eagle"
+    return {"vllm": {"method": method, "formats": ("vllm", "sglang")}}
+
+
 def check_recipe(recipe) -> None:
     """EAGLE against the rest of the recipe (DrafterSpec.check): SGLang loads a one-layer EAGLE-3."""
     d, ex = recipe.drafter, recipe.export
@@ -483,4 +490,5 @@ SPEC = DrafterSpec(
     packs=True,
     check=check_recipe,
     exports=export_formats,
+    engines=engine_methods,
 )  # Block: the layers after the first

