@@ -224,6 +224,8 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
     return draft
 
 
+EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
+
 SPEC = DrafterSpec(
     kind="draft_lm",
     config=DraftLMConfig,
@@ -234,6 +236,14 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
     packs=True,
-    exports={"vllm": "draftsmith.export.formats:to_hf_writer"},  # vLLM's draft_model method reads an HF folder
+    exports={  # a plain transformers Llama folder; vLLM's draft_model method reads the same
+        fmt: {
+            "write": EXPORT + "to_draft_lm_hf",
+            "read": EXPORT + "read_draft_lm_hf",
+            "usage": EXPORT + "usage_draft_lm",
+            "plain_lm": True,
+        }
+        for fmt in ("hf", "vllm")
+    },
     engines={"vllm": {"method": "draft_model", "formats": ("hf", "vllm")}},
 )

@@ -456,15 +456,23 @@ def export_formats(info: dict) -> dict[str, str]:
     """EAGLE-3 writes speculators' layout for vLLM and SGLang's own; EAGLE-1 the engines' EAGLE-1 layout
     (DrafterSpec.exports)."""
     w = "draftsmith.export.formats:"
-    if info["config"].get("version") == 3:
-        return {"vllm": w + "to_speculators", "sglang": w + "to_sglang_eagle3"}
-    return {"vllm": w + "to_eagle1_vllm", "sglang": w + "to_eagle1_sglang"}
+    if info.get("config", {}).get("version", 3) == 3:
+        read, usage = w + "read_eagle3", w + "usage_eagle3"
+        return {
+            "vllm": {"write": w + "to_speculators", "read": read, "usage": usage},
+            "sglang": {"write": w + "to_sglang_eagle3", "read": read, "usage": usage},
+        }
+    read, usage = w + "read_eagle1", w + "usage_eagle1"  # the engines' EAGLE-1 layouts drop d2t / t2d
+    return {
+        "vllm": {"write": w + "to_eagle1_vllm", "read": read, "usage": usage, "head_ids": True},
+        "sglang": {"write": w + "to_eagle1_sglang", "read": read, "usage": usage, "head_ids": True},
+    }
 
 
 def engine_methods(info: dict) -> dict:
     """vLLM serves EAGLE-3 by its eagle3 method and EAGLE-1 by eagle, from the vllm (or sglang) folder
     (DrafterSpec.engines)."""
-    method = "eagle3" if info["config"].get("version") == 3 else "eagle"
+    method = "eagle3" if info.get("config", {}).get("version", 3) == 3 else "eagle"
     return {"vllm": {"method": method, "formats": ("vllm", "sglang")}}
 
 

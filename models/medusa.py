@@ -224,6 +224,8 @@ def check_recipe(recipe) -> None:
         )
 
 
+EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
+
 SPEC = DrafterSpec(
     kind="medusa",
     config=MedusaDrafterConfig,
@@ -235,6 +237,8 @@ SPEC = DrafterSpec(
     fsdp_wrap=(ResBlock, Block),
     packs=True,
     check=check_recipe,
-    exports={"medusa": "draftsmith.export.formats:to_medusa"},
+    exports={
+        "medusa": {"write": EXPORT + "to_medusa", "read": EXPORT + "read_medusa", "usage": EXPORT + "usage_medusa"}
+    },
     engines={"vllm": {"method": "medusa", "formats": ("medusa",)}},
 )  # Block: Medusa-2's adapted target

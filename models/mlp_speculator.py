@@ -156,6 +156,8 @@ def check_recipe(recipe) -> None:
         )
 
 
+EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
+
 SPEC = DrafterSpec(
     kind="mlp_speculator",
     config=MLPSpeculatorDrafterConfig,
@@ -166,5 +168,12 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk", "hidden_last"}),
     packs=True,
     check=check_recipe,
-    exports={"mlp-speculator": "draftsmith.export.formats:to_mlp_speculator", "vllm": VLLM_REFUSAL},
+    exports={
+        "mlp-speculator": {
+            "write": EXPORT + "to_mlp_speculator",
+            "read": EXPORT + "read_mlp_speculator",
+            "usage": EXPORT + "usage_mlp",
+        },
+        "vllm": VLLM_REFUSAL,
+    },
 )

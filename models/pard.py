@@ -216,6 +216,8 @@ def cod_layout(
     return CodLayout(out_ids, out_pos, mask, train, torch.cat(rows), torch.cat(dist))
 
 
+EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
+
 SPEC = DrafterSpec(
     kind="pard",
     config=PardDrafterConfig,
@@ -226,6 +228,19 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
     packs=True,
-    exports={"vllm": "draftsmith.export.formats:to_pard_vllm"},  # vLLM's parallel drafting: an HF folder
+    exports={  # PARD's own HF folder; vLLM's parallel drafting reads it (with the mask in the target's vocabulary)
+        "hf": {
+            "write": EXPORT + "to_pard_hf",
+            "read": EXPORT + "read_pard_hf",
+            "usage": EXPORT + "usage_pard",
+            "plain_lm": True,
+        },
+        "vllm": {
+            "write": EXPORT + "to_pard_vllm",
+            "read": EXPORT + "read_pard_hf",
+            "usage": EXPORT + "usage_pard",
+            "plain_lm": True,
+        },
+    },
     engines={"vllm": {"method": "draft_model", "formats": ("hf", "vllm"), "parallel_drafting": True}},
 )

@@ -57,11 +57,17 @@ class DrafterSpec:
     packs: the objective trains on packed batches (train.packing, data/dataset.py ``collate_packed``): it passes
         the batch's per-document positions and mask (train/objectives.py ``packed_kw``) to every forward that
         mixes positions and keeps shifted targets inside a document. Kinds without it refuse train.packing.
-    exports: the export formats (``draftsmith export --format``) besides ``hf``, which every proposer writes:
-        {format: the writer ``"module:function"``, ``writer(model, info, verifier, include_embeddings) -> (tensors,
-        config)``, or ``"refused: <why>"`` when the format cannot carry the kind}; a callable of drafter.json's info
-        when the answer depends on the config (EAGLE's version). A format not listed is refused in one line naming
-        the kind's formats.
+    exports: the export formats (``draftsmith export --format``) the kind writes; ``hf`` is always one (by default
+        draftsmith's own layout). {format: the writer ``"module:function"``, ``writer(model, info, verifier,
+        include_embeddings) -> (tensors, config)``; or ``"refused: <why>"`` when the format cannot carry the kind;
+        or an entry ``{"write": writer, "read": reader, "usage": usage, "plain_lm": bool}``: ``read(tensors, info,
+        target, folder) -> tensors`` turns the engine's names back into the drafter's (``load_export``), ``usage(fmt,
+        info, target, tokens) -> str`` says how an engine serves the folder (the card, the export log), and
+        ``plain_lm`` marks a plain transformers causal-LM folder (the tokenizer is copied, the card says
+        transformers, a reduced head is written in full with its kept ids recorded), ``head_ids`` a layout that
+        drops a reduced head's maps, so drafter.json records its kept ids}; a callable of drafter.json's
+        info when the answer depends on the config (EAGLE's version). A format not listed is refused in one line
+        naming the kind's formats.
     check: ``check(recipe) -> None``, raising ValueError: the kind's checks of its section against the recipe's other
         sections (export formats, eval strategy, train options), run when a recipe is validated. Checks within the
         section go in its own validators.
@@ -85,9 +91,14 @@ class DrafterSpec:
     check: Callable | None = None
     engines: dict | Callable = field(default_factory=dict)
 
-    def export_formats(self, info: dict) -> dict[str, str]:
-        """{format: writer or refusal} for the checkpoint drafter.json's ``info`` describes (``exports``)."""
-        return dict(self.exports(info) if callable(self.exports) else self.exports)
+    def export_formats(self, info: dict) -> dict[str, dict]:
+        """{format: its entry} for the checkpoint drafter.json's ``info`` describes (``exports``), each entry a dict
+        with ``write`` (a writer or a refusal) and optionally ``read``, ``usage`` and ``plain_lm``; ``hf`` always
+        listed."""
+        table = self.exports(info) if callable(self.exports) else self.exports
+        out = {"hf": {"write": "draftsmith.export.formats:to_own_layout"}}
+        out.update({f: e if isinstance(e, dict) else {"write": e} for f, e in table.items()})
+        return out
 
     def engine(self, name: str, info: dict) -> dict | None:
         """How engine ``name`` speculates with the export drafter.json's ``info`` describes (``engines``), or None."""

@@ -391,7 +391,7 @@ def test_serving_format_names_are_documented():
         ("hf", "eagle"): ["draftsmith eval RECIPE eval.checkpoint=./this-folder", "draftsmith's own layout"],
     }
     for (fmt, kind), fragments in want.items():
-        text = formats.usage(fmt, kind, "org/m")
+        text = formats.usage(fmt, {"kind": kind}, "org/m")
         assert all(f in text for f in fragments), (fmt, kind, text)
         card = model_card({"kind": kind, "target": "org/m", "recipe": "r"}, fmt, None)
         assert text in card and "base_model: org/m" in card and f"Exported as `{fmt}`" in card

@@ -142,7 +142,7 @@ def test_recipe_hub_id_names_a_local_target(tmp_path, target, local_target, prom
         assert _named(json.loads((out / "config.json").read_text()), fmt, "eagle") == "me/my-llama"
         card = (out / "README.md").read_text()
         assert _front_matter(card)["base_model"] == "me/my-llama" and "me/my-llama" in formats.usage(
-            fmt, "eagle", "me/my-llama"
+            fmt, {"kind": "eagle"}, "me/my-llama"
         )
         assert str(local_target) not in _texts(out)  # recipe.yaml's target.model included
         assert yaml.safe_load((out / "recipe.yaml").read_text())["target"]["model"] == "me/my-llama"
@@ -164,7 +164,7 @@ def test_a_push_carrying_a_local_path_is_refused(tmp_path, target, tiny_model_di
 
 
 def test_medusa_card_says_which_loaders_read_safetensors():
-    text = formats.usage("medusa", "medusa", "org/m")
+    text = formats.usage("medusa", {"kind": "medusa"}, "org/m")
     assert "medusa_lm_head.pt" in text and "FasterDecoding" in text and "TGI" in text and "TensorRT-LLM" in text
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_bytes()
     assert b"medusa_lm_head.pt" in readme and len(readme) <= 15_000

@@ -40,6 +40,7 @@ from the checkpoint), taken from the target on import when absent.
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import math
@@ -54,12 +55,14 @@ from draftsmith.models.eagle import EagleConfig
 from draftsmith.models.llama import LlamaConfig
 from draftsmith.models.loading import config_from_hf, config_to_hf, hf_to_own_key, own_to_hf_key
 from draftsmith.models.medusa import ADAPTER_FILE
-from draftsmith.models.registry import checkpoint_tensors, drafter_from_state
+from draftsmith.models.registry import checkpoint_tensors, drafter_from_state, drafter_spec
 
 __all__ = [
     "ADAPTER_FILE",
     "weights_file",
-    "to_hf",
+    "to_own_layout",
+    "to_draft_lm_hf",
+    "to_pard_hf",
     "to_speculators",
     "to_sglang_eagle3",
     "to_medusa",
@@ -67,10 +70,9 @@ __all__ = [
     "to_eagle1",
     "to_eagle1_vllm",
     "to_eagle1_sglang",
-    "to_hf_writer",
     "to_pard_vllm",
     "export_meta",
-    "usage_kind",
+    "export_entry",
     "usage",
     "load_export",
 ]
@@ -221,10 +223,36 @@ def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
     }
 
 
-def to_hf_writer(model, info: dict, verifier: str, include_embeddings: bool):
-    """A draft LM for vLLM: its draft-model path takes a plain HF folder (speculators 0.9 has no standalone type:
-    its "independent" was dropped)."""
-    return to_hf(model, info)
+def _meta(info: dict) -> dict:
+    return {k: v for k, v in info.items() if k != "config"}
+
+
+def to_own_layout(model, info: dict, verifier: str, include_embeddings: bool):
+    """``--format hf`` of a kind with no engine layout of its own: draftsmith's tensor names, drafter.json's
+    config; draftsmith loads it back."""
+    return checkpoint_tensors(model), {
+        "architectures": [f"draftsmith:{info['kind']}"],
+        "draftsmith": _meta(info),
+        "note": "draftsmith's own layout: load with draftsmith (drafter.json holds the config)",
+    }
+
+
+def to_draft_lm_hf(model, info: dict, verifier: str, include_embeddings: bool):
+    """A draft LM as a plain LlamaForCausalLM: transformers' assisted generation and vLLM's draft-model method
+    read it (speculators 0.9 has no standalone type: its "independent" was dropped). A reduced head is written
+    with every target row (``full_vocab_head``)."""
+    sd = checkpoint_tensors(model)
+    if "d2t" in sd:  # a reduced head: every target row, so transformers loads a plain LlamaForCausalLM
+        keep = _kept_ids(sd.pop("d2t"))
+        sd.pop("t2d")
+        sd["lm_head.weight"] = full_vocab_head(sd["lm_head.weight"], keep, model.cfg.vocab_size)
+    tensors = {own_to_hf_key(k): v for k, v in sd.items()}
+    return tensors, {**config_to_hf(model.cfg), "torch_dtype": "float32", "draftsmith": _meta(info)}
+
+
+def to_pard_hf(model, info: dict, verifier: str, include_embeddings: bool):
+    """PARD's HF folder (``_pard_hf``)."""
+    return _pard_hf(model, _meta(info))
 
 
 def to_pard_vllm(model, info: dict, verifier: str, include_embeddings: bool):
@@ -234,7 +262,7 @@ def to_pard_vllm(model, info: dict, verifier: str, include_embeddings: bool):
             "export --format vllm: vLLM's parallel drafting needs the PARD mask inside the target's vocabulary; "
             "this drafter appends it (train with drafter.mask_token=<a reserved id>, or use --format hf)"
         )
-    return to_hf(model, info)
+    return to_pard_hf(model, info, verifier, include_embeddings)
 
 
 def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
@@ -337,12 +365,20 @@ def _vocab_meta(model) -> dict:
 def export_meta(model, info: dict, fmt: str) -> dict:
     """Keys an export adds to drafter.json: the kept target ids of a reduced head where the engine's layout drops
     d2t / t2d (a draft LM's full-vocabulary head, EAGLE-1's engine layouts), for ``load_export``."""
-    reduced = getattr(model, "d2t", None) is not None
-    if (info["kind"] in ("draft_lm", "pard") and fmt in ("hf", "vllm") and reduced) or (
-        _is_eagle1(info) and fmt in ("vllm", "sglang")
-    ):
+    entry = export_entry(info, fmt)
+    if entry.get("head_ids") or (entry.get("plain_lm") and getattr(model, "d2t", None) is not None):
         return _vocab_meta(model)
     return {}
+
+
+def export_entry(info: dict, fmt: str) -> dict:
+    """The kind's entry for ``fmt`` (DrafterSpec.exports): its writer, reader, usage line and flags."""
+    return drafter_spec(info["kind"]).export_formats(info).get(fmt, {})
+
+
+def _call(name: str):
+    module, fn = name.split(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 def _vocab_back(info: dict) -> dict:
@@ -353,10 +389,6 @@ def _vocab_back(info: dict) -> dict:
     t2d = torch.full((info["config"]["vocab_size"],), -1, dtype=torch.long)
     t2d[keep] = torch.arange(len(keep))
     return {"keep": keep, "d2t": keep - torch.arange(len(keep)), "t2d": t2d}
-
-
-def _is_eagle1(info: dict) -> bool:
-    return info.get("kind") == "eagle" and info.get("config", {}).get("version") == 1
 
 
 def to_eagle1(fmt: str):
@@ -495,33 +527,7 @@ def _mlp_speculator_back(sd: dict) -> dict:
     return out
 
 
-def usage_kind(info: dict) -> str:
-    """The kind ``usage`` explains: EAGLE-1 serves differently from EAGLE-3."""
-    return "eagle1" if _is_eagle1(info) else info.get("kind", "?")
-
-
 # ---- hf ----------------------------------------------------------------------------------------------------------
-
-
-def to_hf(model, info: dict):
-    """A draft LM (or PARD, ``_pard_hf``) as a plain LlamaForCausalLM; any other kind with draftsmith's own tensor
-    names."""
-    meta = {k: v for k, v in info.items() if k != "config"}
-    if info["kind"] == "pard":
-        return _pard_hf(model, meta)
-    if info["kind"] == "draft_lm":
-        sd = checkpoint_tensors(model)
-        if "d2t" in sd:  # a reduced head: every target row, so transformers loads a plain LlamaForCausalLM
-            keep = _kept_ids(sd.pop("d2t"))
-            sd.pop("t2d")
-            sd["lm_head.weight"] = full_vocab_head(sd["lm_head.weight"], keep, model.cfg.vocab_size)
-        tensors = {own_to_hf_key(k): v for k, v in sd.items()}
-        return tensors, {**config_to_hf(model.cfg), "torch_dtype": "float32", "draftsmith": meta}
-    return checkpoint_tensors(model), {
-        "architectures": [f"draftsmith:{info['kind']}"],
-        "draftsmith": meta,
-        "note": "draftsmith's own layout: load with draftsmith (drafter.json holds the config)",
-    }
 
 
 def _pard_hf(model, meta: dict):
@@ -570,58 +576,133 @@ def _pard_back(sd: dict, cfg: dict, vocab: dict) -> dict:
     return sd
 
 
-def usage(fmt: str, kind: str, target: str | None, tokens: int = 3) -> str:
-    """How an engine serves the export, as the card and the export log print it. ``target``: the verifier's hub id;
-    None (a local target) prints ``TARGET`` for the user to fill in, and never the ``vllm serve ./this-folder``
-    short form, which serves the verifier named in config.json (null then)."""
-    t = target or "TARGET"
-    spec = 'vllm serve {t} --speculative-config \'{{"model": "./this-folder", "method": "{m}", ' + (
-        '"num_speculative_tokens": {n}}}\''
+def usage(fmt: str, info: dict, target: str | None, tokens: int = 3) -> str:
+    """How an engine serves the export, as the card and the export log print it (the kind's ``usage`` for the
+    format, DrafterSpec.exports; else draftsmith's own layout). ``target``: the verifier's hub id; None (a local
+    target) prints ``TARGET`` for the user to fill in, and never the ``vllm serve ./this-folder`` short form,
+    which serves the verifier named in config.json (null then)."""
+    fn = export_entry(info, fmt).get("usage")
+    if fn is None:
+        return "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder` (draftsmith's own layout)."
+    return _call(fn)(fmt, info, target, tokens)
+
+
+def _vllm_serve(t: str, method: str, tokens: int, extra: str = "") -> str:
+    return (
+        f'vllm serve {t} --speculative-config \'{{"model": "./this-folder", "method": "{method}", '
+        f'"num_speculative_tokens": {tokens}{extra}}}\''
     )
-    if kind == "eagle1" and fmt in ("vllm", "sglang"):
-        return {
-            "vllm": f"`{spec.format(t=t, m='eagle', n=tokens)}` (EAGLE-1; vLLM shares the target's embeddings and "
-            "LM head).",
-            "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE "
-            "--speculative-draft-model-path ./this-folder` (EAGLE-1).",
-        }[fmt]
-    if kind == "pard" and fmt in ("hf", "vllm"):
-        pard = spec.format(t=t, m="draft_model", n=tokens).replace("}'", ', "parallel_drafting": true}\'')
+
+
+def usage_eagle1(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    t = target or "TARGET"
+    if fmt == "vllm":
+        return f"`{_vllm_serve(t, 'eagle', tokens)}` (EAGLE-1; vLLM shares the target's embeddings and LM head)."
+    return (
+        f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE "
+        "--speculative-draft-model-path ./this-folder` (EAGLE-1)."
+    )
+
+
+def usage_eagle3(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    t = target or "TARGET"
+    if fmt == "sglang":
         return (
-            f"vLLM (parallel drafting, the mask id from config.json's pard_token): `{pard}`; "
-            "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+            f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
+            "--speculative-draft-model-path ./this-folder`"
         )
-    if fmt == "vllm" and kind == "draft_lm":
+    eagle = f"`{_vllm_serve(t, 'eagle3', tokens)}`"
+    if target:
         return (
-            f"`{spec.format(t=t, m='draft_model', n=4)}` (a plain HF Llama folder: vLLM versions with draft-model "
-            f"speculation)."
-        )
-    eagle = f"`{spec.format(t=t, m='eagle3', n=tokens)}`"
-    return {
-        "vllm": (
             f"`vllm serve ./this-folder` (vLLM reads the speculators config and serves the verifier named in it, "
             f"`{target}`, with this EAGLE-3 drafter), or explicitly: {eagle}."
-            if target
-            else f"{eagle} (vLLM's speculators format; with no verifier named in config.json, name the target)."
-        ),
-        "sglang": f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
-        f"--speculative-draft-model-path ./this-folder`",
-        "medusa": f"vLLM: `{spec.format(t=t, m='medusa', n=tokens)}`; "
+        )
+    return f"{eagle} (vLLM's speculators format; with no verifier named in config.json, name the target)."
+
+
+def usage_pard(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    pard = _vllm_serve(target or "TARGET", "draft_model", tokens, ', "parallel_drafting": true')
+    return (
+        f"vLLM (parallel drafting, the mask id from config.json's pard_token): `{pard}`; "
+        "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+    )
+
+
+def usage_draft_lm(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    if fmt == "vllm":
+        return (
+            f"`{_vllm_serve(target or 'TARGET', 'draft_model', 4)}` (a plain HF Llama folder: vLLM versions with "
+            "draft-model speculation)."
+        )
+    return (
+        "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
+        "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+    )
+
+
+def usage_medusa(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    return (
+        f"vLLM: `{_vllm_serve(target or 'TARGET', 'medusa', tokens)}`; "
         f"TGI: `text-generation-launcher --model-id ./this-folder` (config.json's base_model_name_or_path "
         f"names the target{'' if target else ': set it first'}). TensorRT-LLM: `examples/medusa/convert_checkpoint.py "
         "--model_dir TARGET_FOLDER --medusa_model_dir ./this-folder --num_medusa_heads N`. The heads are "
         "`medusa_lm_head.safetensors` only (draftsmith writes no pickles): FasterDecoding/Medusa's own loader, "
-        "which reads only `medusa_lm_head.pt`, cannot load them.",
-        "mlp-speculator": "TGI: `text-generation-launcher --model-id ./this-folder` (config.json's "
+        "which reads only `medusa_lm_head.pt`, cannot load them."
+    )
+
+
+def usage_mlp(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    return (
+        "TGI: `text-generation-launcher --model-id ./this-folder` (config.json's "
         f"base_model_name_or_path names the target{'' if target else ': set it first'}); IBM's fms-extras. IBM's "
-        "MLP speculator layout; vLLM serves no MLP speculator (0.32 refuses it, 0.33 removed it).",
-        "hf": (
-            "transformers: `model.generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(REPO))`; "
-            "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
-            if kind == "draft_lm"
-            else "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder` (draftsmith's own layout)."
-        ),
-    }[fmt]
+        "MLP speculator layout; vLLM serves no MLP speculator (0.32 refuses it, 0.33 removed it)."
+    )
+
+
+# ---- import: each layout's tensors back to the drafter's (DrafterSpec.exports "read") ---
+
+
+def read_medusa(sd: dict, info: dict, target, folder: Path) -> dict:
+    return _medusa_back(sd, info["config"])
+
+
+def read_mlp_speculator(sd: dict, info: dict, target, folder: Path) -> dict:
+    return _mlp_speculator_back(sd)
+
+
+def read_eagle1(sd: dict, info: dict, target, folder: Path) -> dict:
+    return _eagle1_back(sd, info, target, folder)
+
+
+def read_eagle3(sd: dict, info: dict, target, folder: Path) -> dict:
+    sd = _eagle3_back(sd, "layers.0." if info.get("export_format") == "vllm" else "midlayer.")
+    if "t2d" in sd:  # the engines' bool mask back to draft indices
+        mask = sd["t2d"].bool()
+        t2d = torch.full(mask.shape, -1, dtype=torch.long)
+        t2d[mask] = torch.arange(int(mask.sum()))
+        sd["t2d"] = t2d
+    if "embed_tokens.weight" not in sd:
+        if target is None:
+            raise DraftsmithError(f"{folder}: the export omits the embeddings; pass the target to take them from")
+        sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu()
+    return sd
+
+
+def read_pard_hf(sd: dict, info: dict, target, folder: Path) -> dict:
+    return _pard_back(sd, info["config"], _vocab_back(info))
+
+
+def read_draft_lm_hf(sd: dict, info: dict, target, folder: Path) -> dict:
+    cfg = info["config"]
+    sd = {hf_to_own_key(k): v for k, v in sd.items()}
+    vocab = _vocab_back(info)
+    if vocab:  # the full-vocabulary head back to the kept rows and their maps
+        sd["lm_head.weight"] = sd["lm_head.weight"][vocab["keep"]].clone()
+        sd["d2t"], sd["t2d"] = vocab["d2t"], vocab["t2d"]
+    hf_cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
+    if (hf_cfg.vocab_size, hf_cfg.dim, hf_cfg.n_layers) != (cfg["vocab_size"], cfg["dim"], cfg["n_layers"]):
+        raise DraftsmithError(f"{folder}: config.json does not describe the drafter in drafter.json")
+    return sd
 
 
 # ---- import ----------------------------------------------------------------------------------------------------
@@ -632,38 +713,13 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     if not meta.is_file():
         raise DraftsmithError(f"{folder}: not a draftsmith export (no drafter.json)")
     info = read_json(meta)
-    fmt, cfg = info.get("export_format", "hf"), info["config"]
+    fmt = info.get("export_format", "hf")
     for name, digest in (info.get("sha256") or {}).items():  # exports written before checksums have none
         verify_file(folder / Path(name).name, digest)
     verify_config(info, meta)
     sd = load_tensors(folder / weights_file(fmt))
-    if fmt == "medusa":
-        sd = _medusa_back(sd, cfg)
-    elif fmt == "mlp-speculator":
-        sd = _mlp_speculator_back(sd)
-    elif fmt in ("vllm", "sglang") and _is_eagle1(info):
-        sd = _eagle1_back(sd, info, target, folder)
-    elif fmt in ("vllm", "sglang") and info["kind"] == "eagle":
-        sd = _eagle3_back(sd, "layers.0." if fmt == "vllm" else "midlayer.")
-        if "t2d" in sd:  # the engines' bool mask back to draft indices
-            mask = sd["t2d"].bool()
-            t2d = torch.full(mask.shape, -1, dtype=torch.long)
-            t2d[mask] = torch.arange(int(mask.sum()))
-            sd["t2d"] = t2d
-        if "embed_tokens.weight" not in sd:
-            if target is None:
-                raise DraftsmithError(f"{folder}: the export omits the embeddings; pass the target to take them from")
-            sd["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu()
-    elif info["kind"] == "pard":  # hf and vllm share the HF names
-        sd = _pard_back(sd, cfg, _vocab_back(info))
-    elif info["kind"] == "draft_lm":  # hf and vllm share the HF names
-        sd = {hf_to_own_key(k): v for k, v in sd.items()}
-        vocab = _vocab_back(info)
-        if vocab:  # the full-vocabulary head back to the kept rows and their maps
-            sd["lm_head.weight"] = sd["lm_head.weight"][vocab["keep"]].clone()
-            sd["d2t"], sd["t2d"] = vocab["d2t"], vocab["t2d"]
-        hf_cfg = config_from_hf(json.loads((folder / "config.json").read_text()))
-        if (hf_cfg.vocab_size, hf_cfg.dim, hf_cfg.n_layers) != (cfg["vocab_size"], cfg["dim"], cfg["n_layers"]):
-            raise DraftsmithError(f"{folder}: config.json does not describe the drafter in drafter.json")
+    read = export_entry(info, fmt).get("read")
+    if read is not None:  # the engine's names back to the drafter's
+        sd = _call(read)(sd, info, target, folder)
     model = drafter_from_state(info, sd, folder)
     return model.to(device=device, dtype=dtype or torch.float32).eval(), info

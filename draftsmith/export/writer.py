@@ -90,10 +90,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         tgt = _verifier(recipe, target, trained_by)
         own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
         named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
-        if fmt == "hf":
-            tensors, config = sf.to_hf(model, named)
-        else:
-            tensors, config = _writer(info, fmt)(model, named, tgt.hub_id, include_embeddings)
+        tensors, config = _writer(info, fmt)(model, named, tgt.hub_id, include_embeddings)
         save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if (ckpt / sf.ADAPTER_FILE).is_file():
@@ -102,7 +99,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         meta = {**named, **sf.export_meta(model, info, fmt), "export_format": fmt, "sha256": sums}
         meta["config_sha256"] = config_digest(meta["config"])  # the config as exported
         (tmp / "drafter.json").write_text(json.dumps(meta, indent=2))
-        _copy_tokenizer(target, tmp, required=fmt == "hf" and info["kind"] in ("draft_lm", "pard"))
+        _copy_tokenizer(target, tmp, required=fmt == "hf" and bool(sf.export_entry(info, fmt).get("plain_lm")))
         if trained_by is not None:  # the checkpoint's own copy first: the run folder's is the last command's
             _copy_recipe(trained_by, tmp / "recipe.yaml", tgt)
         report = run_dir / "eval" / "report.json"
@@ -115,7 +112,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
                 target,
                 out,
                 f"; its config.json says it was loaded from {tgt.hint}" if tgt.hint else "",
-                sf.usage(fmt, sf.usage_kind(info), None, _tokens(config)),
+                sf.usage(fmt, info, None, _tokens(config)),
             )
         shutil.rmtree(out, ignore_errors=True)
         os.replace(tmp, out)
@@ -128,10 +125,10 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
 def _writer(info: dict, fmt: str):
     """The writer of ``fmt`` for this kind (its DrafterSpec.exports), or a one-line refusal naming its formats."""
     kind = info["kind"]
-    formats = DRAFTERS[kind].export_formats(info)
+    formats = {f: e["write"] for f, e in DRAFTERS[kind].export_formats(info).items()}
     target = formats.get(fmt)
     if target is None:
-        usable = ", ".join(["hf", *(f for f, w in formats.items() if not w.startswith("refused: "))])
+        usable = ", ".join(f for f, w in formats.items() if not w.startswith("refused: "))
         raise DraftsmithError(f"export --format {fmt}: drafter.kind {kind} exports as {usable} (not {fmt})")
     if target.startswith("refused: "):
         raise DraftsmithError(f"export --format {fmt}: {target.removeprefix('refused: ')}")
@@ -280,7 +277,7 @@ def model_card(info: dict, fmt: str, report: dict | None, target: Target | None 
     tgt = target or _verifier(None, info.get("target") or "")
     meta = {"base_model": tgt.hub_id, "license": tgt.license}
     meta = {k: v for k, v in meta.items() if v}
-    meta["library_name"] = "transformers" if kind in ("draft_lm", "pard") and fmt in ("hf", "vllm") else "draftsmith"
+    meta["library_name"] = "transformers" if sf.export_entry(info, fmt).get("plain_lm") else "draftsmith"
     meta["tags"] = ["speculative-decoding", "draftsmith", kind.replace("_", "-")]
     lines = [
         "---",
@@ -307,7 +304,7 @@ def model_card(info: dict, fmt: str, report: dict | None, target: Target | None 
             "To record a hub id, set `target.hub_id=org/name` in the recipe and export again.",
             "",
         ]
-    lines += ["## Use", "", sf.usage(fmt, sf.usage_kind(info), tgt.hub_id, tokens), ""]
+    lines += ["## Use", "", sf.usage(fmt, info, tgt.hub_id, tokens), ""]
     if report:
         sp = report.get("speedup", {})
         pr = report.get("prompts", {})
