@@ -298,6 +298,14 @@ def reference_drafter(kind: str, target):
     return target if kind == "oracle" else AntiDrafter(target)
 
 
+def is_heads(kind: str) -> bool:
+    """A decoding variant of a heads kind (Hydra++ is Hydra with its prefix layer)."""
+    from draftsmith.models.registry import DRAFTERS
+
+    spec = DRAFTERS.get(kind.removesuffix("++"))
+    return spec is not None and spec.interface == "heads"
+
+
 def tiny_heads(kind: str, target, k: int, noise: float):
     """Medusa, MLP speculator, Hydra or Hydra++ heads (k of them) with noise on every weight (global RNG)."""
     from draftsmith.models.registry import build_drafter
@@ -338,7 +346,7 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05):
         return small
     if kind.startswith("eagle"):
         return tiny_eagle(int(kind[5]), target, noise, **({"draft_vocab": 24} if kind.endswith("vocab") else {}))
-    if kind in ("medusa", "mlp_speculator", "hydra", "hydra++"):
+    if is_heads(kind):
         return tiny_heads(kind, target, heads, noise)
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise
 

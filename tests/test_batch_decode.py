@@ -17,6 +17,7 @@ from conftest import (
     TINY_CFG,
     TINY_CFG8,
     exact_joint,
+    is_heads,
     noisy_copy,
     tiny_drafter,
     tiny_eagle,
@@ -71,7 +72,7 @@ def make_drafter(kind: str, t):
         return d.double().eval()
     if kind.startswith("eagle"):
         return tiny_eagle(int(kind[5]), t, 0.05, **({"draft_vocab": 10} if kind.endswith("vocab") else {}))
-    if kind in ("medusa", "mlp_speculator", "hydra", "hydra++"):
+    if is_heads(kind):
         return tiny_heads(kind, t, 4, 0.05)
     return tiny_drafter(kind, t)
 
