@@ -1,6 +1,6 @@
 """Speculative decoding with a draft LM whose tokenizer differs from the target's, lossless (docs/decoding.md
 "Drafts with their own vocabulary"; Timor et al. 2025, arXiv 2502.05202; OmniDraft, arXiv 2507.02659): one
-decode's draft side and acceptance rule (``HeteroRow``), run at batch 1 by the decoder through ``OwnVocabRows``.
+decode's draft side (``HeteroRow``), one per row of the decoder's ``OwnVocabRows``.
 
 The draft reads and writes its own token ids; the target verifies target ids. Text is the common ground:
 
@@ -25,7 +25,7 @@ from functools import lru_cache
 
 import torch
 
-from draftsmith.eval.accept import Sampler, greedy_accept, rejection_accept
+from draftsmith.eval.accept import Sampler
 
 BAD = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
 
@@ -263,11 +263,11 @@ def resolve_method(method: str, sampler: Sampler, draft_len: int) -> tuple[str, 
 
 
 class HeteroRow:
-    """One decode's draft side and acceptance rule with an ``OwnVocabDrafter``: the committed target ids (``seq``,
-    the last one not yet in the target's cache), their draft ids (``DraftContext``), the draft's KV cache
-    (``_Draft``) and its ``NgramCache``. A step is ``propose`` (candidate target ids), the target's verify of them,
-    ``accept`` on its logits and ``commit``; the decoder keeps one per row (``OwnVocabRows``), every row verified in
-    one target forward."""
+    """One decode's draft side with an ``OwnVocabDrafter``: the committed target ids (``seq``, the last one not yet
+    in the target's cache), their draft ids (``DraftContext``), the draft's KV cache (``_Draft``) and its
+    ``NgramCache``. A step is ``propose`` (candidate target ids and, for tli, their q), the target's verify of
+    them with the chain's rule, and ``commit``; the decoder keeps one per row (``OwnVocabRows``), every row verified
+    in one target forward."""
 
     def __init__(self, target, drafter: OwnVocabDrafter, sampler: Sampler, draft_len: int, seq: list[int],
                  max_new_tokens: int, ngram: NgramCache | None = None):  # fmt: skip
@@ -326,18 +326,6 @@ class HeteroRow:
         self.drafts, self.q, self.cand = drafts, q, cand
         return cand
 
-    def accept(self, cand: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-        """The verify's logits (len(cand)+1, V) -> (n accepted, next token): the greedy prefix, or rejection
-        sampling with the point proposal (slem) or the intersection distribution q (tli)."""
-        s = self.sampler
-        if s.greedy:
-            return greedy_accept(cand, logits, s.impl)
-        if self.method == "tli":
-            qs = torch.stack(self.q) if self.q else logits.new_empty(0, self.V)
-        else:  # a point proposal at each candidate (lossless for any proposal: see the module docstring)
-            qs = torch.zeros(len(cand), self.V, device=self.device).scatter_(1, cand.view(-1, 1), 1.0)
-        return rejection_accept(cand, qs, s.probs(logits), s.generator, s.impl)
-
     def commit(self, n: int, nxt: int) -> None:
         """The target kept the first n candidates and wrote nxt after them."""
         if self.ngram is not None and self.method == "slem" and n:
@@ -351,7 +339,7 @@ class OwnVocabRows:
     its own ``HeteroRow`` (committed target ids, draft-side context, draft KV cache, n-gram cache); its candidates
     are a chain of 0..2·draft_len target ids (slem re-tokenizes text, so rows differ), verified with every other
     row's in one target forward and accepted by the chain's rule: the greedy prefix, or rejection sampling with a
-    point proposal at each slem candidate or tli's intersection distribution as q (``HeteroRow.accept``'s rule).
+    point proposal at each slem candidate or tli's intersection distribution as q.
     Greedy rows use slem and sampled rows tli under method auto."""
 
     reads_target = False

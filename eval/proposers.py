@@ -196,50 +196,29 @@ class TokenRows(_Rows):
             rows[j].dpos, rows[j].unread = rows[j].prompt.numel(), ids.new_empty(0)
 
     def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        """Every row's chain: the root read, then one forward per fed draft. PARD (models/pard.py) reads G-1 mask
+        tokens with the root, whose logits at cur and at mask i are the distributions of draft 1 and draft i+1,
+        none depending on another draft, so nothing is fed after it; it drafts at most ``parallel_drafts`` deep,
+        the distances it was trained for."""
         G = max(gam)
         if G == 0:
             self.fed = None
             for b, r in enumerate(rows):
                 r.unread = torch.cat([r.unread, cur[b : b + 1]])
             return None
-        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
-        ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
-        self.rc.ensure(ids.shape[1] + G - 1)
+        logits, state = self.root(rows, cur, G - 1, G)
         if self.pard:
-            return self._draft_parallel(rows, seqs, ids, valid, pos, gam, pick)
-        logits, state = self._call(ids, pos=pos, valid=valid)
-        for r, s in zip(rows, seqs):
-            r.dpos, r.unread = r.dpos + len(s), s[:0]
-        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        self.s_exp = self.rc.length
-        toks, qs, count, self.fed = _chain(
-            rows, gam, logits, state, pick, lambda tok, i: self._call(tok[:, None], pos=base + i)
-        )
-        return toks, qs, count
 
-    def _draft_parallel(self, rows: list, seqs, ids, valid, pos, gam: list[int], pick):
-        """PARD (models/pard.py): one forward over each row's unread + cur and G-1 mask tokens at the next
-        positions; its logits at cur and at mask i are the distributions of draft 1 and draft i+1, none depending
-        on another draft. The masks' slots are rolled back at once and nothing is fed after it; drafts at most
-        ``parallel_drafts`` deep, the distances it was trained for."""
-        B, G = len(rows), max(gam)
-        ar = torch.arange(1, G, device=ids.device)
-        ids = torch.cat([ids, ids.new_full((B, G - 1), self.d.cfg.mask_id)], 1)
-        valid = None if valid is None else torch.cat([valid, valid.new_ones(B, G - 1)], 1)
-        pos = torch.cat([pos, pos[:, -1:] + ar], 1)
-        logits, states = self._call(ids, last=G, pos=pos, valid=valid)  # (B, G, V), (B, G, D) or None
-        s0 = self.rc.length - (G - 1)
-        self.rc.keep(s0, G - 1, torch.zeros(B, dtype=torch.long, device=ids.device))  # the masks' slots
-        for r, s in zip(rows, seqs):
-            r.dpos, r.unread = r.dpos + len(s), s[:0]
-        self.s_exp = self.rc.length
+            def expand(tok, i):
+                return self.dists[:, i + 1], None if self.dstates is None else self.dstates[:, i + 1]
+        else:
+            base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
 
-        def expand(tok, i):
-            return logits[:, i + 1], None if states is None else states[:, i + 1]
+            def expand(tok, i):
+                return self._call(tok[:, None], pos=base + i)
 
-        first = None if states is None else states[:, 0]
-        toks, qs, count, _ = _chain(rows, gam, logits[:, 0], first, pick, expand)
-        self.fed = 0
+        toks, qs, count, fed = _chain(rows, gam, logits, state, pick, expand)
+        self.fed = 0 if self.pard else fed
         return toks, qs, count
 
     def seek(self, slot: int) -> None:
@@ -247,9 +226,10 @@ class TokenRows(_Rows):
             self.rc.view.length = slot
 
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
-        """A tree's root for every row: read each row's unread tokens and cur (PARD: and ``width`` - 1 mask
-        tokens, whose distributions ``expand`` hands out) -> (logits (B, V), None). ``room``: the slots the tree's
-        nodes will take after it."""
+        """A step's root for every row: read each row's unread tokens and cur (PARD: and ``width`` - 1 mask
+        tokens, whose distributions ``expand`` and chains hand out; their slots are rolled back at once) ->
+        (logits (B, V), the drafter's final state there or None). ``room``: the slots the nodes drafted after it
+        will take."""
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
         ids, valid, pos = aligned(seqs, [r.dpos for r in rows])
         self.rc.ensure(ids.shape[1] + max(room, width - 1))
@@ -258,15 +238,15 @@ class TokenRows(_Rows):
             ids = torch.cat([ids, ids.new_full((B, width - 1), self.d.cfg.mask_id)], 1)
             valid = None if valid is None else torch.cat([valid, valid.new_ones(B, width - 1)], 1)
             pos = torch.cat([pos, pos[:, -1:] + ar], 1)
-            self.dists, _ = self._call(ids, last=width, pos=pos, valid=valid)  # (B, width, V)
+            self.dists, self.dstates = self._call(ids, last=width, pos=pos, valid=valid)  # (B, width, V), states
             self.rc.keep(self.rc.length - (width - 1), width - 1, torch.zeros(B, dtype=torch.long, device=ids.device))
-            logits = self.dists[:, 0]
+            logits, state = self.dists[:, 0], None if self.dstates is None else self.dstates[:, 0]
         else:
-            logits, _ = self._call(ids, pos=pos, valid=valid)
+            logits, state = self._call(ids, pos=pos, valid=valid)
         for r, s in zip(rows, seqs):
             r.dpos, r.unread = r.dpos + len(s), s[:0]
         self.s_root = self.rc.length
-        return logits, None
+        return logits, state
 
     def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask: torch.Tensor, depth: int, paths=None):
         """Nodes at ``depth`` of every row's tree (B, n) at RoPE positions ``pos`` under ``mask`` (B, n, slots)
@@ -302,7 +282,7 @@ class TokenRows(_Rows):
             return
         n = v.n
         kept = n.clamp(max=self.fed)
-        self.rc.keep(self.s_exp, self.fed, kept)
+        self.rc.keep(self.s_root, self.fed, kept)
         for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
             r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
 
@@ -411,6 +391,7 @@ class FeatureRows(_Rows):
     ``feats`` (k + 1, F), the last feature pairing with cur."""
 
     reads_target = True
+    passes_state = True  # a drafted node's output state is its children's input
 
     def __init__(self, target, drafter, max_len: int, stop=None):
         self.t, self.d, self.depth = target, drafter, float("inf")
@@ -430,31 +411,22 @@ class FeatureRows(_Rows):
             rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
 
     def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        G = max(gam)
+        """Every row's chain: the root read, then one step per fed draft, each drafted node's output state its
+        child's input."""
         self.root_end = None
-        if G == 0:
+        if max(gam) == 0:
             return None
-        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
-        starts = [r.dpos for r in rows]
-        ids, valid, pos = aligned(seqs, starts)
-        feats, _, _ = aligned([r.feats for r in rows], starts)
-        self.rc.ensure(ids.shape[1] + G - 1)
-        logits, out = self.d.step(self.d.project(feats), ids, pos=pos, cache=self.rc.view, valid=valid, last_only=True)
-        for r, s in zip(rows, seqs):
-            r.dpos += len(s)
-        self.root_end = self.rc.length
+        logits, state = self.root(rows, cur, max(gam) - 1)
         base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        state_in = [state[:, None]]  # (B, 1, d)
 
         def expand(tok, i):
             logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
             state_in[0] = out
             return logits[:, -1], out[:, -1]
 
-        state_in = [out[:, -1:]]  # (B, 1, d): each drafted node's output is its child's input
-        toks, qs, count, _ = _chain(rows, gam, logits[:, -1], out[:, -1], pick, expand)
+        toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
         return toks, qs, count
-
-    passes_state = True  # a drafted node's output state is its children's input
 
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
         seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]

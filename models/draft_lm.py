@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.hf_target import io_weights, layer_state
 from draftsmith.models.llama import Block, Llama, LlamaConfig
-from draftsmith.models.spec import DrafterSpec, Strict, as_section
+from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
 
 
 class DraftLMConfig(Strict):
@@ -223,8 +223,6 @@ def _build_from_target(section: DraftLMConfig, target: Llama) -> Llama:
         draft.norm.weight.requires_grad_(True)
     return draft
 
-
-EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
 
 SPEC = DrafterSpec(
     kind="draft_lm",

@@ -56,7 +56,7 @@ from draftsmith.models.llama import (
     rope_inv_freq,
     step_mask,
 )
-from draftsmith.models.spec import DrafterSpec, Strict, as_section
+from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
 
 
 class EagleDrafterConfig(Strict):
@@ -455,7 +455,7 @@ def eagle_from_config(cfg: dict) -> Eagle:
 def export_formats(info: dict) -> dict[str, str]:
     """EAGLE-3 writes speculators' layout for vLLM and SGLang's own; EAGLE-1 the engines' EAGLE-1 layout
     (DrafterSpec.exports)."""
-    w = "draftsmith.export.formats:"
+    w = EXPORT
     if info.get("config", {}).get("version", 3) == 3:
         read, usage = w + "read_eagle3", w + "usage_eagle3"
         return {

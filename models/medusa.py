@@ -31,7 +31,7 @@ from draftsmith.errors import DraftsmithError
 from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
 from draftsmith.models.hf_target import HFTarget
 from draftsmith.models.llama import Block
-from draftsmith.models.spec import DrafterSpec, as_section
+from draftsmith.models.spec import EXPORT, DrafterSpec, as_section
 
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ADAPTER_FILE = "target_adapter.safetensors"
@@ -223,8 +223,6 @@ def check_recipe(recipe) -> None:
             "which the Medusa layout cannot express: drop one of them (hf exports either)"
         )
 
-
-EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
 
 SPEC = DrafterSpec(
     kind="medusa",

@@ -21,7 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from draftsmith.models.feature_heads import FeatureHeads, head_vocab
-from draftsmith.models.spec import DrafterSpec, Strict, as_section
+from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
 
 
 class MLPSpeculatorDrafterConfig(Strict):
@@ -155,8 +155,6 @@ def check_recipe(recipe) -> None:
             "which IBM's layout cannot express: drop one of them (hf exports either)"
         )
 
-
-EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
 
 SPEC = DrafterSpec(
     kind="mlp_speculator",

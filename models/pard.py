@@ -37,7 +37,7 @@ from torch import nn
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.draft_lm import DraftLMConfig, build_draft_lm
 from draftsmith.models.llama import Block, Llama, LlamaConfig
-from draftsmith.models.spec import DrafterSpec, as_section
+from draftsmith.models.spec import EXPORT, DrafterSpec, as_section
 
 
 class PardDrafterConfig(DraftLMConfig):
@@ -215,8 +215,6 @@ def cod_layout(
     mask = real_key | chain_key | torch.eye(W, dtype=torch.bool, device=dev)[None]
     return CodLayout(out_ids, out_pos, mask, train, torch.cat(rows), torch.cat(dist))
 
-
-EXPORT = "draftsmith.export.formats:"  # the export writers and readers (models import nothing from export/)
 
 SPEC = DrafterSpec(
     kind="pard",

@@ -29,6 +29,10 @@ class Strict(BaseModel):
     )  # every float finite: train.lr=.inf would train to NaN weights
 
 
+# Export writers and readers are named as strings in this module, so models import nothing from export/.
+EXPORT = "draftsmith.export.formats:"
+
+
 @dataclass(frozen=True)
 class DrafterSpec:
     """What draftsmith needs to know about one drafter kind.
