@@ -1,7 +1,11 @@
 """How the code is shaped where a newcomer adds a drafter kind: counts to compare before and after a refactor.
 
-- kind names: places in product code (not tests) that name a specific drafter kind, as a string literal equal to a
-  registered kind or an ``isinstance`` against a kind's model class, outside that kind's own model file;
+- kind branches: places in product code (not tests), outside a kind's own model file, that decide something by a
+  specific drafter kind: a string literal equal to a registered kind in a comparison or a registry lookup, or an
+  ``isinstance`` against a kind's model class;
+- other kind-name strings: the remaining string literals equal to a kind name, listed so each can be read (engine
+  vocabulary such as vLLM's method "eagle", the "medusa" export format, signal groups, report keys, defaults).
+  Their sum with the branches is the older single count "kind names";
 - own-vocabulary branches: product lines that mention ``own_vocab`` or ``draft_tokenizer``;
 - test kind lists: list / tuple / set literals in tests/ holding two or more registered kind names;
 - long functions: product functions over --max-lines lines (default 80), longest first;
@@ -57,25 +61,51 @@ def kind_classes() -> dict[str, str]:
     return out
 
 
-def kind_names(names: dict[str, str], classes: dict[str, str]) -> list[str]:
-    hits = []
+LOOKUPS = ("drafter_spec", "kinds", "build_drafter", "objective_for")  # registry calls that take a kind
+
+
+def _branch_parents(tree: ast.AST) -> set[int]:
+    """ids of the string constants that decide something by a kind: compared (==, !=, in, not in; alone or in a
+    tuple/list/set compared against), a registry subscript (``DRAFTERS["x"]``) or a registry lookup's argument."""
+    out = set()
+    for node in ast.walk(tree):
+        operands = []
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "DRAFTERS":
+            operands = [node.slice]
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in LOOKUPS:
+            operands = [*node.args, *(k.value for k in node.keywords)]
+        for op in operands:
+            for e in op.elts if isinstance(op, ast.Tuple | ast.List | ast.Set) else [op]:
+                out.add(id(e))
+    return out
+
+
+def kind_names(names: dict[str, str], classes: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(branches, other mentions): product places outside a kind's own model file that decide by a specific kind
+    (a comparison, registry lookup or isinstance), and the other string constants equal to a kind name (engine
+    vocabulary such as vLLM's method "eagle" or the "medusa" export format, signal groups, report keys, defaults)."""
+    branches, other = [], []
     for p in product_files():
         rel = p.relative_to(ROOT)
         tree = ast.parse(p.read_text(), filename=str(p))
+        deciding = _branch_parents(tree)
         for node in ast.walk(tree):
-            kind = None
+            kind, decides = None, False
             if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
-                kind = node.value
+                kind, decides = node.value, id(node) in deciding
             elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
                 cls = node.args[1]
                 for n in cls.elts if isinstance(cls, ast.Tuple) else [cls]:
                     kind = kind or classes.get(getattr(n, "id", None) or getattr(n, "attr", None))
+                decides = True
             if kind is None:
                 continue
             own = rel.parts[0] == "models" and p.stem == names[kind]
             if not own and not (rel.parts[0] == "models" and p.stem == "registry"):
-                hits.append(f"{rel}:{node.lineno} {kind}")
-    return sorted(set(hits))
+                (branches if decides else other).append(f"{rel}:{node.lineno} {kind}")
+    return sorted(set(branches)), sorted(set(other))
 
 
 def own_vocab_branches() -> list[str]:
@@ -135,8 +165,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the counts and items to this JSON file")
     a = ap.parse_args()
     names = kinds()
+    branches, other = kind_names(names, kind_classes())
     res = {
-        "kind names": kind_names(names, kind_classes()),
+        "kind branches": branches,
+        "other kind-name strings": other,
         "own-vocabulary branches": own_vocab_branches(),
         "test kind lists": test_kind_lists(names),
         f"functions over {a.max_lines} lines": [f"{n} {s}" for n, s in long_functions(a.max_lines)],

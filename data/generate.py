@@ -44,7 +44,7 @@ from draftsmith.eval.decoder import reads_target
 from draftsmith.flops import Meter, count_flops, peak_flops
 from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import drafter_spec, load_drafter
 from draftsmith.models.sampling import row_generator
 from draftsmith.runlog import RunLog, save_recipe, significant
 from draftsmith.runtime import barrier, init_distributed, resolve_device, resolve_dtype
@@ -296,7 +296,7 @@ class Producer:
         if section is None:
             return None
         model, info = load_drafter(Path(section.checkpoint), dtype=dtype, device=self.device)
-        if info.get("kind") != "draft_lm" and not (writer and reads_target(model)):
+        if not drafter_spec(info["kind"]).causal_lm and not (writer and reads_target(model)):
             what = "write sequences" if writer else "label sequences on its own"
             raise DraftsmithError(f"{key}: {section.checkpoint} is a {info.get('kind')!r} drafter, which cannot {what}")
         if getattr(model, "target_adapter", None) is not None:

@@ -41,7 +41,7 @@ from draftsmith.data.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
 from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
-from draftsmith.models.registry import load_drafter
+from draftsmith.models.registry import drafter_spec, load_drafter
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
 
@@ -158,7 +158,7 @@ def _mining_models(recipe):
     tgt = load_model(t.model, dtype, device, t.trust_remote_code, t.revision, backend=t.backend)
     tgt.model.optimize_for_inference()  # decode-only here: the fused fast path (same logits to float rounding)
     draft, info = load_drafter(Path(jc.checkpoint), dtype=dtype, device=device)
-    if info.get("kind") != "draft_lm":  # the swaps are a standalone draft LM's tokens
+    if not drafter_spec(info["kind"]).causal_lm:  # the swaps are a standalone draft LM's tokens
         raise DraftsmithError(
             f"data.judge_labels.checkpoint {jc.checkpoint!r} is a {info.get('kind')} checkpoint; "
             f"the what-if swaps come from a standalone draft LM"

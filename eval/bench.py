@@ -38,7 +38,7 @@ from draftsmith.models.loading import (
     to_hf_model,
 )
 from draftsmith.models.medusa import merge_adapter
-from draftsmith.models.registry import check_fits_target, load_drafter
+from draftsmith.models.registry import DRAFTERS, check_fits_target, drafter_spec, load_drafter
 from draftsmith.runlog import RunLog, save_recipe
 from draftsmith.runtime import resolve_device, resolve_dtype
 
@@ -81,7 +81,8 @@ def _hf_generate(
 
 def _hf_assistant(drafter, info: dict, draft_len: int):
     """Our draft LM as a transformers assistant model with a fixed draft length (a like-for-like baseline)."""
-    if info["kind"] != "draft_lm" or getattr(drafter, "d2t", None) is not None or info.get("draft_tokenizer"):
+    plain = drafter_spec(info["kind"]).causal_lm  # an ordinary causal LM (DrafterSpec.causal_lm)
+    if not plain or getattr(drafter, "d2t", None) is not None or info.get("draft_tokenizer"):
         return None  # transformers has no reduced-vocabulary assistant: no like-for-like baseline
     assistant = to_hf_model(drafter)
     assistant.generation_config.num_assistant_tokens = draft_len
@@ -136,7 +137,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     drafter, info = load_drafter(ckpt, dtype=dtype, device=device)
     drafter = for_decoding(ckpt, drafter, info, tgt.tokenizer, ec)  # its own vocabulary: eval/hetero.py
     stop_drafting, stop_info = None, None
-    if info.get("kind") == "acceptance_head" or ec.stop is not None:
+    if stops(info, ec):
         drafter, info, stop_drafting, stop_info = stop_rule(ec, drafter, info, ckpt, dtype, device)
     if not info.get("draft_tokenizer"):
         check_fits_target(ckpt, info, tgt)
@@ -153,7 +154,7 @@ def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:
     judge = None
     if jc is not None:
         head, head_info = load_drafter(Path(jc.head), dtype=dtype, device=device)
-        if head_info.get("kind") != "judge" or head.cfg.dim != tgt.model.cfg.dim:
+        if drafter_spec(head_info["kind"]).role != "judge_head" or head.cfg.dim != tgt.model.cfg.dim:
             raise DraftsmithError(
                 f"eval.judge.head {jc.head!r} is not a judge for this target "
                 f"({head_info.get('kind')}, {getattr(head.cfg, 'dim', '?')}-wide)"
@@ -381,37 +382,41 @@ def _write_report(report: dict, run: Path, batched: bool) -> None:
         print("eval: note: " + note)
 
 
+def stops(info: dict, ec) -> bool:
+    """Whether decoding runs under a stop rule: the recipe's eval.stop, or a stop head given as the checkpoint."""
+    return ec.stop is not None or drafter_spec(info["kind"]).role == "stop_head"
+
+
 def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
     """eval.stop -> (the drafter to decode with, its info, the stop hook, the report's description). An
     acceptance-head checkpoint stands for its draft LM decoded with the SpecDec++ rule."""
     from draftsmith.models.acceptance import AcceptanceStop, ConfidenceStop, EntropyStop
-    from draftsmith.models.registry import DRAFTERS
     from draftsmith.recipes.schema import StopConfig
 
     sc = ec.stop or StopConfig()
     if ec.strategy != "chain":
         raise DraftsmithError("eval.stop (adaptive draft length) works with eval.strategy=chain only")
     head = None
+    given_head = DRAFTERS[info.get("kind")].role == "stop_head"  # the checkpoint is the head (DrafterSpec.role)
     if sc.rule == "specdecpp":
-        if info.get("kind") == "acceptance_head":
+        if given_head:
             head, head_path = drafter, ckpt
         elif sc.head:
             head, head_info = load_drafter(Path(sc.head), dtype=dtype, device=device)
             head_path = sc.head
-            if head_info.get("kind") != "acceptance_head":
+            if DRAFTERS[head_info.get("kind")].role != "stop_head":
                 raise DraftsmithError(
                     f"eval.stop.head {sc.head!r} is a {head_info.get('kind')} checkpoint, not an acceptance head"
                 )
         else:
             raise DraftsmithError("eval.stop.rule=specdecpp needs eval.stop.head (an acceptance-head checkpoint)")
-    if info.get("kind") == "acceptance_head":  # decode with the drafter the head was trained on
+    if given_head:  # decode with the drafter the head was trained on
         drafter, info = load_drafter(Path(head.cfg.draft), dtype=dtype, device=device)
     kind = info.get("kind")
     heads = DRAFTERS[kind].interface == "heads"  # feature heads, read through draft_step (load_drafter knows kind)
-    if head is not None and kind not in ("draft_lm", "eagle") and not heads:  # training-free rules: every drafter
-        raise DraftsmithError(
-            f"eval.stop.rule=specdecpp needs a standalone draft LM, an EAGLE drafter or feature heads, not {kind}"
-        )
+    if head is not None and DRAFTERS[kind].acceptance is None:  # training-free rules: every drafter
+        able = ", ".join(k for k, sp in DRAFTERS.items() if sp.acceptance)
+        raise DraftsmithError(f"eval.stop.rule=specdecpp needs a drafter an acceptance head reads ({able}), not {kind}")
     width = (drafter.state_dim if heads else drafter.cfg.dim) if head is not None else None
     if head is not None and (head.cfg.dim != width or head.cfg.draft_kind != kind):
         raise DraftsmithError(
@@ -427,7 +432,7 @@ def stop_rule(ec, drafter, info: dict, ckpt: Path, dtype, device):
             f"eval.stop.state={sc.state} but the head {head_path} was trained with "
             f"drafter.state={head.cfg.state}" + (" (state=next needs a before head)" if sc.state == "next" else "")
         )
-    prepare = drafter.head_input if kind == "eagle" else None  # EAGLE: as in training
+    prepare = getattr(drafter, "head_input", None)  # a drafter whose head reads a transformed state (EAGLE)
     training_free = {"entropy": EntropyStop, "confidence": ConfidenceStop}
     keep = drafter.head_ids if heads else None  # reduced heads: features from their rows only
     hook = (

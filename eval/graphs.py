@@ -283,10 +283,9 @@ def _clone(out):
 
 
 def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Module:
-    """``model`` wrapped for CUDA graphs when it is one of our Llamas (targets and draft LMs) or an EAGLE drafter;
-    else as is (a sliding-window Llama too: its window mask is built per step, eagerly)."""
-    from draftsmith.models.eagle import Eagle
-
+    """``model`` wrapped for CUDA graphs when it is one of our Llamas (targets and draft LMs) or a feature drafter
+    (EAGLE: ``reads_target_features``, stepped through ``step``); else as is (a sliding-window Llama too: its window
+    mask is built per step, eagerly)."""
     if type(model) is Llama:
         return model if model.cfg.sliding_window is not None else GraphedLlama(model, max_len, graphs)
-    return GraphedEagle(model, max_len, graphs) if isinstance(model, Eagle) else model
+    return GraphedEagle(model, max_len, graphs) if getattr(model, "reads_target_features", False) else model

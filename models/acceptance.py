@@ -108,7 +108,9 @@ class AcceptanceConfig:
     dim: int
     n_layers: int = 3
     draft: str | None = None  # the drafter checkpoint folder the head was trained on
-    draft_kind: str = "draft_lm"  # its kind: draft_lm, eagle, or feature heads (medusa, hydra, mlp_speculator)
+    # its kind (a DrafterSpec with ``acceptance``); the default names the kind of heads saved before the field
+    # existed, so their drafter.json still loads
+    draft_kind: str = "draft_lm"
     state: str = "after"  # after: the state after reading the draft (the paper); before: the producing state
     n_slots: int = 0  # feature heads: one learned vector per head (which head drafted the token); 0 = none
 
@@ -142,14 +144,18 @@ class AcceptanceHead(nn.Module):
 
     @property
     def signals_needed(self) -> set[str]:
-        """Record signals the objective reads: stored labels for a draft LM; none for EAGLE and feature heads
-        (labels made in the loop)."""
-        return {"specdec"} if self.cfg.draft_kind == "draft_lm" else set()
+        """Record signals the objective reads (the drafter kind's ``DrafterSpec.acceptance``): stored labels for a
+        draft LM; none where the labels are made in the loop (EAGLE, feature heads)."""
+        from draftsmith.models.registry import drafter_spec
+
+        return set(drafter_spec(self.cfg.draft_kind).acceptance["signals"])
 
     @property
     def needs_target(self) -> bool:
-        """Whether the loop must run the frozen target (EAGLE, feature heads: its features and distribution)."""
-        return self.cfg.draft_kind != "draft_lm"
+        """Whether the loop must run the frozen target (labels made in the loop: EAGLE, feature heads)."""
+        from draftsmith.models.registry import drafter_spec
+
+        return bool(drafter_spec(self.cfg.draft_kind).acceptance["needs_target"])
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if not n.startswith("draft."))
@@ -157,18 +163,17 @@ class AcceptanceHead(nn.Module):
 
 def build_acceptance_head(cfg: AcceptanceHeadConfig | dict, target, **_) -> AcceptanceHead:
     """A fresh head on the frozen drafter ``cfg.draft`` (a draftsmith draft LM, EAGLE or heads checkpoint)."""
-    from draftsmith.models.registry import DRAFTERS, kinds, load_drafter
+    from draftsmith.models.registry import DRAFTERS, load_drafter
 
     cfg = as_section(AcceptanceHeadConfig, cfg)
     path = cfg.draft
     draft, info = load_drafter(Path(path))
     kind, state = info.get("kind"), cfg.state
     feature = DRAFTERS[kind].interface == "heads"  # any heads kind: read through FeatureHeads.draft_step
-    if not feature and kind not in ("draft_lm", "eagle"):
+    if DRAFTERS[kind].acceptance is None:
         raise DraftsmithError(
-            f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads a "
-            f"standalone draft LM, an EAGLE drafter or feature heads "
-            f"({', '.join(kinds(interface='heads'))})"
+            f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads "
+            f"{', '.join(k for k, sp in DRAFTERS.items() if sp.acceptance)} drafters"
         )
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise DraftsmithError(
@@ -293,6 +298,7 @@ SPEC = DrafterSpec(
     build=build_acceptance_head,
     from_config=lambda c: AcceptanceHead(AcceptanceConfig(**c)),
     interface=None,
+    role="stop_head",
     objective="draftsmith.train.objectives:acceptance_objective",
     # Labels: stored with the records for a draft LM, made in the loop (with the target) for EAGLE and heads.
     signals=lambda head: head.signals_needed,

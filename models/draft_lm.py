@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.hf_target import io_weights, layer_state
 from draftsmith.models.llama import Block, Llama, LlamaConfig
-from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
+from draftsmith.models.spec import EXPORT, OBJ, DrafterSpec, Strict, as_section
 
 
 class DraftLMConfig(Strict):
@@ -230,7 +230,10 @@ SPEC = DrafterSpec(
     build=build_draft_lm,
     from_config=lambda c: Llama(LlamaConfig(**c)),
     interface="tokens",
+    causal_lm=True,
     objective="draftsmith.train.objectives:draft_lm_objective",
+    # an acceptance head reads the frozen draft LM on the data stage's stored SpecDec++ labels
+    acceptance={"inputs": OBJ + "draft_lm_acceptance_inputs", "signals": frozenset({"specdec"}), "needs_target": False},
     signals=frozenset({"topk"}),
     fsdp_wrap=(Block,),
     packs=True,

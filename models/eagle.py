@@ -56,7 +56,7 @@ from draftsmith.models.llama import (
     rope_inv_freq,
     step_mask,
 )
-from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
+from draftsmith.models.spec import EXPORT, OBJ, DrafterSpec, Strict, as_section
 
 
 class EagleDrafterConfig(Strict):
@@ -243,6 +243,13 @@ class Eagle(ReducedVocab, nn.Module):
     def _finish(self, h: torch.Tensor) -> torch.Tensor:
         """Residual stream after attention -> the layer output (the next state)."""
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def features_in(self, signals: dict) -> bool:
+        """Whether records with these signals (a manifest's) hold the features this drafter reads: EAGLE-3 the
+        target layers it fuses, earlier versions the final hidden state."""
+        if self.cfg.version == 3:
+            return list(signals.get("hidden_aux", {}).get("layers", [])) == list(self.cfg.aux_layers)
+        return "hidden_last" in signals
 
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         """The layer output as the LM head reads it (EAGLE-1 regresses onto post-norm features: no norm)."""
@@ -493,6 +500,8 @@ SPEC = DrafterSpec(
     from_config=eagle_from_config,
     interface="features",
     objective="draftsmith.train.objectives:eagle_objective",
+    # an acceptance head's labels are made in the loop: they need the target's features and distribution
+    acceptance={"inputs": OBJ + "eagle_acceptance_inputs", "signals": frozenset(), "needs_target": True},
     signals=frozenset({"topk", "hidden_last", "hidden_aux"}),
     fsdp_wrap=(Block,),
     packs=True,

@@ -28,7 +28,11 @@ from pydantic import Field
 from torch import nn
 
 from draftsmith.models.llama import ReducedVocab
-from draftsmith.models.spec import Strict
+from draftsmith.models.spec import OBJ, Strict
+
+# How a SpecDec++ acceptance head reads any heads kind (DrafterSpec.acceptance): labels made in the loop, from the
+# target's features and distribution, on the state before each draft (heads have no state after one).
+HEADS_ACCEPTANCE = {"inputs": OBJ + "heads_acceptance_inputs", "signals": frozenset(), "needs_target": True}
 
 
 class HeadsSection(Strict):
@@ -99,6 +103,11 @@ class FeatureHeads(ReducedVocab, nn.Module):
     def logits_after(self, h: torch.Tensor, path: list[torch.Tensor]) -> torch.Tensor:
         """h (D,) with path tokens (1,) -> (V,); or a batch: h (B, D) with path tokens (B,) -> (B, V)."""
         return self.draft_step(h, path)[0]
+
+    def features_in(self, signals: dict) -> bool:
+        """Whether records with these signals (a manifest's) hold the features the heads read: the final hidden
+        state; a Medusa-2 drafter computes its own with the adapted target."""
+        return self.base is not None or "hidden_last" in signals
 
     @property
     def state_dim(self) -> int:

@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
+from draftsmith.models.feature_heads import (
+    HEADS_ACCEPTANCE,
+    FeatureHeads,
+    HeadsConfig,
+    HeadsSection,
+    copy_target_head,
+    head_vocab,
+)
 from draftsmith.models.llama import Block, KVCache, LlamaConfig, prepare_cache, rope_cos_sin, rope_inv_freq
 from draftsmith.models.spec import DrafterSpec, as_section
 
@@ -195,6 +202,7 @@ SPEC = DrafterSpec(
     build=build_hydra,
     from_config=lambda c: HydraHeads(HydraConfig(**c)),
     interface="heads",
+    acceptance=HEADS_ACCEPTANCE,
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     fsdp_wrap=(WideResBlock, Block),

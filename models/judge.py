@@ -89,6 +89,7 @@ SPEC = DrafterSpec(
     build=build_judge,
     from_config=lambda c: JudgeHead(JudgeConfig(**c)),
     interface=None,
+    role="judge_head",
     objective="draftsmith.train.objectives:judge_objective",
     signals=frozenset({"judge"}),
     needs_target=True,

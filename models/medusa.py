@@ -28,7 +28,14 @@ from pydantic import Field
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.feature_heads import FeatureHeads, HeadsConfig, HeadsSection, copy_target_head, head_vocab
+from draftsmith.models.feature_heads import (
+    HEADS_ACCEPTANCE,
+    FeatureHeads,
+    HeadsConfig,
+    HeadsSection,
+    copy_target_head,
+    head_vocab,
+)
 from draftsmith.models.hf_target import HFTarget
 from draftsmith.models.llama import Block
 from draftsmith.models.spec import EXPORT, DrafterSpec, as_section
@@ -230,13 +237,19 @@ SPEC = DrafterSpec(
     build=build_medusa,
     from_config=lambda c: MedusaHeads(MedusaConfig(**c)),
     interface="heads",
+    acceptance=HEADS_ACCEPTANCE,
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     fsdp_wrap=(ResBlock, Block),
     packs=True,
     check=check_recipe,
     exports={
-        "medusa": {"write": EXPORT + "to_medusa", "read": EXPORT + "read_medusa", "usage": EXPORT + "usage_medusa"}
+        "medusa": {  # the layout of FasterDecoding's Medusa repository (and TGI, vLLM, TensorRT-LLM after it)
+            "write": EXPORT + "to_medusa",
+            "read": EXPORT + "read_medusa",
+            "usage": EXPORT + "usage_medusa",
+            "weights": "medusa_lm_head.safetensors",
+        }
     },
     engines={"vllm": {"method": "medusa", "formats": ("medusa",)}},
 )  # Block: Medusa-2's adapted target

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from draftsmith.models.feature_heads import FeatureHeads, head_vocab
+from draftsmith.models.feature_heads import HEADS_ACCEPTANCE, FeatureHeads, head_vocab
 from draftsmith.models.spec import EXPORT, DrafterSpec, Strict, as_section
 
 
@@ -162,6 +162,7 @@ SPEC = DrafterSpec(
     build=build_mlp_speculator,
     from_config=lambda c: MLPSpeculator(MLPSpeculatorConfig(**c)),
     interface="heads",
+    acceptance=HEADS_ACCEPTANCE,
     objective="draftsmith.train.objectives:heads_objective",
     signals=frozenset({"topk", "hidden_last"}),
     packs=True,

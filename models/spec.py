@@ -11,6 +11,7 @@ recipe section can sit next to its model without models importing recipes.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -21,6 +22,8 @@ from draftsmith.errors import DraftsmithError
 
 Interface = Literal["tokens", "heads", "features"]
 INTERFACES = ("tokens", "heads", "features")
+Role = Literal["drafter", "stop_head", "judge_head"]
+ROLES = ("drafter", "stop_head", "judge_head")
 
 
 class Strict(BaseModel):
@@ -31,6 +34,7 @@ class Strict(BaseModel):
 
 # Export writers and readers are named as strings in this module, so models import nothing from export/.
 EXPORT = "draftsmith.export.formats:"
+OBJ = "draftsmith.train.objectives:"  # objectives and acceptance inputs, likewise (models never import train/)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,17 @@ class DrafterSpec:
     check: ``check(recipe) -> None``, raising ValueError: the kind's checks of its section against the recipe's other
         sections (export formats, eval strategy, train options), run when a recipe is validated. Checks within the
         section go in its own validators.
+    role: what a checkpoint of the kind is for. "drafter": it drafts; "stop_head": a head that decides when to stop
+        drafting (``eval.stop.head``); eval, given one as the drafter, decodes with the drafter it was trained on
+        (its ``cfg.draft``) under the head's stop rule; "judge_head": a head that judges rejected drafts
+        (``eval.judge.head``, lossy verification). Only drafters have an ``interface``.
+    causal_lm: a checkpoint is an ordinary causal LM over the target's tokens (one token per forward, no target
+        state), so it can write and label sequences on its own (``data.draft``, ``data.specdec_labels``,
+        ``data.judge_labels``) and stand in for transformers' assistant model (eval's like-for-like baseline).
+    acceptance: how a SpecDec++ acceptance head (``role`` "stop") reads this kind's drafts, or None when it cannot:
+        {"inputs": ``"module:function"``, ``inputs(drafter, batch, ctx, before=...) -> (x, s)`` or ``(x, s, slot)``
+        (train/objectives.py); "signals": record signals the labels come from (stored labels), "needs_target":
+        labels are made in the loop from the target}.
     engines: how a serving engine speculates with the kind's exports: {engine: {"method": its speculative method,
         "formats": the export formats it loads, and any further keys of its speculative config}}; a callable of
         drafter.json's info when it depends on the config (EAGLE's version). An engine not listed has no method
@@ -94,6 +109,9 @@ class DrafterSpec:
     exports: dict | Callable = field(default_factory=dict)
     check: Callable | None = None
     engines: dict | Callable = field(default_factory=dict)
+    role: Role = "drafter"
+    causal_lm: bool = False
+    acceptance: dict | None = None
 
     def export_formats(self, info: dict) -> dict[str, dict]:
         """{format: its entry} for the checkpoint drafter.json's ``info`` describes (``exports``), each entry a dict
@@ -110,6 +128,11 @@ class DrafterSpec:
         return table.get(name)
 
     def __post_init__(self):
+        if self.role not in ROLES or (self.role == "drafter") != (self.interface is not None):
+            raise ValueError(
+                f"DrafterSpec {self.kind!r}: role must be one of {ROLES}, 'drafter' exactly when it has an interface; "
+                f"got role={self.role!r}, interface={self.interface!r}"
+            )
         if self.interface not in (*INTERFACES, None):
             raise ValueError(
                 f"DrafterSpec {self.kind!r}: interface must be one of {INTERFACES} or None, got {self.interface!r}"
@@ -137,6 +160,15 @@ class DrafterSpec:
 
     def needs_target_for(self, drafter) -> bool:
         return bool(self.needs_target(drafter) if callable(self.needs_target) else self.needs_target)
+
+
+def dotted(obj: str | Callable) -> Callable:
+    """A callable named ``"package.module:function"`` (imported now), or ``obj`` itself when it is callable: spec
+    hooks name code in train/ and export/ as strings so that models import neither."""
+    if callable(obj):
+        return obj
+    module, _, name = obj.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def as_section(config: type[Strict], cfg) -> Strict:

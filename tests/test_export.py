@@ -381,7 +381,7 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
 
 def test_serving_format_names_are_documented():
     """Each format's card says how its engine loads the folder: the command, and the target where it is needed."""
-    assert formats.weights_file("medusa") == "medusa_lm_head.safetensors"
+    assert formats.weights_file({"kind": "medusa", "config": {}}, "medusa") == "medusa_lm_head.safetensors"
     want = {
         ("vllm", "eagle"): ["vllm serve ./this-folder", "EAGLE-3"],
         ("vllm", "draft_lm"): ["vllm serve org/m", '"model": "./this-folder"'],

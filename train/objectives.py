@@ -8,7 +8,6 @@ trained positions plus the count, so the loop can normalise by the global token 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,9 +19,8 @@ from pydantic import BaseModel
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.acceptance import N_EXTRA, acceptance_features
-from draftsmith.models.eagle import Eagle
-from draftsmith.models.feature_heads import FeatureHeads
 from draftsmith.models.registry import DRAFTERS, drafter_spec
+from draftsmith.models.spec import dotted
 from draftsmith.train import losses
 
 
@@ -66,11 +64,7 @@ class Context:
 
 def objective_for(kind: str) -> Callable:
     """The training objective of ``kind``: its spec's function, imported when the spec names it as a string."""
-    obj = drafter_spec(kind).objective
-    if isinstance(obj, str):
-        module, _, name = obj.partition(":")
-        obj = getattr(importlib.import_module(module), name)
-    return obj
+    return dotted(drafter_spec(kind).objective)
 
 
 def check_packing(kind: str) -> None:
@@ -486,12 +480,8 @@ def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     (no mixing), with log q(y) and the entropy of q: every labelled token is a training example. Feature heads:
     ``heads_acceptance_inputs`` (before only), with the index of the head that drafted each token."""
     head, p = ctx.unwrapped, ctx.params
-    slot = None
-    if DRAFTERS[head.cfg.draft_kind].interface == "heads":
-        x, s, slot = heads_acceptance_inputs(head.draft, batch, ctx)
-    else:
-        inputs = eagle_acceptance_inputs if head.cfg.draft_kind == "eagle" else draft_lm_acceptance_inputs
-        x, s = inputs(head.draft, batch, ctx, before=head.cfg.state == "before")
+    inputs = dotted(DRAFTERS[head.cfg.draft_kind].acceptance["inputs"])  # per drafter kind: its DrafterSpec
+    x, s, slot = (*inputs(head.draft, batch, ctx, before=head.cfg.state == "before"), None)[:3]
     logit = model(x, slot)
     w = p.weight_mismatch
     loss = (w * (1 - s) * F.softplus(logit) + s * F.softplus(-logit)).sum()
@@ -592,7 +582,9 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
 
 
 @torch.no_grad()
-def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, positions: bool = False):
+def heads_acceptance_inputs(
+    heads, batch: dict, ctx: Context, chunk: int = 512, positions: bool = False, before: bool = True
+):
     """SpecDec++ labels for frozen feature heads (Medusa, Hydra, MLP speculator), made in the loop -> (head inputs
     (N, S + 2), s (N,), slot (N,)), and with ``positions`` the flat index b * T + t of each row's t (where the
     block starts: the target state the heads read) for studies of other features
@@ -603,7 +595,8 @@ def heads_acceptance_inputs(heads, batch: dict, ctx: Context, chunk: int = 512, 
     label is s = min(1, p(y)/q(y)) under ``label_temperature`` (0: y = argmax q, s = [argmax p == y]). Under greedy
     verification draft k + 1 matters only when the drafts before it were accepted, i.e. when they are the target's
     own tokens, so the true-token prefix is the exact conditional the threshold rule multiplies. The input is the
-    state head k drafted from (``draft_step``), log q(y) and the entropy of q (``acceptance_features``); slot = k."""
+    state head k drafted from (``draft_step``), log q(y) and the entropy of q (``acceptance_features``); slot = k.
+    ``before`` is the only state heads have (acceptance heads on heads are built with state=before)."""
     from draftsmith.data.engine import Sampling, specdec_labels
 
     if ctx.target is None:
@@ -687,9 +680,6 @@ def judge_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
 def features_stored(drafter, signals: dict) -> bool:
     """Whether records with these signals (the manifest's) hold the features this drafter reads (a Medusa-2
-    drafter computes its own with the adapted target)."""
-    if isinstance(drafter, FeatureHeads) and drafter.base is not None:
-        return True
-    if isinstance(drafter, Eagle) and drafter.cfg.version == 3:
-        return list(signals.get("hidden_aux", {}).get("layers", [])) == list(drafter.cfg.aux_layers)
-    return "hidden_last" in signals
+    drafter computes its own with the adapted target): the drafter's ``features_in`` where it has one."""
+    features_in = getattr(drafter, "features_in", None)
+    return features_in(signals) if features_in is not None else "hidden_last" in signals

@@ -83,8 +83,9 @@ SPECULATORS_VERSION = "0.1.0"
 log = logging.getLogger("draftsmith.export")
 
 
-def weights_file(fmt: str) -> str:
-    return "medusa_lm_head.safetensors" if fmt == "medusa" else "model.safetensors"
+def weights_file(info: dict, fmt: str) -> str:
+    """The weights file's name in an export: the kind's entry may name its engine's (``"weights"``)."""
+    return export_entry(info, fmt).get("weights", "model.safetensors")
 
 
 def _one_layer(info: dict, fmt: str) -> None:
@@ -717,7 +718,7 @@ def load_export(folder: Path, target=None, dtype=None, device="cpu"):
     for name, digest in (info.get("sha256") or {}).items():  # exports written before checksums have none
         verify_file(folder / Path(name).name, digest)
     verify_config(info, meta)
-    sd = load_tensors(folder / weights_file(fmt))
+    sd = load_tensors(folder / weights_file(info, fmt))
     read = export_entry(info, fmt).get("read")
     if read is not None:  # the engine's names back to the drafter's
         sd = _call(read)(sd, info, target, folder)

@@ -91,7 +91,7 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
         own = {k: v for k, v in info.items() if k != "sha256"}  # the checkpoint's checksums; the export gets its own
         named = {**own, "target": tgt.hub_id if is_local_path(target) else target}  # what the export's files say
         tensors, config = _writer(info, fmt)(model, named, tgt.hub_id, include_embeddings)
-        save_file(tensors, str(tmp / sf.weights_file(fmt)), metadata={"format": "pt"})  # one key: a fixed order
+        save_file(tensors, str(tmp / sf.weights_file(info, fmt)), metadata={"format": "pt"})  # one key: a fixed order
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         if (ckpt / sf.ADAPTER_FILE).is_file():
             shutil.copy2(ckpt / sf.ADAPTER_FILE, tmp / sf.ADAPTER_FILE)

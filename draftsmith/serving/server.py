@@ -52,7 +52,7 @@ from draftsmith import __version__
 from draftsmith.errors import DraftsmithError, redact
 from draftsmith.eval.accept import Adjust
 from draftsmith.eval.batch_decoder import BatchDecoder
-from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule
+from draftsmith.eval.bench import build_tree, fast_drafter, fast_model, stop_rule, stops
 from draftsmith.eval.own_vocab import for_decoding, own_vocab_options
 from draftsmith.models.loading import encode_chat, load_model, read_json, stop_ids
 from draftsmith.models.registry import check_fits_target, load_drafter
@@ -250,7 +250,7 @@ class Engine:
         drafter, info = load_drafter(path, dtype=self.dtype, device=self.device)
         drafter = for_decoding(path, drafter, info, self.tok, self.ec)  # its own tokenizer: eval.own_vocab
         stop = None
-        if info.get("kind") == "acceptance_head" or self.ec.stop is not None:  # eval.stop, as eval decodes
+        if stops(info, self.ec):  # eval.stop, as eval decodes
             drafter, info, stop, _ = stop_rule(self.ec, drafter, info, path, self.dtype, self.device)
         if not info.get("draft_tokenizer"):  # as eval does: refused at start, not with a 500 per request
             check_fits_target(path, info, self.tgt)
