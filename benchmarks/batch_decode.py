@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.prompts import load_prompts
 from draftsmith.eval.batch_decoder import speculative_generate_batch
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.kernels.kv import compact_rows
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.models.registry import build_drafter, load_drafter

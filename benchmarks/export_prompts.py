@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from draftsmith.data.prompts import load_prompts
+from draftsmith.eval.prompts import load_prompts
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.data.prompts import load_prompts
 from draftsmith.eval.decoder import speculative_generate
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.timing import interleave, time_call
 from draftsmith.export.writer import export, load_export
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids

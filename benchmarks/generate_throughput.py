@@ -24,7 +24,7 @@ import argparse
 import torch
 
 from draftsmith.data.engine import Capture, Sampling, decode_batch, decode_refill
-from draftsmith.data.prompts import load_prompts
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.timing import interleave
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 

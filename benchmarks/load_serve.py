@@ -331,7 +331,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args()
 
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.eval.prompts import load_prompts
     from draftsmith.recipes.loader import load_recipe
 
     t_start = time.monotonic()

@@ -40,7 +40,7 @@ from draftsmith.serving.traffic import TrafficBuffer
 
 
 def humaneval_prompts() -> list[list[dict]]:
-    from draftsmith.data.tasks import load_tasks
+    from draftsmith.eval.tasks import load_tasks
 
     return [t.messages for t in load_tasks("humaneval")]
 

@@ -28,7 +28,7 @@ import time
 
 
 def _prompts(tgt, n: int, max_prompt: int) -> list[list[int]]:
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.eval.prompts import load_prompts
     from draftsmith.models.loading import encode_chat, first_turn
 
     enc = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in load_prompts("sharegpt", None, n=4 * n)]

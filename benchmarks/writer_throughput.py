@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.data.engine import Sampling, decode_batch, write_batch, write_one
-from draftsmith.data.prompts import load_prompts
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.eval.timing import interleave
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.models.registry import load_drafter

@@ -25,7 +25,6 @@ from tqdm.auto import tqdm
 
 from draftsmith.data.chat import ChatLayout, chat_layout, encode
 from draftsmith.data.engine import Capture, Generated, Refill, Sampling, decode_batch, score_batch, write_batch
-from draftsmith.data.prompts import prompts_from
 from draftsmith.data.records import (
     FORMAT,
     SOURCES,
@@ -41,6 +40,7 @@ from draftsmith.data.records import (
 )
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import reads_target
+from draftsmith.eval.prompts import prompts_from
 from draftsmith.flops import Meter, count_flops, peak_flops
 from draftsmith.models.eagle import default_aux_layers
 from draftsmith.models.loading import load_model, stop_ids, tokenizer_hash

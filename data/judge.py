@@ -1,6 +1,6 @@
 """Judge labels without humans (docs/algorithms.md A8, AutoJudge-style): ``draftsmith generate`` with data.judge_labels.
 
-For each task (data/tasks.py: HumanEval unit tests, GSM8K-style final answers):
+For each task (eval/tasks.py: HumanEval unit tests, GSM8K-style final answers):
 1. the target answers greedily; its outcome O is recorded (pass/fail, or the final answer);
 2. the draft LM reads the target's answer teacher-forced; where its argmax differs from the target's token
    (a draft/target mismatch a lossless verifier would reject), up to ``max_swaps`` positions per task:
@@ -37,9 +37,9 @@ from draftsmith.data.records import (
     write_manifest,
     write_shard,
 )
-from draftsmith.data.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate
+from draftsmith.eval.tasks import load_tasks, outcome, outcome_correct
 from draftsmith.models.loading import encode_chat, load_model, stop_ids, tokenizer_hash
 from draftsmith.models.registry import drafter_spec, load_drafter
 from draftsmith.runlog import RunLog, save_recipe

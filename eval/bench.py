@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.prompts import Prompt, prompts_from
-from draftsmith.data.tasks import correct, load_tasks
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.batch_sweep import batch_sweep, write_batch_plot
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.graphs import graph_decoding
 from draftsmith.eval.own_vocab import for_decoding
+from draftsmith.eval.prompts import Prompt, prompts_from
 from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
+from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
 from draftsmith.models.judge import Judge
@@ -116,7 +116,7 @@ class EvalSetup:
     stop_drafting: object = None  # adaptive draft-length hook (eval.stop)
     stop_info: dict | None = None
     judge: object = None  # lossy judge verification (eval.judge): models.judge.Judge
-    tasks: list | None = None  # data/tasks.py Task per encoded prompt, when task accuracy is scored
+    tasks: list | None = None  # eval/tasks.py Task per encoded prompt, when task accuracy is scored
 
 
 def load_for_eval(recipe, optimize: bool = True) -> EvalSetup:

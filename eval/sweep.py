@@ -37,12 +37,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data.tasks import correct
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.bench import load_for_eval
 from draftsmith.eval.contention import CpuShare
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, speculative_generate
 from draftsmith.eval.report import shared_warning
+from draftsmith.eval.tasks import correct
 from draftsmith.models.judge import Judge
 
 DEFAULT_THRESHOLDS = [0.1, 0.2, 0.3, 0.5, 0.7]

@@ -216,7 +216,7 @@ def test_cli_errors_are_redacted(capsys, monkeypatch):
 
 
 def test_default_recipes_never_run_generated_code(trained, tmp_path, tiny_model_dir, prompts_file, monkeypatch):
-    from draftsmith.data import tasks
+    from draftsmith.eval import tasks
     from draftsmith.recipes.loader import load_recipe
 
     r = load_recipe("tiny", [])
@@ -225,7 +225,7 @@ def test_default_recipes_never_run_generated_code(trained, tmp_path, tiny_model_
     def never(*a, **kw):
         raise AssertionError("generated code ran")
 
-    monkeypatch.setattr(tasks, "run_tests", never)  # the one place generated code runs (data/tasks.py)
+    monkeypatch.setattr(tasks, "run_tests", never)  # the one place generated code runs (eval/tasks.py)
     full, args = trained
     out = tmp_path / "run"
     shutil.copytree(full, out)

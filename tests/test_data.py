@@ -462,7 +462,7 @@ def test_raw_text_records_are_cut_into_pieces_that_label_every_token_once(tmp_pa
     becomes pieces of max_new_tokens labels whose only context is the previous piece's last token, so the pieces
     rebuild the document and every token after its first is a label once, scored by the target like any dataset
     reply. Elsewhere (target replies, eval prompts) such records are a one-line error."""
-    from draftsmith.data.prompts import load_prompts
+    from draftsmith.eval.prompts import load_prompts
 
     docs = ["the quick brown fox jumps over the lazy dog " * 5, "hello world", {"text": "   "}, "a b c d e f g"]
     corpus = tmp_path / "corpus.jsonl"
@@ -694,7 +694,7 @@ def test_vllm_backend_missing_is_a_clear_error(run_args, monkeypatch, capsys):
 def test_prompts_files_are_regular_files_with_bounded_lines(tmp_path):
     import os
 
-    from draftsmith.data.prompts import MAX_LINE_BYTES, iter_jsonl
+    from draftsmith.eval.prompts import MAX_LINE_BYTES, iter_jsonl
 
     os.mkfifo(tmp_path / "fifo.jsonl")  # reading it would block until a writer comes
     with pytest.raises(DraftsmithError, match="fifo.jsonl: not a regular file"):

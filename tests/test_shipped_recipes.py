@@ -98,7 +98,7 @@ def named_values(node, key: str = ""):
 
 def unresolved(name: str) -> list[str]:
     """Every path the recipe names that a fresh folder, following its header, would not have."""
-    from draftsmith.data.prompts import PACKAGED
+    from draftsmith.eval.prompts import PACKAGED
     from draftsmith.models.loading import ALIASES
 
     r = load_recipe(name)

@@ -152,7 +152,7 @@ def peak_memory_mb(device: str) -> float:
 def _quick_eval_setup(recipe, tgt, acc):
     """A closure that decodes the first train.eval_prompts eval prompts with the drafter as ``draftsmith eval``
     would: eval.strategy (chain of eval.draft_len, or the tree), eval.stop and eval.temperature (eval/quick.py)."""
-    from draftsmith.data.prompts import prompts_from
+    from draftsmith.eval.prompts import prompts_from
     from draftsmith.eval.quick import quick_eval
     from draftsmith.models.loading import encode_chat, first_turn
 

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from draftsmith.data.prompts import load_prompts
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.export.formats import full_vocab_head
 from draftsmith.models.draft_lm import select_vocab
 from draftsmith.models.loading import encode_chat, first_turn, load_model

@@ -135,7 +135,7 @@ def main() -> None:
 def write_eval_prompts(overrides: list[str], root: Path) -> None:
     """The first turns of the prompts the records kept, as the eval stage's prompt file (same order)."""
     from draftsmith.data.dataset import RecordDataset
-    from draftsmith.data.prompts import prompts_from
+    from draftsmith.eval.prompts import prompts_from
     from draftsmith.models.loading import first_turn
     from draftsmith.recipes.loader import load_recipe
 
@@ -167,7 +167,7 @@ def run_match(a, root: Path, overrides: list[str]) -> dict:
     ds = RecordDataset(root / "data", 1 << 20)
     records = [ds[i] for i in range(len(ds) if a.match_n is None else min(a.match_n, len(ds)))]
     # the eval stage's prompts, rendered as it renders them, against the records' contexts (the same order)
-    from draftsmith.data.prompts import prompts_from
+    from draftsmith.eval.prompts import prompts_from
 
     encoded = [encode_chat(tgt.tokenizer, first_turn(p.messages)) for p in prompts_from(recipe.eval.prompts, None)]
     contexts = [r.input_ids[: int(r.loss_mask.nonzero()[0, 0])].tolist() for r in records]

@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from draftsmith.data.prompts import load_prompts
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
+from draftsmith.eval.prompts import load_prompts
 from draftsmith.models.loading import encode_chat, first_turn, load_model, stop_ids
 from draftsmith.runtime import _DTYPES, resolve_device
 

@@ -21,8 +21,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.data.prompts import iter_jsonl, package_file
 from draftsmith.errors import DraftsmithError
+from draftsmith.eval.prompts import iter_jsonl, package_file
 
 KINDS = ("humaneval", "gsm8k")
 
@@ -67,7 +67,7 @@ def _task(kind: str, rec: dict, where: str, index: int) -> Task:
         raise DraftsmithError(f"{where}: a {kind} record needs string field(s) {', '.join(missing)}")
     if kind == "humaneval":
         code = rec["prompt"] if rec["prompt"].endswith("\n") else rec["prompt"] + "\n"
-        turn = f"Complete the following Python function:\n\n```python\n{code}```"  # as data/prompts.py words it
+        turn = f"Complete the following Python function:\n\n```python\n{code}```"  # as eval/prompts.py words it
         return Task(
             str(rec.get("task_id", index)), kind, [{"role": "user", "content": turn}], {k: rec[k] for k in need}
         )
