@@ -331,21 +331,26 @@ def tiny_eagle(version: int, target, noise: float, **params):
     return e
 
 
-def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05):
-    """A tiny drafter of one of ``PROPOSER_KINDS`` for ``target``, good enough to accept some drafts, not all."""
+def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_noise: float = 0.25):
+    """A tiny drafter of one of ``PROPOSER_KINDS`` for ``target``, good enough to accept some drafts, not all: a
+    draft LM is the target with ``lm_noise`` on its weights, other kinds are random with ``noise`` on theirs.
+    Reduced vocabularies keep 48 (draft LM) or 24 (EAGLE) ids, at most half the target's."""
+    V = target.cfg.vocab_size
     if kind == "draft_lm":
-        return noisy_copy(target)
-    if kind == "draft_lm-vocab":  # the noisy copy's layers, its head cut to the 48 most frequent (here: highest) ids
+        return noisy_copy(target, lm_noise)
+    if kind == "draft_lm-vocab":  # the noisy copy's layers, its head cut to the most frequent (here: highest) ids
         from draftsmith.models.registry import build_drafter
 
-        counts = torch.arange(target.cfg.vocab_size, dtype=torch.float)
+        counts = torch.arange(V, dtype=torch.float)
         small = build_drafter(
-            "draft_lm", {"n_layers": target.cfg.n_layers, "draft_vocab": 48}, target, counts=counts, eos_ids={2}
-        ).eval()
-        small.layers.load_state_dict(noisy_copy(target).layers.state_dict())
+            "draft_lm", {"n_layers": target.cfg.n_layers, "draft_vocab": min(48, V // 2)}, target, counts=counts,
+            eos_ids={2},
+        ).eval()  # fmt: skip
+        small.layers.load_state_dict(noisy_copy(target, lm_noise).layers.state_dict())
         return small
     if kind.startswith("eagle"):
-        return tiny_eagle(int(kind[5]), target, noise, **({"draft_vocab": 24} if kind.endswith("vocab") else {}))
+        vocab = {"draft_vocab": min(24, V // 2)} if kind.endswith("vocab") else {}
+        return tiny_eagle(int(kind[5]), target, noise, **vocab)
     if is_heads(kind):
         return tiny_heads(kind, target, heads, noise)
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise

@@ -245,19 +245,14 @@ def test_a_row_does_not_depend_on_its_neighbours(tgt, prompts, singles, kind):
     assert all(r == results[0] for r in results)
 
 
-@pytest.mark.parametrize("kind", ["plain", "draft_lm", "medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["plain", *PROPOSER_KINDS])
 def test_sampled_rows_follow_the_target_distribution(kind):
     """4,000 rows of one prompt in one batch, temperature 1: the joint of their first three tokens (the 2nd and
     3rd from a verify that accepted or rejected a draft) matches the target's exact joint; greedy rows in the same
     batch stay exact."""
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     torch.manual_seed(5)
-    drafter = {
-        "plain": None,
-        "draft_lm": noisy_copy(t, 0.5),
-        "medusa": tiny_heads("medusa", t, 2, 0.3),
-        "eagle3": tiny_eagle(3, t, 0.3),
-    }[kind]
+    drafter = None if kind == "plain" else tiny_drafter(kind, t, heads=2, noise=0.3, lm_noise=0.5)
     prompt, N = [1, 2, 3, 4], 4000
     gen = torch.Generator().manual_seed(0)
     dec = BatchDecoder(t, drafter, draft_len=2, max_len=16)

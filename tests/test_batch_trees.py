@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, noisy_copy, tiny_eagle, tiny_heads, tiny_model, tv
+from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, tiny_drafter, tiny_model, tv
 from test_batch_decode import LENS, NEW, ar, check_caches, make_drafter, prompts, run, tgt  # noqa: F401
 
 from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
@@ -137,17 +137,13 @@ def test_a_tree_row_does_not_depend_on_its_neighbours(tgt, prompts, singles, kin
 
 
 @pytest.mark.parametrize("tree", list(TREES))
-@pytest.mark.parametrize("kind", ["draft_lm", "medusa", "eagle3"])
+@pytest.mark.parametrize("kind", PROPOSER_KINDS)
 def test_sampled_tree_rows_follow_the_target_distribution(kind, tree):
     """4,000 rows of one prompt in one batch, temperature 1, tree verification (the point-mass walk): the joint of
     their first three tokens matches the target's exact joint; greedy rows in the same batch stay exact."""
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     torch.manual_seed(5)
-    drafter = {
-        "draft_lm": noisy_copy(t, 0.5),
-        "medusa": tiny_heads("medusa", t, 3, 0.3),
-        "eagle3": tiny_eagle(3, t, 0.3),
-    }[kind]
+    drafter = tiny_drafter(kind, t, heads=3, noise=0.3, lm_noise=0.5)
     spec = {"static": tree_from_choices([[0], [1], [0, 0]]), "dynamic": DynamicTree(top_k=2, depth=2, total_tokens=4)}
     prompt, N = [1, 2, 3, 4], 4000
     gen = torch.Generator().manual_seed(0)

@@ -64,9 +64,9 @@ def test_write_one_lets_feature_drafters_write(target, ar_outputs, kind):
         speculative_generate(target, drafter, torch.tensor(DECODE_PROMPTS[0]), 4, write=True)
 
 
-# Kinds whose tiny random drafters write rows that end at EOS at different steps, which the test needs (a random
-# EAGLE-3 with the full vocabulary samples no such row); every interface is covered.
-@pytest.mark.parametrize("kind", ["medusa", "mlp_speculator", "hydra", "hydra++", "eagle1", "eagle3-vocab"])
+# Every kind that writes through write_batch: those that read the target's states (draft LMs write in the batched
+# generator, tests/test_gen_refill.py).
+@pytest.mark.parametrize("kind", proposer_kinds("heads", "features"))
 def test_batched_writer_equals_write_one_row_by_row(target, kind):
     """The data stage's batched writer (left-padded rows, one target cache, one drafter cache) writes exactly
     what ``write_one`` writes for each row alone: greedy and seeded sampling, with rows ending at EOS at
@@ -88,9 +88,9 @@ def test_batched_writer_equals_write_one_row_by_row(target, kind):
             generator=torch.Generator().manual_seed(seed),
         )[0]
 
-    free = [row(p, None) for p in prompts]
-    eos = {free[1][len(free[1]) // 2]}  # a token one row writes mid-way: rows stop at different steps
     for temperature in (0.0, 1.0):
+        free = row(prompts[1], None, temperature, 12)
+        eos = {free[len(free) // 2]}  # a token one row writes mid-way: rows stop at different steps
         s = Sampling(temperature)
         want = [row(p, eos, temperature, 11 + b) for b, p in enumerate(prompts)]
         assert len({len(w) for w in want}) > 1 and any(w[-1] in eos for w in want)

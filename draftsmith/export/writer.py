@@ -119,6 +119,9 @@ def export(ckpt: Path, fmt: str, out: Path, recipe=None, include_embeddings: boo
     except OSError as e:  # a read-only mount, a full disk: one line, and no half-written folder left
         shutil.rmtree(tmp, ignore_errors=True)
         raise DraftsmithError(f"export: cannot write {out} ({e.strerror or e})") from None
+    except BaseException:  # a writer's refusal (a config its layout cannot carry), an interrupt: nothing left either
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return out
 
 
