@@ -144,6 +144,15 @@ def drafter_kinds(**fields) -> list[str]:
     return kinds(**fields)
 
 
+def vllm_format(kind: str) -> str | None:
+    """The export format vLLM's speculative method for ``kind`` reads (DrafterSpec.engines; ``vllm`` where it is
+    one of them), or None when vLLM has no method for the kind."""
+    from draftsmith.models.registry import drafter_spec
+
+    entry = drafter_spec(kind).engine("vllm", {"kind": kind, "config": {}})
+    return None if entry is None else ("vllm" if "vllm" in entry["formats"] else entry["formats"][0])
+
+
 def small_section(kind: str, **fields):
     """The typed recipe section of ``kind``: SMALL_SECTIONS[kind] (or the schema's defaults) updated with fields."""
     from draftsmith.models.registry import drafter_spec

@@ -245,7 +245,7 @@ def test_a_row_does_not_depend_on_its_neighbours(tgt, prompts, singles, kind):
     assert all(r == results[0] for r in results)
 
 
-@pytest.mark.parametrize("kind", ["plain", *PROPOSER_KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_sampled_rows_follow_the_target_distribution(kind):
     """4,000 rows of one prompt in one batch, temperature 1: the joint of their first three tokens (the 2nd and
     3rd from a verify that accepted or rejected a draft) matches the target's exact joint; greedy rows in the same

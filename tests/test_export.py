@@ -385,6 +385,12 @@ def test_speculators_package_loads_the_vllm_export(tmp_path, tiny_tokenizer):
 def test_serving_format_names_are_documented():
     """Each format's card says how its engine loads the folder: the command, and the target where it is needed."""
     assert formats.weights_file({"kind": "medusa", "config": {}}, "medusa") == "medusa_lm_head.safetensors"
+    for name, fmt in CASES:  # every kind in every format it writes: a usage line, in the card
+        kind, fields = BUILDS[name]
+        info = {"kind": kind, "config": small_section(kind, **fields).model_dump()}
+        text = formats.usage(fmt, info, "org/m")
+        assert text.strip() and text in model_card({**info, "target": "org/m", "recipe": "r"}, fmt, None), name
+    # what the commands of the shipped kinds' layouts say (the format "medusa" is also a kind's name)
     want = {
         ("vllm", "eagle"): ["vllm serve ./this-folder", "EAGLE-3"],
         ("vllm", "draft_lm"): ["vllm serve org/m", '"model": "./this-folder"'],

@@ -15,27 +15,45 @@ import shutil
 import pytest
 import torch
 import yaml
-from conftest import save_tiny_llama, small_section
+from conftest import drafter_kinds, save_tiny_llama, small_section, vllm_format
 from test_hf_target import ARCHS, QUESTIONS, _save_arch
 
 from draftsmith.cli import main
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.models.loading import encode_chat, load_model, stop_ids
-from draftsmith.models.registry import build_drafter, load_drafter
+from draftsmith.models.registry import build_drafter, drafter_spec, load_drafter
 
-KINDS = {  # drafter section -> extra overrides of the run
+# Small pipeline sections of the shipped kinds: (drafter section, extra overrides of the run). Every registered
+# drafter kind runs; one not listed here runs from its schema defaults.
+SECTIONS = {
     "draft_lm": ({"kind": "draft_lm", "n_layers": 1, "init_layers": [0]}, ["train.loss.teacher=target"]),
     "medusa": ({"kind": "medusa", "n_heads": 3}, ["train.loss.teacher=target"]),
+    "hydra": ({"kind": "hydra", "n_heads": 3}, []),
     "eagle": ({"kind": "eagle", "version": 3, "ttt_steps": 2}, []),
-}
-BOTH_PATHS = {  # every other kind that builds from the target, for the Llama run both ways
-    **KINDS,
     "pard": ({"kind": "pard", "n_layers": 1, "init_layers": [0], "pard_k": 3}, []),
-    "hydra++": ({"kind": "hydra", "n_heads": 3, "prefix_attention": True}, []),
     "mlp_speculator": ({"kind": "mlp_speculator", "n_predict": 3}, ["train.loss.teacher=target"]),
+}
+VARIANTS = {  # decoding variants of a kind that build differently
+    "hydra++": ({"kind": "hydra", "n_heads": 3, "prefix_attention": True}, []),
     "eagle1": ({"kind": "eagle", "version": 1, "ttt_steps": 2}, []),
 }
+
+
+def section(kind: str) -> tuple[dict, list[str]]:
+    return SECTIONS.get(kind, ({"kind": kind}, []))
+
+
+def _one_per_interface() -> list[str]:
+    """The registry's first drafter kind of each interface: the runs repeated for every architecture."""
+    first = {}
+    for k in drafter_kinds(role="drafter"):
+        first.setdefault(drafter_spec(k).interface, k)
+    return list(first.values())
+
+
+KINDS = {k: section(k) for k in _one_per_interface()}
+BOTH_PATHS = {**{k: section(k) for k in drafter_kinds(role="drafter")}, **VARIANTS}  # the Llama run both ways
 
 
 def _recipe(tmp_path, name: str, drafter: dict):
@@ -163,7 +181,7 @@ def test_other_architectures_run_the_whole_pipeline(tmp_path, tiny_tokenizer, pr
         drafter = {**drafter, **ARCH_KINDS.get(family, {"init_layers": None})}
     recipe = _recipe(tmp_path, kind, drafter)
     out = tmp_path / "run"
-    formats = ["hf", "vllm"] if kind != "medusa" else ["hf", "medusa"]
+    formats = ["hf", *([f] if (f := vllm_format(kind)) else [])]  # and the layout vLLM's method reads
     args = [
         f"target.model={path}",
         f"data.prompts.path={prompts_file}",

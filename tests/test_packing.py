@@ -9,13 +9,13 @@ import json
 
 import pytest
 import torch
-from conftest import small_section
+from conftest import drafter_kinds, small_section
 
 from draftsmith.data.dataset import collate, collate_packed, pack_rows
 from draftsmith.data.records import Record
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.loading import load_model
-from draftsmith.models.registry import DRAFTERS, build_drafter
+from draftsmith.models.registry import DRAFTERS, build_drafter, drafter_spec
 from draftsmith.recipes.schema import LossConfig
 from draftsmith.train import objectives
 
@@ -99,24 +99,27 @@ def test_a_packed_batch_holds_each_record_whole_with_its_own_positions_and_signa
     assert not (mask & ~same & (d[:, :, None] >= 0)).any()  # a real token attends inside its document only
 
 
-# (name, kind, section fields, loss, stored signals): every kind that packs, its variants, stored and in-loop
-# features, records and target teachers.
-CASES = [
-    ("draft_lm-fkl", "draft_lm", {}, LossConfig(kind="fkl"), {"topk"}),
+def _stored(kind: str) -> set[str]:
+    """Every record signal the kind's spec declares, stored (the loop computes nothing itself)."""
+    signals = drafter_spec(kind).signals
+    return set(signals(None) if callable(signals) else signals)
+
+
+# (name, kind, section fields, loss, stored signals): every kind that packs (DrafterSpec.packs) from its small
+# section with its signals stored, then the variants that train differently: another loss or teacher, features in
+# the loop, a reduced vocabulary, EAGLE-1 and a deeper EAGLE-3, Medusa-2, Hydra++'s prefix layer.
+CASES = [(kind, kind, {}, LossConfig(kind="fkl"), _stored(kind)) for kind in drafter_kinds(packs=True)] + [
     ("draft_lm-ce", "draft_lm", {}, LossConfig(kind="ce"), set()),
     ("draft_lm-target", "draft_lm", {}, LossConfig(kind="jsd", teacher="target"), set()),
     ("draft_lm-vocab", "draft_lm", {"draft_vocab": 64}, LossConfig(kind="fkl"), {"topk"}),
-    ("medusa", "medusa", {}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
     ("medusa-in-loop", "medusa", {}, LossConfig(kind="rkl", teacher="target"), {"topk"}),
     ("medusa-2", "medusa", {"lora_r": 4}, LossConfig(kind="fkl"), {"topk"}),
-    ("hydra", "hydra", {}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
     ("hydra++", "hydra", {"prefix_attention": True}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
     ("hydra++-in-loop", "hydra", {"prefix_attention": True}, LossConfig(kind="ce"), set()),
-    ("mlp_speculator", "mlp_speculator", {}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
     ("eagle1", "eagle", {"version": 1, "ttt_steps": 3}, LossConfig(kind="fkl"), {"topk", "hidden_last"}),
-    ("eagle3", "eagle", {"version": 3, "ttt_steps": 3}, LossConfig(kind="fkl"), {"topk", "hidden_aux"}),
+    ("eagle3-aux-only", "eagle", {"version": 3, "ttt_steps": 3}, LossConfig(kind="fkl"), {"topk", "hidden_aux"}),
     ("eagle3-in-loop", "eagle", {"version": 3, "ttt_steps": 3}, LossConfig(kind="fkl", teacher="target"), set()),
-    ("pard", "pard", {"pard_k": 3}, LossConfig(kind="fkl"), {"topk"}),
+    ("pard-k3", "pard", {"pard_k": 3}, LossConfig(kind="fkl"), {"topk"}),
     ("pard-target-vocab", "pard", {"pard_k": 4, "draft_vocab": 64}, LossConfig(kind="ce"), set()),
     ("eagle3-deep-vocab", "eagle", {"ttt_steps": 3, "n_layers": 2, "draft_vocab": 64}, LossConfig(kind="ce"), set()),
 ]
@@ -146,12 +149,12 @@ def test_a_packed_batch_trains_exactly_like_its_records_unpacked(target, name, k
     _packed_equals_padded(target, kind, fields, cfg, signals)
 
 
-@pytest.mark.parametrize("kind,fields", [("draft_lm", {}), ("eagle", {"ttt_steps": 3})], ids=["draft_lm", "eagle3"])
-def test_the_transformers_path_target_teaches_packed_rows_like_padded_ones(tiny_model_dir, kind, fields):
+@pytest.mark.parametrize("kind", drafter_kinds(packs=True))
+def test_the_transformers_path_target_teaches_packed_rows_like_padded_ones(tiny_model_dir, kind):
     """The frozen target in the loop on the transformers path (models/hf_target.py) takes the packed layout too:
-    teacher=target for a draft LM, in-loop features and teacher for EAGLE-3."""
+    the teacher for every kind that packs, and the features for those that read them."""
     hf = load_model(str(tiny_model_dir), torch.float64, backend="transformers").model.requires_grad_(False)
-    _packed_equals_padded(hf, kind, fields, LossConfig(kind="fkl", teacher="target"), set())
+    _packed_equals_padded(hf, kind, {}, LossConfig(kind="fkl", teacher="target"), set())
 
 
 def _packed_equals_padded(target, kind, fields, cfg, signals):

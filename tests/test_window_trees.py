@@ -15,7 +15,8 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import noisy_copy
+from conftest import noisy_copy, vllm_format
+from test_hf_pipeline import KINDS, _recipe
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.eval.batch_decoder import speculative_generate_batch
@@ -263,12 +264,11 @@ def test_transformers_path_refuses_trees_without_a_4d_mask(tmp_path, tiny_tokeni
 
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2"])
-@pytest.mark.parametrize("kind", ["draft_lm", "eagle"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_windowed_families_run_the_whole_pipeline(tmp_path, tiny_tokenizer, prompts_file, family, kind):
     """Mistral and Qwen2 with windows far shorter than prompt + answer, on the own model: generate -> train -> eval
-    (chain and a static tree, lossless) -> export hf + vllm; every export decodes, chain and tree, to transformers'
-    greedy tokens."""
-    from test_hf_pipeline import KINDS, _recipe
+    (chain and a static tree, lossless) -> export hf (and vLLM's layout); every export decodes, chain and tree, to
+    transformers' greedy tokens."""
     from transformers import AutoModelForCausalLM
 
     from draftsmith.cli import main
@@ -283,8 +283,9 @@ def test_windowed_families_run_the_whole_pipeline(tmp_path, tiny_tokenizer, prom
         tmp_path / family, name, fields, tok=tiny_tokenizer, scale=4.0, eos_token_id=tiny_tokenizer.eos_token_id
     )
     drafter, extra = KINDS[kind]
-    if kind == "draft_lm" and family == "qwen2":  # q/k/v biases: a Llama draft cannot take the target's layers
+    if family == "qwen2" and drafter.get("init_layers"):  # q/k/v biases: Llama layers cannot take the target's
         drafter = {**drafter, "init_layers": None}
+    formats = ["hf", *([f] if (f := vllm_format(kind)) else [])]  # and the layout vLLM's method reads
     out = tmp_path / "run"
     args = [
         f"target.model={path}",
@@ -295,7 +296,7 @@ def test_windowed_families_run_the_whole_pipeline(tmp_path, tiny_tokenizer, prom
         "train.steps=2",
         "eval.prompts.n=2",
         "eval.max_new_tokens=12",
-        "export.formats=[hf,vllm]",
+        f"export.formats=[{','.join(formats)}]",
         *extra,
         "-q",
     ]
@@ -307,7 +308,7 @@ def test_windowed_families_run_the_whole_pipeline(tmp_path, tiny_tokenizer, prom
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
     eos = stop_ids(path, tiny_tokenizer)
     ckpt, _ = load_drafter(out / "checkpoints" / "final", dtype=torch.float64)
-    drafters = [ckpt, *(load_export(out / "export" / f, dtype=torch.float64)[0] for f in ("hf", "vllm"))]
+    drafters = [ckpt, *(load_export(out / "export" / f, dtype=torch.float64)[0] for f in formats)]
     tree = TreeSpec((-1, -1, 0, 0, 2), (0, 1, 0, 1, 0))
     for q in ("Tell me about foxes.", "Write a short poem about the sea and the stars."):
         x = torch.tensor(encode_chat(tiny_tokenizer, [{"role": "user", "content": q}]))
