@@ -168,3 +168,36 @@ def test_a_new_kind_is_one_file():
                         full.append(f"{p.relative_to(root)}:{node.lineno}")
     assert not full, full
     assert "one code file" in (root / "docs" / "adding-a-drafter.md").read_text()
+
+
+def test_product_code_decides_by_no_kind_name():
+    """Kinds keep their knowledge in their spec: outside a kind's own models/<kind>.py (and the registry), no
+    product code compares a value with a registered kind's name or looks a kind up by a literal name, so a new
+    kind is never missing from a branch. (Strings that only coincide with a kind's name, such as the "medusa"
+    export format or vLLM's method "eagle", are not comparisons against a kind and are not counted.)"""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    own = {spec.kind: getattr(spec.build, "__module__", "").rsplit(".", 1)[-1] for spec in DRAFTERS.values()}
+    lookups = {"drafter_spec", "kinds", "build_drafter", "objective_for"}
+    bad = []
+    for folder in ("data", "eval", "train", "models", "recipes", "kernels", "draftsmith"):
+        for p in (root / folder).rglob("*.py"):
+            if folder == "models" and p.stem in ("registry", *own.values()):
+                continue
+            for node in ast.walk(ast.parse(p.read_text(), filename=str(p))):
+                operands = []
+                if isinstance(node, ast.Compare):
+                    operands = [node.left, *node.comparators]
+                elif isinstance(node, ast.Subscript) and getattr(node.value, "id", None) == "DRAFTERS":
+                    operands = [node.slice]
+                elif (
+                    isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in lookups
+                ):
+                    operands = [*node.args, *(k.value for k in node.keywords)]
+                for op in operands:
+                    for e in op.elts if isinstance(op, ast.Tuple | ast.List | ast.Set) else [op]:
+                        if isinstance(e, ast.Constant) and e.value in own:
+                            bad.append(f"{p.relative_to(root)}:{e.lineno} {e.value}")
+    assert not bad, bad
