@@ -7,6 +7,8 @@ per way a drafter reads the sequence. ``proposer_for`` is the one place that map
   target's final hidden state; Hydra++'s prefix layer keeps a ``RowCache``;
 - ``FeatureRows``: EAGLE (``reads_target_features``), reading (target feature, token) pairs with its own
   ``RowCache``;
+- ``BlockRows``: DFlash (``drafts_block``), a whole block of drafts in one forward over the target's fused
+  features at committed positions, kept in its own ``RowCache``;
 - a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
 
 What the decoder (eval/batch_decoder.py) and the step shapes (eval/shapes.py) call: ``layers`` (the target states
@@ -39,6 +41,8 @@ def proposer_for(drafter) -> type:
         return HeadRows
     if getattr(drafter, "reads_target_features", False):
         return FeatureRows
+    if getattr(drafter, "drafts_block", False):
+        return BlockRows
     return TokenRows
 
 
@@ -463,6 +467,74 @@ class FeatureRows(_Rows):
                 r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
             else:
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
+
+
+class BlockRows(_Rows):
+    """DFlash (models/dflash.py). The drafter's context is the target's fused features at committed positions,
+    read into its ``RowCache`` once they are committed (the prompt at ``join``, each verify's kept positions at
+    ``commit``): it reads no tokens. A step's root runs the block [cur, mask, ...] at the next positions, whose
+    slot j is draft j's distribution, none depending on another draft (as PARD's): chains feed nothing after the
+    root, and a tree's depth-d nodes all take the depth-d distribution. Nothing drafted is ever written."""
+
+    reads_target = True
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        self.t, self.d, self.depth = target, drafter, drafter.max_draft_len
+        self.layers = drafter.capture_layers
+        self.rc = RowCache(drafter.new_cache, max_len)
+        self.caches = [self.rc]
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        k, W = ids.shape
+        tmp = _unwrapped(self.d).new_cache(k, W)
+        self.d.read_context(self.d.features(captured, self.t), tmp, pos, valid)  # every prompt position
+        self.rc.join(tmp, live, W)
+        for j in live:
+            rows[j].dpos = rows[j].prompt.numel()
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        if G == 0:
+            return None
+        logits, _ = self.root(rows, cur, 0, G)
+
+        def expand(tok, i):
+            return self.dists[:, i + 1], None
+
+        toks, qs, count, _ = _chain(rows, gam, logits, None, pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        """The block [cur, width masks] at each row's next positions -> draft 1's logits (B, V), None; the
+        distributions of drafts 1..width are kept in ``dists`` (B, width, V)."""
+        B, dev = len(rows), cur.device
+        ids = torch.cat([cur[:, None], cur.new_full((B, width), self.d.cfg.mask_id)], 1)
+        pos = torch.tensor([r.dpos for r in rows], device=dev)[:, None] + torch.arange(width + 1, device=dev)
+        self.dists = self.d.block(ids, pos, self.rc.view)[:, 1:]
+        self.s_root = self.rc.length
+        return self.dists[:, 0], None
+
+    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths=None):
+        return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
+
+    def seek(self, slot: int) -> None:
+        pass  # drafted nodes are never written
+
+    def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
+        self.read_kept(rows, captured, kept)
+
+    def commit(self, rows: list, cur, drafts: torch.Tensor, v, captured: dict) -> None:
+        self.read_kept(rows, captured, v.kept)  # kept: cur and the accepted drafts
+
+    def read_kept(self, rows: list, captured: dict, kept: list[list[int]]) -> None:
+        """The target's features at each row's kept verify positions join its context."""
+        f = self.d.features(captured, self.t)  # (B, W, F)
+        seqs = [f[b, k] for b, k in enumerate(kept)]
+        x, valid, pos = aligned(seqs, [r.dpos for r in rows])
+        self.rc.ensure(x.shape[1])
+        self.d.read_context(x, self.rc.view, pos, valid)
+        for r, sq in zip(rows, seqs):
+            r.dpos += len(sq)
 
 
 class TreeGraph:

@@ -20,8 +20,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from draftsmith.errors import DraftsmithError
 
-Interface = Literal["tokens", "heads", "features"]
-INTERFACES = ("tokens", "heads", "features")
+Interface = Literal["tokens", "heads", "features", "block"]
+INTERFACES = ("tokens", "heads", "features", "block")
 Role = Literal["drafter", "stop_head", "judge_head"]
 ROLES = ("drafter", "stop_head", "judge_head")
 
@@ -51,7 +51,8 @@ class DrafterSpec:
     interface: how the decoder drives it. "tokens": a Llama-like token drafter (``drafter(ids, cache=...)`` and
         ``new_cache``); "heads": heads on the target's final hidden state (``reads_target_hidden``,
         models/feature_heads.py); "features": an EAGLE-style feature drafter (``reads_target_features``,
-        models/eagle.py); None: not a proposer (an acceptance head, the judge).
+        models/eagle.py); "block": a drafter that drafts a whole block in one forward over the target's fused
+        features (``drafts_block``, models/dflash.py); None: not a proposer (an acceptance head, the judge).
     objective: the training loss, ``objective(model, batch, loss_cfg, ctx) -> StepOutput``
         (train/objectives.py), or its dotted name ``"package.module:function"``, imported when the loop needs it
         (models never import train/).

@@ -252,7 +252,9 @@ def proposer_kinds(*interfaces: str) -> tuple[str, ...]:
     """Every proposing kind's decoding variants, or only those whose spec interface is one of ``interfaces``."""
     from draftsmith.models.registry import DRAFTERS
 
-    wanted = [k for k, s in DRAFTERS.items() if s.interface in (interfaces or ("tokens", "heads", "features"))]
+    from draftsmith.models.spec import INTERFACES
+
+    wanted = [k for k, s in DRAFTERS.items() if s.interface in (interfaces or INTERFACES)]
     return tuple(v for kind in wanted for v in VARIANTS.get(kind, (kind,)))
 
 

@@ -55,8 +55,9 @@ REFUSED = {
     ("eagle1", "vllm"),  # vLLM's EAGLE-1 fc has no bias
     ("pard", "vllm"),  # an appended mask token is outside the target's vocabulary
 }
-# Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights.
-REWRITTEN = {("mlp_speculator", "mlp-speculator")}
+# Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights; vLLM's
+# DFlash embeds the mask slot as the mask id's embedding row, which our DFlash never reads as a token.
+REWRITTEN = {("mlp_speculator", "mlp-speculator"), ("dflash", "vllm")}
 
 
 def _formats(name: str) -> list[str]:

@@ -20,6 +20,7 @@ PROTOCOL = {
     "tokens": ("new_cache",),
     "heads": ("reads_target_hidden", "max_draft_len", "draft_step", "logits_after", "new_context", "read_context"),
     "features": ("reads_target_features", "capture_layers", "features", "project", "step"),
+    "block": ("drafts_block", "max_draft_len", "capture_layers", "features", "new_cache", "read_context", "block"),
 }
 
 

@@ -470,6 +470,38 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
+def dflash_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """DFlash (models/dflash.py): up to ``anchors`` random blocks per record, each [x_a, mask, ...] over the
+    target's fused features of the positions before a (computed by the frozen target in the loop); mask slot j is
+    scored like a draft LM's position against the teacher's distribution for token x_{a+j}, weighted
+    exp(-(j-1)/decay_gamma). Metrics per slot (``top1_draft{j-1}``: draft j; ``acc_draft{j-1}_rank{r}``, what
+    ``draftsmith tree`` builds static trees from) and the chain tau they imply."""
+    from draftsmith.models.dflash import anchor_layout
+
+    m, p = ctx.unwrapped, ctx.params
+    if ctx.target is None:
+        raise DraftsmithError("drafter.kind=dflash reads the target's hidden states: the loop must run the target")
+    with torch.no_grad():
+        _, cap = ctx.target(batch["input_ids"], capture_layers=m.capture_layers, return_hidden=True)
+        feats = m.features(cap, ctx.target).to(_features_dtype(ctx))
+    K, gamma = m.cfg.block_size, p.decay_gamma if p is not None else 7.0
+    lay = anchor_layout(
+        batch["input_ids"], batch["predict_mask"], K, p.anchors if p is not None else 8, m.cfg.mask_id,
+        _row_generators(batch, ctx),
+    )  # fmt: skip
+    teacher = draft_lm_teacher(batch, cfg, ctx)
+
+    def head_fn(j, h, w):  # inside the drafter's forward (DFlash.forward)
+        t, n = _take(teacher, lay.rows[j - 1]), h.shape[0]
+        if not n:
+            return h.sum() * 0, 0, _metrics(h, w, t, cfg, ranks=3)
+        weight = 1.0 if gamma is None else math.exp(-(j - 1) / gamma)
+        return losses.head_loss(h, w, t, _spec(cfg), ctx.generator) * n * weight, n, _metrics(h, w, t, cfg, ranks=3)
+
+    outs = model(feats, lay.ids, lay.pos, lay.mask, lay.select, head_fn)
+    return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "draft"))
+
+
 def acceptance_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     """SpecDec++ acceptance head (docs/algorithms.md A7): the frozen draft reads Z, the response with each token
     replaced by the draft's own sample y with probability 1 - mixing_ratio; at every replaced position the head

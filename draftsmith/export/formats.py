@@ -302,6 +302,57 @@ def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool)
     return _eagle3_tensors(model, "midlayer.", include_embeddings), config
 
 
+# ---- DFlash ----------------------------------------------------------------------------------------------------
+
+
+def to_dflash(model, info: dict, verifier: str, include_embeddings: bool):
+    """DFlash in the layout vLLM's ``dflash`` method loads (its qwen3_dflash model): Qwen3 layers, ``fc`` and
+    ``hidden_norm`` over the fused target layers ``dflash_config.target_layer_ids`` (layer outputs, as ours), the
+    mask slot embedded as ``embed_tokens[mask_token_id]``. Our trained mask vector therefore replaces that row of
+    the exported embeddings (our model never embeds that id as a token: every occurrence is a mask, in vLLM too),
+    and the embeddings and LM head are always written (vLLM would otherwise share the target's unchanged row)."""
+    cfg = info["config"]
+    sd = checkpoint_tensors(model)
+    embed = sd["embed_tokens.weight"].clone()
+    embed[cfg["mask_id"]] = sd.pop("mask_embed")
+    sd["embed_tokens.weight"] = embed
+    layer = LlamaConfig(
+        vocab_size=cfg["vocab_size"], dim=cfg["dim"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
+        n_kv_heads=cfg["n_kv_heads"], hidden_dim=cfg["hidden_dim"], head_dim=cfg["head_dim"],
+        rope_theta=cfg["rope_theta"], rope_scaling=cfg.get("rope_scaling"), norm_eps=cfg["norm_eps"],
+        max_seq_len=cfg["max_seq_len"], qk_norm=True,
+    )  # fmt: skip
+    config = {
+        **config_to_hf(layer),
+        "architectures": ["DFlashDraftModel"],
+        "target_hidden_size": cfg.get("target_dim") or cfg["dim"],
+        "block_size": cfg["block_size"],
+        "dflash_config": {
+            "mask_token_id": cfg["mask_id"],
+            "target_layer_ids": list(cfg["target_layers"]),
+            "causal": False,
+        },
+        "draftsmith_verifier": verifier,
+        "torch_dtype": "float32",
+    }
+    return sd, config
+
+
+def read_dflash(sd: dict, info: dict, target, folder: Path) -> dict:
+    """The mask vector back from its embedding row (the row itself is never read as a token's embedding)."""
+    sd = dict(sd)
+    sd["mask_embed"] = sd["embed_tokens.weight"][info["config"]["mask_id"]].clone()
+    return sd
+
+
+def usage_dflash(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    n = info.get("config", {}).get("block_size", tokens + 1) - 1
+    return (
+        f"`{_vllm_serve(target or 'TARGET', 'dflash', n)}` (vLLM's DFlash: the block's drafts from one forward); "
+        "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+    )
+
+
 # ---- Medusa ----------------------------------------------------------------------------------------------------
 
 
