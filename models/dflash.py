@@ -153,59 +153,59 @@ class DFlash(nn.Module):
         p = self.fc.weight
         return KVCache(self.cfg.layer_cfg(), batch, max_len, p.dtype, p.device)
 
-    def context_kv(self, feats: torch.Tensor, pos: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """feats (B, T, F) at RoPE positions pos (B, T) -> per layer (k, v), each (B, Hkv, T, hd)."""
+    def _context(self, feats: torch.Tensor, pos: torch.Tensor):
+        """feats (B, T, F) at RoPE positions pos (B, T) -> (fused normed context c (B, T, D), cos, sin)."""
         c = self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
-        B, T, _ = c.shape
-        cos, sin = rope_cos_sin(pos, self.inv_freq, c.dtype)
-        out = []
-        for layer in self.layers:
-            a = layer.self_attn
-            k = a.k_norm(a.k_proj(c).view(B, T, -1, self.cfg.head_dim)).transpose(1, 2)
-            v = a.v_proj(c).view(B, T, -1, self.cfg.head_dim).transpose(1, 2)
-            out.append((apply_rope(k, cos, sin), v))
-        return out
+        return (c, *rope_cos_sin(pos, self.inv_freq, c.dtype))
+
+    def _layer_kv(self, a, c, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's context keys and values (B, Hkv, T, hd) from the fused context c: its k/v projections,
+        the k norm, RoPE."""
+        B, T, hd = c.shape[0], c.shape[1], self.cfg.head_dim
+        k = a.k_norm(a.k_proj(c).view(B, T, -1, hd)).transpose(1, 2)
+        return apply_rope(k, cos, sin), a.v_proj(c).view(B, T, -1, hd).transpose(1, 2)
 
     def read_context(self, feats: torch.Tensor, cache: KVCache, pos: torch.Tensor, valid=None) -> None:
         """Commit positions: their features' keys and values join the context (cache slots from ``length``)."""
         T, s0 = feats.shape[1], cache.length
         if s0 + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {s0}+{T} > {cache.max_len}")
-        for i, (k, v) in enumerate(self.context_kv(feats, pos)):
+        c, cos, sin = self._context(feats, pos)
+        for i, layer in enumerate(self.layers):
+            k, v = self._layer_kv(layer.self_attn, c, cos, sin)
             cache.k[i][:, :, s0 : s0 + T] = k
             cache.v[i][:, :, s0 : s0 + T] = v
         cache.advance(T, valid)
 
-    def _attend(self, layer: Block, x, cos, sin, ctx_k, ctx_v, mask):
-        """One layer for the query block x (B, K, D): keys are the context's then the block's own."""
-        a, B, K = layer.self_attn, x.shape[0], x.shape[1]
-        h = layer.input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).view(B, K, -1, self.cfg.head_dim)).transpose(1, 2)
-        k = a.k_norm(a.k_proj(h).view(B, K, -1, self.cfg.head_dim)).transpose(1, 2)
-        v = a.v_proj(h).view(B, K, -1, self.cfg.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k, v = torch.cat([ctx_k, k], 2), torch.cat([ctx_v, v], 2)
-        gqa = self.cfg.n_kv_heads != self.cfg.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        x = x + a.o_proj(y.transpose(1, 2).reshape(B, K, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
-
-    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, ctx: list, mask: torch.Tensor) -> torch.Tensor:
-        """Query blocks ids (B, Q) at pos (B, Q) over context keys ``ctx`` [(k, v)] per layer, under mask
-        (B, 1, Q, C + Q) -> final normed states (B, Q, D)."""
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, context, mask: torch.Tensor) -> torch.Tensor:
+        """Query blocks ids (B, Q) at pos (B, Q) under mask (B, 1, Q, C + Q) -> final normed states (B, Q, D).
+        ``context(i, self_attn)`` gives layer i's context keys and values; it runs inside the layer's own call
+        (``Block.forward``'s ``attend``), where sharding wrappers (FSDP2's per-layer units) gather its weights."""
         x = self.embed(ids).to(self.fc.weight.dtype)
         cos, sin = rope_cos_sin(pos, self.inv_freq, x.dtype)
-        for layer, (ck, cv) in zip(self.layers, ctx, strict=True):
-            x = self._attend(layer, x, cos, sin, ck, cv, mask)
+        B, Q, hd = *ids.shape, self.cfg.head_dim
+        gqa = self.cfg.n_kv_heads != self.cfg.n_heads
+        for i, layer in enumerate(self.layers):
+
+            def attend(a, h, i=i):
+                ck, cv = context(i, a)
+                q = apply_rope(a.q_norm(a.q_proj(h).view(B, Q, -1, hd)).transpose(1, 2), cos, sin)
+                k = apply_rope(a.k_norm(a.k_proj(h).view(B, Q, -1, hd)).transpose(1, 2), cos, sin)
+                v = a.v_proj(h).view(B, Q, -1, hd).transpose(1, 2)
+                k, v = torch.cat([ck, k], 2), torch.cat([cv, v], 2)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+                return a.o_proj(y.transpose(1, 2).reshape(B, Q, -1))
+
+            x = layer(x, None, None, None, None, i, attend=attend)
         return self.norm(x)
 
     def block(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """One step's block for every row: ids (B, K) = [current token, mask, ...] at pos (B, K), over the
         context in ``cache`` -> logits (B, K, V); slot j > 0 is draft j's distribution."""
         B, K, L = *ids.shape, cache.length
-        ctx = [(cache.k[i][:, :, :L], cache.v[i][:, :, :L]) for i in range(self.cfg.n_layers)]
         mask = torch.cat([cache.valid[:, None, :L].expand(B, K, L), ids.new_ones(B, K, K, dtype=torch.bool)], 2)
-        return self.lm_head(self.hidden(ids, pos, ctx, mask[:, None]))
+        h = self.hidden(ids, pos, lambda i, a: (cache.k[i][:, :, :L], cache.v[i][:, :, :L]), mask[:, None])
+        return self.lm_head(h)
 
     def forward(self, feats, ids, pos, mask, select: list, head_fn):
         """Training: query blocks ids (B, Q) at pos (B, Q) over every position's features feats (B, T, F) at
@@ -213,8 +213,9 @@ class DFlash(nn.Module):
         lm_head weight)] for mask slots j = 1..K-1. The LM head is read inside forward, where sharding wrappers
         have it gathered."""
         B, T = feats.shape[:2]
-        ctx = self.context_kv(feats, torch.arange(T, device=feats.device).expand(B, T))
-        h = self.hidden(ids, pos, ctx, mask[:, None]).reshape(B * ids.shape[1], -1)
+        c, cos, sin = self._context(feats, torch.arange(T, device=feats.device).expand(B, T))
+        h = self.hidden(ids, pos, lambda i, a: self._layer_kv(a, c, cos, sin), mask[:, None])
+        h = h.reshape(B * ids.shape[1], -1)
         return [head_fn(j + 1, h[sel], self.lm_head.weight) for j, sel in enumerate(select)]
 
     def num_params(self, exclude_embeddings: bool = False) -> int:

@@ -113,6 +113,35 @@ def pard(target, counts):
     return p
 
 
+def dflash(target, counts):
+    """A DFlash drafter trained (in the test, seconds) on the target's own greedy answers to the prompts, so that
+    most of its drafts are accepted there and vLLM's acceptance counts are a real comparison."""
+    from draftsmith.models.dflash import build_dflash
+    from draftsmith.models.registry import drafter_spec
+    from draftsmith.recipes.schema import LossConfig
+    from draftsmith.train.objectives import Context, dflash_objective
+
+    torch.manual_seed(7)
+    section = drafter_spec("dflash").section({"n_layers": 1, "block_size": K + 1, "anchors": 16, "mask_token": 1})
+    d = build_dflash(section, target).train()
+    seqs = [p + autoregressive_generate(target, torch.tensor(p), N, eos_ids={EOS}) for p in PROMPTS]
+    W = max(map(len, seqs))
+    ids = torch.tensor([s + [EOS] * (W - len(s)) for s in seqs])
+    pm = torch.zeros(len(seqs), W, dtype=torch.bool)
+    for b, (p, s) in enumerate(zip(PROMPTS, seqs, strict=True)):
+        pm[b, len(p) - 1 : len(s) - 1] = True  # positions whose next token is an answer token
+    batch = {"input_ids": ids, "predict_mask": pm, "labels": ids[:, 1:][pm[:, :-1]]}
+    opt = torch.optim.Adam([q for q in d.parameters() if q.requires_grad], lr=3e-3)
+    ctx = Context(unwrapped=d, target=target.requires_grad_(False), generator=torch.Generator(), params=section)
+    for step in range(150):
+        ctx.step = step
+        out = dflash_objective(d, batch, LossConfig(kind="ce"), ctx)
+        opt.zero_grad()
+        (out.loss_sum / out.n).backward()
+        opt.step()
+    return d.eval()
+
+
 def medusa(target, counts):
     """Full-vocabulary Medusa-1 heads that repeat the target's own prediction: small random blocks (a residual
     block passes its input), every head the target's LM head plus a little noise."""
@@ -154,7 +183,8 @@ TUNED = {
     "draft_lm-llama": ("llama", draft_lm(), "draft_lm", None),
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", None),
     "pard-llama": ("llama", pard, "pard", None),
-    "medusa-llama": ("llama", medusa, "medusa", None),  # vLLM's `medusa` method reads the Medusa layout
+    "medusa-llama": ("llama", medusa, "medusa", None),
+    "dflash-llama": ("llama", dflash, "dflash", None),  # vLLM's `medusa` method reads the Medusa layout
 }
 _served = [k for k in drafter_kinds(role="drafter") if vllm_format(k)]
 CASES = {
@@ -270,7 +300,10 @@ def test_vllm_serves_the_export(vllm_targets, tmp_path, case):
         loaded.pop("embed_tokens.weight"), expected.pop("embed_tokens.weight", None)
     if json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"):
         expected["lm_head.weight"] = expected["embed_tokens.weight"]
-    for k in [k for k in loaded if k.endswith("hidden_norm.weight") and not k.startswith("layers.0.")]:
+    if "mask_embedding" in loaded:  # vLLM's DFlash slot for a separate mask vector: unused (ours is its id's row)
+        assert not loaded.pop("mask_embedding").any()
+    per_layer = [k for k in loaded if k.startswith("layers.") and k.endswith("hidden_norm.weight")]
+    for k in [k for k in per_layer if not k.startswith("layers.0.")]:
         assert torch.equal(loaded.pop(k), torch.ones(target.cfg.dim))  # built for every layer, read by layer 0 only
     assert same_weights(loaded, expected) == []
 
