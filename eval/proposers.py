@@ -505,12 +505,14 @@ class BlockRows(_Rows):
         return toks, qs, count
 
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
-        """The block [cur, width masks] at each row's next positions -> draft 1's logits (B, V), None; the
-        distributions of drafts 1..width are kept in ``dists`` (B, width, V)."""
-        B, dev = len(rows), cur.device
-        ids = torch.cat([cur[:, None], cur.new_full((B, width), self.d.cfg.mask_id)], 1)
-        pos = torch.tensor([r.dpos for r in rows], device=dev)[:, None] + torch.arange(width + 1, device=dev)
-        self.dists = self.d.block(ids, pos, self.rc.view)[:, 1:]
+        """The whole trained block [cur, masks] at each row's next positions -> draft 1's logits (B, V), None; the
+        distributions of drafts 1..width are kept in ``dists`` (B, width, V). The block is always as long as in
+        training: its slots attend to each other, so a shorter one would change every draft's distribution (and
+        a chain cut short by its budget or a stop rule would draft other tokens than a shorter draft length)."""
+        B, dev, K = len(rows), cur.device, self.depth + 1
+        ids = torch.cat([cur[:, None], cur.new_full((B, K - 1), self.d.cfg.mask_id)], 1)
+        pos = torch.tensor([r.dpos for r in rows], device=dev)[:, None] + torch.arange(K, device=dev)
+        self.dists = self.d.block(ids, pos, self.rc.view, n=width)
         self.s_root = self.rc.length
         return self.dists[:, 0], None
 

@@ -199,13 +199,15 @@ class DFlash(nn.Module):
             x = layer(x, None, None, None, None, i, attend=attend)
         return self.norm(x)
 
-    def block(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def block(self, ids: torch.Tensor, pos: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
         """One step's block for every row: ids (B, K) = [current token, mask, ...] at pos (B, K), over the
-        context in ``cache`` -> logits (B, K, V); slot j > 0 is draft j's distribution."""
+        context in ``cache`` -> the first ``n`` (default all) mask slots' logits (B, n, V): [:, j - 1] is draft
+        j's distribution (the current token's slot drafts nothing, so the LM head skips it, and the later slots
+        when fewer drafts are wanted)."""
         B, K, L = *ids.shape, cache.length
         mask = torch.cat([cache.valid[:, None, :L].expand(B, K, L), ids.new_ones(B, K, K, dtype=torch.bool)], 2)
         h = self.hidden(ids, pos, lambda i, a: (cache.k[i][:, :, :L], cache.v[i][:, :, :L]), mask[:, None])
-        return self.lm_head(h)
+        return self.lm_head(h[:, 1 : None if n is None else 1 + n])
 
     def forward(self, feats, ids, pos, mask, select: list, head_fn):
         """Training: query blocks ids (B, Q) at pos (B, Q) over every position's features feats (B, T, F) at

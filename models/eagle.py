@@ -95,6 +95,9 @@ class EagleDrafterConfig(Strict):
     fc_bias: bool = True
     """EAGLE-1: a bias on fc (the EAGLE-1 paper's layout, which SGLang loads). false trains the bias-free fc that
     vLLM's EAGLE-1 loads (export --format vllm refuses a nonzero bias). EAGLE-3's fc never has one."""
+    fc_norm: bool = False
+    """EAGLE-3.1: RMS-normalise each fused target layer's state on its own (a learned norm per layer) before fc, so
+    no layer's scale dominates the fusion. speculators and vLLM call it fc_norm; --format sglang refuses it."""
     layer_style: Literal["llama", "target"] = "llama"
     """The layer's attention. llama: plain Llama attention (no q/k-norm, no q/k/v bias) for every target, as
     SpecForge trains EAGLE-3 for Qwen targets: its vllm and sglang exports load in vLLM, SGLang and speculators.
@@ -108,6 +111,8 @@ class EagleDrafterConfig(Strict):
         if not isinstance(data, dict):
             return data
         v1 = data.get("version", 3) == 1
+        if v1 and data.get("fc_norm"):
+            raise ValueError("drafter.fc_norm needs drafter.version=3 (EAGLE-1 fuses no layers)")
         if not v1 and data.get("fc_bias") is False:
             raise ValueError("drafter.fc_bias needs drafter.version=1 (EAGLE-3's fc has no bias)")
         if v1 and data.get("aux_layers") is not None:
@@ -147,6 +152,7 @@ class EagleConfig:
     ttt_steps: int = 1  # the unroll length it was trained with (informational; decoding drafts any length)
     n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
     fc_bias: bool = True  # EAGLE-1's fc (EAGLE-3's never has one)
+    fc_norm: bool = False  # EAGLE-3.1: an RMS norm per fused layer before fc
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -193,6 +199,8 @@ class Eagle(ReducedVocab, nn.Module):
             self.fc = nn.Linear(2 * d, d, bias=cfg.fc_bias)
         else:
             self.fc = nn.Linear(cfg.feature_dim, d, bias=False)
+            if cfg.fc_norm:
+                self.fc_norm = nn.ModuleList(RMSNorm(d, cfg.norm_eps) for _ in cfg.aux_layers)
             self.embed_norm = RMSNorm(d, cfg.norm_eps)
             self.hidden_norm = RMSNorm(d, cfg.norm_eps)
             self.norm = RMSNorm(d, cfg.norm_eps)
@@ -231,7 +239,11 @@ class Eagle(ReducedVocab, nn.Module):
 
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features -> the layer's state input (EAGLE-3 fuses the layers with fc; EAGLE-1 reads f as is)."""
-        return feats if self.cfg.version == 1 else self.fc(feats)
+        if self.cfg.version == 1:
+            return feats
+        if self.cfg.fc_norm:  # EAGLE-3.1: each fused layer normalised on its own
+            feats = torch.cat([n(c) for n, c in zip(self.fc_norm, feats.chunk(len(self.fc_norm), -1), strict=True)], -1)
+        return self.fc(feats)
 
     def _inputs(self, e: torch.Tensor, state: torch.Tensor):
         """-> (attention input, residual stream)."""
@@ -414,6 +426,7 @@ def build_eagle(
         ttt_steps=p.ttt_steps,
         n_layers=p.n_layers,
         fc_bias=p.fc_bias,
+        fc_norm=p.fc_norm,
     )
     layers = p.init_layers or []
     if len(layers) not in (0, cfg.n_layers - 1):

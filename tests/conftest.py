@@ -244,7 +244,7 @@ NEW = 48  # new tokens per decode
 VARIANTS = {
     "draft_lm": ("draft_lm", "draft_lm-vocab"),
     "hydra": ("hydra", "hydra++"),
-    "eagle": ("eagle1", "eagle3", "eagle3-vocab"),
+    "eagle": ("eagle1", "eagle3", "eagle3-vocab", "eagle3.1"),
 }
 
 
@@ -361,7 +361,8 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         return small
     if kind.startswith("eagle"):
         vocab = {"draft_vocab": min(24, V // 2)} if kind.endswith("vocab") else {}
-        return tiny_eagle(int(kind[5]), target, noise, **vocab)
+        fc_norm = {"fc_norm": True} if kind == "eagle3.1" else {}  # EAGLE-3.1: a norm per fused layer
+        return tiny_eagle(int(kind[5]), target, noise, **vocab, **fc_norm)
     if is_heads(kind):
         return tiny_heads(kind, target, heads, noise)
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise

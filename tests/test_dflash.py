@@ -51,7 +51,7 @@ def test_training_blocks_see_what_decoding_shows():
             cache = d.new_cache(1, T)
             d.read_context(feats[b : b + 1, :a], cache, torch.arange(a)[None])
             block = torch.tensor([[int(ids[b, a])] + [d.cfg.mask_id] * (K - 1)])
-            want = d.block(block, torch.arange(a, a + K)[None], cache)[0, j]
+            want = d.block(block, torch.arange(a, a + K)[None], cache)[0, j - 1]
             torch.testing.assert_close(got[j][r], want)
             assert pm[b, a + j - 1]  # the slot drafts a trained (response) token
             n += 1

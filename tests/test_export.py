@@ -43,6 +43,7 @@ VARIANTS = {
     "eagle3": ("eagle", {"version": 3, "draft_vocab": 120, "aux_layers": [0, 1]}),
     "eagle3_deep": ("eagle", {"version": 3, "n_layers": 2, "init_layers": [1]}),
     "eagle1": ("eagle", {"version": 1}),
+    "eagle3.1": ("eagle", {"version": 3, "fc_norm": True}),
     "hydra++": ("hydra", {"prefix_attention": True}),
     "medusa_vocab": ("medusa", {"n_heads": 2, "draft_vocab": 100}),
     "pard_reserved": ("pard", {"mask_token": 0}),  # the mask is a reserved id of the target (vLLM's PARD needs it)
@@ -53,6 +54,7 @@ REFUSED = {
     ("medusa_vocab", "medusa"),  # the Medusa layout has no reduced vocabulary
     ("eagle3_deep", "sglang"),  # SGLang loads one EAGLE-3 layer
     ("eagle1", "vllm"),  # vLLM's EAGLE-1 fc has no bias
+    ("eagle3.1", "sglang"),  # SGLang's EAGLE-3 layer has no per-layer fc norms
     ("pard", "vllm"),  # an appended mask token is outside the target's vocabulary
 }
 # Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights; vLLM's

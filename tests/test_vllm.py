@@ -180,6 +180,7 @@ TUNED = {
     "eagle3-qwen3-target-layer": ("qwen3", eagle3(layer_style="target"), "eagle", None),  # q/k-norm
     "eagle3-qwen3-llama-layer": ("qwen3", eagle3(), "eagle", None),
     "eagle1-llama": ("llama", eagle1, "eagle", None),
+    "eagle3.1-llama": ("llama", eagle3(fc_norm=True), "eagle", None),  # per-layer fc norms
     "draft_lm-llama": ("llama", draft_lm(), "draft_lm", None),
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", None),
     "pard-llama": ("llama", pard, "pard", None),

@@ -190,6 +190,11 @@ def _eagle3_engine_checks(info: dict, fmt: str) -> None:
             f"drafter.aux_layers={aux} is not (use --format hf, or train with ascending distinct layers)"
         )
     qk, bias = cfg.get("qk_norm", False), cfg.get("attention_bias", False)
+    if fmt == "sglang" and cfg.get("fc_norm"):
+        raise DraftsmithError(
+            "export --format sglang: SGLang's EAGLE-3 layer has no per-layer fc norms (EAGLE-3.1, drafter.fc_norm): "
+            "use --format vllm"
+        )
     if fmt == "sglang" and (qk or bias):
         what = "q/k-norm" if qk else "q/k/v bias"
         raise DraftsmithError(
@@ -277,6 +282,7 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
         "transformer_layer_config": _layer_config(cfg),
         "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"],
         "norm_before_residual": False,
+        "fc_norm": bool(cfg.get("fc_norm", False)),  # EAGLE-3.1: tensors fc_norm.{i}.weight
         "target_hidden_size": cfg["dim"],
         "embed_requires_grad": False,
         "speculators_config": _speculators_block(info, verifier, max(cfg.get("ttt_steps", 1), 3)),
