@@ -466,7 +466,9 @@ def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | Non
     else:
         return None
     if max_depth is not None and depth > max_depth:
-        raise DraftsmithError(f"{key}: the tree is {depth} levels deep, but the drafter drafts at most {max_depth} tokens a step")
+        raise DraftsmithError(
+            f"{key}: the tree is {depth} levels deep, but the drafter drafts at most {max_depth} tokens a step"
+        )
     return tree
 
 

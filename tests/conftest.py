@@ -251,7 +251,6 @@ VARIANTS = {
 def proposer_kinds(*interfaces: str) -> tuple[str, ...]:
     """Every proposing kind's decoding variants, or only those whose spec interface is one of ``interfaces``."""
     from draftsmith.models.registry import DRAFTERS
-
     from draftsmith.models.spec import INTERFACES
 
     wanted = [k for k, s in DRAFTERS.items() if s.interface in (interfaces or INTERFACES)]
