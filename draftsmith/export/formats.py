@@ -322,14 +322,8 @@ def to_dflash(model, info: dict, verifier: str, include_embeddings: bool):
     embed = sd["embed_tokens.weight"].clone()
     embed[cfg["mask_id"]] = sd.pop("mask_embed")
     sd["embed_tokens.weight"] = embed
-    layer = LlamaConfig(
-        vocab_size=cfg["vocab_size"], dim=cfg["dim"], n_layers=cfg["n_layers"], n_heads=cfg["n_heads"],
-        n_kv_heads=cfg["n_kv_heads"], hidden_dim=cfg["hidden_dim"], head_dim=cfg["head_dim"],
-        rope_theta=cfg["rope_theta"], rope_scaling=cfg.get("rope_scaling"), norm_eps=cfg["norm_eps"],
-        max_seq_len=cfg["max_seq_len"], qk_norm=True,
-    )  # fmt: skip
     config = {
-        **config_to_hf(layer),
+        **config_to_hf(model.cfg.layer_cfg()),  # its layers' shape, Qwen3-style (q/k norms)
         "architectures": ["DFlashDraftModel"],
         "target_hidden_size": cfg.get("target_dim") or cfg["dim"],
         "block_size": cfg["block_size"],
