@@ -6,7 +6,8 @@ per way a drafter reads the sequence. ``proposer_for`` is the one place that map
 - ``HeadRows``: feature heads (Medusa, Hydra, Hydra++, MLP speculator: ``reads_target_hidden``) reading the
   target's final hidden state; Hydra++'s prefix layer keeps a ``RowCache``;
 - ``FeatureRows``: EAGLE (``reads_target_features``), reading (target feature, token) pairs with its own
-  ``RowCache``;
+  ``RowCache``; ``ParallelFeatureRows``: P-EAGLE (``drafts_parallel``), the same pairs plus mask slots that draft
+  several positions in one forward;
 - ``BlockRows``: DFlash (``drafts_block``), a whole block of drafts in one forward over the target's fused
   features at committed positions, kept in its own ``RowCache``;
 - a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
@@ -39,6 +40,8 @@ def proposer_for(drafter) -> type:
     feature layers; anything else is a token drafter (PARD included)."""
     if getattr(drafter, "reads_target_hidden", False):
         return HeadRows
+    if getattr(drafter, "drafts_parallel", 0):
+        return ParallelFeatureRows
     if getattr(drafter, "reads_target_features", False):
         return FeatureRows
     if getattr(drafter, "drafts_block", False):
@@ -467,6 +470,61 @@ class FeatureRows(_Rows):
                 r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
             else:
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
+
+
+class ParallelFeatureRows(FeatureRows):
+    """P-EAGLE (models/eagle.py ``parallel``): EAGLE's committed pairs, read as ``FeatureRows`` reads them, with
+    mask slots after the root's last pair in the same forward; slot j's logits are draft j + 1's distribution, none
+    depending on another draft. Chains feed nothing after the root and a tree's depth-d nodes all take the depth-d
+    distribution (as ``BlockRows``). The slots attend causally, so a shorter run of them drafts the same
+    distributions: each step runs only as many as it takes. Mask slots are rolled back with every draft."""
+
+    passes_state = False
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        super().__init__(target, drafter, max_len, stop)
+        self.depth = drafter.drafts_parallel
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        self.root_end = None
+        G = max(gam)
+        if G == 0:
+            return None
+        logits, _ = self.root(rows, cur, 0, G)
+
+        def expand(tok, i):
+            return self.dists[:, i + 1], None
+
+        toks, qs, count, _ = _chain(rows, gam, logits, None, pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        """The unread pairs and cur, then width - 1 mask slots at the following positions -> draft 1's logits
+        (B, V), None; drafts 1..width's distributions kept in ``dists`` (B, width, V)."""
+        seqs = [torch.cat([r.unread, cur[b : b + 1]]) for b, r in enumerate(rows)]
+        starts = [r.dpos for r in rows]
+        ids, valid, pos = aligned(seqs, starts)
+        feats, _, _ = aligned([r.feats for r in rows], starts)
+        B, n = ids.shape[0], width - 1
+        ids = torch.cat([ids, ids.new_full((B, n), self.d.cfg.mask_id)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, n + 1, device=pos.device)], 1)
+        if valid is not None:
+            valid = torch.cat([valid, valid.new_ones(B, n)], 1)
+        state = torch.cat([self.d.project(feats), self.d.mask_state((B, n)).to(feats.dtype)], 1)
+        self.rc.ensure(ids.shape[1] + room)
+        logits, _ = self.d.step(state, ids, pos=pos, cache=self.rc.view, valid=valid)
+        for r, s in zip(rows, seqs):
+            r.dpos += len(s)
+        self.root_end = self.rc.length - n  # the mask slots are drafts: never kept
+        self.s_root = self.rc.length
+        self.dists = logits[:, -width:]
+        return self.dists[:, 0], None
+
+    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths=None):
+        return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
+
+    def seek(self, slot: int) -> None:
+        pass  # drafted nodes are never written
 
 
 class BlockRows(_Rows):

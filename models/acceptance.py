@@ -175,6 +175,11 @@ def build_acceptance_head(cfg: AcceptanceHeadConfig | dict, target, **_) -> Acce
             f"drafter.draft {path!r} is a {kind} checkpoint; the acceptance head reads "
             f"{', '.join(k for k, sp in DRAFTERS.items() if sp.acceptance)} drafters"
         )
+    if getattr(draft, "drafts_parallel", 0):
+        raise DraftsmithError(
+            f"drafter.draft {path!r} drafts in parallel (P-EAGLE): its mask slots have no per-draft state for an "
+            f"acceptance head to read; train the head on an autoregressive EAGLE"
+        )
     if draft.cfg.vocab_size != target.cfg.vocab_size:
         raise DraftsmithError(
             f"drafter.draft {path!r}: vocabulary {draft.cfg.vocab_size} != target {target.cfg.vocab_size}"

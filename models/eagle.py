@@ -98,6 +98,14 @@ class EagleDrafterConfig(Strict):
     fc_norm: bool = False
     """EAGLE-3.1: RMS-normalise each fused target layer's state on its own (a learned norm per layer) before fc, so
     no layer's scale dominates the fusion. speculators and vLLM call it fc_norm; --format sglang refuses it."""
+    parallel_drafts: int = Field(0, ge=0, le=16)
+    """P-EAGLE: draft this many tokens in one forward; 0 = autoregressive EAGLE. After the real (feature, token)
+    pair, parallel_drafts - 1 mask slots (a learned mask embedding and a learned mask feature) each draft one
+    later position, trained as the TTT unroll with mask inputs at every step after the first (ttt_steps =
+    parallel_drafts). EAGLE-3 only; vLLM serves the export as eagle3 with parallel drafting (speculators' peagle)."""
+    mask_token: int | None = Field(None, ge=0)
+    """P-EAGLE: the token id of the mask slots (every occurrence of it is embedded as the mask); None = the last
+    id of the target's vocabulary."""
     layer_style: Literal["llama", "target"] = "llama"
     """The layer's attention. llama: plain Llama attention (no q/k-norm, no q/k/v bias) for every target, as
     SpecForge trains EAGLE-3 for Qwen targets: its vllm and sglang exports load in vLLM, SGLang and speculators.
@@ -119,13 +127,23 @@ class EagleDrafterConfig(Strict):
             raise ValueError("drafter.aux_layers needs drafter.version=3")
         if not v1 and data.get("feature_loss_weight"):
             raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
+        k = data.get("parallel_drafts") or 0
+        if k and (v1 or k < 2):
+            raise ValueError("drafter.parallel_drafts (P-EAGLE) needs drafter.version=3 and at least 2 drafts")
+        if not k and data.get("mask_token") is not None:
+            raise ValueError("drafter.mask_token needs drafter.parallel_drafts (P-EAGLE)")
+        if k and data.get("ttt_steps") not in (None, k):
+            raise ValueError(
+                f"drafter.ttt_steps is {data['ttt_steps']} but P-EAGLE trains one step per parallel draft: "
+                f"leave it unset or set it to drafter.parallel_drafts = {k}"
+            )
         if data.get("init_layers") is not None and len(data["init_layers"]) != data.get("n_layers", 1) - 1:
             raise ValueError(
                 f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
                 f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks"
             )
         defaults = {
-            "ttt_steps": 1 if v1 else 7,
+            "ttt_steps": 1 if v1 else (k or 7),
             "token_loss_weight": 0.1 if v1 else 1.0,
             "feature_loss_weight": 1.0 if v1 else 0.0,
         }
@@ -153,6 +171,8 @@ class EagleConfig:
     n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
     fc_bias: bool = True  # EAGLE-1's fc (EAGLE-3's never has one)
     fc_norm: bool = False  # EAGLE-3.1: an RMS norm per fused layer before fc
+    parallel: int = 0  # P-EAGLE: drafts per forward (0: autoregressive)
+    mask_id: int | None = None  # P-EAGLE: the mask slots' token id
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -208,6 +228,9 @@ class Eagle(ReducedVocab, nn.Module):
             a.q_proj = nn.Linear(2 * d, cfg.n_heads * hd, bias=cfg.attention_bias)
             a.k_proj = nn.Linear(2 * d, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
             a.v_proj = nn.Linear(2 * d, cfg.n_kv_heads * hd, bias=cfg.attention_bias)
+        if cfg.parallel:  # P-EAGLE's mask slot inputs: a token embedding and a (pre-fc) target feature
+            self.mask_embed = nn.Parameter(torch.zeros(d))
+            self.mask_hidden = nn.Parameter(torch.zeros(cfg.feature_dim))
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
         self.mlp = MLP(lc)
         self.extra = nn.ModuleList(Block(lc) for _ in range(cfg.n_layers - 1))
@@ -236,6 +259,27 @@ class Eagle(ReducedVocab, nn.Module):
         if self.cfg.version == 1:
             return target.norm(captured[self.cfg.target_layers])
         return torch.cat([captured[i] for i in self.capture_layers], -1)
+
+    @property
+    def drafts_parallel(self) -> int:
+        """P-EAGLE: drafts per forward (eval/proposers.py ``ParallelFeatureRows``); 0 for autoregressive EAGLE."""
+        return self.cfg.parallel
+
+    @property
+    def max_draft_len(self) -> int | None:
+        return self.cfg.parallel or None  # autoregressive EAGLE drafts any length
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; P-EAGLE embeds every occurrence of its mask id as the learned mask vector."""
+        e = self.embed_tokens(ids)
+        if not self.cfg.parallel:
+            return e
+        return torch.where((ids == self.cfg.mask_id)[..., None], self.mask_embed.to(e.dtype), e)
+
+    def mask_state(self, shape: tuple[int, int]) -> torch.Tensor:
+        """P-EAGLE: the state input of mask slots, the learned mask feature projected like a target feature,
+        expanded to (B, T, d)."""
+        return self.project(self.mask_hidden[None, None]).expand(*shape, -1)
 
     def project(self, feats: torch.Tensor) -> torch.Tensor:
         """Target features -> the layer's state input (EAGLE-3 fuses the layers with fc; EAGLE-1 reads f as is)."""
@@ -288,7 +332,7 @@ class Eagle(ReducedVocab, nn.Module):
         valid (B, T): False at left padding (the data stage's batched writer)."""
         T = ids.shape[1]
         pos = default_pos(ids, cache) if pos is None else pos
-        e = self.embed_tokens(ids)
+        e = self.embed(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
         mask, static = step_mask(cache, T, valid, attn_mask)  # static: under eval/graphs.py GraphedEagle
         x, resid = self._inputs(e, state)
@@ -319,7 +363,8 @@ class Eagle(ReducedVocab, nn.Module):
     ):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
-        x_{i+s+2}. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
+        x_{i+s+2}. P-EAGLE (``parallel``): steps 1.. read the mask token and the mask state instead, so step s is
+        the row's mask slot s, drafting x_{i+s+2} in the same forward as the real pair. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
         or, without head_fn, the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads
         instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need).
 
@@ -342,7 +387,9 @@ class Eagle(ReducedVocab, nn.Module):
                 tok[:, : T - s - 1] = ids[:, s + 1 :]  # past the end: token 0, never selected for a loss
             if step_tokens and s in step_tokens:
                 tok = step_tokens[s]
-            x, resid = self._inputs(self.embed_tokens(tok), state)
+            if s and self.cfg.parallel:  # P-EAGLE: every later step is a mask slot of the row's rollout
+                tok, state = torch.full_like(ids, self.cfg.mask_id), self.mask_state((B, T))
+            x, resid = self._inputs(self.embed(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
             out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], causal))
             for j, block in enumerate(self.extra):  # through the block's call: FSDP2 gathers its weights there
@@ -390,6 +437,26 @@ def default_aux_layers(n_layers: int) -> tuple[int, ...]:
     return (1, n_layers // 2 - 1, n_layers - 4) if n_layers >= 5 else tuple(range(min(3, n_layers)))
 
 
+def _checked_init_layers(layers: list[int], cfg: EagleConfig, t) -> list[int]:
+    """drafter.init_layers: the target layers copied into the blocks after the EAGLE layer, checked."""
+    if len(layers) not in (0, cfg.n_layers - 1):
+        raise DraftsmithError(
+            f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
+            f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)"
+        )
+    if layers and cfg.hidden_dim != t.hidden_dim:
+        raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
+    if layers and (cfg.qk_norm, cfg.attention_bias) != (t.qk_norm, t.attention_bias):
+        raise DraftsmithError(
+            "drafter.init_layers copies target layers with q/k-norm or q/k/v bias into llama-style blocks: "
+            "set drafter.layer_style=target"
+        )
+    for j, src in enumerate(layers):
+        if not 0 <= src < t.n_layers:
+            raise DraftsmithError(f"drafter.init_layers[{j}] = {src} is outside the target's {t.n_layers} layers")
+    return layers
+
+
 def build_eagle(
     cfg: EagleDrafterConfig | dict, target, counts: torch.Tensor | None = None, eos_ids: set[int] = frozenset(), **_
 ) -> Eagle:
@@ -427,23 +494,12 @@ def build_eagle(
         n_layers=p.n_layers,
         fc_bias=p.fc_bias,
         fc_norm=p.fc_norm,
+        parallel=p.parallel_drafts,
+        mask_id=(t.vocab_size - 1 if p.mask_token is None else p.mask_token) if p.parallel_drafts else None,
     )
-    layers = p.init_layers or []
-    if len(layers) not in (0, cfg.n_layers - 1):
-        raise DraftsmithError(
-            f"drafter.init_layers has {len(layers)} entries: it names the target layers copied "
-            f"into the {cfg.n_layers - 1} blocks after the EAGLE layer (drafter.n_layers - 1)"
-        )
-    if layers and cfg.hidden_dim != t.hidden_dim:
-        raise DraftsmithError("drafter.init_layers needs drafter.hidden_dim to be the target's")
-    if layers and (cfg.qk_norm, cfg.attention_bias) != (t.qk_norm, t.attention_bias):
-        raise DraftsmithError(
-            "drafter.init_layers copies target layers with q/k-norm or q/k/v bias into llama-style blocks: "
-            "set drafter.layer_style=target"
-        )
-    for j, src in enumerate(layers):
-        if not 0 <= src < t.n_layers:
-            raise DraftsmithError(f"drafter.init_layers[{j}] = {src} is outside the target's {t.n_layers} layers")
+    if cfg.mask_id is not None and cfg.mask_id >= t.vocab_size:
+        raise DraftsmithError(f"drafter.mask_token {cfg.mask_id} is outside the target's vocabulary ({t.vocab_size})")
+    layers = _checked_init_layers(p.init_layers or [], cfg, t)
     copied = [layer_state(target, src, "drafter.init_layers") for src in layers]  # Llama-shaped targets only
     model = Eagle(cfg).to(target.embed_tokens.weight.dtype)
     with torch.no_grad():
@@ -457,6 +513,9 @@ def build_eagle(
             model.set_head_vocab(keep)
         else:
             model.lm_head.weight.copy_(head)
+        if cfg.parallel:  # the mask slot starts as an average token; its feature as a small random one
+            model.mask_embed.copy_(target.embed_tokens.weight.float().mean(0))
+            model.mask_hidden.normal_(0.0, 0.02)
         for j, block in enumerate(model.extra):
             if layers:
                 block.load_state_dict(copied[j])
@@ -490,9 +549,12 @@ def export_formats(info: dict) -> dict[str, str]:
 
 
 def engine_methods(info: dict) -> dict:
-    """vLLM serves EAGLE-3 by its eagle3 method and EAGLE-1 by eagle, from the vllm (or sglang) folder
-    (DrafterSpec.engines)."""
-    method = "eagle3" if info.get("config", {}).get("version", 3) == 3 else "eagle"
+    """vLLM serves EAGLE-3 by its eagle3 method and EAGLE-1 by eagle, from the vllm (or sglang) folder; P-EAGLE by
+    eagle3 with parallel drafting, from the vllm folder (DrafterSpec.engines)."""
+    cfg = info.get("config", {})
+    if cfg.get("parallel"):
+        return {"vllm": {"method": "eagle3", "formats": ("vllm",), "parallel_drafting": True}}
+    method = "eagle3" if cfg.get("version", 3) == 3 else "eagle"
     return {"vllm": {"method": method, "formats": ("vllm", "sglang")}}
 
 

@@ -244,7 +244,7 @@ NEW = 48  # new tokens per decode
 VARIANTS = {
     "draft_lm": ("draft_lm", "draft_lm-vocab"),
     "hydra": ("hydra", "hydra++"),
-    "eagle": ("eagle1", "eagle3", "eagle3-vocab", "eagle3.1"),
+    "eagle": ("eagle1", "eagle3", "eagle3-vocab", "eagle3.1", "peagle"),
 }
 
 
@@ -358,6 +358,8 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         ).eval()  # fmt: skip
         small.layers.load_state_dict(noisy_copy(target, lm_noise).layers.state_dict())
         return small
+    if kind == "peagle":  # P-EAGLE: EAGLE-3.1 drafting 4 tokens per forward
+        return tiny_eagle(3, target, noise, parallel_drafts=4, fc_norm=True)
     if kind.startswith("eagle"):
         vocab = {"draft_vocab": min(24, V // 2)} if kind.endswith("vocab") else {}
         fc_norm = {"fc_norm": True} if kind == "eagle3.1" else {}  # EAGLE-3.1: a norm per fused layer

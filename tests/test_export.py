@@ -44,6 +44,7 @@ VARIANTS = {
     "eagle3_deep": ("eagle", {"version": 3, "n_layers": 2, "init_layers": [1]}),
     "eagle1": ("eagle", {"version": 1}),
     "eagle3.1": ("eagle", {"version": 3, "fc_norm": True}),
+    "peagle": ("eagle", {"version": 3, "parallel_drafts": 4, "ttt_steps": 4, "draft_vocab": 120}),
     "hydra++": ("hydra", {"prefix_attention": True}),
     "medusa_vocab": ("medusa", {"n_heads": 2, "draft_vocab": 100}),
     "pard_reserved": ("pard", {"mask_token": 0}),  # the mask is a reserved id of the target (vLLM's PARD needs it)
@@ -55,11 +56,13 @@ REFUSED = {
     ("eagle3_deep", "sglang"),  # SGLang loads one EAGLE-3 layer
     ("eagle1", "vllm"),  # vLLM's EAGLE-1 fc has no bias
     ("eagle3.1", "sglang"),  # SGLang's EAGLE-3 layer has no per-layer fc norms
+    ("peagle", "sglang"),  # P-EAGLE is written in speculators' layout only
     ("pard", "vllm"),  # an appended mask token is outside the target's vocabulary
 }
 # Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights; vLLM's
 # DFlash embeds the mask slot as the mask id's embedding row, which our DFlash never reads as a token.
-REWRITTEN = {("mlp_speculator", "mlp-speculator"), ("dflash", "vllm")}
+# P-EAGLE likewise (its mask vector in the embedding row of its mask id).
+REWRITTEN = {("mlp_speculator", "mlp-speculator"), ("dflash", "vllm"), ("peagle", "vllm")}
 
 
 def _formats(name: str) -> list[str]:
@@ -92,7 +95,7 @@ def checkpoints(tmp_path_factory, target, tiny_model_dir):
 def _decode(target, drafter, tree=False):
     prompt = torch.randint(3, 300, (10,), generator=torch.Generator().manual_seed(5))
     if tree:  # as deep as the drafter drafts (heads: one token per head)
-        depth = min(3, getattr(drafter, "max_draft_len", 3))
+        depth = min(3, getattr(drafter, "max_draft_len", None) or 3)
         return tree_speculative_generate(target, drafter, prompt, 24, DynamicTree(top_k=2, depth=depth, total_tokens=6))
     return speculative_generate(target, drafter, prompt, 24, draft_len=3)
 

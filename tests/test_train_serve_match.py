@@ -33,6 +33,7 @@ SECTIONS = {  # drafter variant -> (kind, recipe section); each trains / checks 
     "eagle3-vocab": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "draft_vocab": 40}),
     "eagle3-deep": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "n_layers": 2}),
     "eagle1": ("eagle", {"version": 1, "ttt_steps": 3}),
+    "peagle": ("eagle", {"version": 3, "aux_layers": AUX, "parallel_drafts": 3, "fc_norm": True}),
     "medusa": ("medusa", {"n_heads": 3}),
     "hydra": ("hydra", {"n_heads": 3}),
     "hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
@@ -102,7 +103,8 @@ def test_decoder_drafts_are_the_objectives_teacher_forced_predictions(target, re
     train_briefly(drafter, params, collate(records))
     m = _check(target, drafter, params, records)
     assert 0.3 * m.starts < m.accepted_first < m.starts, m  # accepted and rejected first drafts
-    assert m.compared[1] > 20 and m.compared[2] > 10, m
+    third = 5 if name == "peagle" else 10  # P-EAGLE's third draft reads no draft: accepted less after 10 steps
+    assert m.compared[1] > 20 and m.compared[2] > third, m
     if params.kind == "eagle":  # the frozen target computing the features in the loop: the same drafts
         assert _check(target, drafter, params, records, in_loop=True).compared == m.compared
 

@@ -113,17 +113,12 @@ def pard(target, counts):
     return p
 
 
-def dflash(target, counts):
-    """A DFlash drafter trained (in the test, seconds) on the target's own greedy answers to the prompts, so that
-    most of its drafts are accepted there and vLLM's acceptance counts are a real comparison."""
-    from draftsmith.models.dflash import build_dflash
-    from draftsmith.models.registry import drafter_spec
+def _trained(d, target, objective, section, steps: int = 150):
+    """``d`` trained (in the test, seconds) by its objective on the target's own greedy answers to the prompts, so
+    that most of its drafts are accepted there and vLLM's acceptance counts are a real comparison."""
     from draftsmith.recipes.schema import LossConfig
-    from draftsmith.train.objectives import Context, dflash_objective
+    from draftsmith.train.objectives import Context
 
-    torch.manual_seed(7)
-    section = drafter_spec("dflash").section({"n_layers": 1, "block_size": K + 1, "anchors": 16, "mask_token": 1})
-    d = build_dflash(section, target).train()
     seqs = [p + autoregressive_generate(target, torch.tensor(p), N, eos_ids={EOS}) for p in PROMPTS]
     W = max(map(len, seqs))
     ids = torch.tensor([s + [EOS] * (W - len(s)) for s in seqs])
@@ -133,13 +128,34 @@ def dflash(target, counts):
     batch = {"input_ids": ids, "predict_mask": pm, "labels": ids[:, 1:][pm[:, :-1]]}
     opt = torch.optim.Adam([q for q in d.parameters() if q.requires_grad], lr=3e-3)
     ctx = Context(unwrapped=d, target=target.requires_grad_(False), generator=torch.Generator(), params=section)
-    for step in range(150):
+    d.train()
+    for step in range(steps):
         ctx.step = step
-        out = dflash_objective(d, batch, LossConfig(kind="ce"), ctx)
+        out = objective(d, batch, LossConfig(kind="ce"), ctx)
         opt.zero_grad()
         (out.loss_sum / out.n).backward()
         opt.step()
     return d.eval()
+
+
+def dflash(target, counts):
+    from draftsmith.models.dflash import build_dflash
+    from draftsmith.models.registry import drafter_spec
+    from draftsmith.train.objectives import dflash_objective
+
+    torch.manual_seed(7)
+    section = drafter_spec("dflash").section({"n_layers": 1, "block_size": K + 1, "anchors": 16, "mask_token": 1})
+    return _trained(build_dflash(section, target), target, dflash_objective, section)
+
+
+def peagle(target, counts):
+    """P-EAGLE (EAGLE-3 drafting K tokens per forward): the pass-through EAGLE-3, its mask slots trained."""
+    from draftsmith.models.registry import drafter_spec
+    from draftsmith.train.objectives import eagle_objective
+
+    fields = {"parallel_drafts": K, "mask_token": 1, "aux_layers": [0, 1, 3], "draft_vocab": 120}
+    d = passthrough_eagle(target, 3, counts=counts, eos_ids={EOS}, **fields)
+    return _trained(d, target, eagle_objective, drafter_spec("eagle").section(fields), steps=100)
 
 
 def medusa(target, counts):
@@ -185,7 +201,8 @@ TUNED = {
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", None),
     "pard-llama": ("llama", pard, "pard", None),
     "medusa-llama": ("llama", medusa, "medusa", None),
-    "dflash-llama": ("llama", dflash, "dflash", None),  # vLLM's `medusa` method reads the Medusa layout
+    "dflash-llama": ("llama", dflash, "dflash", None),
+    "peagle-llama": ("llama", peagle, "eagle", None),  # eagle3 with parallel drafting  # vLLM's `medusa` method reads the Medusa layout
 }
 _served = [k for k in drafter_kinds(role="drafter") if vllm_format(k)]
 CASES = {
@@ -301,6 +318,8 @@ def test_vllm_serves_the_export(vllm_targets, tmp_path, case):
         loaded.pop("embed_tokens.weight"), expected.pop("embed_tokens.weight", None)
     if json.loads((folder / "config.json").read_text()).get("tie_word_embeddings"):
         expected["lm_head.weight"] = expected["embed_tokens.weight"]
+    if "mask_hidden" in expected:  # P-EAGLE's mask feature: vLLM keeps it as (1, F)
+        expected["mask_hidden"] = expected["mask_hidden"].view(1, -1)
     if "mask_embedding" in loaded:  # vLLM's DFlash slot for a separate mask vector: unused (ours is its id's row)
         assert not loaded.pop("mask_embedding").any()
     per_layer = [k for k in loaded if k.startswith("layers.") and k.endswith("hidden_norm.weight")]

@@ -258,7 +258,10 @@ def _capturing(into: list):
     original = base_loader.process_weights_after_loading
 
     def snapshot(model, *args, **kwargs):
-        into.append((type(model).__name__, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}))
+        sd = dict(model.state_dict())
+        # loaded into non-persistent buffers: P-EAGLE's mask_hidden (vLLM's eagle3 with parallel drafting)
+        sd.update({k: v for k, v in model.named_buffers() if k.rsplit(".", 1)[-1] == "mask_hidden"})
+        into.append((type(model).__name__, {k: v.detach().cpu().clone() for k, v in sd.items()}))
         return original(model, *args, **kwargs)
 
     base_loader.process_weights_after_loading = snapshot

@@ -190,6 +190,11 @@ def _eagle3_engine_checks(info: dict, fmt: str) -> None:
             f"drafter.aux_layers={aux} is not (use --format hf, or train with ascending distinct layers)"
         )
     qk, bias = cfg.get("qk_norm", False), cfg.get("attention_bias", False)
+    if fmt == "sglang" and cfg.get("parallel"):
+        raise DraftsmithError(
+            "export --format sglang: draftsmith writes P-EAGLE (drafter.parallel_drafts) in speculators' layout "
+            "only: use --format vllm"
+        )
     if fmt == "sglang" and cfg.get("fc_norm"):
         raise DraftsmithError(
             "export --format sglang: SGLang's EAGLE-3 layer has no per-layer fc norms (EAGLE-3.1, drafter.fc_norm): "
@@ -215,10 +220,10 @@ def _vllm_aux_ids(cfg: dict) -> list[int]:
     return [i + 1 for i in cfg["aux_layers"]]
 
 
-def _speculators_block(info: dict, verifier: str | None, tokens: int) -> dict:
+def _speculators_block(info: dict, verifier: str | None, tokens: int, algorithm: str = "eagle3") -> dict:
     arch = info.get("target_architectures") or ["LlamaForCausalLM"]
     return {
-        "algorithm": "eagle3",
+        "algorithm": algorithm,
         "proposal_methods": [
             {"proposal_type": "greedy", "speculative_tokens": tokens, "verifier_accept_k": 1, "accept_tolerance": 0.0}
         ],
@@ -272,12 +277,16 @@ def to_pard_vllm(model, info: dict, verifier: str, include_embeddings: bool):
 
 
 def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
-    """EAGLE-3 in speculators' layout (vLLM reads it)."""
+    """EAGLE-3 in speculators' layout (vLLM reads it). P-EAGLE (``parallel``) is speculators' peagle: the same
+    layer plus ``mask_hidden`` (the mask slots' pre-fc feature) and ``mask_token_id``, whose embedding row carries
+    our trained mask vector (the embeddings are then always written: vLLM would otherwise share the target's row);
+    vLLM serves it as eagle3 with parallel drafting."""
     cfg = info["config"]
     _eagle3_engine_checks(info, "vllm")
+    k = cfg.get("parallel", 0)
     config = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
+        "architectures": ["PEagleSpeculator" if k else "Eagle3Speculator"],
+        "speculators_model_type": "peagle" if k else "eagle3",
         "speculators_version": SPECULATORS_VERSION,
         "transformer_layer_config": _layer_config(cfg),
         "draft_vocab_size": cfg.get("head_vocab_size") or cfg["vocab_size"],
@@ -285,10 +294,19 @@ def to_speculators(model, info: dict, verifier: str, include_embeddings: bool):
         "fc_norm": bool(cfg.get("fc_norm", False)),  # EAGLE-3.1: tensors fc_norm.{i}.weight
         "target_hidden_size": cfg["dim"],
         "embed_requires_grad": False,
-        "speculators_config": _speculators_block(info, verifier, max(cfg.get("ttt_steps", 1), 3)),
+        "speculators_config": _speculators_block(
+            info, verifier, k or max(cfg.get("ttt_steps", 1), 3), "peagle" if k else "eagle3"
+        ),
         "eagle_aux_hidden_state_layer_ids": _vllm_aux_ids(cfg),  # speculators sizes fc by these, vLLM captures them
     }
-    return _eagle3_tensors(model, "layers.0.", include_embeddings), config
+    tensors = _eagle3_tensors(model, "layers.0.", include_embeddings or bool(k))
+    if k:
+        config["mask_token_id"] = cfg["mask_id"]
+        embed = tensors["embed_tokens.weight"].clone()
+        embed[cfg["mask_id"]] = tensors.pop("mask_embed")
+        tensors["embed_tokens.weight"] = embed
+        tensors["mask_hidden"] = tensors["mask_hidden"].view(1, 1, -1)  # speculators' parameter shape
+    return tensors, config
 
 
 def to_sglang_eagle3(model, info: dict, verifier: str, include_embeddings: bool):
@@ -663,11 +681,16 @@ def usage_eagle3(fmt: str, info: dict, target: str | None, tokens: int) -> str:
             f"`python -m sglang.launch_server --model {t} --speculative-algorithm EAGLE3 "
             "--speculative-draft-model-path ./this-folder`"
         )
-    eagle = f"`{_vllm_serve(t, 'eagle3', tokens)}`"
+    k = info.get("config", {}).get("parallel", 0)
+    if k:  # P-EAGLE: every draft from one forward, so as many as it was trained to draft
+        eagle = "`" + _vllm_serve(t, "eagle3", k, ', "parallel_drafting": true') + "`"
+    else:
+        eagle = f"`{_vllm_serve(t, 'eagle3', tokens)}`"
+    what = f"P-EAGLE drafter ({k} drafts per forward)" if k else "EAGLE-3 drafter"
     if target:
         return (
             f"`vllm serve ./this-folder` (vLLM reads the speculators config and serves the verifier named in it, "
-            f"`{target}`, with this EAGLE-3 drafter), or explicitly: {eagle}."
+            f"`{target}`, with this {what}), or explicitly: {eagle}."
         )
     return f"{eagle} (vLLM's speculators format; with no verifier named in config.json, name the target)."
 
@@ -733,6 +756,9 @@ def read_eagle3(sd: dict, info: dict, target, folder: Path) -> dict:
         t2d = torch.full(mask.shape, -1, dtype=torch.long)
         t2d[mask] = torch.arange(int(mask.sum()))
         sd["t2d"] = t2d
+    if "mask_hidden" in sd:  # P-EAGLE: the mask vector back from its embedding row
+        sd["mask_hidden"] = sd["mask_hidden"].reshape(-1)
+        sd["mask_embed"] = sd["embed_tokens.weight"][info["config"]["mask_id"]].clone()
     if "embed_tokens.weight" not in sd:
         if target is None:
             raise DraftsmithError(f"{folder}: the export omits the embeddings; pass the target to take them from")
