@@ -197,6 +197,13 @@ class HFTarget(nn.Module):
         """The slot cache where the model takes a prepared 4-D mask (every path, batches included), else
         ``HFCache`` (see the module docstring)."""
         w = self.embed_tokens.weight
+        kinds = set(getattr(self.hf.config.get_text_config(decoder=True), "layer_types", None) or ())
+        recurrent = sorted(kinds - {"full_attention", "sliding_attention"})
+        if recurrent:
+            raise DraftsmithError(
+                f"a {self.model_type!r} target has {'/'.join(recurrent)} layers, whose recurrent state cannot roll "
+                f"back a rejected draft: draftsmith cannot decode with it"
+            )
         if not self.slots_ok:
             return HFCache(batch, max_len, w.device)
         return KVCache(self._slot_cfg(), batch, max_len, w.dtype, w.device)

@@ -134,6 +134,7 @@ SMALL_SECTIONS = {
     "mlp_speculator": {"n_predict": 3},
     "hydra": {"n_heads": 3},
     "eagle": {"version": 3, "ttt_steps": 2},
+    "mtp": {"init": "random", "ttt_steps": 2},  # the tiny targets ship no MTP layers: a fresh one of their kind
 }
 
 
@@ -341,6 +342,24 @@ def tiny_eagle(version: int, target, noise: float, **params):
     return e
 
 
+def tiny_mtp(target, noise: float):
+    """A fresh MTP layer of the target's kind whose projection passes the target's state through (eh_proj = [0, I])
+    and whose block starts near the identity: it drafts roughly what the target last predicted, so repetitive tiny
+    outputs accept some drafts and not all."""
+    from draftsmith.models.registry import build_drafter
+
+    m = build_drafter("mtp", small_section("mtp"), target).to(target.lm_head.weight.dtype).eval()
+    with torch.no_grad():
+        for p in m.layer.parameters():
+            p.mul_(0.1)
+            p.add_(torch.randn_like(p) * noise)
+        d = m.layer.eh_proj.weight.shape[0]
+        m.layer.eh_proj.weight[:, d:] += torch.eye(d, dtype=m.layer.eh_proj.weight.dtype)
+        for norm in (m.layer.enorm, m.layer.hnorm, m.layer.post_norm):
+            norm.weight.fill_(1.0)
+    return m
+
+
 def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_noise: float = 0.25):
     """A tiny drafter of one of ``PROPOSER_KINDS`` for ``target``, good enough to accept some drafts, not all: a
     draft LM is the target with ``lm_noise`` on its weights, other kinds are random with ``noise`` on theirs.
@@ -366,6 +385,8 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         return tiny_eagle(int(kind[5]), target, noise, **vocab, **fc_norm)
     if is_heads(kind):
         return tiny_heads(kind, target, heads, noise)
+    if kind == "mtp":
+        return tiny_mtp(target, noise)
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise
 
     drafter = build_drafter(kind, small_section(kind), target).to(target.lm_head.weight.dtype).eval()

@@ -33,6 +33,7 @@ SECTIONS = {
     "eagle": ({"kind": "eagle", "version": 3, "ttt_steps": 2}, []),
     "pard": ({"kind": "pard", "n_layers": 1, "init_layers": [0], "pard_k": 3}, []),
     "mlp_speculator": ({"kind": "mlp_speculator", "n_predict": 3}, ["train.loss.teacher=target"]),
+    "mtp": ({"kind": "mtp", "init": "random", "ttt_steps": 2}, []),  # the tiny targets ship no MTP layers
 }
 VARIANTS = {  # decoding variants of a kind that build differently
     "hydra++": ({"kind": "hydra", "n_heads": 3, "prefix_attention": True}, []),

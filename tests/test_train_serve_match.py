@@ -38,6 +38,7 @@ SECTIONS = {  # drafter variant -> (kind, recipe section); each trains / checks 
     "hydra": ("hydra", {"n_heads": 3}),
     "hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
     "mlp_speculator": ("mlp_speculator", {"n_predict": 3}),
+    "mtp": ("mtp", {"init": "random", "ttt_steps": 3}),  # a fresh MTP layer of the target's kind (Llama here)
 }
 
 
@@ -105,7 +106,7 @@ def test_decoder_drafts_are_the_objectives_teacher_forced_predictions(target, re
     assert 0.3 * m.starts < m.accepted_first < m.starts, m  # accepted and rejected first drafts
     third = 5 if name == "peagle" else 10  # P-EAGLE's third draft reads no draft: accepted less after 10 steps
     assert m.compared[1] > 20 and m.compared[2] > third, m
-    if params.kind == "eagle":  # the frozen target computing the features in the loop: the same drafts
+    if params.kind in ("eagle", "mtp"):  # the frozen target computing the features in the loop: the same drafts
         assert _check(target, drafter, params, records, in_loop=True).compared == m.compared
 
 

@@ -450,7 +450,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         batch, cfg, ctx, steps, last, eagle.t2d if reduced else None, kept_head
     )
     decay, w_tok = p.head_decay, p.token_loss_weight
-    w_feat = p.feature_loss_weight if eagle.cfg.version == 1 else 0.0
+    w_feat = getattr(p, "feature_loss_weight", 0.0) if eagle.cfg.version == 1 else 0.0
     target_feats = last.reshape(-1, last.shape[-1]) if w_feat else None
     noise = p.feature_noise
     if noise and model.training:  # EAGLE-1's augmentation: uniform noise on the input features

@@ -1,0 +1,357 @@
+"""Native MTP heads: the target's own multi-token-prediction layer as the drafter (docs/algorithms.md A16).
+
+DeepSeek-V3, GLM-4.5 and Qwen3-Next ship, after their decoder layers, one (or more) MTP layer trained with the
+model: at position i it reads the target's final hidden state h_i and the embedding of the next token x_{i+1},
+``x = eh_proj([enorm(e(x_{i+1})), hnorm(h_i)])``, runs one decoder layer *of the target's own kind* (DeepSeek's
+latent attention and experts, GLM's experts, Qwen3-Next's gated full attention and experts) and predicts x_{i+2}
+through a final norm and the target's LM head. The layer's output (before that norm) is the state its next draft
+reads, so one layer drafts any depth, as vLLM's ``mtp`` method runs it.
+
+``build_mtp`` reads the layer's weights from the target's own safetensors (transformers' ``MtpModel`` classes and
+weight conversions, ``drafter.init: target``) or starts it fresh (``random``); a target whose config declares no MTP
+layers is refused in one line. Training is EAGLE's training-time test (train/objectives.py ``eagle_objective``):
+step s re-runs the layer over the concatenation of all earlier steps' inputs under a block mask, so a query at i
+sees the real pairs <= i and its own earlier drafts, exactly what decoding shows it. Decoding is EAGLE's
+(eval/proposers.py ``FeatureRows``): the layer's keys and values live in the own slot ``KVCache`` behind
+transformers' cache calls (models/hf_target.py ``SlotView``), so chains, trees and batches work as for EAGLE.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+from draftsmith.errors import DraftsmithError
+from draftsmith.models.hf_target import HFTarget, _slot_view_class, hf_sizes
+from draftsmith.models.llama import KVCache, cache_mask, default_pos, prepare_cache
+from draftsmith.models.spec import DrafterSpec, Strict, as_section
+
+
+class MTPDrafterConfig(Strict):
+    """The target's own MTP layer as the drafter (DeepSeek-V3, GLM-4.5, Qwen3-Next), fine-tuned with EAGLE's
+    training-time test on the target's answers."""
+
+    kind: Literal["mtp"] = "mtp"
+    layer: int = Field(0, ge=0)
+    """Which of the target's MTP layers drafts (the released models ship one: 0)."""
+    init: Literal["target", "random"] = "target"
+    """target: the layer's weights from the target's checkpoint; random: the same layer freshly initialised (an
+    ablation: what the shipped weights are worth)."""
+    ttt_steps: int = Field(3, gt=0, le=16)
+    """Training-time-test unroll: the layer is trained at draft depths 1..ttt_steps, reading its own output at the
+    later ones as it does when it drafts them."""
+    head_decay: float = Field(0.8, gt=0, le=1)
+    """Loss weight of TTT step s is head_decay**s."""
+    token_loss_weight: float = Field(1.0, ge=0)
+    """Weight of the token loss (train.loss.kind)."""
+    feature_noise: float = Field(0.0, ge=0)
+    """Uniform noise in [-a, a] added to the input hidden states while training."""
+
+
+@dataclass(frozen=True)
+class MTPConfig:
+    hf_config: dict  # the target's transformers config (config.json's fields): the layer is built from it
+    layer: int = 0
+    ttt_steps: int = 3
+    version: int = 1  # reads the target's final normed hidden state, as EAGLE-1 does (train/objectives.py)
+    head_vocab_size: None = None  # the target's whole vocabulary
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def sizes(self):
+        return hf_sizes(self.hf_config)
+
+
+def _text_config(hf_config: dict):
+    """transformers' config object for the dict, with an MTP count where the family names it its own way."""
+    from transformers import AutoConfig
+
+    d = dict(hf_config)
+    conf = AutoConfig.for_model(d.pop("model_type"), **d)
+    conf = conf.get_text_config(decoder=True)
+    if getattr(conf, "num_mtp_layers", None) is None and getattr(conf, "mtp_num_hidden_layers", None):
+        conf.num_mtp_layers = conf.mtp_num_hidden_layers  # Qwen3-Next: full-attention MTP layers under mtp.*
+        conf.mtp_layer_types = ["full_attention"] * conf.num_mtp_layers
+        conf.mtp_mlp_layer_types = None
+    return conf
+
+
+def mtp_count(conf) -> int:
+    return int(getattr(conf, "num_mtp_layers", None) or 0)
+
+
+def _mtp_model(main, conf):
+    """transformers' ``MtpModel`` of ``main`` (a causal LM, real or on the meta device) with config ``conf``."""
+    from transformers.modeling_layers import MtpModel
+
+    saved = main.config
+    main.config = conf  # MtpModel reads the MTP count and layer types from the main model's config
+    try:
+        conf._attn_implementation = "sdpa"  # prepared 4-D masks (trees, batches) go through SDPA
+        mtp = MtpModel(main, mtp_count(conf))
+    finally:
+        main.config = saved
+    with torch.no_grad():  # MtpModel's own init leaves the target family's expert tensors uninitialised
+        mtp.layers.apply(main._init_weights)
+    return mtp
+
+
+class MTP(nn.Module):
+    reads_target_features = True
+
+    def __init__(self, cfg: MTPConfig, main=None):
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        conf = _text_config(cfg.hf_config)
+        if main is None:  # only the classes of the target are needed: build it on the meta device
+            with torch.device("meta"):
+                main = AutoModelForCausalLM.from_config(conf)
+        mtp = _mtp_model(main, conf)
+        self.mtp_model = [mtp]  # kept out of the module tree: the weights load through it (``load_target_layer``)
+        self.layer = mtp.layers[cfg.layer]
+        s = cfg.sizes
+        self.embed_tokens = nn.Embedding(s.vocab_size, s.dim)  # frozen copies of the target's
+        self.embed_tokens.weight.requires_grad_(False)
+        self.lm_head = nn.Linear(s.dim, s.vocab_size, bias=False)
+        self.lm_head.weight.requires_grad_(False)
+        mconf = mtp.config
+        self.rotary = type(main.get_decoder().rotary_emb)(config=mconf)
+        attn = getattr(self.layer.mtp_block, "self_attn", None)
+        if attn is not None and hasattr(attn, "layer_idx"):
+            attn.layer_idx = 0  # the drafter's cache holds this one layer
+        params = inspect.signature(self.layer.mtp_block.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # ---- shared by training and decoding ------------------------------------------------------------------------
+
+    @property
+    def target_vocab_size(self) -> int:
+        return self.cfg.sizes.vocab_size
+
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        return (self.cfg.sizes.n_layers,)
+
+    def features(self, captured: dict, target) -> torch.Tensor:
+        """The target's final hidden state after its norm (what transformers and vLLM hand an MTP layer)."""
+        return target.norm(captured[self.cfg.sizes.n_layers])
+
+    def features_in(self, signals: dict) -> bool:
+        return "hidden_last" in signals
+
+    def project(self, feats: torch.Tensor) -> torch.Tensor:
+        return feats
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(ids)
+
+    def head_input(self, out: torch.Tensor) -> torch.Tensor:
+        return self.layer.post_norm(out)
+
+    def _inputs(self, ids: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        e, L = self.embed(ids), self.layer
+        return L.eh_proj(torch.cat([L.enorm(e), L.hnorm(state.to(e.dtype))], -1))
+
+    def _block(self, x: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, view=None) -> torch.Tensor:
+        """The target-kind decoder layer over x (B, T, d) at positions pos, keys allowed by ``allowed``
+        (B|1, 1, T, S) bool, writing its keys and values through ``view`` (a SlotView) when given."""
+        dtype = x.dtype
+        if dtype == torch.float64:  # transformers' grouped expert kernel has no float64
+            self.layer.config._experts_implementation = "eager"
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=x.device).masked_fill(~allowed, torch.finfo(dtype).min)
+        kw = {"attention_mask": mask, "position_ids": pos, "position_embeddings": self.rotary(x, position_ids=pos)}
+        if view is not None:
+            kw.update({self._cache_kw: view, "use_cache": True})
+        out = self.layer.mtp_block(x, **kw)
+        return out[0] if isinstance(out, tuple) else out
+
+    # ---- decoding -------------------------------------------------------------------------------------------------
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        w = self.embed_tokens.weight
+        if not hasattr(self, "_kv_shape"):
+            shapes: dict = {}
+            with torch.no_grad():
+                x = torch.zeros(1, 2, w.shape[1], dtype=w.dtype, device=w.device)
+                pos = torch.arange(2, device=w.device)[None]
+                self._block(x, pos, torch.ones(1, 1, 2, 2, dtype=torch.bool), _slot_view_class()(None, 0, 2, shapes))
+            ((heads, dk, dv),) = shapes.values()
+            self._kv_shape = (heads, max(dk, dv))
+        heads, hd = self._kv_shape
+        lc = replace(self.cfg.sizes, n_layers=1, n_kv_heads=heads, head_dim=hd)
+        return KVCache(lc, batch, max_len, w.dtype, w.device)
+
+    def step(self, state, ids, pos=None, cache: KVCache | None = None, attn_mask=None, last_only=False, valid=None):
+        """state (B, T, d), ids (B, T) -> (logits (B, T, V), next state (B, T, d)), appending to ``cache`` (the
+        EAGLE step contract, models/eagle.py ``Eagle.step``)."""
+        B, T = ids.shape
+        pos = default_pos(ids, cache) if pos is None else pos
+        x = self._inputs(ids, state)
+        if cache is None:
+            allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None, None]
+            out = self._block(x, pos, allowed)
+        else:
+            s0 = cache.length
+            allowed = prepare_cache(cache, T, valid, attn_mask)
+            if allowed is None:
+                allowed = cache_mask(cache, T, None)
+            out = self._block(x, pos, allowed, _slot_view_class()(cache, s0, T))
+            cache.length += T
+        h = out[:, -1:] if last_only else out
+        return self.lm_head(self.head_input(h)), out
+
+    # ---- training: training-time test -----------------------------------------------------------------------------
+
+    def forward(self, feats, ids, steps=1, select=None, head_fn=None, step_tokens=None, pos=None, attn_mask=None):
+        """TTT unroll with the EAGLE forward's contract (models/eagle.py ``Eagle.forward``). Step s runs the layer
+        over the inputs of steps 0..s side by side, (s + 1) T queries, under a block mask: step 0 causal (or the
+        packed documents' mask), step a > 0 at i sees step 0's keys <= i and its own keys of steps 1..a at i."""
+        B, T = ids.shape
+        base = torch.arange(T, device=ids.device).expand(B, T) if pos is None else pos
+        causal = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None] if attn_mask is None else attn_mask
+        eye = torch.eye(T, dtype=torch.bool, device=ids.device)[None].expand(causal.shape[0], T, T)
+        none = torch.zeros_like(eye)
+        state, xs, results = feats, [], []
+        for s in range(steps):
+            tok = torch.zeros_like(ids)
+            if s + 1 < T:
+                tok[:, : T - s - 1] = ids[:, s + 1 :]  # past the end: token 0, never selected for a loss
+            if step_tokens and s in step_tokens:
+                tok = step_tokens[s]
+            xs.append(self._inputs(tok, state))
+            rows = [[causal] + [eye if 0 < b <= a else none for b in range(1, s + 1)] for a in range(s + 1)]
+            rows[0][1:] = [none] * s
+            allowed = torch.cat([torch.cat(r, -1) for r in rows], -2)[:, None]
+            positions = torch.cat([base + a for a in range(s + 1)], -1)
+            out = self._block(torch.cat(xs, 1), positions, allowed)[:, s * T :]
+            if head_fn is None:
+                results.append(out)
+            else:
+                flat = out.reshape(B * T, -1)
+                sel = flat if select is None else flat[select[s]]
+                results.append(head_fn(s, self.head_input(sel), self.lm_head.weight, sel))
+            state = out
+        return torch.stack(results) if head_fn is None else results
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.embed_tokens.weight.numel() - self.lm_head.weight.numel() if exclude_embeddings else n
+
+
+def _checkpoint_keys(folder: Path) -> dict[str, Path]:
+    """{tensor name: its safetensors file} of a transformers checkpoint folder."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as h:
+            out.update(dict.fromkeys(h.keys(), f))
+    return out
+
+
+def mtp_prefixes(n_layers: int, n_mtp: int) -> tuple[str, ...]:
+    """Checkpoint name prefixes of the MTP layers of a target with ``n_layers`` decoder layers: DeepSeek-V3 and
+    GLM-4.5 number them after the decoder layers, Qwen3-Next keeps them under ``mtp.``."""
+    return (*(f"model.layers.{n_layers + j}." for j in range(n_mtp)), "mtp.")
+
+
+def load_target_layer(model: MTP, main, folder: Path) -> None:
+    """The MTP layers' tensors from the target's checkpoint, through transformers' renamings and expert merges
+    (its ``MtpModel`` mapping); a checkpoint without them is refused in one line."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    mtp = model.mtp_model[0]
+    where = {
+        k: f
+        for k, f in _checkpoint_keys(folder).items()
+        if k.startswith(mtp_prefixes(model.cfg.sizes.n_layers, mtp.num_mtp_layers))
+    }
+    if not where:
+        raise DraftsmithError(
+            f"drafter.kind=mtp: {folder} declares MTP layers but its safetensors hold none of their tensors "
+            f"(a checkpoint saved without them); set drafter.init=random to train the layer from scratch"
+        )
+    sd, handles = {}, {}
+    for k, f in where.items():
+        if f not in handles:
+            handles[f] = safe_open(str(f), "pt")
+        sd[k] = handles[f].get_slice(k)
+    conversions = mtp.get_weight_conversions(main)
+    w = model.embed_tokens.weight
+    info, _ = convert_and_load_state_dict_in_model(
+        model=mtp, state_dict=sd, load_config=LoadStateDictConfig(weight_mapping=conversions, dtype=w.dtype)
+    )
+    missing = sorted(k for k in info.missing_keys if k.startswith(f"layers.{model.cfg.layer}."))
+    if missing:
+        raise DraftsmithError(f"drafter.kind=mtp: {folder} lacks MTP tensors for {missing[:3]} (and maybe more)")
+
+
+def build_mtp(cfg: MTPDrafterConfig | dict, target, **_) -> MTP:
+    """The target's MTP layer ``drafter.layer`` as a drafter: its weights from the target's checkpoint (or fresh),
+    embeddings and LM head copied frozen from the target."""
+    p = as_section(MTPDrafterConfig, cfg)
+    hf = target.hf if isinstance(target, HFTarget) else None
+    if hf is not None:
+        hf_config = hf.config.get_text_config(decoder=True).to_dict()
+    else:  # a target on the own code: its transformers twin's config (models/loading.py)
+        from draftsmith.models.loading import config_to_hf
+
+        hf_config = config_to_hf(target.cfg)
+    n = mtp_count(_text_config(hf_config))
+    if p.init == "target" and n == 0:
+        name = hf_config.get("model_type")
+        raise DraftsmithError(
+            f"drafter.kind=mtp: the {name!r} target has no MTP layers (its config sets no num_nextn_predict_layers "
+            f"/ mtp_num_hidden_layers); set drafter.init=random to train a fresh one, or use an eagle drafter"
+        )
+    if n == 0:  # a fresh layer of the target's kind: one full-attention MTP layer
+        hf_config = {**hf_config, "num_mtp_layers": 1}
+        if hf_config.get("layer_types"):
+            hf_config["mtp_layer_types"] = ["full_attention"]
+    if p.layer >= max(n, 1):
+        raise DraftsmithError(f"drafter.layer {p.layer} is outside the target's {max(n, 1)} MTP layer(s)")
+    dtype = target.embed_tokens.weight.dtype
+    model = MTP(MTPConfig(hf_config=hf_config, layer=p.layer, ttt_steps=p.ttt_steps), main=hf).to(dtype)
+    if p.init == "target":  # hf is set: a target on the own code declares no MTP layers
+        load_target_layer(model, hf, Path(hf.config.name_or_path))
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(target.embed_tokens.weight)
+        model.lm_head.weight.copy_(target.lm_head.weight)
+    return model
+
+
+def mtp_from_config(cfg: dict) -> MTP:
+    return MTP(MTPConfig(**cfg))
+
+
+SPEC = DrafterSpec(
+    kind="mtp",
+    config=MTPDrafterConfig,
+    build=build_mtp,
+    from_config=mtp_from_config,
+    interface="features",
+    objective="draftsmith.train.objectives:eagle_objective",
+    signals=frozenset({"topk", "hidden_last"}),
+    needs_target=True,
+    packs=True,
+    exports={
+        "vllm": "refused: vLLM's mtp method reads the layer under the target's own checkpoint names (experts "
+        "unmerged), which no export writes yet; use --format hf"
+    },
+)
