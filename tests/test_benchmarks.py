@@ -39,6 +39,7 @@ MAINTAINED = [
     "vllm_throughput",
     "sglang_exports",
     "code_shape",
+    "drafter_compare",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
