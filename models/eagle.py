@@ -364,9 +364,10 @@ class Eagle(ReducedVocab, nn.Module):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
         x_{i+s+2}. P-EAGLE (``parallel``): steps 1.. read the mask token and the mask state instead, so step s is
-        the row's mask slot s, drafting x_{i+s+2} in the same forward as the real pair. Returns ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]``
-        or, without head_fn, the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads
-        instead (row i: its own draft for position i+s+1, as the SpecDec++ labels need).
+        the row's mask slot s, drafting x_{i+s+2} in the same forward as the real pair. Returns
+        ``[head_fn(s, head input at select[s] (N_s, d), lm_head.weight, out at select[s])]`` or, without head_fn,
+        the (steps, B, T, d) outputs. ``step_tokens[s]`` (B, T): the tokens step s reads instead (row i: its own
+        draft for position i+s+1, as the SpecDec++ labels need).
 
         Packed rows (train.packing): ``pos`` (B, T) each token's position in its document and ``attn_mask``
         (B, T, T) the step-0 keys each query may see (causal inside its document). Later steps only ever read the

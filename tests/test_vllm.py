@@ -200,9 +200,9 @@ TUNED = {
     "draft_lm-llama": ("llama", draft_lm(), "draft_lm", None),
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", None),
     "pard-llama": ("llama", pard, "pard", None),
-    "medusa-llama": ("llama", medusa, "medusa", None),
+    "medusa-llama": ("llama", medusa, "medusa", None),  # vLLM's `medusa` method reads the Medusa layout
     "dflash-llama": ("llama", dflash, "dflash", None),
-    "peagle-llama": ("llama", peagle, "eagle", None),  # eagle3 with parallel drafting  # vLLM's `medusa` method reads the Medusa layout
+    "peagle-llama": ("llama", peagle, "eagle", None),  # eagle3 with parallel drafting
 }
 _served = [k for k in drafter_kinds(role="drafter") if vllm_format(k)]
 CASES = {
