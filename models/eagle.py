@@ -396,12 +396,7 @@ class Eagle(ReducedVocab, nn.Module):
             for j, block in enumerate(self.extra):  # through the block's call: FSDP2 gathers its weights there
                 ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=causal)
                 out = block(out, cos, sin, None, None, j + 1, attend=ttt)
-            if head_fn is None:
-                results.append(out)
-            else:
-                flat = out.reshape(B * T, -1)
-                sel = flat if select is None else flat[select[s]]
-                results.append(head_fn(s, self.head_input(sel), self.lm_head.weight, sel))
+            results.append(ttt_result(self, s, out, select, head_fn))
             state = out
         return torch.stack(results) if head_fn is None else results
 
@@ -431,6 +426,16 @@ class Eagle(ReducedVocab, nn.Module):
             return self._counts[exclude_embeddings]
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
+
+
+def ttt_result(model, s: int, out: torch.Tensor, select, head_fn):
+    """TTT step s's output (B, T, d), or ``head_fn`` of its selected rows through ``model``'s head (the contract of
+    ``Eagle.forward``, shared by the other TTT drafters)."""
+    if head_fn is None:
+        return out
+    flat = out.reshape(-1, out.shape[-1])
+    sel = flat if select is None else flat[select[s]]
+    return head_fn(s, model.head_input(sel), model.lm_head.weight, sel)
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, ...]:

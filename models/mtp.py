@@ -29,6 +29,7 @@ from pydantic import Field
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
+from draftsmith.models.eagle import ttt_result
 from draftsmith.models.hf_target import HFTarget, _slot_view_class, hf_sizes
 from draftsmith.models.llama import KVCache, cache_mask, default_pos, prepare_cache
 from draftsmith.models.spec import DrafterSpec, Strict, as_section
@@ -235,12 +236,7 @@ class MTP(nn.Module):
             allowed = torch.cat([torch.cat(r, -1) for r in rows], -2)[:, None]
             positions = torch.cat([base + a for a in range(s + 1)], -1)
             out = self._block(torch.cat(xs, 1), positions, allowed)[:, s * T :]
-            if head_fn is None:
-                results.append(out)
-            else:
-                flat = out.reshape(B * T, -1)
-                sel = flat if select is None else flat[select[s]]
-                results.append(head_fn(s, self.head_input(sel), self.lm_head.weight, sel))
+            results.append(ttt_result(self, s, out, select, head_fn))
             state = out
         return torch.stack(results) if head_fn is None else results
 
