@@ -284,8 +284,10 @@ def _clone(out):
 
 def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Module:
     """``model`` wrapped for CUDA graphs when it is one of our Llamas (targets and draft LMs) or a feature drafter
-    (EAGLE: ``reads_target_features``, stepped through ``step``); else as is (a sliding-window Llama too: its window
+    (EAGLE: ``reads_target_features``, stepped through ``step``); else as is (sliding-window models too: their window
     mask is built per step, eagerly)."""
+    if getattr(getattr(model, "cfg", None), "sliding_window", None) is not None:
+        return model
     if type(model) is Llama:
-        return model if model.cfg.sliding_window is not None else GraphedLlama(model, max_len, graphs)
+        return GraphedLlama(model, max_len, graphs)
     return GraphedEagle(model, max_len, graphs) if getattr(model, "reads_target_features", False) else model

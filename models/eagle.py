@@ -55,6 +55,7 @@ from draftsmith.models.llama import (
     rope_cos_sin,
     rope_inv_freq,
     step_mask,
+    window_mask,
 )
 from draftsmith.models.spec import EXPORT, OBJ, DrafterSpec, Strict, as_section
 
@@ -106,6 +107,10 @@ class EagleDrafterConfig(Strict):
     mask_token: int | None = Field(None, ge=0)
     """P-EAGLE: the token id of the mask slots (every occurrence of it is embedded as the mask); None = the last
     id of the target's vocabulary."""
+    sliding_window: int | None = Field(None, gt=1)
+    """Attend to the last N positions only (a query at p sees keys at positions > p - N), in training (the TTT
+    mask) and decoding alike: a drafter trained on short records then sees the same distances on long contexts.
+    Exported for vLLM as a sliding-window layer (layer_types, sliding_window); None = full attention."""
     layer_style: Literal["llama", "target"] = "llama"
     """The layer's attention. llama: plain Llama attention (no q/k-norm, no q/k/v bias) for every target, as
     SpecForge trains EAGLE-3 for Qwen targets: its vllm and sglang exports load in vLLM, SGLang and speculators.
@@ -142,6 +147,12 @@ class EagleDrafterConfig(Strict):
                 f"drafter.init_layers has {len(data['init_layers'])} entries: it names the target "
                 f"layers copied into the n_layers - 1 = {data.get('n_layers', 1) - 1} added blocks"
             )
+        w, steps = data.get("sliding_window"), data.get("ttt_steps") or (1 if v1 else (k or 7))
+        if w is not None and w <= steps:
+            raise ValueError(
+                f"drafter.sliding_window={w} must exceed drafter.ttt_steps={steps}: each TTT step keeps its row's "
+                "earlier steps in view"
+            )
         defaults = {
             "ttt_steps": 1 if v1 else (k or 7),
             "token_loss_weight": 0.1 if v1 else 1.0,
@@ -173,6 +184,7 @@ class EagleConfig:
     fc_norm: bool = False  # EAGLE-3.1: an RMS norm per fused layer before fc
     parallel: int = 0  # P-EAGLE: drafts per forward (0: autoregressive)
     mask_id: int | None = None  # P-EAGLE: the mask slots' token id
+    sliding_window: int | None = None  # attend to the last N positions only; None = full attention
 
     def layer_config(self) -> LlamaConfig:
         return LlamaConfig(
@@ -330,11 +342,12 @@ class Eagle(ReducedVocab, nn.Module):
         """state (B, T, d), ids (B, T) -> (logits (B, T, V_target), next state (B, T, d)), appending to ``cache``.
         last_only: logits of the last position only (B, 1, V) (the LM head is the step's largest matmul).
         valid (B, T): False at left padding (the data stage's batched writer)."""
-        T = ids.shape[1]
+        T, own_pos = ids.shape[1], pos is not None
         pos = default_pos(ids, cache) if pos is None else pos
         e = self.embed(ids)
         cos, sin = rope_cos_sin(pos, self.inv_freq, e.dtype)
         mask, static = step_mask(cache, T, valid, attn_mask)  # static: under eval/graphs.py GraphedEagle
+        mask = window_mask(self.cfg.sliding_window, mask, pos, cache, attn_mask, static, own_pos)
         x, resid = self._inputs(e, state)
         out = self._finish(resid + self.self_attn(x, cos, sin, mask, cache, 0))
         for j, block in enumerate(self.extra):
@@ -392,9 +405,10 @@ class Eagle(ReducedVocab, nn.Module):
                 tok, state = torch.full_like(ids, self.cfg.mask_id), self.mask_state((B, T))
             x, resid = self._inputs(self.embed(tok), state)
             cos, sin = rope_cos_sin(base + s, self.inv_freq, x.dtype)
-            out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], causal))
+            seen = ttt_window(causal, base, s, self.cfg.sliding_window)
+            out = self._finish(resid + self._ttt_attention(self.self_attn, x, cos, sin, *kv[0], seen))
             for j, block in enumerate(self.extra):  # through the block's call: FSDP2 gathers its weights there
-                ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=causal)
+                ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=seen)
                 out = block(out, cos, sin, None, None, j + 1, attend=ttt)
             results.append(ttt_result(self, s, out, select, head_fn))
             state = out
@@ -426,6 +440,14 @@ class Eagle(ReducedVocab, nn.Module):
             return self._counts[exclude_embeddings]
         n = sum(p.numel() for p in self.parameters())
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
+
+
+def ttt_window(causal: torch.Tensor, base: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
+    """The step-0 keys a TTT step-s query may see: ``causal`` (B|1, 1, T, T), cut to a sliding window of ``window``
+    positions around the query's position base + s (keys at positions > base + s - window), as decoding cuts it."""
+    if window is None:
+        return causal
+    return causal & (base[:, None, :, None] + s - base[:, None, None, :] < window)
 
 
 def ttt_result(model, s: int, out: torch.Tensor, select, head_fn):
@@ -501,6 +523,7 @@ def build_eagle(
         fc_bias=p.fc_bias,
         fc_norm=p.fc_norm,
         parallel=p.parallel_drafts,
+        sliding_window=p.sliding_window,
         mask_id=(t.vocab_size - 1 if p.mask_token is None else p.mask_token) if p.parallel_drafts else None,
     )
     if cfg.mask_id is not None and cfg.mask_id >= t.vocab_size:

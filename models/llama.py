@@ -162,6 +162,29 @@ def last_keys(allowed: torch.Tensor, window: int) -> torch.Tensor:
     return allowed & (after <= window)
 
 
+def window_mask(W: int | None, mask, pos, cache, attn_mask, static: bool, own_pos: bool) -> torch.Tensor | None:
+    """A sliding window of W positions on top of ``mask`` (a query at p sees keys at positions > p - W), shared by
+    every attention path (prefill, decode, chain and tree verify, batches with holes, the fused modules, the
+    feature drafters' steps); ``mask`` itself where no key can fall out of the window or W is None."""
+    T = pos.shape[1]
+    if W is None:
+        return mask
+    if static:
+        raise ValueError("sliding-window attention runs eagerly: no static-shape (CUDA graph) cache")
+    if cache is None:  # the positions are all there: key position > query position - W
+        if T <= W and not own_pos:
+            return mask
+        near = pos[:, None, :, None] - pos[:, None, None, :] < W
+        return near & (torch.ones(T, T, dtype=torch.bool, device=pos.device).tril() if mask is None else mask)
+    s0, S = cache.length, cache.length + T
+    if S <= W:  # fewer keys than the window
+        return mask
+    if attn_mask is None and not cache.padded:  # every slot valid, causal: positions step with the slots
+        near = torch.arange(s0, S, device=pos.device)[:, None] - torch.arange(S, device=pos.device) < W
+        return near[None, None] if mask is None else mask & near
+    return last_keys(mask, W)
+
+
 def default_pos(ids: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
     """RoPE positions (B, T) of new tokens: 0..T-1, or continuing after the cache's filled slots."""
     B, T = ids.shape
@@ -500,25 +523,10 @@ class Llama(ReducedVocab, nn.Module):
         return (logits, captured) if capture_layers else logits
 
     def _window_mask(self, mask, pos, cache, attn_mask, static: bool, own_pos: bool) -> torch.Tensor | None:
-        """The sliding-window layers' mask, shared by every attention path (prefill, decode, chain and tree verify,
-        batches with holes, the fused modules); ``mask`` itself where no key can fall out of the window."""
-        W, c, T = self.cfg.sliding_window, self.cfg, pos.shape[1]
-        if W is None or c.window_from_layer >= c.n_layers:
+        """The sliding-window layers' mask (``window_mask``); ``mask`` itself where no layer is windowed."""
+        if self.cfg.window_from_layer >= self.cfg.n_layers:
             return mask
-        if static:
-            raise ValueError("sliding-window attention runs eagerly: no static-shape (CUDA graph) cache")
-        if cache is None:  # the positions are all there: key position > query position - W
-            if T <= W and not own_pos:
-                return mask
-            near = pos[:, None, :, None] - pos[:, None, None, :] < W
-            return near & (torch.ones(T, T, dtype=torch.bool, device=pos.device).tril() if mask is None else mask)
-        s0, S = cache.length, cache.length + T
-        if S <= W:  # fewer keys than the window
-            return mask
-        if attn_mask is None and not cache.padded:  # every slot valid, causal: positions step with the slots
-            near = torch.arange(s0, S, device=pos.device)[:, None] - torch.arange(S, device=pos.device) < W
-            return near[None, None] if mask is None else mask & near
-        return last_keys(mask, W)
+        return window_mask(self.cfg.sliding_window, mask, pos, cache, attn_mask, static, own_pos)
 
     @torch.no_grad()
     def optimize_for_inference(self) -> Llama:

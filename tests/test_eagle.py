@@ -26,13 +26,15 @@ def _eagle(target, version, **params):
     return e
 
 
-@pytest.mark.parametrize("version,depth", [(1, 1), (3, 1), (1, 3), (3, 3)])
-def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version, depth):
+@pytest.mark.parametrize(
+    "version,depth,window", [(1, 1, None), (3, 1, None), (1, 3, None), (3, 3, None), (3, 1, 5), (3, 2, 6)]
+)
+def test_ttt_unroll_equals_cached_step_by_step_drafting(target, version, depth, window):
     """Row i of TTT step s must be exactly the state the decoder reaches at position i + s after reading the
     real pairs 0..i and then feeding its own outputs with tokens x_{i+2}..x_{i+s+1} (every block of a deeper
-    stack has its own keys per step)."""
+    stack has its own keys per step); with a sliding window, both see only the last ``window`` positions."""
     torch.manual_seed(1)
-    e = _eagle(target, version, n_layers=depth)
+    e = _eagle(target, version, n_layers=depth, sliding_window=window, ttt_steps=4)
     ids = torch.randint(0, CFG.vocab_size, (2, 12))
     _, cap = target(ids, capture_layers=e.capture_layers)
     f = e.features(cap, target)
@@ -155,3 +157,24 @@ def test_acceptance_labels_and_states_match_the_decoders_first_draft(target, ver
             torch.testing.assert_close(x[row], e.head_input(out[0, -1]).float())
             row += 1
     assert row == 10
+
+
+def test_the_sliding_window_is_in_force_in_training_and_decoding(target):
+    """A windowed drafter equals the full-attention one with the same weights while every key is inside the window,
+    and differs once keys fall out of it: in the TTT unroll (step s at position i: i + s < window) and in cached
+    decoding (a prefill longer than the window)."""
+    torch.manual_seed(2)
+    w, ids = 4, torch.randint(0, CFG.vocab_size, (2, 12))
+    e = _eagle(target, 3, sliding_window=w, ttt_steps=3)
+    full = _eagle(target, 3, ttt_steps=3)
+    full.load_state_dict(e.state_dict())
+    _, cap = target(ids, capture_layers=e.capture_layers)
+    f = e.features(cap, target)
+    got, ref = e(f, ids, steps=3), full(f, ids, steps=3)
+    for s in range(3):
+        inside = w - s  # rows 0..w-s-1 keep all their step-0 keys
+        torch.testing.assert_close(got[s, :, :inside], ref[s, :, :inside])
+        assert (got[s, :, inside:] - ref[s, :, inside:]).abs().amax(-1).min() > 1e-6
+    logits = [m.step(m.project(f), ids, cache=m.new_cache(2, 16))[0] for m in (e, full)]
+    torch.testing.assert_close(logits[0][:, :w], logits[1][:, :w])
+    assert (logits[0][:, w:] - logits[1][:, w:]).abs().amax(-1).min() > 1e-6

@@ -45,6 +45,8 @@ VARIANTS = {
     "eagle1": ("eagle", {"version": 1}),
     "eagle3.1": ("eagle", {"version": 3, "fc_norm": True}),
     "peagle": ("eagle", {"version": 3, "parallel_drafts": 4, "ttt_steps": 4, "draft_vocab": 120}),
+    "eagle3_window": ("eagle", {"version": 3, "sliding_window": 8, "ttt_steps": 3}),
+    "eagle1_window": ("eagle", {"version": 1, "fc_bias": False, "sliding_window": 8}),
     "hydra++": ("hydra", {"prefix_attention": True}),
     "medusa_vocab": ("medusa", {"n_heads": 2, "draft_vocab": 100}),
     "pard_reserved": ("pard", {"mask_token": 0}),  # the mask is a reserved id of the target (vLLM's PARD needs it)
@@ -57,6 +59,9 @@ REFUSED = {
     ("eagle1", "vllm"),  # vLLM's EAGLE-1 fc has no bias
     ("eagle3.1", "sglang"),  # SGLang's EAGLE-3 layer has no per-layer fc norms
     ("peagle", "sglang"),  # P-EAGLE is written in speculators' layout only
+    ("eagle3_window", "sglang"),  # SGLang's EAGLE-3 attention takes no window
+    ("eagle1_window", "vllm"),  # the engines' EAGLE-1 layers take no window
+    ("eagle1_window", "sglang"),
     ("pard", "vllm"),  # an appended mask token is outside the target's vocabulary
 }
 # Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights; vLLM's
@@ -179,6 +184,14 @@ def test_eagle3_engine_contracts(checkpoints, tmp_path):
     t = load_file(str(s / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in t and "midlayer.hidden_norm.weight" in t
     assert "embed_tokens.weight" in t and not any(k.startswith("layers.") for k in t)
+
+
+def test_a_windowed_eagle3_is_a_sliding_window_layer_for_vllm(checkpoints, tmp_path):
+    """vLLM's EAGLE-3 layers (Llama's and Qwen3's) take the window from layer_types and sliding_window."""
+    v = export(checkpoints["eagle3_window"], "vllm", tmp_path / "vllm")
+    layer = json.loads((v / "config.json").read_text())["transformer_layer_config"]
+    assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 8
+    assert layer["use_sliding_window"] is True  # Qwen3's config drops the window without it
 
 
 def test_medusa_layout_for_tensorrt_llm_and_tgi(checkpoints, tmp_path):

@@ -14,8 +14,10 @@ these repetitive tiny targets and every tensor still matters to the output. Skip
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -203,6 +205,8 @@ TUNED = {
     "medusa-llama": ("llama", medusa, "medusa", None),  # vLLM's `medusa` method reads the Medusa layout
     "dflash-llama": ("llama", dflash, "dflash", None),
     "peagle-llama": ("llama", peagle, "eagle", None),  # eagle3 with parallel drafting
+    "eagle3-llama-window": ("llama", eagle3(sliding_window=6, ttt_steps=3), "eagle", None),  # layer_types sliding
+    "eagle3-qwen3-window": ("qwen3", eagle3(layer_style="target", sliding_window=6, ttt_steps=3), "eagle", None),
 }
 _served = [k for k in drafter_kinds(role="drafter") if vllm_format(k)]
 CASES = {
@@ -305,6 +309,11 @@ def test_vllm_serves_the_export(vllm_targets, tmp_path, case):
     with torch.no_grad():
         ours = vllm_counts(target, drafter, N, K)
     assert counters.accept_counts() == ours, f"vLLM {counters.accept_counts()} vs draftsmith {ours}"
+    if getattr(getattr(drafter, "cfg", None), "sliding_window", None):  # the window decides drafts here
+        full = copy.deepcopy(drafter)
+        full.cfg = replace(full.cfg, sliding_window=None)
+        with torch.no_grad():
+            assert vllm_counts(target, full, N, K) != ours
     assert counters.drafts == sum(ours) and (not tuned or 2 * counters.accepted >= counters.drafts)  # not vacuous
 
     expected = as_vllm_names(

@@ -176,6 +176,10 @@ def _layer_config(cfg: dict) -> dict:
     }
     if cfg.get("rope_scaling"):
         d["rope_scaling"] = cfg["rope_scaling"]
+    if cfg.get("sliding_window"):  # vLLM's EAGLE-3 layers read layer_types; Qwen3's config also use_sliding_window
+        d["layer_types"] = ["sliding_attention"] * d["num_hidden_layers"]
+        d["sliding_window"] = cfg["sliding_window"]
+        d["use_sliding_window"] = True
     return d
 
 
@@ -194,6 +198,11 @@ def _eagle3_engine_checks(info: dict, fmt: str) -> None:
         raise DraftsmithError(
             "export --format sglang: draftsmith writes P-EAGLE (drafter.parallel_drafts) in speculators' layout "
             "only: use --format vllm"
+        )
+    if fmt == "sglang" and cfg.get("sliding_window"):
+        raise DraftsmithError(
+            "export --format sglang: SGLang's EAGLE-3 layer attends to every position (its Llama attention takes "
+            "no window), so this drafter's drafter.sliding_window would be dropped: use --format vllm"
         )
     if fmt == "sglang" and cfg.get("fc_norm"):
         raise DraftsmithError(
@@ -468,6 +477,11 @@ def to_eagle1(fmt: str):
         cfg = info["config"]
         if cfg.get("qk_norm"):
             raise DraftsmithError(f"export --format {fmt}: the engines' EAGLE-1 is a Llama layer, without q/k norms")
+        if cfg.get("sliding_window"):
+            raise DraftsmithError(
+                f"export --format {fmt}: the engines' EAGLE-1 layer attends to every position and would drop "
+                "drafter.sliding_window; use --format hf (or EAGLE-3 with --format vllm)"
+            )
         sd = checkpoint_tensors(model)
         if cfg.get("head_vocab_size"):
             raise DraftsmithError(
