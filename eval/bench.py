@@ -24,7 +24,14 @@ from draftsmith.eval.decoder import DecodeStats, autoregressive_generate, specul
 from draftsmith.eval.graphs import graph_decoding
 from draftsmith.eval.own_vocab import for_decoding
 from draftsmith.eval.prompts import Prompt, prompts_from
-from draftsmith.eval.report import rounding_note, shared_warning, write_category_plot, write_markdown, write_plot
+from draftsmith.eval.report import (
+    rounding_note,
+    shared_warning,
+    write_category_plot,
+    write_context_plot,
+    write_markdown,
+    write_plot,
+)
 from draftsmith.eval.tasks import correct, load_tasks
 from draftsmith.eval.tree import DynamicTree, TreeSpec, tree_from_choices
 from draftsmith.eval.tree_decoder import tree_speculative_generate
@@ -211,6 +218,10 @@ def fast_drafter(drafter, ec, device: str, max_len: int):
 def evaluate(recipe) -> dict:
     ec, run = recipe.eval, recipe.run_dir
     setup = load_for_eval(recipe, optimize=False)
+    if ec.long_context is not None:  # checked and built before anything is decoded
+        from draftsmith.eval import long_context
+
+        long_prompts = long_context.prepare(setup, ec, recipe.seed)
     save_recipe(recipe)
     vllm_drafter = None
     if ec.engine == "vllm":  # exported first: a drafter vLLM cannot serve is refused before any decoding
@@ -226,6 +237,7 @@ def evaluate(recipe) -> dict:
         for i, (p, ids) in enumerate(tqdm(setup.encoded, desc="eval", unit="prompt", dynamic_ncols=True)):
             tally.add(setup, i, p.category or "all", dec.run_one(ids), ec.temperature == 0)
         batches = dec.batches(tally) if ec.batch_sizes else None
+        long = long_context.run_long_context(dec, setup, ec, long_prompts) if ec.long_context is not None else None
         meter.stop()
     tps = {k: tally.toks[k] / tally.times[k] for k in tally.times if tally.times[k] > 0}
     t = tally
@@ -233,6 +245,8 @@ def evaluate(recipe) -> dict:
                           t.matches, t.n_cmp, len(setup.encoded), setup.device, t.cat_times)  # fmt: skip
     report["machine"] = meter.machine()
     _report_extras(report, recipe, setup, dec.drafter, tally, batches)
+    if long is not None:
+        report["long_context"] = long
     if vllm_drafter is not None:
         dt, ids = str(setup.dtype).removeprefix("torch."), [ids for _, ids in setup.encoded]
         vllm = engine.compare(vllm_drafter, setup.tgt.path, ids, ec, setup.eos, dt, recipe.seed, t.refs, t.specs)
@@ -363,6 +377,8 @@ def _write_report(report: dict, run: Path, batched: bool) -> None:
     write_category_plot(report, out_dir / "by_category.png")
     if batched:
         write_batch_plot(report, out_dir / "speedup_vs_batch.png")
+    if "long_context" in report:
+        write_context_plot(report, out_dir / "tau_vs_context.png")
     write_markdown(report, out_dir / "report.md")
     RunLog(run, "eval").log({k: v for k, v in report.items() if isinstance(v, (int, float))})
     print(

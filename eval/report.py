@@ -1,5 +1,6 @@
 """Human-readable eval output: report.md (a summary table), acceptance.png (per-position acceptance and the
-accepted-length histogram) and by_category.png (tau and speedup per prompt category)."""
+accepted-length histogram), by_category.png (tau and speedup per prompt category) and tau_vs_context.png (tau and
+speedup per prompt length, eval.long_context)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,29 @@ def write_category_plot(report: dict, path: Path) -> None:
     a2.set(ylabel="speedup vs own AR", title="speedup by category")
     for ax in (a1, a2):
         ax.tick_params(axis="x", labelrotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_context_plot(report: dict, path: Path) -> None:
+    """tau_vs_context.png: tau and speedup vs own AR against the prompt length (eval.long_context), log2 x axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["long_context"]
+    lengths = [int(k) for k in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a1.plot(lengths, [rows[k]["tau"] for k in rows], "o-", color="#4c72b0")
+    a1.set(ylabel="tau", title="tau by context length")
+    a2.plot(lengths, [rows[k]["speedup_vs_ar"] or 0.0 for k in rows], "o-", color="#c44e52")
+    a2.axhline(1.0, color="grey", lw=0.8)
+    a2.set(ylabel="speedup vs own AR", title="speedup by context length")
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="prompt tokens", xticks=lengths, xticklabels=[str(n) for n in lengths])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -137,6 +161,8 @@ def write_markdown(report: dict, path: Path) -> None:
     ]
     if r.get("batches"):
         lines += batch_markdown(r) + ["![speedup vs batch size](speedup_vs_batch.png)", ""]
+    if r.get("long_context"):
+        lines += context_markdown(r) + ["![tau vs context length](tau_vs_context.png)", ""]
     if r.get("engines"):
         lines += engine_markdown(r)
     Path(path).write_text("\n".join(lines))
@@ -169,6 +195,23 @@ def engine_markdown(report: dict) -> list[str]:
         *[f"| {a} | {b} | {c} |" for a, b, c in rows],
         "",
     ]
+
+
+def context_markdown(report: dict) -> list[str]:
+    """The eval.long_context table: one row per prompt length."""
+    lines = [
+        "## Long context",
+        "",
+        "| length | prompt tokens | tau | acceptance | speedup vs own AR | lossless |",
+        "|---|---|---|---|---|---|",
+    ]
+    for length, r in report["long_context"].items():
+        speedup = "-" if r["speedup_vs_ar"] is None else f"{r['speedup_vs_ar']:.2f}x"
+        lines.append(
+            f"| {length} | {r['prompt_tokens']:.1f} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {speedup} "
+            f"| {'-' if r['lossless_match'] is None else _fmt(r['lossless_match'])} |"
+        )
+    return lines + [""]
 
 
 def batch_markdown(report: dict) -> list[str]:

