@@ -40,6 +40,7 @@ MAINTAINED = [
     "sglang_exports",
     "code_shape",
     "drafter_compare",
+    "long_context",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.
