@@ -30,7 +30,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
@@ -61,6 +61,19 @@ class DFlashDrafterConfig(Strict):
     """Mask slot j's loss weight exp(-(j-1)/decay_gamma): early drafts matter most. None: every slot weighs 1."""
     init_layers: list[int] | None = None
     """Target layers whose weights start the draft layers (one per layer); None: random layers."""
+    sliding_window: int | None = Field(None, gt=1)
+    """Each block slot at position p sees the context at positions > p - N only (the whole block always), in
+    training and decoding alike, so a drafter trained on short records meets familiar distances on long contexts.
+    vLLM's DFlash reads it as dflash_config.use_swa / swa_window_size. Not below block_size; None = all context."""
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.sliding_window is not None and self.sliding_window < self.block_size:
+            raise ValueError(
+                f"drafter.sliding_window={self.sliding_window} is below drafter.block_size={self.block_size}: "
+                "every block slot must see its whole block"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -80,6 +93,7 @@ class DFlashConfig:
     rope_scaling: dict | None = None
     norm_eps: float = 1e-6
     max_seq_len: int = 4096
+    sliding_window: int | None = None  # a slot at p sees context positions > p - sliding_window; None = all
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -205,7 +219,11 @@ class DFlash(nn.Module):
         j's distribution (the current token's slot drafts nothing, so the LM head skips it, and the later slots
         when fewer drafts are wanted)."""
         B, K, L = *ids.shape, cache.length
-        mask = torch.cat([cache.valid[:, None, :L].expand(B, K, L), ids.new_ones(B, K, K, dtype=torch.bool)], 2)
+        seen = cache.valid[:, None, :L].expand(B, K, L)
+        if self.cfg.sliding_window is not None:  # the context holds positions 0..pos[:, 0] - 1 in slot order
+            after = seen.flip(-1).cumsum(-1, dtype=torch.int32).flip(-1)  # context keys at or after each slot
+            seen = seen & (after <= (self.cfg.sliding_window - 1 - (pos - pos[:, :1]))[..., None])
+        mask = torch.cat([seen, ids.new_ones(B, K, K, dtype=torch.bool)], 2)
         h = self.hidden(ids, pos, lambda i, a: (cache.k[i][:, :, :L], cache.v[i][:, :, :L]), mask[:, None])
         return self.lm_head(h[:, 1 : None if n is None else 1 + n])
 
@@ -238,10 +256,13 @@ class AnchorLayout:
     rows: list
 
 
-def anchor_layout(ids, predict_mask, K: int, n: int, mask_id: int, generators: list) -> AnchorLayout:
+def anchor_layout(
+    ids, predict_mask, K: int, n: int, mask_id: int, generators: list, window: int | None = None
+) -> AnchorLayout:
     """Up to ``n`` random anchors per row among the positions a whose next token is trained (predict_mask[a]):
-    block [x_a, mask * (K-1)] at positions a..a+K-1 sees the context positions < a and its own block (no causal
-    mask); slot j trains where predict_mask[a + j - 1] (the token it drafts is a response token)."""
+    block [x_a, mask * (K-1)] at positions a..a+K-1 sees the context positions < a (with a sliding ``window``:
+    slot j only those > a + j - window) and its own block (no causal mask); slot j trains where
+    predict_mask[a + j - 1] (the token it drafts is a response token)."""
     B, T = ids.shape
     dev = ids.device
     pm = predict_mask.bool().cpu()
@@ -268,7 +289,8 @@ def anchor_layout(ids, predict_mask, K: int, n: int, mask_id: int, generators: l
             a = al[i]
             q_ids[b, i * K] = host_ids[b, a]
             q_pos[b, sl] = torch.arange(a, a + K)
-            mask[b, sl, :a] = True
+            for j in range(K):
+                mask[b, i * K + j, 0 if window is None else max(0, a + j - window + 1) : a] = True
             for j in range(1, K):
                 t = a + j - 1
                 if t < T and pm[b, t]:
@@ -309,6 +331,7 @@ def build_dflash(cfg: DFlashDrafterConfig | dict, target, **_) -> DFlash:
         target_layers=layers,
         mask_id=mask,
         block_size=cfg.block_size,
+        sliding_window=cfg.sliding_window,
         target_dim=tc.dim,
         rope_theta=tc.rope_theta,
         rope_scaling=tc.rope_scaling,

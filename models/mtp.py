@@ -25,13 +25,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 from torch import nn
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.models.eagle import ttt_result
+from draftsmith.models.eagle import ttt_result, ttt_window
 from draftsmith.models.hf_target import HFTarget, _slot_view_class, hf_sizes
-from draftsmith.models.llama import KVCache, cache_mask, default_pos, prepare_cache
+from draftsmith.models.llama import KVCache, cache_mask, default_pos, prepare_cache, window_mask
 from draftsmith.models.spec import DrafterSpec, Strict, as_section
 
 
@@ -54,6 +54,18 @@ class MTPDrafterConfig(Strict):
     """Weight of the token loss (train.loss.kind)."""
     feature_noise: float = Field(0.0, ge=0)
     """Uniform noise in [-a, a] added to the input hidden states while training."""
+    sliding_window: int | None = Field(None, gt=1)
+    """Attend to the last N positions only (a query at p sees keys at positions > p - N), in training and decoding
+    alike, whatever the target's layer does; None = the layer's full attention. Above ttt_steps."""
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.sliding_window is not None and self.sliding_window <= self.ttt_steps:
+            raise ValueError(
+                f"drafter.sliding_window={self.sliding_window} must exceed drafter.ttt_steps={self.ttt_steps}: "
+                "each TTT step keeps its row's earlier steps in view"
+            )
+        return self
 
 
 @dataclass(frozen=True)
@@ -62,6 +74,7 @@ class MTPConfig:
     layer: int = 0
     ttt_steps: int = 3
     version: int = 1  # reads the target's final normed hidden state, as EAGLE-1 does (train/objectives.py)
+    sliding_window: int | None = None  # attend to the last N positions only; None = all
     head_vocab_size: None = None  # the target's whole vocabulary
 
     def to_dict(self) -> dict:
@@ -197,16 +210,18 @@ class MTP(nn.Module):
         """state (B, T, d), ids (B, T) -> (logits (B, T, V), next state (B, T, d)), appending to ``cache`` (the
         EAGLE step contract, models/eagle.py ``Eagle.step``)."""
         B, T = ids.shape
+        own_pos, W = pos is not None, self.cfg.sliding_window
         pos = default_pos(ids, cache) if pos is None else pos
         x = self._inputs(ids, state)
         if cache is None:
             allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None, None]
-            out = self._block(x, pos, allowed)
+            out = self._block(x, pos, window_mask(W, allowed, pos, None, None, False, True))
         else:
             s0 = cache.length
             allowed = prepare_cache(cache, T, valid, attn_mask)
             if allowed is None:
                 allowed = cache_mask(cache, T, None)
+            allowed = window_mask(W, allowed, pos, cache, attn_mask, False, own_pos)
             out = self._block(x, pos, allowed, _slot_view_class()(cache, s0, T))
             cache.length += T
         h = out[:, -1:] if last_only else out
@@ -231,8 +246,10 @@ class MTP(nn.Module):
             if step_tokens and s in step_tokens:
                 tok = step_tokens[s]
             xs.append(self._inputs(tok, state))
-            rows = [[causal] + [eye if 0 < b <= a else none for b in range(1, s + 1)] for a in range(s + 1)]
-            rows[0][1:] = [none] * s
+            seen = [ttt_window(causal[:, None], base, a, self.cfg.sliding_window)[:, 0] for a in range(s + 1)]
+            own = [m.expand(seen[0].shape[0], T, T) for m in (eye, none)]  # a window makes the mask per row
+            rows = [[seen[a]] + [own[0] if 0 < b <= a else own[1] for b in range(1, s + 1)] for a in range(s + 1)]
+            rows[0][1:] = [own[1]] * s
             allowed = torch.cat([torch.cat(r, -1) for r in rows], -2)[:, None]
             positions = torch.cat([base + a for a in range(s + 1)], -1)
             out = self._block(torch.cat(xs, 1), positions, allowed)[:, s * T :]
@@ -323,7 +340,8 @@ def build_mtp(cfg: MTPDrafterConfig | dict, target, **_) -> MTP:
     if p.layer >= max(n, 1):
         raise DraftsmithError(f"drafter.layer {p.layer} is outside the target's {max(n, 1)} MTP layer(s)")
     dtype = target.embed_tokens.weight.dtype
-    model = MTP(MTPConfig(hf_config=hf_config, layer=p.layer, ttt_steps=p.ttt_steps), main=hf).to(dtype)
+    cfg = MTPConfig(hf_config=hf_config, layer=p.layer, ttt_steps=p.ttt_steps, sliding_window=p.sliding_window)
+    model = MTP(cfg, main=hf).to(dtype)
     if p.init == "target":  # hf is set: a target on the own code declares no MTP layers
         load_target_layer(model, hf, Path(hf.config.name_or_path))
     with torch.no_grad():

@@ -25,11 +25,13 @@ def _drafter(target, **section):
     return d
 
 
-def test_training_blocks_see_what_decoding_shows():
+@pytest.mark.parametrize("window", [None, 6])
+def test_training_blocks_see_what_decoding_shows(window):
     """Every trained mask slot's state in the training forward (many anchors in one row, each masked to its own
-    context) equals the decoder's: context read position by position into the cache, then the block."""
+    context) equals the decoder's: context read position by position into the cache, then the block. With a
+    sliding window both cut the context, and the states differ from the full-context ones past the window."""
     t = tiny_model(0)
-    d = _drafter(t)
+    d = _drafter(t, sliding_window=window)
     T, K = 30, d.cfg.block_size
     ids = torch.randint(3, 97, (2, T), generator=torch.Generator().manual_seed(3))
     pm = torch.ones(2, T, dtype=torch.bool)
@@ -39,9 +41,15 @@ def test_training_blocks_see_what_decoding_shows():
         _, cap = t(ids, capture_layers=d.capture_layers, return_hidden=True)
     feats = d.features(cap, t)
     gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    lay = anchor_layout(ids, pm, K, 5, d.cfg.mask_id, gens)
-    got = {}
+    lay = anchor_layout(ids, pm, K, 5, d.cfg.mask_id, gens, window)
+    got, full = {}, {}
     d(feats, lay.ids, lay.pos, lay.mask, lay.select, lambda j, h, w: got.setdefault(j, h @ w.t()))
+    if window is not None:  # the same blocks over the whole context
+        gens = [torch.Generator().manual_seed(i) for i in range(2)]
+        lf = anchor_layout(ids, pm, K, 5, d.cfg.mask_id, gens)
+        assert torch.equal(lf.ids, lay.ids) and torch.equal(lf.pos, lay.pos)
+        d(feats, lf.ids, lf.pos, lf.mask, lf.select, lambda j, h, w: full.setdefault(j, h @ w.t()))
+        assert (got[1] - full[1]).abs().amax(-1).max() > 1e-6
     Q = lay.ids.shape[1]
     n = 0
     for j, sel in enumerate(lay.select, start=1):

@@ -47,6 +47,7 @@ VARIANTS = {
     "peagle": ("eagle", {"version": 3, "parallel_drafts": 4, "ttt_steps": 4, "draft_vocab": 120}),
     "eagle3_window": ("eagle", {"version": 3, "sliding_window": 8, "ttt_steps": 3}),
     "eagle1_window": ("eagle", {"version": 1, "fc_bias": False, "sliding_window": 8}),
+    "dflash_window": ("dflash", {"sliding_window": 8}),
     "hydra++": ("hydra", {"prefix_attention": True}),
     "medusa_vocab": ("medusa", {"n_heads": 2, "draft_vocab": 100}),
     "pard_reserved": ("pard", {"mask_token": 0}),  # the mask is a reserved id of the target (vLLM's PARD needs it)
@@ -67,7 +68,7 @@ REFUSED = {
 # Layouts that store the weights transformed (the same function): IBM's norm takes centred, scaled weights; vLLM's
 # DFlash embeds the mask slot as the mask id's embedding row, which our DFlash never reads as a token.
 # P-EAGLE likewise (its mask vector in the embedding row of its mask id).
-REWRITTEN = {("mlp_speculator", "mlp-speculator"), ("dflash", "vllm"), ("peagle", "vllm")}
+REWRITTEN = {("mlp_speculator", "mlp-speculator"), ("dflash", "vllm"), ("dflash_window", "vllm"), ("peagle", "vllm")}
 
 
 def _formats(name: str) -> list[str]:
@@ -192,6 +193,9 @@ def test_a_windowed_eagle3_is_a_sliding_window_layer_for_vllm(checkpoints, tmp_p
     layer = json.loads((v / "config.json").read_text())["transformer_layer_config"]
     assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 8
     assert layer["use_sliding_window"] is True  # Qwen3's config drops the window without it
+    v = export(checkpoints["dflash_window"], "vllm", tmp_path / "dflash")
+    dc = json.loads((v / "config.json").read_text())["dflash_config"]
+    assert dc["use_swa"] is True and dc["swa_window_size"] == 8 and dc["causal"] is False
 
 
 def test_medusa_layout_for_tensorrt_llm_and_tgi(checkpoints, tmp_path):

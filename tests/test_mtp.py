@@ -113,6 +113,30 @@ def test_the_target_layer_loads_and_drafts_as_transformers_runs_it(family_target
     torch.testing.assert_close(cached, logits, rtol=1e-9, atol=1e-9)
 
 
+def test_a_windowed_mtp_layer_cuts_its_keys_in_training_and_decoding(family_target):
+    """drafter.sliding_window on the target's own layer: the TTT unroll's rows equal the cached step-by-step
+    decoder's, and equal the full-attention layer's only while every key is inside the window."""
+    from draftsmith.models.mtp import build_mtp
+
+    family, _, t, _ = family_target
+    w = 4
+    d, full = build_mtp({"sliding_window": w, "ttt_steps": 2}, t).double(), build_mtp({"ttt_steps": 2}, t).double()
+    ids = torch.randint(3, t.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, cap = t(ids, capture_layers=d.capture_layers, return_hidden=True)
+        f = d.features(cap, t)
+        got, ref = d(f, ids, steps=2), full(f, ids, steps=2)
+        for s in range(2):
+            torch.testing.assert_close(got[s, :, : w - s], ref[s, :, : w - s], rtol=1e-9, atol=1e-9)
+            assert (got[s, :, w - s : -2] - ref[s, :, w - s : -2]).abs().amax(-1).min() > 1e-9, family
+        for i in (2, 7):  # the decoder: the real pairs 0..i with a cache, then its own output
+            cache = d.new_cache(1, 16)
+            _, out = d.step(f[:, : i + 1], ids[:, 1 : i + 2], cache=cache)
+            torch.testing.assert_close(out[0, -1], got[0, 0, i], rtol=1e-9, atol=1e-9)
+            _, out = d.step(out[:, -1:], ids[:, i + 2 : i + 3], cache=cache)
+            torch.testing.assert_close(out[0, -1], got[1, 0, i], rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("strategy", ["chain", "tree"])
 def test_decoding_with_the_mtp_layer_is_lossless(family_target, strategy):
     """Greedy chains and dynamic trees at batch 1, and batched rows of different lengths, give the target's own

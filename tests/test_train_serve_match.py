@@ -41,6 +41,7 @@ SECTIONS = {  # drafter variant -> (kind, recipe section); each trains / checks 
     "hydra++": ("hydra", {"n_heads": 3, "prefix_attention": True}),
     "mlp_speculator": ("mlp_speculator", {"n_predict": 3}),
     "mtp": ("mtp", {"init": "random", "ttt_steps": 3}),  # a fresh MTP layer of the target's kind (Llama here)
+    "mtp-window": ("mtp", {"init": "random", "ttt_steps": 3, "sliding_window": 6}),
 }
 
 

@@ -140,14 +140,18 @@ def _trained(d, target, objective, section, steps: int = 150):
     return d.eval()
 
 
-def dflash(target, counts):
-    from draftsmith.models.dflash import build_dflash
-    from draftsmith.models.registry import drafter_spec
-    from draftsmith.train.objectives import dflash_objective
+def dflash(**extra):
+    def build(target, counts):
+        from draftsmith.models.dflash import build_dflash
+        from draftsmith.models.registry import drafter_spec
+        from draftsmith.train.objectives import dflash_objective
 
-    torch.manual_seed(7)
-    section = drafter_spec("dflash").section({"n_layers": 1, "block_size": K + 1, "anchors": 16, "mask_token": 1})
-    return _trained(build_dflash(section, target), target, dflash_objective, section)
+        torch.manual_seed(7)
+        fields = {"n_layers": 1, "block_size": K + 1, "anchors": 16, "mask_token": 1, **extra}
+        section = drafter_spec("dflash").section(fields)
+        return _trained(build_dflash(section, target), target, dflash_objective, section)
+
+    return build
 
 
 def peagle(target, counts):
@@ -203,7 +207,8 @@ TUNED = {
     "draft_lm-llama-reduced-head": ("llama", draft_lm(draft_vocab=120), "draft_lm", None),
     "pard-llama": ("llama", pard, "pard", None),
     "medusa-llama": ("llama", medusa, "medusa", None),  # vLLM's `medusa` method reads the Medusa layout
-    "dflash-llama": ("llama", dflash, "dflash", None),
+    "dflash-llama": ("llama", dflash(), "dflash", None),
+    "dflash-llama-window": ("llama", dflash(sliding_window=6), "dflash", None),  # dflash_config.use_swa
     "peagle-llama": ("llama", peagle, "eagle", None),  # eagle3 with parallel drafting
     "eagle3-llama-window": ("llama", eagle3(sliding_window=6, ttt_steps=3), "eagle", None),  # layer_types sliding
     "eagle3-qwen3-window": ("qwen3", eagle3(layer_style="target", sliding_window=6, ttt_steps=3), "eagle", None),

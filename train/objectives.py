@@ -487,7 +487,7 @@ def dflash_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     K, gamma = m.cfg.block_size, p.decay_gamma if p is not None else 7.0
     lay = anchor_layout(
         batch["input_ids"], batch["predict_mask"], K, p.anchors if p is not None else 8, m.cfg.mask_id,
-        _row_generators(batch, ctx),
+        _row_generators(batch, ctx), m.cfg.sliding_window,
     )  # fmt: skip
     teacher = draft_lm_teacher(batch, cfg, ctx)
 

@@ -358,6 +358,7 @@ def to_dflash(model, info: dict, verifier: str, include_embeddings: bool):
             "mask_token_id": cfg["mask_id"],
             "target_layer_ids": list(cfg["target_layers"]),
             "causal": False,
+            **({"use_swa": True, "swa_window_size": cfg["sliding_window"]} if cfg.get("sliding_window") else {}),
         },
         "draftsmith_verifier": verifier,
         "torch_dtype": "float32",
