@@ -472,7 +472,31 @@ class FeatureRows(_Rows):
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
 
 
-class ParallelFeatureRows(FeatureRows):
+class _OneForward:
+    """Proposers whose root forward drafts every position at once (``root`` keeps drafts 1..width's
+    distributions in ``dists``): a chain feeds nothing after the root, and a tree's depth-d nodes all take the
+    depth-d distribution."""
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        G = max(gam)
+        if G == 0:
+            return None
+        logits, _ = self.root(rows, cur, 0, G)
+
+        def expand(tok, i):
+            return self.dists[:, i + 1], None
+
+        toks, qs, count, _ = _chain(rows, gam, logits, None, pick, expand)
+        return toks, qs, count
+
+    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths=None):
+        return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
+
+    def seek(self, slot: int) -> None:
+        pass  # drafted nodes are never written
+
+
+class ParallelFeatureRows(_OneForward, FeatureRows):
     """P-EAGLE (models/eagle.py ``parallel``): EAGLE's committed pairs, read as ``FeatureRows`` reads them, with
     mask slots after the root's last pair in the same forward; slot j's logits are draft j + 1's distribution, none
     depending on another draft. Chains feed nothing after the root and a tree's depth-d nodes all take the depth-d
@@ -486,17 +510,8 @@ class ParallelFeatureRows(FeatureRows):
         self.depth = drafter.drafts_parallel
 
     def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        self.root_end = None
-        G = max(gam)
-        if G == 0:
-            return None
-        logits, _ = self.root(rows, cur, 0, G)
-
-        def expand(tok, i):
-            return self.dists[:, i + 1], None
-
-        toks, qs, count, _ = _chain(rows, gam, logits, None, pick, expand)
-        return toks, qs, count
+        self.root_end = None  # a step that drafts nothing reads nothing
+        return super().draft(rows, cur, gam, pick)
 
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
         """The unread pairs and cur, then width - 1 mask slots at the following positions -> draft 1's logits
@@ -520,14 +535,8 @@ class ParallelFeatureRows(FeatureRows):
         self.dists = logits[:, -width:]
         return self.dists[:, 0], None
 
-    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths=None):
-        return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
 
-    def seek(self, slot: int) -> None:
-        pass  # drafted nodes are never written
-
-
-class BlockRows(_Rows):
+class BlockRows(_OneForward, _Rows):
     """DFlash (models/dflash.py). The drafter's context is the target's fused features at committed positions,
     read into its ``RowCache`` once they are committed (the prompt at ``join``, each verify's kept positions at
     ``commit``): it reads no tokens. A step's root runs the block [cur, mask, ...] at the next positions, whose
@@ -550,18 +559,6 @@ class BlockRows(_Rows):
         for j in live:
             rows[j].dpos = rows[j].prompt.numel()
 
-    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        G = max(gam)
-        if G == 0:
-            return None
-        logits, _ = self.root(rows, cur, 0, G)
-
-        def expand(tok, i):
-            return self.dists[:, i + 1], None
-
-        toks, qs, count, _ = _chain(rows, gam, logits, None, pick, expand)
-        return toks, qs, count
-
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
         """The whole trained block [cur, masks] at each row's next positions -> draft 1's logits (B, V), None; the
         distributions of drafts 1..width are kept in ``dists`` (B, width, V). The block is always as long as in
@@ -573,12 +570,6 @@ class BlockRows(_Rows):
         self.dists = self.d.block(ids, pos, self.rc.view, n=width)
         self.s_root = self.rc.length
         return self.dists[:, 0], None
-
-    def expand(self, tokens: torch.Tensor, states, pos, mask, depth: int, paths=None):
-        return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
-
-    def seek(self, slot: int) -> None:
-        pass  # drafted nodes are never written
 
     def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
         self.read_kept(rows, captured, kept)
