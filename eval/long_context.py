@@ -16,7 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.errors import DraftsmithError
-from draftsmith.eval.bench import _timed
+from draftsmith.eval.bench import _strategy, _timed
 from draftsmith.eval.decoder import DecodeStats, autoregressive_generate
 from draftsmith.eval.graphs import graph_decoding
 from draftsmith.eval.prompts import prompts_from
@@ -38,12 +38,13 @@ def check_lengths(setup, ec) -> None:
     """Refuse, in one line naming eval.long_context.lengths, a length whose prompt, answer and draft block would
     run past the target's positions."""
     limit = max_positions(setup.tgt)
+    depth = _strategy(ec)[1]  # the deepest draft a step verifies: the chain's length or the tree's depth
     for L in ec.long_context.lengths:
-        need = L + ec.max_new_tokens + ec.draft_len
+        need = L + ec.max_new_tokens + depth
         if limit is not None and need > limit:
             raise DraftsmithError(
-                f"eval.long_context.lengths: {L} + eval.max_new_tokens {ec.max_new_tokens} + eval.draft_len "
-                f"{ec.draft_len} = {need} tokens exceeds the target's {limit} positions (max_position_embeddings)"
+                f"eval.long_context.lengths: {L} + eval.max_new_tokens {ec.max_new_tokens} + a draft of {depth} "
+                f"= {need} tokens exceeds the target's {limit} positions (max_position_embeddings)"
             )
 
 

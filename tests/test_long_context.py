@@ -147,7 +147,10 @@ def test_refusals_are_one_line_and_come_before_any_decode(kit, tmp_path, tiny_mo
             f"eval.checkpoint={kit['ckpt']}", f"out_dir={tmp_path / 'run'}", "-q"]  # fmt: skip
     # the tiny target has 512 positions: 500 + 16 new tokens + 3 drafts do not fit
     err = _one_line_error(capsys, main([*args, _section(kit["docs"], "[64, 500]")]), "eval.long_context.lengths")
-    assert "500 + eval.max_new_tokens 16 + eval.draft_len 3 = 519 tokens exceeds the target's 512 positions" in err
+    assert "500 + eval.max_new_tokens 16 + a draft of 3 = 519 tokens exceeds the target's 512 positions" in err
+    tree = ["eval.strategy=dynamic_tree", "eval.tree.depth=6"]  # a tree counts its depth, not draft_len
+    err = _one_line_error(capsys, main([*args, *tree, _section(kit["docs"], "[64, 494]")]), "eval.long_context")
+    assert "494 + eval.max_new_tokens 16 + a draft of 6 = 516 tokens" in err
     short = _docs_file(tmp_path / "short.jsonl", _documents(2, 20))
     err = _one_line_error(capsys, main([*args, _section(short, "[64, 256]")]), "eval.long_context.prompts")
     assert "fewer than the" in err and "256-token prompt" in err
