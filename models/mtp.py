@@ -249,7 +249,6 @@ class MTP(nn.Module):
             seen = [ttt_window(causal[:, None], base, a, self.cfg.sliding_window)[:, 0] for a in range(s + 1)]
             own = [m.expand(seen[0].shape[0], T, T) for m in (eye, none)]  # a window makes the mask per row
             rows = [[seen[a]] + [own[0] if 0 < b <= a else own[1] for b in range(1, s + 1)] for a in range(s + 1)]
-            rows[0][1:] = [own[1]] * s
             allowed = torch.cat([torch.cat(r, -1) for r in rows], -2)[:, None]
             positions = torch.cat([base + a for a in range(s + 1)], -1)
             out = self._block(torch.cat(xs, 1), positions, allowed)[:, s * T :]
