@@ -14,6 +14,8 @@ step s re-runs the layer over the concatenation of all earlier steps' inputs und
 sees the real pairs <= i and its own earlier drafts, exactly what decoding shows it. Decoding is EAGLE's
 (eval/proposers.py ``FeatureRows``): the layer's keys and values live in the own slot ``KVCache`` behind
 transformers' cache calls (models/hf_target.py ``SlotView``), so chains, trees and batches work as for EAGLE.
+``checkpoint_names`` writes the layer back under the target checkpoint's own names, the folder vLLM's ``mtp`` method
+loads (``--format vllm``); DeepSeek and GLM layers read a zero embedding at position 0, as vLLM runs them.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class MTPConfig:
     ttt_steps: int = 3
     version: int = 1  # reads the target's final normed hidden state, as EAGLE-1 does (train/objectives.py)
     sliding_window: int | None = None  # attend to the last N positions only; None = all
+    blank_first_position: bool = False  # zero the token embedding at position 0 (vLLM's DeepSeek / GLM MTP layers)
     head_vocab_size: None = None  # the target's whole vocabulary
 
     def to_dict(self) -> dict:
@@ -97,6 +100,11 @@ def _text_config(hf_config: dict):
         conf.mtp_layer_types = ["full_attention"] * conf.num_mtp_layers
         conf.mtp_mlp_layer_types = None
     return conf
+
+
+# Families whose MTP layer vLLM runs with a zero token embedding at position 0 (its deepseek_mtp / glm4_moe_mtp:
+# "not needed by MTP"); the drafter trains and decodes the same way, so that served drafts are its own.
+BLANK_FIRST_POSITION = ("deepseek_v3", "glm4_moe")
 
 
 def mtp_count(conf) -> int:
@@ -132,7 +140,7 @@ class MTP(nn.Module):
             with torch.device("meta"):
                 main = AutoModelForCausalLM.from_config(conf)
         mtp = _mtp_model(main, conf)
-        self.mtp_model = [mtp]  # kept out of the module tree: the weights load through it (``load_target_layer``)
+        self.mtp_model = [mtp, main]  # kept out of the module tree: the weights load (and export) through them
         self.layer = mtp.layers[cfg.layer]
         s = cfg.sizes
         self.embed_tokens = nn.Embedding(s.vocab_size, s.dim)  # frozen copies of the target's
@@ -173,8 +181,10 @@ class MTP(nn.Module):
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         return self.layer.post_norm(out)
 
-    def _inputs(self, ids: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    def _inputs(self, ids: torch.Tensor, state: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         e, L = self.embed(ids), self.layer
+        if self.cfg.blank_first_position:  # the token embedding at position 0 is zeros, as vLLM runs these layers
+            e = e.masked_fill((pos == 0)[..., None], 0.0)
         return L.eh_proj(torch.cat([L.enorm(e), L.hnorm(state.to(e.dtype))], -1))
 
     def _block(self, x: torch.Tensor, pos: torch.Tensor, allowed: torch.Tensor, view=None) -> torch.Tensor:
@@ -212,7 +222,7 @@ class MTP(nn.Module):
         B, T = ids.shape
         own_pos, W = pos is not None, self.cfg.sliding_window
         pos = default_pos(ids, cache) if pos is None else pos
-        x = self._inputs(ids, state)
+        x = self._inputs(ids, state, pos)
         if cache is None:
             allowed = torch.ones(T, T, dtype=torch.bool, device=ids.device).tril()[None, None]
             out = self._block(x, pos, window_mask(W, allowed, pos, None, None, False, True))
@@ -245,7 +255,7 @@ class MTP(nn.Module):
                 tok[:, : T - s - 1] = ids[:, s + 1 :]  # past the end: token 0, never selected for a loss
             if step_tokens and s in step_tokens:
                 tok = step_tokens[s]
-            xs.append(self._inputs(tok, state))
+            xs.append(self._inputs(tok, state, base + s))
             seen = [ttt_window(causal[:, None], base, a, self.cfg.sliding_window)[:, 0] for a in range(s + 1)]
             own = [m.expand(seen[0].shape[0], T, T) for m in (eye, none)]  # a window makes the mask per row
             rows = [[seen[a]] + [own[0] if 0 < b <= a else own[1] for b in range(1, s + 1)] for a in range(s + 1)]
@@ -281,18 +291,44 @@ def mtp_prefixes(n_layers: int, n_mtp: int) -> tuple[str, ...]:
     return (*(f"model.layers.{n_layers + j}." for j in range(n_mtp)), "mtp.")
 
 
-def load_target_layer(model: MTP, main, folder: Path) -> None:
-    """The MTP layers' tensors from the target's checkpoint, through transformers' renamings and expert merges
-    (its ``MtpModel`` mapping); a checkpoint without them is refused in one line."""
-    from safetensors import safe_open
+def _conversions(mtp, main) -> list:
+    """transformers' weight conversions from the target checkpoint's MTP names onto ``MtpModel`` (its own method
+    where the installed transformers has one; else the same list built as transformers builds it)."""
+    own = getattr(mtp, "get_weight_conversions", None)
+    if own is not None:
+        return own(main)
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    n = main.config.get_text_config().num_hidden_layers
+    out = [WeightRenaming(f"layers.{j}.", f"layers.{j - n}.mtp_block.") for j in range(n, n + mtp.num_mtp_layers)]
+    out += get_model_conversion_mapping(mtp, add_legacy=False)
+    return out + (getattr(main, "_weight_conversions", None) or get_model_conversion_mapping(main))
+
+
+def _load_layer(model: MTP, tensors: dict, where) -> None:
+    """The MTP layers' tensors (checkpoint names -> tensors or safetensors slices) into ``model``'s, through
+    transformers' renamings and expert merges; the drafting layer's missing tensors are refused in one line."""
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    mtp = model.mtp_model[0]
+    mtp, main = model.mtp_model
+    config = LoadStateDictConfig(weight_mapping=_conversions(mtp, main), dtype=model.embed_tokens.weight.dtype)
+    info, _ = convert_and_load_state_dict_in_model(model=mtp, state_dict=tensors, load_config=config)
+    missing = sorted(k for k in info.missing_keys if k.startswith(f"layers.{model.cfg.layer}."))
+    if missing:
+        raise DraftsmithError(f"drafter.kind=mtp: {where} lacks MTP tensors for {missing[:3]} (and maybe more)")
+
+
+def load_target_layer(model: MTP, main, folder: Path) -> None:
+    """The MTP layers' tensors from the target's checkpoint (its ``MtpModel`` mapping); a checkpoint without them
+    is refused in one line."""
+    from safetensors import safe_open
+
     where = {
         k: f
         for k, f in _checkpoint_keys(folder).items()
-        if k.startswith(mtp_prefixes(model.cfg.sizes.n_layers, mtp.num_mtp_layers))
+        if k.startswith(mtp_prefixes(model.cfg.sizes.n_layers, model.mtp_model[0].num_mtp_layers))
     }
     if not where:
         raise DraftsmithError(
@@ -304,14 +340,62 @@ def load_target_layer(model: MTP, main, folder: Path) -> None:
         if f not in handles:
             handles[f] = safe_open(str(f), "pt")
         sd[k] = handles[f].get_slice(k)
-    conversions = mtp.get_weight_conversions(main)
-    w = model.embed_tokens.weight
-    info, _ = convert_and_load_state_dict_in_model(
-        model=mtp, state_dict=sd, load_config=LoadStateDictConfig(weight_mapping=conversions, dtype=w.dtype)
-    )
-    missing = sorted(k for k in info.missing_keys if k.startswith(f"layers.{model.cfg.layer}."))
-    if missing:
-        raise DraftsmithError(f"drafter.kind=mtp: {folder} lacks MTP tensors for {missing[:3]} (and maybe more)")
+    _load_layer(model, sd, folder)
+
+
+# ---- the target checkpoint's names: vLLM's ``mtp`` method loads the layer under them ------------------------------
+
+_MTP_SLOT = ("mtp.",)  # Qwen3-Next keeps its MTP layer under mtp.*, the others after the decoder layers
+_QWEN_NEXT_NAMES = {"enorm.": "pre_fc_norm_embedding.", "hnorm.": "pre_fc_norm_hidden.", "eh_proj.": "fc.",
+                    "post_norm.": "norm.", "mtp_block.": "layers.0."}  # fmt: skip
+
+
+def under_mtp_names(model_type: str) -> bool:
+    """Whether the family keeps its MTP layer under ``mtp.*`` (Qwen3-Next), not ``model.layers.{L}.*``."""
+    return model_type.startswith("qwen3_next")
+
+
+def checkpoint_names(model: MTP) -> dict[str, torch.Tensor]:
+    """The drafting layer as the target's checkpoint stores its first MTP layer (experts unmerged, as transformers
+    saves them): ``model.layers.{L}.*`` with the final norm as ``shared_head.norm`` (DeepSeek-V3, GLM-4.5), or
+    Qwen3-Next's ``mtp.*``; plus the embeddings and the LM head under the target's names."""
+    from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+
+    mtp, main = model.mtp_model
+    mtp._weight_conversions = [c for c in _conversions(mtp, main) if isinstance(c, WeightConverter)]
+    try:  # only the expert merges are undone by transformers: the renamings are the family's, below
+        sd = revert_weight_conversion(mtp, {k: v.detach() for k, v in model.layer.state_dict().items()})
+    finally:
+        del mtp._weight_conversions
+    qwen = under_mtp_names(model.cfg.hf_config["model_type"])
+    out = {}
+    for k, v in sd.items():
+        if qwen:
+            name = "mtp." + next((k.replace(a, b, 1) for a, b in _QWEN_NEXT_NAMES.items() if k.startswith(a)), k)
+        else:
+            name = f"model.layers.{model.cfg.sizes.n_layers}." + k.removeprefix("mtp_block.").replace(
+                "post_norm.", "shared_head.norm."
+            )
+        out[name] = v.detach().contiguous().cpu().clone()
+    out["model.embed_tokens.weight"] = model.embed_tokens.weight.detach().cpu().clone()
+    out["lm_head.weight"] = model.lm_head.weight.detach().cpu().clone()
+    return out
+
+
+def from_checkpoint_names(model: MTP, sd: dict, where) -> dict[str, torch.Tensor]:
+    """``checkpoint_names`` back: {the drafter's state-dict name: tensor}, the layer read into ``model``."""
+    n, j = model.cfg.sizes.n_layers, model.cfg.layer
+    layer = {}
+    for k, v in sd.items():
+        if k.startswith(f"model.layers.{n}."):  # the export's one layer is the drafter's layer j
+            layer[k.replace(f"model.layers.{n}.", f"model.layers.{n + j}.", 1)] = v
+        elif k.startswith(_MTP_SLOT) and not k.startswith("mtp.layers."):
+            layer[k] = v
+        elif k.startswith("mtp.layers.0."):
+            layer[k.replace("mtp.layers.0.", f"mtp.layers.{j}.", 1)] = v
+    _load_layer(model, layer, where)
+    out = {f"layer.{k}": v for k, v in model.layer.state_dict().items()}
+    return {**out, "embed_tokens.weight": sd["model.embed_tokens.weight"], "lm_head.weight": sd["lm_head.weight"]}
 
 
 def build_mtp(cfg: MTPDrafterConfig | dict, target, **_) -> MTP:
@@ -339,7 +423,9 @@ def build_mtp(cfg: MTPDrafterConfig | dict, target, **_) -> MTP:
     if p.layer >= max(n, 1):
         raise DraftsmithError(f"drafter.layer {p.layer} is outside the target's {max(n, 1)} MTP layer(s)")
     dtype = target.embed_tokens.weight.dtype
-    cfg = MTPConfig(hf_config=hf_config, layer=p.layer, ttt_steps=p.ttt_steps, sliding_window=p.sliding_window)
+    blank = hf_config.get("model_type") in BLANK_FIRST_POSITION
+    cfg = MTPConfig(hf_config=hf_config, layer=p.layer, ttt_steps=p.ttt_steps, sliding_window=p.sliding_window,
+                    blank_first_position=blank)  # fmt: skip
     model = MTP(cfg, main=hf).to(dtype)
     if p.init == "target":  # hf is set: a target on the own code declares no MTP layers
         load_target_layer(model, hf, Path(hf.config.name_or_path))
@@ -353,6 +439,24 @@ def mtp_from_config(cfg: dict) -> MTP:
     return MTP(MTPConfig(**cfg))
 
 
+VLLM_MTP_FAMILIES = ("deepseek_v3", "glm4_moe", "qwen3_next")  # targets whose MTP layer vLLM's mtp method runs
+
+
+def mtp_exports(info: dict) -> dict:
+    """``--format vllm``: the layer under the target checkpoint's own names, for vLLM's ``mtp`` method; refused in
+    one line where vLLM's MTP layer for the family could not run it as trained."""
+    cfg = info.get("config", {})
+    family = cfg.get("hf_config", {}).get("model_type", "?")
+    e = "draftsmith.export.formats:"
+    if family not in VLLM_MTP_FAMILIES:
+        why = f"vLLM's mtp method runs the MTP layers of {', '.join(VLLM_MTP_FAMILIES)} targets, not {family!r}"
+    elif cfg.get("sliding_window"):
+        why = "vLLM's MTP layer attends to the whole context: a drafter.sliding_window layer has no vLLM layout"
+    else:
+        return {"vllm": {"write": e + "to_mtp_vllm", "read": e + "read_mtp_vllm", "usage": e + "usage_mtp"}}
+    return {"vllm": f"refused: {why}; use --format hf"}
+
+
 SPEC = DrafterSpec(
     kind="mtp",
     config=MTPDrafterConfig,
@@ -363,8 +467,6 @@ SPEC = DrafterSpec(
     signals=frozenset({"topk", "hidden_last"}),
     needs_target=True,
     packs=True,
-    exports={
-        "vllm": "refused: vLLM's mtp method reads the layer under the target's own checkpoint names (experts "
-        "unmerged), which no export writes yet; use --format hf"
-    },
+    exports=mtp_exports,
+    engines={"vllm": {"method": "mtp", "formats": ("vllm",)}},
 )

@@ -33,14 +33,13 @@ QWEN_NEXT_NAMES = {  # Qwen3-Next's checkpoint names of the MTP layer's projecti
 }
 
 
-def save_mtp_target(path, tok, family: str, seed: int = 0, with_mtp: bool = True) -> dict:
-    """A tiny random ``family`` model saved as its checkpoints are, its MTP layer (random) under the family's
-    names: DeepSeek / GLM ``model.layers.{L}.*`` (the norm before the head as ``shared_head.norm``), Qwen3-Next
-    ``mtp.*``. Returns {checkpoint name: tensor} of the MTP layer."""
+def save_mtp_target(path, tok, family: str, seed: int = 0, with_mtp: bool = True, **overrides) -> dict:
+    """A tiny random ``family`` model saved as its checkpoints are, with an MTP layer in the family's own layout:
+    its decoder block is the last decoder layer's tensors as transformers saved them (experts unmerged), under
+    ``model.layers.{L}.*`` (DeepSeek / GLM, the final norm as ``shared_head.norm``) or ``mtp.layers.0.*`` (Qwen3-Next,
+    with ``mtp.fc`` and its norms); the projection and norms random. Returns {checkpoint name: tensor} of the layer."""
     import transformers
     from safetensors.torch import load_file, save_file
-
-    from draftsmith.models.mtp import _mtp_model, _text_config
 
     name, extra = FAMILIES[family]
     torch.manual_seed(seed)
@@ -50,6 +49,7 @@ def save_mtp_target(path, tok, family: str, seed: int = 0, with_mtp: bool = True
         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
     )  # fmt: skip
     cfg.update(extra)
+    cfg.update(overrides)
     hf = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**cfg))
     with torch.no_grad():  # weights big enough that the routing and the drafts matter
         for p in hf.parameters():
@@ -57,16 +57,18 @@ def save_mtp_target(path, tok, family: str, seed: int = 0, with_mtp: bool = True
                 p.mul_(4.0)
     hf.save_pretrained(path)
     tok.save_pretrained(path)
-    mtp = _mtp_model(hf, _text_config(hf.config.to_dict()))
-    written = {}
-    for k, v in mtp.layers[0].state_dict().items():
-        if family == "qwen3_next":
-            written[f"mtp.{QWEN_NEXT_NAMES.get(k, k.replace('mtp_block.', 'layers.0.'))}"] = v.clone()
-        else:
-            k = k.replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
-            written[f"model.layers.{cfg['num_hidden_layers']}.{k}"] = v.clone()
+    sd = load_file(f"{path}/model.safetensors")
+    L, last = cfg["num_hidden_layers"], f"model.layers.{cfg['num_hidden_layers'] - 1}."
+    qwen = family == "qwen3_next"
+    block = "mtp.layers.0." if qwen else f"model.layers.{L}."
+    written = {block + k.removeprefix(last): v.clone() for k, v in sd.items() if k.startswith(last)}
+    dim, g = cfg["hidden_size"], torch.Generator().manual_seed(seed + 1)
+    own = {"eh_proj.weight": torch.randn(dim, 2 * dim, generator=g) / dim**0.5}
+    own.update({f"{n}.weight": 1 + 0.1 * torch.randn(dim, generator=g) for n in ("enorm", "hnorm", "post_norm")})
+    for k, v in own.items():
+        name = f"mtp.{QWEN_NEXT_NAMES[k]}" if qwen else f"model.layers.{L}.{k.replace('post_norm', 'shared_head.norm')}"
+        written[name] = v
     if with_mtp:
-        sd = load_file(f"{path}/model.safetensors")
         save_file({**sd, **written}, f"{path}/model.safetensors", metadata={"format": "pt"})
     return written
 
@@ -85,29 +87,32 @@ def family_target(request, tmp_path_factory, tiny_tokenizer):
 
 
 def test_the_target_layer_loads_and_drafts_as_transformers_runs_it(family_target):
-    """Every tensor of the checkpoint's MTP layer lands in the drafter; its first draft's logits are transformers'
+    """The checkpoint's MTP block loads as transformers loads the same tensors into the target's last decoder layer
+    (experts merged its way), the projection and norms as written; written back under the checkpoint's names (the
+    vllm export) the layer is exactly the checkpoint's tensors; its first draft's logits are transformers'
     MtpModel's; a cached step gives the uncached step's logits."""
-    from draftsmith.models.mtp import build_mtp
+    from draftsmith.models.mtp import build_mtp, checkpoint_names
 
     family, path, t, written = family_target
     d = build_mtp({}, t).double()
-    got = d.layer.state_dict()
-    assert len(got) == len(written)
-    for k, v in written.items():  # back from the checkpoint name to the layer's own
-        own = k.split(".", 3)[-1] if k.startswith("model.") else k.removeprefix("mtp.")
-        own = {v2: k2 for k2, v2 in QWEN_NEXT_NAMES.items()}.get(own, own).replace("shared_head.norm.", "post_norm.")
-        own = own if own in got else own.replace("layers.0.", "mtp_block.", 1)
-        own = own if own in got else f"mtp_block.{own}"
-        assert torch.equal(got[own].float(), v.float()), (family, k)
+    block, last = d.layer.mtp_block.state_dict(), t.hf.model.layers[-1].state_dict()
+    assert block.keys() == last.keys() and all(torch.equal(block[k], last[k]) for k in block), family
+    for name, own in {"eh_proj": "fc", "enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden"}.items():
+        v = written.get(f"mtp.{own}.weight", written.get(f"model.layers.4.{name}.weight"))
+        assert torch.equal(getattr(d.layer, name).weight.float(), v.float()), (family, name)
+    back = checkpoint_names(d)
+    assert back.keys() == {*written, "model.embed_tokens.weight", "lm_head.weight"}, family
+    assert all(torch.equal(back[k].float(), v.float()) for k, v in written.items()), family
     ids = torch.randint(3, t.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         _, cap = t(ids, capture_layers=d.capture_layers, return_hidden=True)
         f = d.features(cap, t)
         logits, _ = d.step(f[:, :-1], ids[:, 1:])
         mtp = d.mtp_model[0]
-        ref = mtp._project_to_logits(
-            mtp.forward_layer(0, f[:, :-1], torch.arange(11)[None], None, input_ids=ids[:, 1:])
-        )
+        e = mtp.embed_tokens(ids[:, 1:])
+        if family != "qwen3_next":  # vLLM's DeepSeek and GLM MTP layers read a zero embedding at position 0; so do we
+            e[:, 0] = 0
+        ref = mtp._project_to_logits(mtp.forward_layer(0, f[:, :-1], torch.arange(11)[None], None, inputs_embeds=e))
         cached, _ = d.step(f[:, :-1], ids[:, 1:], cache=d.new_cache(2, 16))
     torch.testing.assert_close(logits, ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(cached, logits, rtol=1e-9, atol=1e-9)
@@ -119,7 +124,7 @@ def test_a_windowed_mtp_layer_cuts_its_keys_in_training_and_decoding(family_targ
     from draftsmith.models.mtp import build_mtp
 
     family, _, t, _ = family_target
-    w = 4
+    w = 4  # tolerance 1e-6: DeepSeek's router computes its expert weights in float32
     d, full = build_mtp({"sliding_window": w, "ttt_steps": 2}, t).double(), build_mtp({"ttt_steps": 2}, t).double()
     ids = torch.randint(3, t.cfg.vocab_size, (1, 12), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -127,14 +132,14 @@ def test_a_windowed_mtp_layer_cuts_its_keys_in_training_and_decoding(family_targ
         f = d.features(cap, t)
         got, ref = d(f, ids, steps=2), full(f, ids, steps=2)
         for s in range(2):
-            torch.testing.assert_close(got[s, :, : w - s], ref[s, :, : w - s], rtol=1e-9, atol=1e-9)
-            assert (got[s, :, w - s : -2] - ref[s, :, w - s : -2]).abs().amax(-1).min() > 1e-9, family
+            torch.testing.assert_close(got[s, :, : w - s], ref[s, :, : w - s], rtol=1e-6, atol=1e-6)
+            assert (got[s, :, w - s : -2] - ref[s, :, w - s : -2]).abs().amax(-1).min() > 1e-5, family
         for i in (2, 7):  # the decoder: the real pairs 0..i with a cache, then its own output
             cache = d.new_cache(1, 16)
             _, out = d.step(f[:, : i + 1], ids[:, 1 : i + 2], cache=cache)
-            torch.testing.assert_close(out[0, -1], got[0, 0, i], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(out[0, -1], got[0, 0, i], rtol=1e-6, atol=1e-6)
             _, out = d.step(out[:, -1:], ids[:, i + 2 : i + 3], cache=cache)
-            torch.testing.assert_close(out[0, -1], got[1, 0, i], rtol=1e-9, atol=1e-9)
+            torch.testing.assert_close(out[0, -1], got[1, 0, i], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", ["chain", "tree"])
@@ -193,6 +198,7 @@ def test_a_run_on_a_deepseek_target_trains_and_decodes_losslessly(tmp_path, tiny
     """generate -> train (the shipped MTP layer, TTT) -> eval (chain, then a dynamic tree with batches of 1 and 2),
     lossless throughout; the checkpoint reloads to the trained layer."""
     from draftsmith.cli import main
+    from draftsmith.export.writer import load_export
     from draftsmith.models.registry import load_drafter
     from draftsmith.recipes.loader import find_recipe
 
@@ -214,7 +220,32 @@ def test_a_run_on_a_deepseek_target_trains_and_decodes_losslessly(tmp_path, tiny
     tree = ["eval.strategy=dynamic_tree", "eval.tree.depth=3", "eval.batch_sizes=[1,2]"]
     assert main(["eval", str(recipe), *args, *tree]) == 0
     assert json.loads((out / "eval" / "report.json").read_text())["lossless_match"] == 1.0
-    assert main(["export", str(recipe), *args[:-1], "--format", "vllm"]) == 2  # one line: not written yet
-    assert not (out / "export" / "vllm").exists()
     ckpt, info = load_drafter(out / "checkpoints" / "final")
     assert info["kind"] == "mtp" and type(ckpt.layer.mtp_block).__name__ == "DeepseekV3DecoderLayer"
+    assert main(["export", str(recipe), *args[:-1], "--format", "vllm"]) == 0  # vLLM's mtp method: target's names
+    folder = out / "export" / "vllm"
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3" and config["num_nextn_predict_layers"] == 1
+    back, _ = load_export(folder)
+    sd = ckpt.state_dict()
+    assert back.state_dict().keys() == sd.keys()
+    assert all(torch.equal(v.float(), sd[k].float()) for k, v in back.state_dict().items())
+
+
+def test_the_vllm_export_is_refused_where_vllms_mtp_layer_cannot_run_it(tmp_path, tiny_model_dir, family_target):
+    """A fresh MTP layer on a Llama target (vLLM runs the MTP layers of DeepSeek-V3, GLM-4.5 and Qwen3-Next only)
+    and a windowed layer (vLLM's attends to everything) are refused in one line, with nothing written."""
+    from draftsmith.export.writer import export
+    from draftsmith.models.loading import load_model
+    from draftsmith.models.mtp import build_mtp
+    from draftsmith.models.registry import save_drafter
+
+    family, path, t, _ = family_target
+    llama = load_model(str(tiny_model_dir)).model
+    cases = {"llama": (build_mtp({"init": "random"}, llama), tiny_model_dir, "runs the MTP layers of"),
+             "window": (build_mtp({"sliding_window": 4, "ttt_steps": 2}, t), path, "sliding_window")}  # fmt: skip
+    for name, (d, tgt, why) in cases.items():
+        ckpt = save_drafter(tmp_path / name / "ckpt", d, "mtp", {"target": str(tgt), "step": 1})
+        with pytest.raises(DraftsmithError, match=why) as e:
+            export(ckpt, "vllm", tmp_path / name / "vllm")
+        assert "\n" not in str(e.value) and not (tmp_path / name / "vllm").exists()

@@ -213,7 +213,17 @@ TUNED = {
     "eagle3-llama-window": ("llama", eagle3(sliding_window=6, ttt_steps=3), "eagle", None),  # layer_types sliding
     "eagle3-qwen3-window": ("qwen3", eagle3(layer_style="target", sliding_window=6, ttt_steps=3), "eagle", None),
 }
-_served = [k for k in drafter_kinds(role="drafter") if vllm_format(k)]
+
+
+def _refused_on_llama(kind: str) -> bool:
+    """Kinds whose vLLM export a Llama target cannot have (MTP: vLLM runs the MTP layers of MTP families only)."""
+    from draftsmith.models.registry import drafter_spec
+
+    info = {"kind": kind, "config": small_section(kind).model_dump()}
+    return drafter_spec(kind).export_formats(info)[vllm_format(kind)]["write"].startswith("refused: ")
+
+
+_served = [k for k in drafter_kinds(role="drafter") if vllm_format(k) and not _refused_on_llama(k)]
 CASES = {
     **{n: (f, b, k, fmt or vllm_format(k), True) for n, (f, b, k, fmt) in TUNED.items()},
     **{f"{k}-llama-small": ("llama", _small(k), k, vllm_format(k), False)
@@ -512,3 +522,72 @@ def test_online_learns_from_a_vllm_servers_requests(vllm_server, vllm_targets, t
     rounds = [json.loads(x) for x in (tmp_path / "online" / "metrics.jsonl").read_text().splitlines()]
     done = [m for m in rounds if m.get("stage") == "online" and "swapped" in m]
     assert done and done[-1]["records"] + done[-1]["held_out"] == 16
+
+
+# ---- native MTP: a GLM-4.5 target's own layer, fine-tuned, in vLLM's `mtp` method ----------------------------------
+
+
+def _mtp_vllm_names(tensors: dict, n_layers: int) -> dict:
+    """The MTP export's tensors under vLLM's names (glm4_moe_mtp.py): the block under ``layers.{L}.mtp_block``,
+    q/k/v and gate/up fused, each expert's gate/up stacked into ``w13_weight`` and down into ``w2_weight``, the LM
+    head as the layer's ``shared_head.head``."""
+    top = ("enorm.", "hnorm.", "eh_proj.", "shared_head.")
+    pre, out = f"model.layers.{n_layers}.", {}
+    for k, v in tensors.items():
+        if k == "lm_head.weight":
+            k = f"{pre}shared_head.head.weight"
+        rest = k.removeprefix(pre)
+        out[k if k == rest or rest.startswith(top) else f"{pre}mtp_block.{rest}"] = v
+    experts = sorted({k.split(".experts.")[0] for k in out if ".experts." in k})
+    for base in experts:  # vLLM's fused-MoE layout
+        n = 1 + max(int(k.split(".experts.")[1].split(".")[0]) for k in out if k.startswith(base + ".experts."))
+        take = [{p: out.pop(f"{base}.experts.{e}.{p}_proj.weight") for p in ("gate", "up", "down")} for e in range(n)]
+        out[f"{base}.experts.w13_weight"] = torch.stack([torch.cat([t["gate"], t["up"]]) for t in take])
+        out[f"{base}.experts.w2_weight"] = torch.stack([t["down"] for t in take])
+    return as_vllm_names(out)
+
+
+def test_vllm_serves_the_mtp_export(tmp_path, tiny_tokenizer):
+    """A tiny GLM-4.5 target saved with its MTP layer (test_mtp.py), the layer fine-tuned on the target's greedy
+    answers and exported with ``--format vllm``: vLLM's ``mtp`` method loads exactly its tensors, answers as the
+    target, and accepts the drafts draftsmith's decoder accepts."""
+    from test_mtp import save_mtp_target
+
+    from draftsmith.engines.vllm import speculative_config
+    from draftsmith.models.hf_target import load_hf_target
+    from draftsmith.models.mtp import build_mtp
+    from draftsmith.models.registry import drafter_spec
+    from draftsmith.train.objectives import eagle_objective
+
+    path = tmp_path / "glm"
+    save_mtp_target(path, tiny_tokenizer, "glm4_moe", hidden_size=128, head_dim=32, intermediate_size=256)
+    target = load_hf_target(path, json.loads((path / "config.json").read_text()), torch.float32, "cpu", False)
+    ar = [autoregressive_generate(target, torch.tensor(p), N, eos_ids={EOS}) for p in PROMPTS]
+    section = drafter_spec("mtp").section({"ttt_steps": K})
+    drafter = _trained(build_mtp(section, target), target, eagle_objective, section, steps=60)
+    ckpt = save_drafter(tmp_path / "run" / "checkpoints" / "final", drafter, "mtp", {"target": str(path), "step": 1})
+    folder = export(ckpt, "vllm", tmp_path / "vllm")
+    eng = _engine(path, speculative_config(folder, K), capture_weights=True)
+    try:
+        out, counters = _decode(eng)
+        loaded = eng.loaded_weights(drafter=True)
+    finally:
+        eng.close()
+    assert out == ar
+    with torch.no_grad():
+        ours = vllm_counts(target, drafter, N, K)
+    assert counters.accept_counts() == ours, f"vLLM {counters.accept_counts()} vs draftsmith {ours}"
+    assert counters.drafts == sum(ours) and 2 * counters.accepted >= counters.drafts  # not vacuous
+    unblanked = copy.deepcopy(drafter)  # vLLM's zero embedding at position 0 decides drafts here too
+    unblanked.cfg = replace(unblanked.cfg, blank_first_position=False)
+    with torch.no_grad():
+        assert vllm_counts(target, unblanked, N, K) != ours
+    expected = _mtp_vllm_names(load_file(str(folder / "model.safetensors")), target.cfg.n_layers)
+    loaded = {k.removeprefix("model."): v for k, v in loaded.items() if "_scale" not in k}  # vLLM's quant scales
+    aliases = {"experts._shared_experts._layer.": "shared_experts.", "experts.routed_experts.e_score": "gate.e_score"}
+    for k in [k for k in loaded if any(a in k for a in aliases)]:  # the same tensors, registered twice by vLLM
+        a = next(a for a in aliases if a in k)
+        assert torch.equal(loaded.pop(k), loaded[k.replace(a, aliases[a])]), k
+    loaded = {k.replace("experts.routed_experts.", "experts."): v for k, v in loaded.items()}
+    bad = same_weights(loaded, expected)
+    assert bad == [], "\n".join(bad)

@@ -32,6 +32,9 @@
   own checkpoints name it) and ``pard_k``; the mask's embedding is its row of embed_tokens. vLLM's draft-model path
   needs the target's vocabulary size, so ``--format vllm`` wants the mask on a reserved id (``drafter.mask_token``);
   an appended mask is one extra row (hf only). Checked against vLLM's ``llm_base_proposer.py`` (82720b1).
+- **Native MTP** (vLLM's ``mtp`` method): the target's config.json with one MTP layer, the layer under the names
+  the target's checkpoint gives it (``model.layers.{L}.*``, experts one tensor each, ``shared_head.norm``; Qwen3-Next
+  ``mtp.*``), ``model.embed_tokens.weight`` and ``lm_head.weight`` (vLLM's ``shared_head.head``).
 - **Draft LM with a reduced head**: written as a plain LlamaForCausalLM whose head has every target row; a dropped
   row is the mean of the kept rows, so its logit (the mean of the kept logits) never exceeds the best kept one.
 Embeddings of EAGLE drafters are frozen copies of the target's: written unless turned off (speculators reads them
@@ -71,6 +74,7 @@ __all__ = [
     "to_eagle1_vllm",
     "to_eagle1_sglang",
     "to_pard_vllm",
+    "to_mtp_vllm",
     "export_meta",
     "export_entry",
     "usage",
@@ -378,6 +382,35 @@ def usage_dflash(fmt: str, info: dict, target: str | None, tokens: int) -> str:
     return (
         f"`{_vllm_serve(target or 'TARGET', 'dflash', n)}` (vLLM's DFlash: the block's drafts from one forward); "
         "draftsmith: `draftsmith eval RECIPE eval.checkpoint=./this-folder`."
+    )
+
+
+# ---- native MTP ------------------------------------------------------------------------------------------------
+
+
+def to_mtp_vllm(model, info: dict, verifier: str, include_embeddings: bool):
+    """The MTP layer as vLLM's ``mtp`` method loads a target's own: the target's config.json with one MTP layer,
+    the layer under the checkpoint's names (models/mtp.py ``checkpoint_names``), embeddings and LM head always
+    (vLLM reads the layer's head from ``lm_head.weight``)."""
+    from draftsmith.models.mtp import checkpoint_names, under_mtp_names
+
+    hf = {k: v for k, v in info["config"]["hf_config"].items() if k not in ("_name_or_path", "dtype", "torch_dtype")}
+    count = "mtp_num_hidden_layers" if under_mtp_names(hf["model_type"]) else "num_nextn_predict_layers"
+    config = {**hf, count: 1, "num_nextn_predict_layers": 1, "draftsmith_verifier": verifier}
+    return checkpoint_names(model), {**config, "torch_dtype": "float32"}
+
+
+def read_mtp_vllm(sd: dict, info: dict, target, folder: Path) -> dict:
+    from draftsmith.models.mtp import from_checkpoint_names, mtp_from_config
+
+    return from_checkpoint_names(mtp_from_config(info["config"]), sd, folder)
+
+
+def usage_mtp(fmt: str, info: dict, target: str | None, tokens: int) -> str:
+    return (
+        f"`{_vllm_serve(target or 'TARGET', 'mtp', tokens)}` (vLLM's MTP method with this fine-tuned layer in place "
+        "of the target's own; one layer drafts every position); draftsmith: "
+        "`draftsmith eval RECIPE eval.checkpoint=./this-folder`."
     )
 
 
