@@ -1,5 +1,6 @@
-"""The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1 and a fresh MTP layer against EAGLE-3, Hydra++ and PARD,
-each trained on the same records with the same steps, micro-batch and loss, then decoded on the same prompts.
+"""The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1, a fresh MTP layer and HASS (with its two changes alone)
+against EAGLE-3, Hydra++ and PARD, each trained on the same records with the same steps, micro-batch and loss (FKL;
+HASS adds its top-k term), then decoded on the same prompts.
 
     python benchmarks/drafter_compare.py                    # generate the records once, train + eval each arm
     python benchmarks/drafter_compare.py --steps 100 --prompts 80 --max-new-tokens 64 --arms eagle3 dflash
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafter fields changed)
+ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafter fields changed[, loss fields])
     "eagle3": ("eagle3-smollm2", {"ttt_steps": 3}),
     "eagle3.1": ("eagle3-smollm2", {"ttt_steps": 3, "fc_norm": True}),
     "peagle": ("peagle-smollm2", {"parallel_drafts": 3}),
@@ -35,6 +36,9 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "hydra++": ("quickstart", {}),
     "pard": ("pard-smollm2", {}),
     "mtp": ("eagle1-smollm2", None),  # None: the section is replaced (below)
+    "hass": ("hass-smollm2", {"ttt_steps": 3}, {"hod_weight": 1.0, "hod_k": 10}),  # both of HASS's changes
+    "hass-hod": ("eagle3-smollm2", {"ttt_steps": 3}, {"hod_weight": 1.0, "hod_k": 10}),  # its top-k loss only
+    "hass-hca": ("hass-smollm2", {"ttt_steps": 3}),  # its context alignment only (ttt_detach)
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 SETTINGS = {
@@ -54,11 +58,12 @@ def _recipes() -> Path:
 def arm_recipe(arm: str, steps: int) -> Path:
     """runs/compare/<arm>/recipe.yaml: the quickstart's data section, the arm's drafter, the shared train setup."""
     base = yaml.safe_load((_recipes() / "quickstart.yaml").read_text())
-    name, fields = ARMS[arm]
+    name, fields, loss = (*ARMS[arm], {})[:3]
     src = yaml.safe_load((_recipes() / f"{name}.yaml").read_text())
     base["name"] = f"compare-{arm}"
     base["drafter"] = MTP if fields is None else {**src["drafter"], **fields}
     base["train"].update({"steps": steps, "lr": src["train"]["lr"], "micro_batch_size": 4, "packing": False})
+    base["train"]["loss"] = {"kind": "fkl", **loss}  # the same loss for every arm, HASS's top-k term where named
     base["export"] = {"enabled": False}
     base["eval"]["baseline_hf"] = False
     out = ROOT / arm

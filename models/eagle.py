@@ -77,6 +77,10 @@ class EagleDrafterConfig(Strict):
     """Training-time-test unroll length; None = 7 for EAGLE-3, 1 for EAGLE-1 (its original teacher forcing)."""
     head_decay: float = Field(0.8, gt=0, le=1)
     """Loss weight of TTT step s is head_decay**s."""
+    ttt_detach: bool = False
+    """HASS's harmonized context alignment: each TTT step reads the earlier steps' outputs as constants (no
+    gradient flows back through the unroll; every step still trains the weights). False = gradients through the
+    whole unroll (EAGLE-3's training-time test)."""
     hidden_dim: int | None = Field(None, gt=0)
     """MLP width of the layer; None = the target's."""
     token_loss_weight: float | None = Field(None, ge=0)
@@ -373,6 +377,7 @@ class Eagle(ReducedVocab, nn.Module):
         step_tokens: dict[int, torch.Tensor] | None = None,
         pos: torch.Tensor | None = None,
         attn_mask: torch.Tensor | None = None,
+        detach: bool = False,
     ):
         """TTT unroll. feats (B, T, F) target features, ids (B, T) the sequence. Step s at position i reads token
         x_{i+s+1} and the state of step s-1 (step 0: the projected f_i) at RoPE position i+s, and predicts
@@ -385,7 +390,10 @@ class Eagle(ReducedVocab, nn.Module):
         Packed rows (train.packing): ``pos`` (B, T) each token's position in its document and ``attn_mask``
         (B, T, T) the step-0 keys each query may see (causal inside its document). Later steps only ever read the
         row's own keys, so a row whose shifted token lies in the next document is wrong only for itself, and the
-        objective never selects it (train/objectives.py ``shifted_teachers``)."""
+        objective never selects it (train/objectives.py ``shifted_teachers``).
+
+        ``detach`` (HASS): later steps read the earlier steps' outputs as constants; the keys and values of every
+        step keep their weights' gradient."""
         B, T = ids.shape
         state = self.project(feats)
         base = torch.arange(T, device=ids.device).expand(B, T) if pos is None else pos
@@ -411,7 +419,7 @@ class Eagle(ReducedVocab, nn.Module):
                 ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=seen)
                 out = block(out, cos, sin, None, None, j + 1, attend=ttt)
             results.append(ttt_result(self, s, out, select, head_fn))
-            state = out
+            state = out.detach() if detach else out  # HASS: the keys / values stay differentiable in the weights
         return torch.stack(results) if head_fn is None else results
 
     def _ttt_attention(self, a: Attention, x, cos, sin, ks: list, vs: list, causal) -> torch.Tensor:

@@ -299,6 +299,13 @@ class LossConfig(Strict):
     fused: bool = True
     """CE and stored top-k teachers: take the gradient from a logsumexp pass and one in-place softmax pass over
     each chunk's logits (Triton kernels on GPU) instead of autograd through log-softmax; false = autograd (A/B)."""
+    hod_weight: float = Field(0.0, ge=0)
+    """HASS's harmonized objective distillation: add hod_weight x (-sum over the teacher's hod_k most likely tokens
+    of p log q) to the loss, so the draft ranks the tokens a tree verifies (the top few) as the target does. 0 = off;
+    the paper uses 1.0 with k = 10 (docs/algorithms.md A18)."""
+    hod_k: int = Field(10, gt=0)
+    """HASS: how many of the teacher's best tokens the top-k loss covers (at most data.signals.topk for stored
+    teachers)."""
     vocab_chunk: int = Field(0, ge=0)
     """0 = each position chunk takes the whole vocabulary at once (fastest). > 0 = also split the vocabulary into
     blocks of this many columns: peak memory chunk x vocab_chunk instead of chunk x vocab, for large vocabularies

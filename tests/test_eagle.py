@@ -178,3 +178,35 @@ def test_the_sliding_window_is_in_force_in_training_and_decoding(target):
     logits = [m.step(m.project(f), ids, cache=m.new_cache(2, 16))[0] for m in (e, full)]
     torch.testing.assert_close(logits[0][:, :w], logits[1][:, :w])
     assert (logits[0][:, w:] - logits[1][:, w:]).abs().amax(-1).min() > 1e-6
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_hass_context_alignment_is_the_decoder_fed_its_own_outputs_as_constants(target, version):
+    """``drafter.ttt_detach`` (HASS): the unroll's values are unchanged, and the weights' gradient of a row's step-s
+    output is the cached step-by-step decoder's when each of its own outputs is fed back as a constant; without
+    it the gradient also flows back through the earlier outputs (and differs)."""
+    torch.manual_seed(2)
+    e = _eagle(target, version, ttt_steps=4)
+    ids = torch.randint(0, CFG.vocab_size, (1, 10))
+    with torch.no_grad():
+        _, cap = target(ids, capture_layers=e.capture_layers)
+        f = e.features(cap, target)
+    params = [p for p in e.parameters() if p.requires_grad]
+    i, s = 4, 3
+
+    def grads(loss):
+        return [
+            g if g is not None else torch.zeros_like(p)
+            for p, g in zip(params, torch.autograd.grad(loss, params, allow_unused=True))
+        ]
+
+    hass, full = e(f, ids, steps=4, detach=True), e(f, ids, steps=4)
+    torch.testing.assert_close(hass, full, rtol=0, atol=0)
+    cache = e.new_cache(1, 32)
+    _, out = e.step(e.project(f[:, : i + 1]), ids[:, 1 : i + 2], cache=cache)
+    for a in range(1, s + 1):
+        _, out = e.step(out[:, -1:].detach(), ids[:, i + a + 1 : i + a + 2], cache=cache)
+    ref, got, through = grads(out[0, -1].sum()), grads(hass[s, 0, i].sum()), grads(full[s, 0, i].sum())
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r)
+    assert max((a - b).abs().max().item() for a, b in zip(got, through)) > 1e-6

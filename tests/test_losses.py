@@ -355,3 +355,36 @@ def test_auto_chunk_fits_a_logits_budget_on_a_gpu_and_keeps_256_on_a_cpu():
     teacher = losses.Teacher(labels=ids[:, 0], topk_ids=ids, topk_logprobs=lp)
     auto = losses.head_loss(h, w, teacher, losses.LossSpec(kind="fkl", chunk=None))
     torch.testing.assert_close(auto, losses.head_loss(h, w, teacher, losses.LossSpec(kind="fkl", chunk=300)))
+
+
+@pytest.mark.parametrize("form", ["topk", "logits", "hidden"])
+@pytest.mark.parametrize("fused,vocab_chunk", [(True, 0), (False, 0), (True, 4)])
+def test_hass_top_k_loss_adds_the_teachers_best_k_tokens_cross_entropy(form, fused, vocab_chunk):
+    """train.loss.hod_weight: head_loss = the loss + w x mean over positions of -sum over the teacher's k most
+    likely tokens of p log q (HASS), value and gradients against a brute-force reference, whatever the teacher's
+    form (stored top-5 with k = 3; full logits; hidden states) and path (fused, autograd, vocabulary blocks)."""
+    torch.manual_seed(1)
+    N, D, V, k, w8 = 13, 8, 31, 3, 0.7
+    h = torch.randn(N, D, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(V, D, dtype=torch.float64, requires_grad=True)
+    h_t, w_t = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
+    teacher = _teachers(h_t @ w_t.t(), h_t, w_t, 5)[form]
+    spec = losses.LossSpec(kind="fkl", chunk=5, fused=fused, vocab_chunk=vocab_chunk, hod_weight=w8, hod_k=k)
+    loss = losses.head_loss(h, w, teacher, spec)
+    loss.backward()
+    got = (loss.detach(), h.grad.clone(), w.grad.clone())
+    h.grad = w.grad = None
+    logq = F.log_softmax(h @ w.t(), -1)
+    logp = F.log_softmax(h_t @ w_t.t(), -1)
+    top = logp.topk(k, -1).indices
+    hod = -(logp.gather(-1, top).exp() * logq.gather(-1, top)).sum(-1)
+    ref = (losses.fkl(*teacher.log_pair(h @ w.t())) + w8 * hod).mean()
+    ref.backward()
+    torch.testing.assert_close(got[0].double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], h.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got[2], w.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_hass_top_k_loss_needs_a_teacher_distribution():
+    with pytest.raises(ValueError, match="hod_weight needs the teacher's distribution"):
+        losses.Teacher(labels=torch.zeros(3, dtype=torch.long)).top(2)

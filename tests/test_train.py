@@ -838,6 +838,30 @@ def test_eagle_trains_from_stored_or_in_loop_features_and_decodes_losslessly(
     torch.testing.assert_close(with_stored.loss_sum, in_loop.loss_sum, rtol=2e-2, atol=1e-3)  # bf16 storage
 
 
+def test_hass_trains_eagle3_with_its_top_k_loss_and_context_alignment(
+    train_run, tiny_model_dir, prompts_file, tmp_path
+):
+    """HASS on EAGLE-3 through the one loop (drafter.ttt_detach, train.loss.hod_weight / hod_k): its first loss is
+    the plain run's plus the top-k term (same seed, same batch), and the drafter decodes losslessly."""
+    import yaml
+
+    from draftsmith.recipes.loader import find_recipe
+
+    spec = yaml.safe_load(find_recipe("tiny").read_text())
+    spec["drafter"] = {"kind": "eagle", "version": 3, "ttt_steps": 3}
+    recipe = tmp_path / "tiny-eagle3.yaml"
+    recipe.write_text(yaml.safe_dump(spec))
+    plain = train_run("plain", "train.steps=2", "train.log_every=1", recipe=str(recipe))
+    hass = train_run("hass", "train.steps=2", "train.log_every=1", "drafter.ttt_detach=true",
+                     "train.loss.hod_weight=1.0", "train.loss.hod_k=4", recipe=str(recipe))  # fmt: skip
+    first = [next(r for r in _rows(run) if "loss" in r) for run in (plain, hass)]
+    assert first[1]["loss"] > first[0]["loss"] and first[1]["top1_step0"] == first[0]["top1_step0"]
+    args = ["eval", str(recipe), f"target.model={tiny_model_dir}", f"eval.prompts.path={prompts_file}",
+            f"out_dir={hass}", "target.dtype=float64", "-q"]  # fmt: skip
+    assert main(args) == 0
+    assert json.loads((hass / "eval" / "report.json").read_text())["lossless_match"] == 1.0
+
+
 def test_medusa2_adapters_merge_into_the_target_and_resume(tiny_model_dir, tmp_path):
     """Medusa-2's LoRA: the merged target equals the peft-adapted one; a checkpoint round-trips the adapters
     (resume) and serves them merged (eval), without saving the target itself."""

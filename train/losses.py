@@ -73,6 +73,26 @@ class Teacher:
             return replace(self, hidden=self.hidden / temperature)
         return self
 
+    def top(self, k: int, chunk: int = 256) -> Teacher:
+        """The teacher's k most likely tokens as a stored top-k teacher (ids, log-probs; best first): stored top-k
+        keep their first k, full teachers (logits, or hidden states through the head) are ranked chunk by chunk."""
+        if self.topk_ids is not None:
+            return replace(self, topk_ids=self.topk_ids[:, :k], topk_logprobs=self.topk_logprobs[:, :k])
+        if self.logits is None and self.hidden is None:
+            raise ValueError(
+                "train.loss.hod_weight needs the teacher's distribution: store data.signals.topk, or set "
+                "train.loss.teacher=target"
+            )
+        ids, lps = [], []
+        n = (self.logits if self.logits is not None else self.hidden).shape[0]
+        for s in range(0, n, chunk):
+            t = self.rows(s, min(n, s + chunk))
+            z = t.logits if t.logits is not None else t.hidden.to(self.head.dtype) @ self.head.t()
+            v, i = F.log_softmax(z.float(), -1).topk(min(k, z.shape[-1]), -1)
+            ids.append(i)
+            lps.append(v)
+        return Teacher(labels=self.labels, topk_ids=torch.cat(ids), topk_logprobs=torch.cat(lps))
+
     def log_pair(self, student_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log p, log q) on a common support, float32."""
         logq = F.log_softmax(student_logits.float(), dim=-1)
@@ -189,6 +209,15 @@ lk = Divergence(_lk_terms, _lk_combine)
 tvdpp_full = Divergence(_tvdpp_full_terms, _tvdpp_full_combine)
 
 
+def _hod_terms(logp, logq, beta):
+    """-sum over the teacher's top-k of p log q: HASS's harmonized objective distillation, on the top-k buckets of
+    ``Teacher.top`` (the last entry, the tail, carries no term)."""
+    return (-(logp[..., :-1].exp() * logq[..., :-1]),)
+
+
+hod = Divergence(_hod_terms)
+
+
 def alpha(logp, logq) -> torch.Tensor:
     """Acceptance probability sum min(p, q) per position."""
     return _min_terms(logp, logq, 0.5)[0].sum(-1)
@@ -250,6 +279,8 @@ class LossSpec:
     fused: bool = True  # CE and stored top-k teachers: the gradient from two in-place softmax passes (below)
     vocab_chunk: int = 0  # > 0: also block the vocabulary (``_Blocks``): peak O(chunk x vocab_chunk), not chunk x V
     teacher_temperature: float = 1.0  # the loss sees Teacher.sharpened(t); metrics (alpha) keep the true teacher
+    hod_weight: float = 0.0  # > 0: add hod_weight x HASS's top-k loss (``_hod_terms``) on the teacher's hod_k best
+    hod_k: int = 10
 
 
 LOGITS_BUDGET = 1 << 26  # values in one chunk's logits on a GPU (256 MB in float32)
@@ -271,6 +302,8 @@ def _per_position(spec: LossSpec, logits, teacher: Teacher, sample=None) -> torc
 
 
 def _on_support(spec: LossSpec, logp, logq, sample=None) -> torch.Tensor:
+    if spec.kind == "hod":
+        return hod(logp, logq)
     if spec.kind == "tvdpp":
         x, r_hat = sample
         return tvdpp_sampled(logq, x, r_hat)
@@ -581,7 +614,11 @@ def head_loss(
                 rs.append(r)
         r = torch.cat(rs)
         samples = (torch.cat(xs), (r - r.mean()) / (r.std() + EPS) if r.numel() > 1 else r - r.mean())
-    return _ChunkedHeadLoss.apply(h, weight, spec, teacher, samples) / max(1, h.shape[0])
+    total = _ChunkedHeadLoss.apply(h, weight, spec, teacher, samples)
+    if spec.hod_weight:  # HASS: the teacher's top-k tokens once more, each weighted by its p
+        top = teacher.top(spec.hod_k, spec.chunk)
+        total = total + spec.hod_weight * _ChunkedHeadLoss.apply(h, weight, replace(spec, kind="hod"), top, None)
+    return total / max(1, h.shape[0])
 
 
 @torch.no_grad()

@@ -144,6 +144,8 @@ def _spec(cfg) -> losses.LossSpec:
         fused=cfg.fused,
         vocab_chunk=cfg.vocab_chunk,
         teacher_temperature=cfg.teacher_temperature,
+        hod_weight=cfg.hod_weight,
+        hod_k=cfg.hod_k,
     )
 
 
@@ -466,7 +468,8 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
         return loss * decay**s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
-    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch))
+    detach = {"detach": True} if getattr(p, "ttt_detach", False) else {}  # HASS's context alignment
+    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch), **detach)
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
