@@ -1,6 +1,7 @@
 """The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1, a fresh MTP layer and HASS (with its two changes alone)
-against EAGLE-3, Hydra++ and PARD, each trained on the same records with the same steps, micro-batch and loss (FKL;
-HASS adds its top-k term), then decoded on the same prompts.
+against EAGLE-3, Hydra++ and PARD, and Kangaroo against a draft LM of as many trained parameters, each trained on
+the same records with the same steps, micro-batch and loss (FKL; HASS adds its top-k term), then decoded on the
+same prompts.
 
     python benchmarks/drafter_compare.py                    # generate the records once, train + eval each arm
     python benchmarks/drafter_compare.py --steps 100 --prompts 80 --max-new-tokens 64 --arms eagle3 dflash
@@ -13,8 +14,9 @@ precision are the same for every arm. The MTP arm is a fresh MTP layer of the ta
 
 Per arm: drafter parameters (without the frozen embeddings / head copies), train tokens/s (the loop's mean over
 the run), teacher-forced top-1 of the first three draft positions at the last logged step, then `draftsmith eval`
-with a chain of 3 and the static tree [[0], [0, 0], [1]] at T = 0 on MT-bench: τ, speed against own plain decoding
-measured in the same process, and the lossless count. Compare speeds only within one run on a quiet machine.
+with a chain of 3, the static tree [[0], [0, 0], [1]] and (exit6) up to 6 drafts cut by the confidence rule at 0.6,
+at T = 0 on MT-bench: τ, speed against own plain decoding measured in the same process, and the lossless count.
+Compare speeds only within one run on a quiet machine.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "hass": ("hass-smollm2", {"ttt_steps": 3}, {"hod_weight": 1.0, "hod_k": 10}),  # both of HASS's changes
     "hass-hod": ("eagle3-smollm2", {"ttt_steps": 3}, {"hod_weight": 1.0, "hod_k": 10}),  # its top-k loss only
     "hass-hca": ("hass-smollm2", {"ttt_steps": 3}),  # its context alignment only (ttt_detach)
+    "kangaroo": ("kangaroo-smollm2", {}),  # the target's first 2 layers + a trained attention adapter
+    "draft-lm-0.9m": ("kangaroo-smollm2", {"kind": "draft_lm", "n_layers": 1, "hidden_dim": 8}),  # as many trained
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 SETTINGS = {
     "chain3": ["eval.strategy=chain", "eval.draft_len=3"],
     "tree3": ["eval.strategy=tree", "eval.tree.choices=[[0],[0,0],[1]]"],
-}
+    "exit6": ["eval.strategy=chain", "eval.draft_len=6", "eval.stop.rule=confidence", "eval.stop.threshold=0.6"],
+}  # exit6: up to 6 drafts, stopping once the draft's top-1 probability is below 0.6 (Kangaroo's early exit)
 ROOT = Path("runs/compare")
 POS = ("step", "draft", "head")  # metric names of the draft positions: TTT steps, block / PARD drafts, heads
 
@@ -61,7 +66,10 @@ def arm_recipe(arm: str, steps: int) -> Path:
     name, fields, loss = (*ARMS[arm], {})[:3]
     src = yaml.safe_load((_recipes() / f"{name}.yaml").read_text())
     base["name"] = f"compare-{arm}"
-    base["drafter"] = MTP if fields is None else {**src["drafter"], **fields}
+    if fields is None or "kind" in fields:  # a section of its own (MTP; a draft LM beside Kangaroo)
+        base["drafter"] = MTP if fields is None else fields
+    else:
+        base["drafter"] = {**src["drafter"], **fields}
     base["train"].update({"steps": steps, "lr": src["train"]["lr"], "micro_batch_size": 4, "packing": False})
     base["train"]["loss"] = {"kind": "fkl", **loss}  # the same loss for every arm, HASS's top-k term where named
     base["export"] = {"enabled": False}
@@ -121,8 +129,9 @@ def n_params(out: Path) -> int:
 
 def table(arms: list[str]) -> str:
     lines = [
-        "| drafter | params | train tok/s | top-1 d1 / d2 / d3 | chain 3: τ, × own AR | tree: τ, × own AR | lossless |",
-        "|---|---|---|---|---|---|---|",
+        f"| drafter | params | train tok/s | top-1 d1 / d2 / d3 | {' | '.join(f'{s}: τ, × own AR' for s in SETTINGS)} "
+        "| lossless |",
+        "|---|---|---|---|" + "---|" * len(SETTINGS) + "---|",
     ]
     for arm in arms:
         out = ROOT / arm
@@ -142,7 +151,7 @@ def table(arms: list[str]) -> str:
             lossless.append(f"{round(r['lossless_match'] * n)}/{n}")
         rate = "—" if t["tok_s"] is None else f"{t['tok_s']:.0f}"
         params = f"{n_params(out) / 1e6:.1f} M"
-        lines.append(f"| {arm} | {params} | {rate} | {top1} | {cells[0]} | {cells[1]} | {', '.join(lossless)} |")
+        lines.append(f"| {arm} | {params} | {rate} | {top1} | {' | '.join(cells)} | {', '.join(lossless)} |")
     return "\n".join(lines)
 
 

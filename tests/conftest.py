@@ -135,6 +135,7 @@ SMALL_SECTIONS = {
     "hydra": {"n_heads": 3},
     "eagle": {"version": 3, "ttt_steps": 2},
     "mtp": {"init": "random", "ttt_steps": 2},  # the tiny targets ship no MTP layers: a fresh one of their kind
+    "kangaroo": {"exit_layer": 1},  # the tiny targets have 2 layers
 }
 
 
@@ -387,6 +388,15 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         return tiny_heads(kind, target, heads, noise)
     if kind == "mtp":
         return tiny_mtp(target, noise)
+    if kind == "kangaroo":  # the target's first layers (none of a 1-layer target) and the adapter, noise on what trains
+        from draftsmith.models.kangaroo import build_kangaroo
+
+        k = build_kangaroo({"exit_layer": min(1, target.cfg.n_layers - 1)}, target).to(target.lm_head.weight.dtype)
+        with torch.no_grad():
+            for p in k.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn_like(p) * noise)
+        return k.eval()
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise
 
     drafter = build_drafter(kind, small_section(kind), target).to(target.lm_head.weight.dtype).eval()
