@@ -388,3 +388,17 @@ def test_hass_top_k_loss_adds_the_teachers_best_k_tokens_cross_entropy(form, fus
 def test_hass_top_k_loss_needs_a_teacher_distribution():
     with pytest.raises(ValueError, match="hod_weight needs the teacher's distribution"):
         losses.Teacher(labels=torch.zeros(3, dtype=torch.long)).top(2)
+
+
+def test_hass_top_k_loss_adds_to_cross_entropy_too():
+    """kind=ce with hod_weight: CE on the labels plus the top-k term on the teacher's distribution."""
+    torch.manual_seed(2)
+    N, D, V = 9, 8, 31
+    h, w = torch.randn(N, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
+    t_logits = torch.randn(N, V, dtype=torch.float64)
+    teacher = _teachers(t_logits, None, None, 6)["topk"]
+    got = losses.head_loss(h, w, teacher, losses.LossSpec(kind="ce", hod_weight=0.5, hod_k=4))
+    logq, logp = F.log_softmax(h @ w.t(), -1), F.log_softmax(t_logits, -1)
+    top = logp.topk(4, -1).indices
+    ref = losses.ce(h @ w.t(), teacher.labels) - 0.5 * (logp.gather(-1, top).exp() * logq.gather(-1, top)).sum(-1)
+    torch.testing.assert_close(got.double(), ref.mean(), rtol=1e-5, atol=1e-6)

@@ -164,7 +164,7 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
     (None: the target's own, e.g. for a model with the full LM head)."""
     labels = batch["labels"] if t2d is None else t2d[batch["labels"]]
     teacher = losses.Teacher(labels=labels)
-    if cfg.kind == "ce" and "topk_ids" not in batch:
+    if cfg.kind == "ce" and "topk_ids" not in batch and not cfg.hod_weight:
         return teacher  # labels are all CE needs; stored top-k, when present, still feeds the alpha metric
     if cfg.teacher == "target":
         if ctx.target is None:
@@ -176,10 +176,11 @@ def records_teacher(batch: dict, cfg, ctx: Context, t2d: torch.Tensor | None) ->
                 "train.loss.teacher=target with drafter.draft_vocab is not supported: use teacher=records"
             )
         return target_teacher(teacher, h, ctx)
-    if "topk_ids" not in batch:  # (ce returned above)
+    if "topk_ids" not in batch:  # (plain ce returned above)
+        what = "train.loss.hod_weight" if cfg.kind == "ce" else f"train.loss.kind={cfg.kind}"
         raise DraftsmithError(
-            f"train.loss.kind={cfg.kind} needs teacher top-k log-probs: set data.signals.topk "
-            f"> 0 and regenerate, or use train.loss.teacher=target"
+            f"{what} needs teacher top-k log-probs: set data.signals.topk > 0 and regenerate, or use "
+            f"train.loss.teacher=target"
         )
     ids = batch["topk_ids"]
     teacher.topk_ids = ids if t2d is None else t2d[ids]
@@ -346,16 +347,16 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
         rows = row[nxt]
         at, nxt, rows = (torch.from_numpy(x).to(dev, non_blocking=True) for x in (at, nxt, rows))
         t = losses.Teacher(labels=labels_all[rows])
-        if cfg.kind != "ce":
+        if cfg.kind != "ce" or cfg.hod_weight:  # HASS's top-k term needs the distribution under CE too
             if cfg.teacher == "target":
                 target_teacher(t, hidden_flat[nxt], ctx, head)
             elif "topk_ids" in batch:
                 ids = batch["topk_ids"][rows]
                 t.topk_ids, t.topk_logprobs = (ids if t2d is None else t2d[ids]), batch["topk_logprobs"][rows]
             else:
+                what = "train.loss.hod_weight" if cfg.kind == "ce" else f"train.loss.kind={cfg.kind}"
                 raise DraftsmithError(
-                    f"train.loss.kind={cfg.kind} needs teacher top-k log-probs "
-                    f"(data.signals.topk) or train.loss.teacher=target"
+                    f"{what} needs teacher top-k log-probs (data.signals.topk) or train.loss.teacher=target"
                 )
         selects.append(at)
         teachers.append(t)
