@@ -42,6 +42,8 @@ FAMILIES = {
     "mlp_speculator": ({"kind": "mlp_speculator", "n_predict": 3}, "none"),
     "acceptance_head": ({"kind": "acceptance_head", "draft": "draft", "n_layers": 1, "state": "before"}, "none"),
     "judge": ({"kind": "judge", "balance": False}, "none"),  # balance weighs per process: off, to compare
+    # a fresh adapter: started from the tiny target's last layer the loss is ~0 and the comparison vacuous
+    "kangaroo": ({"kind": "kangaroo", "exit_layer": 1, "adapter_init": "random"}, None),
 }
 STEPS = 3
 
