@@ -579,10 +579,6 @@ def test_vllm_serves_the_mtp_export(tmp_path, tiny_tokenizer):
         ours = vllm_counts(target, drafter, N, K)
     assert counters.accept_counts() == ours, f"vLLM {counters.accept_counts()} vs draftsmith {ours}"
     assert counters.drafts == sum(ours) and 2 * counters.accepted >= counters.drafts  # not vacuous
-    unblanked = copy.deepcopy(drafter)  # vLLM's zero embedding at position 0 decides drafts here too
-    unblanked.cfg = replace(unblanked.cfg, blank_first_position=False)
-    with torch.no_grad():
-        assert vllm_counts(target, unblanked, N, K) != ours
     expected = _mtp_vllm_names(load_file(str(folder / "model.safetensors")), target.cfg.n_layers)
     loaded = {k.removeprefix("model."): v for k, v in loaded.items() if "_scale" not in k}  # vLLM's quant scales
     aliases = {"experts._shared_experts._layer.": "shared_experts.", "experts.routed_experts.e_score": "gate.e_score"}
