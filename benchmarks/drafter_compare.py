@@ -1,7 +1,7 @@
 """The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1, a fresh MTP layer and HASS (with its two changes alone)
-against EAGLE-3, Hydra++ and PARD, and Kangaroo against a draft LM of as many trained parameters, each trained on
-the same records with the same steps, micro-batch and loss (FKL; HASS adds its top-k term), then decoded on the
-same prompts.
+against EAGLE-3, Hydra++ and PARD, FSPAD against EAGLE-1, Gumiho against Hydra++, and Kangaroo against a draft LM
+of as many trained parameters, each trained on the same records with the same steps, micro-batch and loss (FKL; HASS
+adds its top-k term), then decoded on the same prompts.
 
     python benchmarks/drafter_compare.py                    # generate the records once, train + eval each arm
     python benchmarks/drafter_compare.py --steps 100 --prompts 80 --max-new-tokens 64 --arms eagle3 dflash
@@ -43,6 +43,9 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "hass-hca": ("hass-smollm2", {"ttt_steps": 3}),  # its context alignment only (ttt_detach)
     "kangaroo": ("kangaroo-smollm2", {}),  # the target's first 2 layers + a trained attention adapter
     "draft-lm-0.9m": ("kangaroo-smollm2", {"kind": "draft_lm", "n_layers": 1, "hidden_dim": 8}),  # as many trained
+    "eagle1": ("eagle1-smollm2", {}),  # FSPAD's baseline: EAGLE-1, teacher-forced, feature + token loss
+    "fspad": ("fspad-smollm2", {}),  # both of FSPAD's changes
+    "gumiho": ("gumiho-smollm2", {}),  # 2-layer EAGLE-3 for drafts 1-2, 5 MLP heads for drafts 3-7
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 SETTINGS = {

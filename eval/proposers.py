@@ -7,7 +7,8 @@ per way a drafter reads the sequence. ``proposer_for`` is the one place that map
   target's final hidden state; Hydra++'s prefix layer keeps a ``RowCache``;
 - ``FeatureRows``: EAGLE (``reads_target_features``), reading (target feature, token) pairs with its own
   ``RowCache``; ``ParallelFeatureRows``: P-EAGLE (``drafts_parallel``), the same pairs plus mask slots that draft
-  several positions in one forward;
+  several positions in one forward; ``HybridRows``: Gumiho (``drafts_hybrid``), EAGLE for the first positions and
+  MLP heads on its pairs for the later ones;
 - ``BlockRows``: DFlash (``drafts_block``), a whole block of drafts in one forward over the target's fused
   features at committed positions, kept in its own ``RowCache``;
 - a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
@@ -42,6 +43,8 @@ def proposer_for(drafter) -> type:
         return HeadRows
     if getattr(drafter, "drafts_parallel", 0):
         return ParallelFeatureRows
+    if getattr(drafter, "drafts_hybrid", None):
+        return HybridRows
     if getattr(drafter, "reads_target_features", False):
         return FeatureRows
     if getattr(drafter, "drafts_block", False):
@@ -470,6 +473,54 @@ class FeatureRows(_Rows):
                 r.unread, r.feats = torch.cat([r.unread, cur[b : b + 1]]), torch.cat([r.feats, f[b, :1]])
             else:
                 r.unread, r.feats = drafts[b, :m], f[b, : m + 1]
+
+
+class HybridRows(FeatureRows):
+    """Gumiho (models/gumiho.py): ``FeatureRows`` for the serial part's S draft positions, then its M heads on the S
+    (state, token) pairs of the path: feeding the depth-S node runs the heads once, and its descendants take their
+    distributions from them (a head reads no draft after d_S). A node's state carries what its children need, one
+    fixed width for every depth (the dynamic tree keeps one state tensor): [serial output state (d) | the path's
+    pairs so far (S x w) | the heads' output states (M x d)], zeros where not yet known."""
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        super().__init__(target, drafter, max_len, stop)
+        (self.S, self.M), self.depth = drafter.drafts_hybrid, drafter.max_draft_len
+        self.dim, self.w = drafter.cfg.dim, drafter.pair_width
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        self.root_end = None
+        if max(gam) == 0:
+            return None
+        logits, state = self.root(rows, cur, max(gam) - 1)
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        carry = [state[:, None]]
+
+        def expand(tok, i):  # feeds draft i + 1
+            logits, out = self.expand(tok[:, None], carry[0], base + i, None, i + 1)
+            carry[0] = out
+            return logits[:, -1], out[:, -1]
+
+        toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        logits, out = super().root(rows, cur, room, width)
+        return logits, torch.cat([out, out.new_zeros(*out.shape[:-1], self.S * self.w + self.M * self.dim)], -1)
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask, depth: int, paths=None):
+        """Feed the depth-``depth`` nodes tokens (B, n) whose parents' states are ``states`` (B, n, C) -> their
+        children's logits (B, n, V) and their own states (B, n, C)."""
+        d, S, w, dim = self.d, self.S, self.w, self.dim
+        if depth > S:  # below the depth-S node: its heads' next distribution, the state passed on as it is
+            heads = states[..., dim + S * w :].unflatten(-1, (self.M, dim))
+            return d.head_logits(heads[..., depth - S, :]), states
+        out, pairs = states[..., :dim], states[..., dim : dim + S * w].clone()
+        pairs[..., (depth - 1) * w : depth * w] = d.pair(tokens, out)
+        if depth == S:
+            heads = d.head_states(pairs)  # (B, n, M, d)
+            return d.head_logits(heads[..., 0, :]), torch.cat([out, pairs, heads.flatten(-2)], -1)
+        logits, nxt = d.step(out, tokens, pos=pos, cache=self.rc.view, attn_mask=mask)
+        return logits, torch.cat([nxt, pairs, states[..., dim + S * w :]], -1)
 
 
 class _OneForward:

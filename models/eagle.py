@@ -103,6 +103,14 @@ class EagleDrafterConfig(Strict):
     fc_norm: bool = False
     """EAGLE-3.1: RMS-normalise each fused target layer's state on its own (a learned norm per layer) before fc, so
     no layer's scale dominates the fusion. speculators and vLLM call it fc_norm; --format sglang refuses it."""
+    feature_sampling: bool = False
+    """FSPAD's feature sampling (EAGLE-1): the fused input fc([e; f]) is refined by a gated MLP whose gate reads the
+    token embedding, x + W_down(SiLU(W_gate e) * W_up norm(x)), so the token picks out what the layer reads of the
+    feature. The refinement starts at zero (EAGLE-1 at init). vLLM and SGLang have no such layer: export --format hf."""
+    partial_alignment: bool = False
+    """FSPAD's partial alignment distillation (EAGLE-1, n_layers 1): the layer's MLP writes two outputs over one
+    residual stream, one read by the LM head (token loss only), the other regressed onto the target's next feature
+    and fed to the next draft step as its state. Both start equal (EAGLE-1 at init). Export --format hf."""
     parallel_drafts: int = Field(0, ge=0, le=16)
     """P-EAGLE: draft this many tokens in one forward; 0 = autoregressive EAGLE. After the real (feature, token)
     pair, parallel_drafts - 1 mask slots (a learned mask embedding and a learned mask feature) each draft one
@@ -136,6 +144,11 @@ class EagleDrafterConfig(Strict):
             raise ValueError("drafter.aux_layers needs drafter.version=3")
         if not v1 and data.get("feature_loss_weight"):
             raise ValueError("drafter.feature_loss_weight needs drafter.version=1 (EAGLE-3 has no feature loss)")
+        fspad = [f for f in ("feature_sampling", "partial_alignment") if data.get(f)]
+        if fspad and not v1:
+            raise ValueError(f"drafter.{fspad[0]} (FSPAD) needs drafter.version=1: it refines EAGLE-1's feature loss")
+        if data.get("partial_alignment") and data.get("n_layers", 1) > 1:
+            raise ValueError("drafter.partial_alignment (FSPAD) splits one layer's output: it needs drafter.n_layers=1")
         k = data.get("parallel_drafts") or 0
         if k and (v1 or k < 2):
             raise ValueError("drafter.parallel_drafts (P-EAGLE) needs drafter.version=3 and at least 2 drafts")
@@ -186,6 +199,8 @@ class EagleConfig:
     n_layers: int = 1  # the EAGLE layer plus n_layers - 1 plain Llama blocks
     fc_bias: bool = True  # EAGLE-1's fc (EAGLE-3's never has one)
     fc_norm: bool = False  # EAGLE-3.1: an RMS norm per fused layer before fc
+    feature_sampling: bool = False  # FSPAD: a token-gated refinement of fc's output
+    partial_alignment: bool = False  # FSPAD: the layer writes a head output and a separate next state (2d wide)
     parallel: int = 0  # P-EAGLE: drafts per forward (0: autoregressive)
     mask_id: int | None = None  # P-EAGLE: the mask slots' token id
     sliding_window: int | None = None  # attend to the last N positions only; None = full attention
@@ -226,7 +241,7 @@ class Eagle(ReducedVocab, nn.Module):
             raise ValueError(f"EAGLE version must be 1 or 3, got {cfg.version}")
         if cfg.version == 3 and not cfg.aux_layers:
             raise ValueError("EAGLE-3 needs aux_layers (the target layers whose outputs it fuses)")
-        self.cfg = cfg = EagleConfig(**{**cfg.to_dict(), "aux_layers": tuple(cfg.aux_layers)})
+        self.cfg = cfg = type(cfg)(**{**cfg.to_dict(), "aux_layers": tuple(cfg.aux_layers)})
         d, lc = cfg.dim, cfg.layer_config()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)  # a frozen copy of the target's
         self.embed_tokens.weight.requires_grad_(False)
@@ -247,8 +262,12 @@ class Eagle(ReducedVocab, nn.Module):
         if cfg.parallel:  # P-EAGLE's mask slot inputs: a token embedding and a (pre-fc) target feature
             self.mask_embed = nn.Parameter(torch.zeros(d))
             self.mask_hidden = nn.Parameter(torch.zeros(cfg.feature_dim))
+        if cfg.feature_sampling:
+            self.fs = TokenGate(d, cfg.hidden_dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.norm_eps)
         self.mlp = MLP(lc)
+        if cfg.partial_alignment:  # FSPAD: [head output, next state] over one residual stream
+            self.mlp.down_proj = nn.Linear(cfg.hidden_dim, 2 * d, bias=False)
         self.extra = nn.ModuleList(Block(lc) for _ in range(cfg.n_layers - 1))
         if cfg.head_vocab_size:
             self.lm_head = ReducedHead(d, cfg.head_vocab_size, cfg.vocab_size)
@@ -309,11 +328,16 @@ class Eagle(ReducedVocab, nn.Module):
         """-> (attention input, residual stream)."""
         if self.cfg.version == 1:  # the reference's layer 0 has no input norm
             x = self.fc(torch.cat([e, state.to(e.dtype)], -1))
+            if self.cfg.feature_sampling:
+                x = self.fs(x, e)
             return x, x
         return torch.cat([self.embed_norm(e), self.hidden_norm(state)], -1), state
 
     def _finish(self, h: torch.Tensor) -> torch.Tensor:
-        """Residual stream after attention -> the layer output (the next state)."""
+        """Residual stream after attention -> the layer output (the next state; with partial_alignment the head
+        output and the next state side by side, ``head_input`` / ``next_state`` take them apart)."""
+        if self.cfg.partial_alignment:
+            return torch.cat([h, h], -1) + self.mlp(self.post_attention_layernorm(h))
         return h + self.mlp(self.post_attention_layernorm(h))
 
     def features_in(self, signals: dict) -> bool:
@@ -325,7 +349,21 @@ class Eagle(ReducedVocab, nn.Module):
 
     def head_input(self, out: torch.Tensor) -> torch.Tensor:
         """The layer output as the LM head reads it (EAGLE-1 regresses onto post-norm features: no norm)."""
+        if self.cfg.partial_alignment:
+            return out[..., : self.cfg.dim]
         return out if self.cfg.version == 1 else self.norm(out)
+
+    def draft_positions(self, steps: int) -> int:
+        """Draft positions a ``steps``-step unroll trains (one per TTT step; models/gumiho.py adds its heads')."""
+        return steps
+
+    def position_weight(self, s: int, p) -> float:
+        """Loss weight of draft position s + 1 under the recipe section ``p``."""
+        return p.head_decay**s
+
+    def next_state(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer output as the next draft step reads it (and EAGLE-1's feature loss regresses)."""
+        return out[..., self.cfg.dim :] if self.cfg.partial_alignment else out
 
     # ---- decoding -------------------------------------------------------------------------------------------------
 
@@ -358,7 +396,7 @@ class Eagle(ReducedVocab, nn.Module):
             out = block(out, cos, sin, mask, cache, j + 1)
         if cache is not None and not static:
             cache.length += T
-        return self.lm_head(self.head_input(out[:, -1:] if last_only else out)), out
+        return self.lm_head(self.head_input(out[:, -1:] if last_only else out)), self.next_state(out)
 
     @torch.no_grad()
     def optimize_for_inference(self) -> Eagle:
@@ -419,7 +457,7 @@ class Eagle(ReducedVocab, nn.Module):
                 ttt = partial(self._ttt_attention, cos=cos, sin=sin, ks=kv[j + 1][0], vs=kv[j + 1][1], causal=seen)
                 out = block(out, cos, sin, None, None, j + 1, attend=ttt)
             results.append(ttt_result(self, s, out, select, head_fn))
-            state = out.detach() if detach else out  # HASS: the keys / values stay differentiable in the weights
+            state = self.next_state(out.detach() if detach else out)  # HASS: keys / values keep their weight gradient
         return torch.stack(results) if head_fn is None else results
 
     def _ttt_attention(self, a: Attention, x, cos, sin, ks: list, vs: list, causal) -> torch.Tensor:
@@ -450,6 +488,22 @@ class Eagle(ReducedVocab, nn.Module):
         return n - self.embed_tokens.weight.numel() if exclude_embeddings else n
 
 
+class TokenGate(nn.Module):
+    """FSPAD's feature sampling: x + W_down(SiLU(W_gate e) * W_up norm(x)), a SwiGLU whose gate reads the token
+    embedding e; W_down starts at zero, so the module starts as the identity."""
+
+    def __init__(self, dim: int, hidden: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        nn.init.zeros_(self.down_proj.weight)
+
+    def forward(self, x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(e)) * self.up_proj(self.norm(x)))
+
+
 def ttt_window(causal: torch.Tensor, base: torch.Tensor, s: int, window: int | None) -> torch.Tensor:
     """The step-0 keys a TTT step-s query may see: ``causal`` (B|1, 1, T, T), cut to a sliding window of ``window``
     positions around the query's position base + s (keys at positions > base + s - window), as decoding cuts it."""
@@ -465,7 +519,8 @@ def ttt_result(model, s: int, out: torch.Tensor, select, head_fn):
         return out
     flat = out.reshape(-1, out.shape[-1])
     sel = flat if select is None else flat[select[s]]
-    return head_fn(s, model.head_input(sel), model.lm_head.weight, sel)
+    state = model.next_state(sel) if hasattr(model, "next_state") else sel
+    return head_fn(s, model.head_input(sel), model.lm_head.weight, state)
 
 
 def default_aux_layers(n_layers: int) -> tuple[int, ...]:
@@ -530,6 +585,8 @@ def build_eagle(
         n_layers=p.n_layers,
         fc_bias=p.fc_bias,
         fc_norm=p.fc_norm,
+        feature_sampling=p.feature_sampling,
+        partial_alignment=p.partial_alignment,
         parallel=p.parallel_drafts,
         sliding_window=p.sliding_window,
         mask_id=(t.vocab_size - 1 if p.mask_token is None else p.mask_token) if p.parallel_drafts else None,
@@ -553,6 +610,9 @@ def build_eagle(
         if cfg.parallel:  # the mask slot starts as an average token; its feature as a small random one
             model.mask_embed.copy_(target.embed_tokens.weight.float().mean(0))
             model.mask_hidden.normal_(0.0, 0.02)
+        if cfg.partial_alignment:  # both outputs start as EAGLE-1's one
+            w = model.mlp.down_proj.weight
+            w[cfg.dim :].copy_(w[: cfg.dim])
         for j, block in enumerate(model.extra):
             if layers:
                 block.load_state_dict(copied[j])
@@ -571,8 +631,11 @@ def eagle_from_config(cfg: dict) -> Eagle:
 def export_formats(info: dict) -> dict[str, str]:
     """EAGLE-3 writes speculators' layout for vLLM and SGLang's own; EAGLE-1 the engines' EAGLE-1 layout
     (DrafterSpec.exports)."""
-    w = EXPORT
-    if info.get("config", {}).get("version", 3) == 3:
+    w, cfg = EXPORT, info.get("config", {})
+    if cfg.get("feature_sampling") or cfg.get("partial_alignment"):
+        why = "refused: FSPAD's layers (feature_sampling, partial_alignment) have no layout in vLLM or SGLang"
+        return {"vllm": why, "sglang": why}
+    if cfg.get("version", 3) == 3:
         read, usage = w + "read_eagle3", w + "usage_eagle3"
         return {
             "vllm": {"write": w + "to_speculators", "read": read, "usage": usage},
@@ -589,6 +652,8 @@ def engine_methods(info: dict) -> dict:
     """vLLM serves EAGLE-3 by its eagle3 method and EAGLE-1 by eagle, from the vllm (or sglang) folder; P-EAGLE by
     eagle3 with parallel drafting, from the vllm folder (DrafterSpec.engines)."""
     cfg = info.get("config", {})
+    if cfg.get("feature_sampling") or cfg.get("partial_alignment"):
+        return {}
     if cfg.get("parallel"):
         return {"vllm": {"method": "eagle3", "formats": ("vllm",), "parallel_drafting": True}}
     method = "eagle3" if cfg.get("version", 3) == 3 else "eagle"

@@ -136,6 +136,7 @@ SMALL_SECTIONS = {
     "eagle": {"version": 3, "ttt_steps": 2},
     "mtp": {"init": "random", "ttt_steps": 2},  # the tiny targets ship no MTP layers: a fresh one of their kind
     "kangaroo": {"exit_layer": 1},  # the tiny targets have 2 layers
+    "gumiho": {"version": 3, "serial_drafts": 2, "mlp_heads": 2, "mlp_layers": 2},
 }
 
 
@@ -242,11 +243,12 @@ NEW = 48  # new tokens per decode
 
 # The drafter kinds the lossless tests cover, one per way of decoding: every registered kind that proposes
 # (models/registry.py, spec interface set), with the variants that decode differently: a reduced draft vocabulary,
-# Hydra++'s prefix layer, EAGLE-1 and EAGLE-3. ``tiny_drafter`` builds each; a new kind needs no entry here.
+# Hydra++'s prefix layer, EAGLE-1 (also with FSPAD's two changes) and EAGLE-3. ``tiny_drafter`` builds each; a new
+# kind needs no entry here.
 VARIANTS = {
     "draft_lm": ("draft_lm", "draft_lm-vocab"),
     "hydra": ("hydra", "hydra++"),
-    "eagle": ("eagle1", "eagle3", "eagle3-vocab", "eagle3.1", "peagle"),
+    "eagle": ("eagle1", "fspad", "eagle3", "eagle3-vocab", "eagle3.1", "peagle"),
 }
 
 
@@ -380,6 +382,15 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         return small
     if kind == "peagle":  # P-EAGLE: EAGLE-3.1 drafting 4 tokens per forward
         return tiny_eagle(3, target, noise, parallel_drafts=4, fc_norm=True)
+    if kind == "fspad":  # the EAGLE-1 drafter with FSPAD's token gate and split output, each a little off its start
+        base = tiny_eagle(1, target, noise)
+        e = tiny_eagle(1, target, 0.0, feature_sampling=True, partial_alignment=True)
+        sd = {**base.state_dict(), "mlp.down_proj.weight": base.mlp.down_proj.weight.repeat(2, 1)}
+        e.load_state_dict({**e.state_dict(), **sd})
+        with torch.no_grad():
+            for p in (*e.fs.parameters(), e.mlp.down_proj.weight):
+                p.add_(torch.randn_like(p) * noise * 0.3)
+        return e
     if kind.startswith("eagle"):
         vocab = {"draft_vocab": min(24, V // 2)} if kind.endswith("vocab") else {}
         fc_norm = {"fc_norm": True} if kind == "eagle3.1" else {}  # EAGLE-3.1: a norm per fused layer

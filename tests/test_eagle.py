@@ -210,3 +210,73 @@ def test_hass_context_alignment_is_the_decoder_fed_its_own_outputs_as_constants(
     for r, g in zip(ref, got):
         torch.testing.assert_close(g, r)
     assert max((a - b).abs().max().item() for a, b in zip(got, through)) > 1e-6
+
+
+def _fspad_from(plain, target):
+    """An FSPAD drafter (token gate + split output) holding ``plain``'s EAGLE-1 weights, both outputs equal."""
+    e = build_eagle({"version": 1, "feature_sampling": True, "partial_alignment": True}, target).double()
+    sd = {**plain.state_dict(), "mlp.down_proj.weight": plain.mlp.down_proj.weight.repeat(2, 1)}
+    e.load_state_dict({**e.state_dict(), **sd})
+    return e
+
+
+def test_fspad_starts_as_eagle1_and_its_unroll_is_what_it_decodes(target):
+    """At init FSPAD's token gate adds nothing and both outputs are EAGLE-1's one: the same logits and next state.
+    Trained off that start, TTT step s still equals the decoder fed its own next states (the regressed half),
+    while the head reads the other half."""
+    torch.manual_seed(4)
+    plain = _eagle(target, 1)
+    e = _fspad_from(plain, target)
+    state, ids = torch.randn(1, 6, CFG.dim, dtype=torch.float64), torch.randint(0, CFG.vocab_size, (1, 6))
+    for a, b in zip(plain.step(state, ids), e.step(state, ids)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        for p in e.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    ids = torch.randint(0, CFG.vocab_size, (1, 10))
+    _, cap = target(ids, capture_layers=e.capture_layers)
+    f = e.features(cap, target)
+    outs = e(f, ids, steps=3)  # (steps, B, T, 2d): [head output, next state]
+    assert outs.shape[-1] == 2 * CFG.dim
+    assert not torch.allclose(e.head_input(outs), e.next_state(outs))  # the two outputs really differ
+    for i in range(5):
+        cache = e.new_cache(1, 32)
+        logits, out = e.step(e.project(f[:, : i + 1]), ids[:, 1 : i + 2], cache=cache)
+        for s in range(3):
+            torch.testing.assert_close(out[0, -1], e.next_state(outs[s, 0, i]))
+            torch.testing.assert_close(logits[0, -1], e.lm_head(e.head_input(outs[s, 0, i])))
+            logits, out = e.step(out[:, -1:], ids[:, i + s + 2 : i + s + 3], cache=cache)
+
+
+def test_fspad_partial_alignment_trains_each_output_by_its_own_loss(target):
+    """The token loss reaches only the head half of the MLP's output rows, the feature loss only the state half;
+    everything before the split (attention, the gate, the MLP's gate/up) is shared by both."""
+    torch.manual_seed(5)
+    e = _fspad_from(_eagle(target, 1), target)
+    with torch.no_grad():
+        e.fs.down_proj.weight.normal_(0, 0.1)  # off the zero start, so the gate's own weights get gradients
+    ids = torch.randint(0, CFG.vocab_size, (2, 9))
+    _, cap = target(ids, capture_layers=e.capture_layers)
+    out = e(e.features(cap, target), ids, steps=1)[0]
+    w, d = e.mlp.down_proj.weight, CFG.dim
+    for loss, used, unused in (
+        (e.lm_head(e.head_input(out)).logsumexp(-1).sum(), slice(0, d), slice(d, 2 * d)),
+        (e.next_state(out).pow(2).sum(), slice(d, 2 * d), slice(0, d)),
+    ):
+        e.zero_grad()
+        loss.backward(retain_graph=True)
+        assert w.grad[unused].abs().max() == 0 and w.grad[used].abs().max() > 0
+        assert e.fs.gate_proj.weight.grad.abs().max() > 0 and e.mlp.gate_proj.weight.grad.abs().max() > 0
+
+
+def test_fspad_options_are_checked_in_one_line(target):
+    from draftsmith.errors import DraftsmithError
+    from draftsmith.train.objectives import Context, eagle_acceptance_inputs
+
+    with pytest.raises(DraftsmithError, match="feature_sampling .*needs drafter.version=1"):
+        build_eagle({"version": 3, "feature_sampling": True}, target)
+    with pytest.raises(DraftsmithError, match="partial_alignment .*n_layers=1"):
+        build_eagle({"version": 1, "partial_alignment": True, "n_layers": 2}, target)
+    e = build_eagle({"version": 1, "partial_alignment": True}, target)
+    with pytest.raises(DraftsmithError, match="partial_alignment"):
+        eagle_acceptance_inputs(e, {}, Context(unwrapped=e, target=target))

@@ -43,6 +43,7 @@ VARIANTS = {
     "eagle3": ("eagle", {"version": 3, "draft_vocab": 120, "aux_layers": [0, 1]}),
     "eagle3_deep": ("eagle", {"version": 3, "n_layers": 2, "init_layers": [1]}),
     "eagle1": ("eagle", {"version": 1}),
+    "fspad": ("eagle", {"version": 1, "feature_sampling": True, "partial_alignment": True}),
     "eagle3.1": ("eagle", {"version": 3, "fc_norm": True}),
     "peagle": ("eagle", {"version": 3, "parallel_drafts": 4, "ttt_steps": 4, "draft_vocab": 120}),
     "eagle3_window": ("eagle", {"version": 3, "sliding_window": 8, "ttt_steps": 3}),
@@ -58,6 +59,8 @@ REFUSED = {
     ("medusa_vocab", "medusa"),  # the Medusa layout has no reduced vocabulary
     ("eagle3_deep", "sglang"),  # SGLang loads one EAGLE-3 layer
     ("eagle1", "vllm"),  # vLLM's EAGLE-1 fc has no bias
+    ("fspad", "vllm"),  # no engine has FSPAD's token gate or split output
+    ("fspad", "sglang"),
     ("eagle3.1", "sglang"),  # SGLang's EAGLE-3 layer has no per-layer fc norms
     ("peagle", "sglang"),  # P-EAGLE is written in speculators' layout only
     ("eagle3_window", "sglang"),  # SGLang's EAGLE-3 attention takes no window

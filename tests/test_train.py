@@ -550,6 +550,7 @@ VARIANTS = {
     "hydra-vocab": ("hydra", {"n_heads": 3, "draft_vocab": 64}),
     "medusa-2-vocab": ("medusa", {"n_heads": 3, "lora_r": 4, "draft_vocab": 64}),
     "eagle1": ("eagle", {"version": 1, "ttt_steps": 2}),
+    "fspad": ("eagle", {"version": 1, "ttt_steps": 2, "feature_sampling": True, "partial_alignment": True}),
 }
 HEADS = [*drafter_kinds(interface="heads"), "hydra++", "medusa-2", "hydra-vocab", "medusa-2-vocab"]
 
@@ -664,7 +665,7 @@ def test_feature_heads_train_from_stored_or_in_loop_features_and_decode_lossless
 
 @pytest.mark.parametrize(
     "drafter",
-    [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"), "medusa-2", "hydra++", "eagle1"],
+    [*drafter_kinds(interface="heads"), *drafter_kinds(interface="features"), "medusa-2", "hydra++", "eagle1", "fspad"],
 )
 def test_every_head_kind_trains_with_every_loss_and_teacher(drafter, data_dir, tiny_model_dir):
     """Each head kind (Medusa-2 with its LoRA target too) works with every loss of the menu, from the

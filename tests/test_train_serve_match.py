@@ -33,6 +33,9 @@ SECTIONS = {  # drafter variant -> (kind, recipe section); each trains / checks 
     "eagle3-vocab": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "draft_vocab": 40}),
     "eagle3-deep": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "n_layers": 2}),
     "eagle1": ("eagle", {"version": 1, "ttt_steps": 3}),
+    "fspad": ("eagle", {"version": 1, "ttt_steps": 3, "feature_sampling": True, "partial_alignment": True}),
+    "gumiho": ("gumiho", {"version": 3, "aux_layers": AUX, "serial_drafts": 2, "mlp_heads": 2, "mlp_layers": 2}),
+    "gumiho1": ("gumiho", {"version": 1, "n_layers": 1, "serial_drafts": 1, "mlp_heads": 3}),  # drafts 2, 3: heads
     "peagle": ("eagle", {"version": 3, "aux_layers": AUX, "parallel_drafts": 3, "fc_norm": True}),
     "eagle3-window": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "sliding_window": 6}),
     "peagle-window": ("eagle", {"version": 3, "aux_layers": AUX, "parallel_drafts": 3, "sliding_window": 5}),

@@ -439,9 +439,10 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
 
 def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     """EAGLE-1 / EAGLE-3 with training-time test: TTT step s at position t predicts token t+s+2 (the same shift
-    as Medusa head s, ``shifted_teachers``), weighted decay^s. Token loss of any kind through the drafter's LM
-    head (weight token_loss_weight); EAGLE-1 adds SmoothL1 between its output and the target's feature at
-    t+s+1 (weight feature_loss_weight)."""
+    as Medusa head s, ``shifted_teachers``), weighted decay^s (the drafter's ``position_weight``; Gumiho's heads
+    are positions after the unroll's). Token loss of any kind through the drafter's LM head (weight
+    token_loss_weight); EAGLE-1 adds SmoothL1 between its output and the target's feature at t+s+1 (weight
+    feature_loss_weight)."""
     eagle, p = ctx.unwrapped, ctx.params
     feats, last = eagle_features(batch, ctx)
     steps = p.ttt_steps or eagle.cfg.ttt_steps
@@ -450,9 +451,9 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     if reduced and cfg.teacher == "target":  # EAGLE-3's p~: target logits restricted to the draft vocabulary
         kept_head = ctx.target.lm_head.weight[eagle.lm_head.target_ids]
     selects, teachers, future = shifted_teachers(
-        batch, cfg, ctx, steps, last, eagle.t2d if reduced else None, kept_head
+        batch, cfg, ctx, eagle.draft_positions(steps), last, eagle.t2d if reduced else None, kept_head
     )
-    decay, w_tok = p.head_decay, p.token_loss_weight
+    w_tok = p.token_loss_weight
     w_feat = getattr(p, "feature_loss_weight", 0.0) if eagle.cfg.version == 1 else 0.0
     target_feats = last.reshape(-1, last.shape[-1]) if w_feat else None
     noise = p.feature_noise
@@ -467,7 +468,7 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
         if w_feat:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
-        return loss * decay**s, n, _metrics(x, w, teachers[s], cfg, ranks=3)
+        return loss * eagle.position_weight(s, p), n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
     detach = {"detach": True} if getattr(p, "ttt_detach", False) else {}  # HASS's context alignment
     outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch), **detach)
@@ -589,6 +590,11 @@ def eagle_acceptance_inputs(eagle, batch: dict, ctx: Context, chunk: int = 512, 
 
     if ctx.target is None:
         raise DraftsmithError("an acceptance head on an EAGLE drafter needs the target in the loop")
+    if getattr(eagle.cfg, "partial_alignment", False):
+        raise DraftsmithError(
+            "an acceptance head reads one drafter state, but drafter.partial_alignment (FSPAD) gives the LM head and "
+            "the next step different ones: train the head on a drafter without it"
+        )
     pm, ids = batch["predict_mask"], batch["input_ids"]
     T = ids.shape[1]
     sel = torch.zeros_like(pm)
