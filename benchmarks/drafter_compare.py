@@ -1,7 +1,7 @@
 """The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1, a fresh MTP layer and HASS (with its two changes alone)
-against EAGLE-3, Hydra++ and PARD, FSPAD against EAGLE-1, Gumiho against Hydra++, and Kangaroo against a draft LM
-of as many trained parameters, each trained on the same records with the same steps, micro-batch and loss (FKL; HASS
-adds its top-k term), then decoded on the same prompts.
+against EAGLE-3, Hydra++ and PARD, FSPAD against EAGLE-1, Gumiho against Hydra++, Falcon against Medusa and PARD,
+and Kangaroo against a draft LM of as many trained parameters, each trained on the same records with the same
+steps, micro-batch and loss (FKL; HASS adds its top-k term), then decoded on the same prompts.
 
     python benchmarks/drafter_compare.py                    # generate the records once, train + eval each arm
     python benchmarks/drafter_compare.py --steps 100 --prompts 80 --max-new-tokens 64 --arms eagle3 dflash
@@ -46,6 +46,8 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "eagle1": ("eagle1-smollm2", {}),  # FSPAD's baseline: EAGLE-1, teacher-forced, feature + token loss
     "fspad": ("fspad-smollm2", {}),  # both of FSPAD's changes
     "gumiho": ("gumiho-smollm2", {}),  # 2-layer EAGLE-3 for drafts 1-2, 5 MLP heads for drafts 3-7
+    "falcon": ("falcon-smollm2", {}),  # semi-autoregressive: 2 drafts per forward, CSGD
+    "medusa": ("medusa-smollm2", {}),  # Falcon's baselines: Medusa-1 heads, and PARD
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 SETTINGS = {

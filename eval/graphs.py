@@ -286,7 +286,8 @@ def graph_decoding(model: nn.Module, max_len: int, graphs: bool = True) -> nn.Mo
     """``model`` wrapped for CUDA graphs when it is one of our Llamas (targets and draft LMs) or a feature drafter
     (EAGLE: ``reads_target_features``, stepped through ``step``); else as is (sliding-window models too: their window
     mask is built per step, eagerly)."""
-    if getattr(getattr(model, "cfg", None), "sliding_window", None) is not None:
+    windowed = getattr(getattr(model, "cfg", None), "sliding_window", None) is not None
+    if windowed or not getattr(model, "graphable", True):  # (Falcon's block reads attend without writing)
         return model
     if type(model) is Llama:
         return GraphedLlama(model, max_len, graphs)

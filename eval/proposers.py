@@ -8,7 +8,8 @@ per way a drafter reads the sequence. ``proposer_for`` is the one place that map
 - ``FeatureRows``: EAGLE (``reads_target_features``), reading (target feature, token) pairs with its own
   ``RowCache``; ``ParallelFeatureRows``: P-EAGLE (``drafts_parallel``), the same pairs plus mask slots that draft
   several positions in one forward; ``HybridRows``: Gumiho (``drafts_hybrid``), EAGLE for the first positions and
-  MLP heads on its pairs for the later ones;
+  MLP heads on its pairs for the later ones; ``BlockFeatureRows``: Falcon (``drafts_blocks``), k drafts per forward
+  in blocks, each block read from the cache without writing to it;
 - ``BlockRows``: DFlash (``drafts_block``), a whole block of drafts in one forward over the target's fused
   features at committed positions, kept in its own ``RowCache``;
 - a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
@@ -45,6 +46,8 @@ def proposer_for(drafter) -> type:
         return ParallelFeatureRows
     if getattr(drafter, "drafts_hybrid", None):
         return HybridRows
+    if getattr(drafter, "drafts_blocks", 0):
+        return BlockFeatureRows
     if getattr(drafter, "reads_target_features", False):
         return FeatureRows
     if getattr(drafter, "drafts_block", False):
@@ -132,7 +135,8 @@ class _Rows:
             mask[:, :, base:] = anc[lo + 1 : hi + 1, 1 : hi + 1]
             self.seek(base + lo)  # levels are fed in order, so the cache ends where this level starts
             st = torch.stack([states[spec.parents[i]] for i in level], 1) if self.passes_state else None
-            out, out_st = self.expand(tokens[:, lo:hi], st, (pos0 + d)[:, None].expand(B, hi - lo), mask, d)
+            paths = torch.stack([tokens[:, _path(spec.parents, i)] for i in level], 1)  # (B, n, d): root down
+            out, out_st = self.expand(tokens[:, lo:hi], st, (pos0 + d)[:, None].expand(B, hi - lo), mask, d, paths)
             logits.update({i: out[:, i - lo] for i in level})
             if self.passes_state:
                 states.update({i: out_st[:, i - lo] for i in level})
@@ -149,6 +153,15 @@ class _Rows:
 
     def root_pos(self, rows: list) -> torch.Tensor:
         return torch.tensor([r.dpos - 1 for r in rows], device=self.rc.view.valid.device)
+
+
+def _path(parents, i: int) -> list[int]:
+    """Node i and its ancestors, from the root's child down."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out[::-1]
 
 
 def _unwrapped(model):
@@ -521,6 +534,82 @@ class HybridRows(FeatureRows):
             return d.head_logits(heads[..., 0, :]), torch.cat([out, pairs, heads.flatten(-2)], -1)
         logits, nxt = d.step(out, tokens, pos=pos, cache=self.rc.view, attn_mask=mask)
         return logits, torch.cat([nxt, pairs, states[..., dim + S * w :]], -1)
+
+
+class BlockFeatureRows(FeatureRows):
+    """Falcon (models/falcon.py): ``FeatureRows``' committed pairs and one cache slot per drafted pair, written as
+    EAGLE writes its nodes; a block's k outputs are queries over the cache (``read``) that write nothing. The root
+    block is the last k committed pairs (``tail``: the k - 1 before the current token's pair, kept per row), its
+    slot s drafting draft s + 1; the node at depth d, a multiple of k, reads the block of its path's last k pairs,
+    whose slot s drafts d + s + 1. A node's state is its block's k predicted features (k x d): the input feature
+    of each of its pairs and the distribution of the drafts up to the next block."""
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        super().__init__(target, drafter, max_len, stop)
+        self.k, self.depth, self.dim = drafter.drafts_blocks, drafter.max_draft_len, drafter.cfg.dim
+
+    def join(self, rows: list, ids, valid, pos, captured: dict, live: list[int]) -> None:
+        super().join(rows, ids, valid, pos, captured, live)
+        W, h = ids.shape[1], self.k - 1
+        f = self.d.features(captured, self.t)
+        for j in live:
+            at = [i for i in range(max(0, W - 1 - h), W - 1) if valid is None or bool(valid[j, i])]  # (f_i, x_{i+1})
+            rows[j].tail = ids[j, [i + 1 for i in at]], f[j, at]
+
+    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
+        self.root_end = None
+        if max(gam) == 0:
+            return None
+        logits, state = self.root(rows, cur, max(gam) - 1)
+        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
+        carry, path = [state[:, None]], []
+
+        def expand(tok, i):  # feeds draft i + 1
+            path.append(tok)
+            logits, out = self.expand(tok[:, None], carry[0], base + i, None, i + 1, torch.stack(path, 1)[:, None])
+            carry[0] = out
+            return logits[:, -1], out[:, -1]
+
+        toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
+        return toks, qs, count
+
+    def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
+        """Read the unread pairs and cur as ``FeatureRows`` does, then the block of the last k committed pairs:
+        its outputs, the features of drafts 1..k -> draft 1's logits (B, V), the state (B, k x d)."""
+        k, ids, feats = self.k, [], []
+        for b, r in enumerate(rows):  # the block: the tail, the unread pairs, cur's pair; the last k of them
+            t_ids = torch.cat([r.tail[0], r.unread, cur[b : b + 1]])[-k:]
+            t_f = torch.cat([r.tail[1], r.feats])[-k:]
+            r.tail = t_ids[-(k - 1) :], t_f[-(k - 1) :]  # with cur's pair: the next step's block
+            pad = k - len(t_ids)  # a row with fewer than k pairs: queries in front that see every slot
+            ids.append(torch.cat([t_ids.new_zeros(pad), t_ids]))
+            feats.append(torch.cat([t_f.new_zeros(pad, t_f.shape[-1]), t_f]))
+        super().root(rows, cur, room, width)
+        ids, feats = torch.stack(ids), torch.stack(feats)
+        pos = torch.tensor([r.dpos - k for r in rows], device=cur.device)[:, None] + torch.arange(k, device=cur.device)
+        allowed = torch.ones(len(rows), k, self.rc.length, dtype=torch.bool, device=cur.device)
+        out = self.d.read(self.d.project(feats), ids, pos, self.rc.view, allowed)  # (B, k, d)
+        return self.d.logits(out[:, 0]), out.flatten(1)
+
+    def expand(self, tokens: torch.Tensor, states, pos: torch.Tensor, mask, depth: int, paths=None):
+        """Write the depth-``depth`` nodes' pairs (B, n) (input feature: their block's, from the parents' states);
+        their children's logits from the block, or, at a block's last depth, from the next block read over the
+        path's last k pairs (``paths`` (B, n, depth))."""
+        d, k, dim = self.d, self.k, self.dim
+        blk = states.unflatten(-1, (k, dim))  # (B, n, k, d): the features of drafts D+1..D+k
+        at = (depth - 1) % k  # this node's slot in its block
+        d.step(blk[:, :, at], tokens, pos=pos, cache=self.rc.view, attn_mask=mask)
+        if at < k - 1:
+            return d.logits(blk[:, :, at + 1]), states
+        B, n = tokens.shape
+        S = self.rc.length
+        allowed = torch.ones(B, n, S, dtype=torch.bool, device=tokens.device) if mask is None else mask[:, :, :S]
+        q_pos = pos[:, :, None] - (k - 1) + torch.arange(k, device=pos.device)
+        out = d.read(
+            blk.flatten(1, 2), paths[:, :, -k:].flatten(1), q_pos.flatten(1), self.rc.view,
+            allowed.repeat_interleave(k, 1),
+        ).unflatten(1, (n, k))  # fmt: skip
+        return d.logits(out[:, :, 0]), out.flatten(2)
 
 
 class _OneForward:

@@ -137,6 +137,7 @@ SMALL_SECTIONS = {
     "mtp": {"init": "random", "ttt_steps": 2},  # the tiny targets ship no MTP layers: a fresh one of their kind
     "kangaroo": {"exit_layer": 1},  # the tiny targets have 2 layers
     "gumiho": {"version": 3, "serial_drafts": 2, "mlp_heads": 2, "mlp_layers": 2},
+    "falcon": {"block_size": 2, "max_blocks": 3, "glance": 0.0},  # glancing draws positions: not layout-free
 }
 
 
@@ -408,6 +409,12 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
                 if p.requires_grad:
                     p.add_(torch.randn_like(p) * noise)
         return k.eval()
+    if kind == "falcon":  # its outputs predict k positions on: a random one drafts nearly nothing a test can accept
+        import copy
+
+        if "_falcon" not in target.__dict__:  # trained once per target (a module's fixture), a copy per call
+            target.__dict__["_falcon"] = trained_falcon(target)
+        return copy.deepcopy(target.__dict__["_falcon"])
     from draftsmith.models.registry import build_drafter  # any other registered kind: its small section, with noise
 
     drafter = build_drafter(kind, small_section(kind), target).to(target.lm_head.weight.dtype).eval()
@@ -415,6 +422,37 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * noise)
     return drafter
+
+
+def trained_falcon(target, steps: int = 8, **fields):
+    """A Falcon drafter trained a few AdamW steps on the target's own greedy continuations of three prompts: it
+    drafts some tokens right, some wrong (a random one, predicting k positions on, drafts almost none right)."""
+    from draftsmith.data.dataset import collate
+    from draftsmith.data.engine import Capture, Sampling, decode_batch
+    from draftsmith.data.records import Record
+    from draftsmith.models.registry import build_drafter, drafter_spec
+    from draftsmith.recipes.schema import LossConfig
+    from draftsmith.train.objectives import Context, objective_for
+
+    torch.manual_seed(7)
+    params = drafter_spec("falcon").section({**SMALL_SECTIONS["falcon"], **fields})
+    d = build_drafter("falcon", params, target).to(target.lm_head.weight.dtype)
+    V, dt = target.cfg.vocab_size, target.lm_head.weight.dtype
+    prompts = [torch.randint(3, V, (n,)).tolist() for n in (3, 6, 9)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    out = decode_batch(target, prompts, 32, set(), Sampling(0.0), gens, Capture(0, True, ()))
+    recs = [Record(torch.tensor(p + g.tokens), torch.tensor([0] * len(p) + [1] * len(g.tokens)), i,
+                   signals={k: v.to(dt) for k, v in g.hidden.items()})
+            for i, (p, g) in enumerate(zip(prompts, out))]  # fmt: skip
+    batch, objective = collate(recs), objective_for("falcon")
+    opt = torch.optim.AdamW([w for w in d.parameters() if w.requires_grad], lr=1e-2)
+    d.train()
+    for _ in range(steps):
+        o = objective(d, batch, LossConfig(kind="ce"), Context(unwrapped=d, params=params))
+        (o.loss_sum / o.n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return d.eval()
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ SECTIONS = {  # drafter variant -> (kind, recipe section); each trains / checks 
     "fspad": ("eagle", {"version": 1, "ttt_steps": 3, "feature_sampling": True, "partial_alignment": True}),
     "gumiho": ("gumiho", {"version": 3, "aux_layers": AUX, "serial_drafts": 2, "mlp_heads": 2, "mlp_layers": 2}),
     "gumiho1": ("gumiho", {"version": 1, "n_layers": 1, "serial_drafts": 1, "mlp_heads": 3}),  # drafts 2, 3: heads
+    "falcon": ("falcon", {"block_size": 3, "glance": 0.0}),  # drafts 1-3: the first block, what training sees
     "peagle": ("eagle", {"version": 3, "aux_layers": AUX, "parallel_drafts": 3, "fc_norm": True}),
     "eagle3-window": ("eagle", {"version": 3, "aux_layers": AUX, "ttt_steps": 3, "sliding_window": 6}),
     "peagle-window": ("eagle", {"version": 3, "aux_layers": AUX, "parallel_drafts": 3, "sliding_window": 5}),
@@ -95,7 +96,8 @@ def train_briefly(drafter, params, batch, steps: int = 10):
 def _check(target, drafter, params, records, in_loop: bool = False):
     m = compare(target, drafter, params, records, NEW, GAMMA, EOS, in_loop=in_loop, batch_size=3)
     assert m.mismatches == [] and m.diverged == 0, m.mismatches[:5]
-    assert m.untrained_first == 0 or getattr(drafter, "d2t", None) is not None
+    # a reduced vocabulary does not train every label; Falcon's first block has no pairs before a 2-token prompt
+    assert m.untrained_first == 0 or getattr(drafter, "d2t", None) is not None or hasattr(drafter, "output_lag")
     assert m.compared[0] + m.untrained_first == m.starts  # every chain start was compared
     return m
 

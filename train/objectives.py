@@ -315,9 +315,12 @@ def target_features(batch: dict, ctx: Context) -> torch.Tensor:
         return ctx.target(batch["input_ids"], return_hidden=True, **packed_kw(batch)).to(dtype)
 
 
-def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None):
+def shifted_teachers(
+    batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tensor | None, t2d=None, head=None, lags=None
+):
     """Targets of "head (or TTT step) k at position t predicts token t+k+2", for k < n: trained where both t and
-    t+k+1 predict response tokens. Returns (selects [(N_k,) flat index into B*T of each trained t, in row-major
+    t+k+1 predict response tokens (and, with ``lags``, where position t - lags[k], whose output step k reads, is
+    in t's row and document). Returns (selects [(N_k,) flat index into B*T of each trained t, in row-major
     order], teachers [Teacher], future [(N_k,) flat index of t+k+1]). ``hidden`` (B, T, D): the target's final
     states, for teacher=target. With a reduced draft vocabulary (``t2d``), labels and top-k ids are mapped into
     it, positions whose label it lacks are dropped (EAGLE-3's mask), and a target teacher is restricted to the
@@ -342,6 +345,11 @@ def shifted_teachers(batch: dict, cfg, ctx: Context, n: int, hidden: torch.Tenso
                 sel[:, : T - s] &= doc[:, : T - s] == doc[:, s:]
             if t2d is not None:
                 sel[:, : T - s] &= host_labels[np.maximum(row.reshape(B, T)[:, s:], 0)] >= 0
+        lag = lags[k] if lags else 0
+        if lag:  # Falcon: the output step k reads sits lag positions before t
+            sel[:, :lag] = False
+            if doc is not None:
+                sel[:, lag:] &= doc[:, lag:] == doc[:, :-lag]
         at = np.flatnonzero(sel)  # flat index b * T + t of each trained t, row-major
         nxt = at + s  # t + s, in the same row (sel is False in the last s columns)
         rows = row[nxt]
@@ -440,9 +448,9 @@ def eagle_features(batch: dict, ctx: Context) -> tuple[torch.Tensor, torch.Tenso
 def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     """EAGLE-1 / EAGLE-3 with training-time test: TTT step s at position t predicts token t+s+2 (the same shift
     as Medusa head s, ``shifted_teachers``), weighted decay^s (the drafter's ``position_weight``; Gumiho's heads
-    are positions after the unroll's). Token loss of any kind through the drafter's LM head (weight
-    token_loss_weight); EAGLE-1 adds SmoothL1 between its output and the target's feature at t+s+1 (weight
-    feature_loss_weight)."""
+    are positions after the unroll's; Falcon's pass s sits ``output_lag(s)`` positions before its anchor t).
+    Token loss of any kind through the drafter's LM head (weight token_loss_weight); EAGLE-1 adds SmoothL1 between
+    its output and the target's feature at t+s+1 (weight feature_loss_weight)."""
     eagle, p = ctx.unwrapped, ctx.params
     feats, last = eagle_features(batch, ctx)
     steps = p.ttt_steps or eagle.cfg.ttt_steps
@@ -450,8 +458,11 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
     kept_head = None
     if reduced and cfg.teacher == "target":  # EAGLE-3's p~: target logits restricted to the draft vocabulary
         kept_head = ctx.target.lm_head.weight[eagle.lm_head.target_ids]
+    n_pos = getattr(eagle, "draft_positions", lambda n: n)(steps)  # (MTP layers train through this objective too)
+    weight = getattr(eagle, "position_weight", lambda s, p: p.head_decay**s)
+    lags = [getattr(eagle, "output_lag", lambda s: 0)(s) for s in range(n_pos)]
     selects, teachers, future = shifted_teachers(
-        batch, cfg, ctx, eagle.draft_positions(steps), last, eagle.t2d if reduced else None, kept_head
+        batch, cfg, ctx, n_pos, last, eagle.t2d if reduced else None, kept_head, lags
     )
     w_tok = p.token_loss_weight
     w_feat = getattr(p, "feature_loss_weight", 0.0) if eagle.cfg.version == 1 else 0.0
@@ -468,10 +479,12 @@ def eagle_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
         loss = losses.head_loss(x, w, teachers[s], _spec(cfg), ctx.generator) * n * w_tok
         if w_feat:
             loss = loss + w_feat * losses.hidden_regression(out, target_feats[future[s]]).sum()
-        return loss * eagle.position_weight(s, p), n, _metrics(x, w, teachers[s], cfg, ranks=3)
+        return loss * weight(s, p), n, _metrics(x, w, teachers[s], cfg, ranks=3)
 
-    detach = {"detach": True} if getattr(p, "ttt_detach", False) else {}  # HASS's context alignment
-    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch), **detach)
+    kw = {"detach": True} if getattr(p, "ttt_detach", False) else {}  # HASS's context alignment
+    if getattr(p, "glance", 0) and model.training:  # Falcon's CSGD: its misses at the trained positions
+        kw["glance"] = (p.glance, selects, [t.labels for t in teachers], ctx.generator or torch.Generator())
+    outs = model(feats, batch["input_ids"], steps=steps, select=selects, head_fn=head_fn, **packed_kw(batch), **kw)
     return StepOutput(sum(o[0] for o in outs), outs[0][1], _per_step_metrics(outs, "step"))
 
 
