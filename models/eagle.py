@@ -624,6 +624,20 @@ def build_eagle(
     return model
 
 
+def build_on_eagle(model_cls, cfg_cls, p, own: dict, target, **data) -> Eagle:
+    """A drafter built on EAGLE's layer (Gumiho, Falcon): ``p``'s EAGLE fields built as ``build_eagle`` builds them,
+    the weights and their trainability moved into ``model_cls(cfg_cls(EAGLE's config + own))``; parameters of its
+    own (absent from EAGLE) keep their init."""
+    eagle_fields = {k: v for k, v in p.model_dump().items() if k in EagleDrafterConfig.model_fields and k != "kind"}
+    eagle = build_eagle(EagleDrafterConfig(**eagle_fields), target, **data)
+    model = model_cls(cfg_cls(**{**eagle.cfg.to_dict(), **own})).to(target.embed_tokens.weight.dtype)
+    _, unexpected = model.load_state_dict(eagle.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    for name, w in eagle.named_parameters():
+        model.get_parameter(name).requires_grad_(w.requires_grad)
+    return model
+
+
 def eagle_from_config(cfg: dict) -> Eagle:
     return Eagle(EagleConfig(**cfg))
 

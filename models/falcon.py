@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 
-from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafterConfig, build_eagle, ttt_result
+from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafterConfig, build_on_eagle, ttt_result
 from draftsmith.models.llama import apply_rope, fuse_for_inference, rope_cos_sin
 from draftsmith.models.spec import DrafterSpec, as_section
 
@@ -171,14 +171,7 @@ class Falcon(Eagle):
 def build_falcon(cfg: FalconDrafterConfig | dict, target, **data) -> Falcon:
     """The layer built as ``build_eagle`` builds an EAGLE-1 drafter, its weights moved into a Falcon."""
     p = as_section(FalconDrafterConfig, cfg)
-    eagle = build_eagle(EagleDrafterConfig(**p.model_dump(exclude={"kind", "block_size", "max_blocks", "glance"})),
-                        target, **data)  # fmt: skip
-    own = {"block": p.block_size, "max_blocks": p.max_blocks}
-    model = Falcon(FalconConfig(**{**eagle.cfg.to_dict(), **own})).to(target.embed_tokens.weight.dtype)
-    model.load_state_dict(eagle.state_dict())
-    for name, w in eagle.named_parameters():
-        model.get_parameter(name).requires_grad_(w.requires_grad)
-    return model
+    return build_on_eagle(Falcon, FalconConfig, p, {"block": p.block_size, "max_blocks": p.max_blocks}, target, **data)
 
 
 REFUSED = "refused: no serving engine drafts Falcon's blocks; export --format hf"

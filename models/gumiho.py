@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import nn
 
-from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafterConfig, build_eagle, ttt_result
+from draftsmith.models.eagle import Eagle, EagleConfig, EagleDrafterConfig, build_on_eagle, ttt_result
 from draftsmith.models.llama import Block
 from draftsmith.models.spec import DrafterSpec, as_section
 
@@ -162,17 +162,10 @@ def build_gumiho(cfg: GumihoDrafterConfig | dict, target, **data) -> Gumiho:
     """The serial part built as ``build_eagle`` builds an EAGLE drafter (its weights moved into a Gumiho), fresh
     MLP heads."""
     p = as_section(GumihoDrafterConfig, cfg)
-    eagle = build_eagle(EagleDrafterConfig(**p.model_dump(exclude={"kind", *_OWN})), target, **data)
     own = {"serial": p.serial_drafts, "mlp_heads": p.mlp_heads, "mlp_layers": p.mlp_layers}
-    model = Gumiho(GumihoConfig(**{**eagle.cfg.to_dict(), **own})).to(target.embed_tokens.weight.dtype)
-    missing, unexpected = model.load_state_dict(eagle.state_dict(), strict=False)
-    assert not unexpected and all(k.startswith("heads.") for k in missing), (missing, unexpected)
-    for name, w in eagle.named_parameters():
-        model.get_parameter(name).requires_grad_(w.requires_grad)
-    return model
+    return build_on_eagle(Gumiho, GumihoConfig, p, own, target, **data)
 
 
-_OWN = {"serial_drafts", "mlp_heads", "mlp_layers", "mlp_weight", "mlp_decay"}
 REFUSED = "refused: no serving engine has Gumiho's MLP heads; export --format hf"
 
 SPEC = DrafterSpec(
