@@ -433,19 +433,25 @@ class FeatureRows(_Rows):
         for j in live:
             rows[j].dpos, rows[j].unread, rows[j].feats = rows[j].prompt.numel() - 1, ids.new_empty(0), f[j, -1:]
 
+    needs_paths = False  # expand reads each node's path (Falcon's blocks): the chain passes its drafts so far
+
     def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        """Every row's chain: the root read, then one step per fed draft, each drafted node's output state its
-        child's input."""
+        """Every row's chain: the root read, then one ``expand`` per fed draft (a one-node level with no mask),
+        each drafted node's output state its child's input."""
         self.root_end = None
         if max(gam) == 0:
             return None
         logits, state = self.root(rows, cur, max(gam) - 1)
         base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        state_in = [state[:, None]]  # (B, 1, d)
+        carry, path = [state[:, None]], []  # (B, 1, S)
 
-        def expand(tok, i):
-            logits, out = self.d.step(state_in[0], tok[:, None], pos=base + i, cache=self.rc.view)
-            state_in[0] = out
+        def expand(tok, i):  # feeds draft i + 1
+            paths = None
+            if self.needs_paths:
+                path.append(tok)
+                paths = torch.stack(path, 1)[:, None]
+            logits, out = self.expand(tok[:, None], carry[0], base + i, None, i + 1, paths)
+            carry[0] = out
             return logits[:, -1], out[:, -1]
 
         toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
@@ -500,22 +506,6 @@ class HybridRows(FeatureRows):
         (self.S, self.M), self.depth = drafter.drafts_hybrid, drafter.max_draft_len
         self.dim, self.w = drafter.cfg.dim, drafter.pair_width
 
-    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        self.root_end = None
-        if max(gam) == 0:
-            return None
-        logits, state = self.root(rows, cur, max(gam) - 1)
-        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        carry = [state[:, None]]
-
-        def expand(tok, i):  # feeds draft i + 1
-            logits, out = self.expand(tok[:, None], carry[0], base + i, None, i + 1)
-            carry[0] = out
-            return logits[:, -1], out[:, -1]
-
-        toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
-        return toks, qs, count
-
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
         logits, out = super().root(rows, cur, room, width)
         return logits, torch.cat([out, out.new_zeros(*out.shape[:-1], self.S * self.w + self.M * self.dim)], -1)
@@ -544,6 +534,8 @@ class BlockFeatureRows(FeatureRows):
     whose slot s drafts d + s + 1. A node's state is its block's k predicted features (k x d): the input feature
     of each of its pairs and the distribution of the drafts up to the next block."""
 
+    needs_paths = True
+
     def __init__(self, target, drafter, max_len: int, stop=None):
         super().__init__(target, drafter, max_len, stop)
         self.k, self.depth, self.dim = drafter.drafts_blocks, drafter.max_draft_len, drafter.cfg.dim
@@ -555,23 +547,6 @@ class BlockFeatureRows(FeatureRows):
         for j in live:
             at = [i for i in range(max(0, W - 1 - h), W - 1) if valid is None or bool(valid[j, i])]  # (f_i, x_{i+1})
             rows[j].tail = ids[j, [i + 1 for i in at]], f[j, at]
-
-    def draft(self, rows: list, cur: torch.Tensor, gam: list[int], pick):
-        self.root_end = None
-        if max(gam) == 0:
-            return None
-        logits, state = self.root(rows, cur, max(gam) - 1)
-        base = torch.tensor([r.dpos for r in rows], device=cur.device)[:, None]
-        carry, path = [state[:, None]], []
-
-        def expand(tok, i):  # feeds draft i + 1
-            path.append(tok)
-            logits, out = self.expand(tok[:, None], carry[0], base + i, None, i + 1, torch.stack(path, 1)[:, None])
-            carry[0] = out
-            return logits[:, -1], out[:, -1]
-
-        toks, qs, count, _ = _chain(rows, gam, logits, state, pick, expand)
-        return toks, qs, count
 
     def root(self, rows: list, cur: torch.Tensor, room: int, width: int = 1):
         """Read the unread pairs and cur as ``FeatureRows`` does, then the block of the last k committed pairs:

@@ -427,12 +427,12 @@ def tiny_drafter(kind: str, target, heads: int = 4, noise: float = 0.05, lm_nois
 def trained_falcon(target, steps: int = 8, **fields):
     """A Falcon drafter trained a few AdamW steps on the target's own greedy continuations of three prompts: it
     drafts some tokens right, some wrong (a random one, predicting k positions on, drafts almost none right)."""
+    from match import train_briefly
+
     from draftsmith.data.dataset import collate
     from draftsmith.data.engine import Capture, Sampling, decode_batch
     from draftsmith.data.records import Record
     from draftsmith.models.registry import build_drafter, drafter_spec
-    from draftsmith.recipes.schema import LossConfig
-    from draftsmith.train.objectives import Context, objective_for
 
     torch.manual_seed(7)
     params = drafter_spec("falcon").section({**SMALL_SECTIONS["falcon"], **fields})
@@ -444,15 +444,7 @@ def trained_falcon(target, steps: int = 8, **fields):
     recs = [Record(torch.tensor(p + g.tokens), torch.tensor([0] * len(p) + [1] * len(g.tokens)), i,
                    signals={k: v.to(dt) for k, v in g.hidden.items()})
             for i, (p, g) in enumerate(zip(prompts, out))]  # fmt: skip
-    batch, objective = collate(recs), objective_for("falcon")
-    opt = torch.optim.AdamW([w for w in d.parameters() if w.requires_grad], lr=1e-2)
-    d.train()
-    for _ in range(steps):
-        o = objective(d, batch, LossConfig(kind="ce"), Context(unwrapped=d, params=params))
-        (o.loss_sum / o.n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return d.eval()
+    return train_briefly(d, params, collate(recs), steps)
 
 
 @pytest.fixture(scope="module")

@@ -178,3 +178,17 @@ def compare(
                         m.mismatches.append((a + b, j - 1, s + 1, tok, preds[key]))
                 j += acc + 1
     return m
+
+
+def train_briefly(drafter, params, batch, steps: int = 10):
+    """A few AdamW steps of the training objective: first drafts mostly, not all, accepted on these records (both
+    branches of a chain get checked)."""
+    objective = objective_for(drafter_spec(params.kind).kind)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
+    drafter.train()
+    for _ in range(steps):
+        out = objective(drafter, batch, LossConfig(kind="ce"), Context(unwrapped=drafter, params=params))
+        (out.loss_sum / out.n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return drafter.eval()

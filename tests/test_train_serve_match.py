@@ -13,15 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_model
-from match import compare, teacher_forced
+from match import compare, teacher_forced, train_briefly
 
 from draftsmith.data.dataset import collate
 from draftsmith.data.engine import Capture, Sampling, decode_batch
 from draftsmith.data.records import Record
 from draftsmith.models.llama import LlamaConfig
 from draftsmith.models.registry import build_drafter, drafter_spec
-from draftsmith.recipes.schema import LossConfig
-from draftsmith.train.objectives import Context, objective_for
 
 CFG = LlamaConfig(vocab_size=97, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, hidden_dim=64, max_seq_len=256)
 PROMPTS = [[5, 17, 33], [3, 14, 15, 92, 65], list(range(10, 30)), [40, 41], [7, 7, 8, 60, 61, 62, 1]]
@@ -77,20 +75,6 @@ def _drafter(name: str, target, records, noise: float = 0.05):
             if p.requires_grad:
                 p.add_(torch.randn_like(p) * noise)
     return d.eval(), params
-
-
-def train_briefly(drafter, params, batch, steps: int = 10):
-    """A few AdamW steps of the training objective: first drafts mostly, not all, accepted on these records (both
-    branches of a chain get checked)."""
-    objective = objective_for(drafter_spec(params.kind).kind)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-2)
-    drafter.train()
-    for _ in range(steps):
-        out = objective(drafter, batch, LossConfig(kind="ce"), Context(unwrapped=drafter, params=params))
-        (out.loss_sum / out.n).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return drafter.eval()
 
 
 def _check(target, drafter, params, records, in_loop: bool = False):
