@@ -97,3 +97,19 @@ def test_no_product_function_is_over_80_lines():
                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
                     long.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert not long, long
+
+
+def test_the_checkout_root_on_sys_path_does_not_shadow_installed_packages():
+    """`python -m draftsmith` or `python -m pytest` run from the checkout put its root on sys.path, where kernels/
+    would hide the hub's `kernels` package that transformers imports. Importing draftsmith takes the root off."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.path.insert(0, ''); import draftsmith, importlib.util as u; "
+        "s = u.find_spec('kernels'); print(s.origin if s else 'absent'); print('' in sys.path)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    origin, empty_on_path = out.stdout.split()
+    assert origin != str(ROOT / "kernels" / "__init__.py")
+    assert empty_on_path == "False"
