@@ -224,7 +224,7 @@ def test_the_decoder_verifies_through_the_kernels_where_auto_picks_them(monkeypa
 
     from draftsmith.eval import batch_decoder, decoder
     from draftsmith.eval.accept import rejection_accept
-    from tests.conftest import noisy_copy, tiny_model
+    from conftest import noisy_copy, tiny_model
 
     target = tiny_model(0).double()
     drafter = noisy_copy(target).double()
@@ -277,7 +277,7 @@ def test_the_batched_decoder_verifies_greedy_rows_through_the_kernel(monkeypatch
     picks it on CUDA); each row's own draft budget masks the drafts past it; outputs stay every row's own."""
     from draftsmith.eval import batch_decoder as batch
     from draftsmith.eval.decoder import autoregressive_generate
-    from tests.conftest import noisy_copy, tiny_model
+    from conftest import noisy_copy, tiny_model
 
     target = tiny_model(0).double()
     drafter = noisy_copy(target).double()
