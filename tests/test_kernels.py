@@ -222,9 +222,10 @@ def test_the_decoder_verifies_through_the_kernels_where_auto_picks_them(monkeypa
     under the interpreter): one sampling launch per verify step, its Philox seed one draw from the decode's
     generator (so a seeded decode repeats), and greedy decoding through the greedy kernel stays exact."""
 
+    from conftest import noisy_copy, tiny_model
+
     from draftsmith.eval import batch_decoder, decoder
     from draftsmith.eval.accept import rejection_accept
-    from conftest import noisy_copy, tiny_model
 
     target = tiny_model(0).double()
     drafter = noisy_copy(target).double()
@@ -275,9 +276,10 @@ def test_sampling_acceptance_runs_the_kernel_on_cuda():
 def test_the_batched_decoder_verifies_greedy_rows_through_the_kernel(monkeypatch):
     """Rows of a batch accept through one fused greedy launch per step (forced here under the interpreter; auto
     picks it on CUDA); each row's own draft budget masks the drafts past it; outputs stay every row's own."""
+    from conftest import noisy_copy, tiny_model
+
     from draftsmith.eval import batch_decoder as batch
     from draftsmith.eval.decoder import autoregressive_generate
-    from conftest import noisy_copy, tiny_model
 
     target = tiny_model(0).double()
     drafter = noisy_copy(target).double()
