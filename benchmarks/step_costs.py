@@ -14,6 +14,11 @@ into the target vocabulary, what ``logits_after`` costs the decoder per draft; r
 shapes set the cost) as a share of a target step. The last line names the machine and how much of its CPU other
 processes took meanwhile.
 
+--threads 1 2: every forward is timed at each torch thread count (set before each call, round-robin in one
+process), and with --drafter the lines end with the bound of drafting in parallel with verification (PEARL) on a
+2-core CPU: the sequential step (k drafts, then the verify, each on both cores) against the parallel one (the verify
+on one core while the drafter drafts the next k on the other: the slower of the two, with no contention counted).
+
 --pack-ab: the same target pre-packed for oneDNN with batch hint 1 and with the current hint
 (``FusedLinear.pack_batch``), round-robin in one process; prints each forward's time under both, their ratio and
 the max logit difference (CPU).
@@ -21,6 +26,7 @@ the max logit difference (CPU).
     python benchmarks/step_costs.py [--target smollm2-135m-instruct] [--drafter CKPT] [--k 1 2 3 4 6 48]
                                     [--head-vocab 8192 4096]
     python benchmarks/step_costs.py --pack-ab
+    python benchmarks/step_costs.py --threads 1 2 --drafter CKPT --k 1 2 3 4
 """
 
 from __future__ import annotations
@@ -102,6 +108,42 @@ def pack_ab(base, a) -> None:
     print(tm.note)
 
 
+def on_threads(fn, n: int):
+    def run():
+        torch.set_num_threads(n)
+        return fn()
+
+    return run
+
+
+def by_threads(jobs: dict, drafted: bool, a) -> None:
+    """Every job at every thread count, round-robin; then the parallel-drafting bound (module docstring)."""
+    names = [n for n in jobs if not n.startswith("head")]
+    t = interleave(
+        {f"{n}@{th}": on_threads(jobs[n], th) for n in names for th in a.threads},
+        warmup=1,
+        repeats=a.rounds,
+        number=a.reps,
+        device=a.device,
+    )
+    print(f"ctx {a.ctx}, mean of {a.reps} forwards per round, median of {a.rounds} round-robin rounds")
+    for n in names:
+        cells = [f"{th} thread(s) {t[f'{n}@{th}'].median * 1e3:.2f} ms" for th in a.threads]
+        print(f"{n}: " + ", ".join(cells) + "".join(
+            f"; {th} / {a.threads[0]} threads = {t.ratio(f'{n}@{th}', f'{n}@{a.threads[0]}'):.2f}"
+            for th in a.threads[1:]
+        ))  # fmt: skip
+    if drafted and {1, 2} <= set(a.threads):
+        for k in a.k:
+            seq = k * t["draft@2"].median + t[f"verify {k}@2"].median
+            par = max(k * t["draft@1"].median, t[f"verify {k}@1"].median)
+            print(
+                f"k={k}: sequential step {seq * 1e3:.2f} ms, parallel (1 core each) {par * 1e3:.2f} ms: "
+                f"bound of parallel drafting {seq / par:.2f}x the sequential loop"
+            )
+    print(t.note)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m-instruct", help="target model (alias, folder or hub id)")
@@ -126,6 +168,13 @@ def main() -> None:
         help="cpu or cuda (bfloat16 on CUDA, float32 on CPU)",
     )
     ap.add_argument("--no-optimize", action="store_true", help="time the plain (unfused) models instead")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        nargs="*",
+        default=[],
+        help="time every forward at each of these torch thread counts (1 2: the parallel-drafting bound)",
+    )
     ap.add_argument("--pack-ab", action="store_true", help="CPU: A/B the oneDNN pack hint (see above)")
     ap.add_argument(
         "--head-vocab",
@@ -154,6 +203,8 @@ def main() -> None:
     jobs.update({f"head {n}": head_step(m, tgt.cfg.dim, a.device) for n, m in heads.items()})
     if drafter is not None:
         jobs["draft"] = forward(drafter, a.ctx, 1, a.device)
+    if a.threads:
+        return by_threads(jobs, drafter is not None, a)
     t = interleave(jobs, warmup=1, repeats=a.rounds, number=a.reps, device=a.device)
     base = t["decode"].median
     print(

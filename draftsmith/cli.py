@@ -45,7 +45,8 @@ STAGES = {
     "oracle stop rules that bound what any stop rule can gain with this drafter.",
     "tree": "Medusa trees per node count (--nodes) from a heads, EAGLE or PARD run's logged per-position rank "
     "accuracies (its metrics.jsonl), with the expected tau of each, printed as eval.tree.choices "
-    "overrides. RECIPE may also be a run folder.",
+    "overrides. --measure times the run's target verifying each size on this machine and chooses the tree with "
+    "the most expected tokens per unit of step cost (Sequoia). RECIPE may also be a run folder.",
 }
 
 EPILOG = """\

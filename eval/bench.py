@@ -471,13 +471,13 @@ def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | Non
     """The eval recipe's draft tree; None for chain decoding. ``max_depth``: the drafter's limit (heads), which
     caps the default static tree; a tree the recipe makes deeper is refused in one line naming the key."""
     if ec.strategy == "dynamic_tree":
-        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens)
+        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens, ec.tree.sampling)
         key, depth = "eval.tree.depth", tree.depth
     elif ec.strategy == "tree":
         # default: the top-1 chain plus the runner-up sibling at every depth
         depths = range(1, min(ec.draft_len, max_depth or ec.draft_len) + 1)
         default = [[0] * d for d in depths] + [[0] * (d - 1) + [1] for d in depths]
-        tree = tree_from_choices(ec.tree.choices or default)
+        tree = tree_from_choices(ec.tree.choices or default, ec.tree.sampling)
         key, depth = "eval.tree.choices", max(tree.depths)
     else:
         return None

@@ -24,6 +24,7 @@ prefill of new rows; chains: ``draft(rows, cur, gam, pick)`` and ``commit`` afte
 from __future__ import annotations
 
 import logging
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -31,7 +32,7 @@ import torch
 from draftsmith.eval.graphs import GraphedLlama
 from draftsmith.eval.row_cache import RowCache, aligned
 from draftsmith.eval.shapes import tree_levels
-from draftsmith.eval.tree import DynamicTree
+from draftsmith.eval.tree import DynamicTree, StaticKids, pick_children
 from draftsmith.models.feature_heads import first_stop, split_stop
 
 log = logging.getLogger(__name__)
@@ -116,18 +117,20 @@ class _Rows:
         """The drafter's cache ends at ``slot``: where the next level's nodes are written."""
         self.rc.view.length = slot
 
-    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc: torch.Tensor, room: int) -> torch.Tensor:
-        """Every row's static tree -> node tokens (B, N): one forward per depth level for all rows' nodes, node i
-        the ``ranks[i]``-th best of its parent's distribution; the deepest level is never fed."""
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc: torch.Tensor, room: int):
+        """Every row's static tree -> (node tokens (B, N), the distributions sampled children were drawn from
+        (B, N+1, V) or None): one forward per depth level for all rows' nodes, node i the ``ranks[i]``-th best of
+        its parent's distribution (a sampled row: its ``slots[i]``-th draw, eval/tree.py ``StaticKids``); the
+        deepest level is never fed."""
         B, dev, depths = len(rows), cur.device, spec.depths
         root_logits, root_state = self.root(rows, cur, room, max(depths))
         logits, states = {-1: root_logits}, {-1: root_state}  # parent node -> (B, V), (B, S)
         base, pos0 = self.s_root, self.root_pos(rows)
-        tokens = cur.new_zeros(B, len(spec))
+        tokens, kids = cur.new_zeros(B, len(spec)), StaticKids(rows, spec)
         for d in range(1, max(depths) + 1):
             level = [i for i, di in enumerate(depths) if di == d]
             for i in level:
-                tokens[:, i] = torch.topk(logits[spec.parents[i]], spec.ranks[i] + 1, -1).indices[:, -1]
+                tokens[:, i] = kids.token(logits[spec.parents[i]], i)
             if d == max(depths):
                 break
             lo, hi = level[0], level[-1] + 1
@@ -140,16 +143,17 @@ class _Rows:
             logits.update({i: out[:, i - lo] for i in level})
             if self.passes_state:
                 states.update({i: out_st[:, i - lo] for i in level})
-        return tokens
+        return tokens, kids.q()
 
     def dynamic_tree(self, rows: list, cur: torch.Tensor, spec, room: int):
-        """Every row's EAGLE-2 tree -> (tokens (B, N), parents (B, N), mask (B, N+1, N+1), depths (B, N+1))."""
+        """Every row's EAGLE-2 tree -> (tokens (B, N), parents (B, N), mask (B, N+1, N+1), depths (B, N+1), the
+        draft distributions sampled children were drawn from (B, N+1, V) or None: ``tree_levels``)."""
         root_logits, root_state = self.root(rows, cur, room, spec.depth)
         self._pos0 = self.root_pos(rows)
-        return self._levels(root_logits, root_state, spec)
+        return self._levels(root_logits, root_state, spec, partial(pick_children, rows, spec.sampling))
 
-    def _levels(self, root_logits: torch.Tensor, root_state, spec):
-        return tree_levels(self, root_logits, root_state, self.s_root, spec, _feed_rows)
+    def _levels(self, root_logits: torch.Tensor, root_state, spec, pick=None):
+        return tree_levels(self, root_logits, root_state, self.s_root, spec, _feed_rows, pick)
 
     def root_pos(self, rows: list) -> torch.Tensor:
         return torch.tensor([r.dpos - 1 for r in rows], device=self.rc.view.valid.device)
@@ -278,15 +282,15 @@ class TokenRows(_Rows):
             return self.dists[:, depth, None].expand(-1, tokens.shape[1], -1), None
         return self._call(tokens, last=tokens.shape[1], pos=pos, attn_mask=mask)
 
-    def _levels(self, root_logits: torch.Tensor, root_state, spec):
+    def _levels(self, root_logits: torch.Tensor, root_state, spec, pick=None):
         """A draft LM in a ``GraphedLlama`` at batch 1 drafts every level after the root from one captured graph
-        (``TreeGraph``); otherwise the levels run as for any proposer."""
+        (``TreeGraph``; top-k children only); otherwise the levels run as for any proposer."""
         graphed = isinstance(self.d, GraphedLlama) and not self.hidden and not self.pard
-        if graphed and root_logits.shape[0] == 1 and self.rc.view is self.d._cache:
+        if graphed and root_logits.shape[0] == 1 and self.rc.view is self.d._cache and spec.sampling == "point_mass":
             graph = TreeGraph.of(self.d, spec)
             if graph.usable:
-                return tuple(x[None] for x in graph(root_logits[0], self.rc.length))
-        return super()._levels(root_logits, root_state, spec)
+                return (*(x[None] for x in graph(root_logits[0], self.rc.length)), None)
+        return super()._levels(root_logits, root_state, spec, pick)
 
     def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
         """The tree's slots are rolled back; each row's accepted path is read with its next root. ``cur`` given:
@@ -368,21 +372,21 @@ class HeadRows(_Rows):
     def root_pos(self, rows: list) -> torch.Tensor:
         return self.cur.new_zeros(len(rows))  # heads read no positions
 
-    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc, room: int) -> torch.Tensor:
-        """Node i of every row is the ``ranks[i]``-th best token of its parent's distribution: one ``logits_after``
-        per distinct parent for all rows at once -> tokens (B, N)."""
+    def static_tree(self, rows: list, cur: torch.Tensor, spec, anc, room: int):
+        """Node i of every row is the ``ranks[i]``-th best token of its parent's distribution (``StaticKids``): one
+        ``logits_after`` per distinct parent for all rows at once -> (tokens (B, N), q (B, N+1, V) or None)."""
         h = torch.stack([r.h for r in rows])
-        tokens = cur.new_zeros(len(rows), len(spec))
+        tokens, kids = cur.new_zeros(len(rows), len(spec)), StaticKids(rows, spec)
         child = {}  # parent node (-1: the root) -> its children's logits (B, V)
-        for i, (par, rank) in enumerate(zip(spec.parents, spec.ranks)):
+        for i, par in enumerate(spec.parents):
             if par not in child:
                 path, n = [], par
                 while n >= 0:
                     path.append(tokens[:, n])
                     n = spec.parents[n]
                 child[par] = self.d.logits_after(h, [cur, *reversed(path)])
-            tokens[:, i] = torch.topk(child[par], rank + 1, -1).indices[:, -1]
-        return tokens
+            tokens[:, i] = kids.token(child[par], i)
+        return tokens, kids.q()
 
     def commit_tree(self, rows: list, accepted: list, kept: list, captured: dict, cur=None) -> None:
         self.read_kept(rows, captured, kept)
@@ -728,7 +732,8 @@ class TreeGraph:
         return graphs[spec]
 
     def _levels(self):
-        return tuple(x[0] for x in tree_levels(self.run, self.root[None], None, self.base, self.spec, self._level))
+        levels = tree_levels(self.run, self.root[None], None, self.base, self.spec, self._level)
+        return tuple(x[0] for x in levels[:4])
 
     def _level(self, run, tokens, states, d: int, base: torch.Tensor, n_fed: int, anc, paths):
         (k, m), tokens, anc = (tokens.shape[1], self.model), tokens[0], anc[0]

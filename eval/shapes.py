@@ -4,8 +4,8 @@ tree (``StaticTree``, Medusa-style choices), an EAGLE-2 dynamic tree (``DynamicS
 the drafter's confidence, or a lossy judged chain (``Judged``, Judge Decoding). A shape drafts through its proposer
 (eval/proposers.py), tells the verify where its nodes sit (``Drafted``: a chain is causal; a tree gives each row's
 ancestor mask and depths) and accepts by its rule, row by row or, for chains, as one batch: the greedy prefix or
-rejection sampling (eval/accept.py), a tree's deepest argmax path or point-mass walk (eval/tree.py). The loop that
-runs them is eval/batch_decoder.py ``BatchDecoder.step``.
+rejection sampling (eval/accept.py), a tree's deepest argmax path, point-mass walk or multi-draft rule
+(eval/tree.py). The loop that runs them is eval/batch_decoder.py ``BatchDecoder.step``.
 """
 
 from __future__ import annotations
@@ -15,16 +15,25 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.eval.accept import Sampler, judge_accept
-from draftsmith.eval.tree import DynamicTree, TreeSpec, best_nodes, greedy_tree_accept, sample_tree_accept
+from draftsmith.eval.tree import (
+    DynamicTree,
+    Kids,
+    TreeSpec,
+    best_nodes,
+    greedy_tree_accept,
+    multi_draft_accept,
+    sample_tree_accept,
+)
 from draftsmith.kernels.tree import tree_mask
 
 
 @dataclass
 class Drafted:
     """One step's drafts for B rows. tokens (B, N): row b's first count[b] are its drafts (a tree's nodes in
-    depth-sorted order), the rest padding the verify ignores. q (B, N, V): the distributions sampled chain drafts
-    were drawn from (None when every row is greedy, and for trees). A tree's structure, root first: parents
-    (B, N), anc (B, N+1, N+1) ancestors, depths (B, N+1); None for a chain (causal)."""
+    depth-sorted order), the rest padding the verify ignores. q: the distributions sampled drafts were drawn from,
+    None when no row sampled them: a chain's (B, N, V), one per draft; a tree's (B, N+1, V), one per parent (row 0
+    the root's), drawn under a recursive or spectr rule (top-k children need none). A tree's structure, root
+    first: parents (B, N), anc (B, N+1, N+1) ancestors, depths (B, N+1); None for a chain (causal)."""
 
     tokens: torch.Tensor
     count: list[int]
@@ -121,7 +130,8 @@ class Judged(Chain):
 
 class _Tree:
     """What static and dynamic trees share: every row's tree drafted as one batch, verified under its own tree
-    mask, and accepted by its own row's rule: greedy (the deepest argmax path) or the point-mass walk."""
+    mask, and accepted by its own row's rule: greedy (the deepest argmax path), or under sampling the tree's rule
+    (``TreeSpec.sampling``: the point-mass walk, or recursive / SpecTr rejection over sampled children)."""
 
     layers: tuple[int, ...] = ()
     depth: int
@@ -144,8 +154,11 @@ class _Tree:
                 path, t = [], int(s.pick(logits[b, 0])[0])
             elif s.greedy:
                 path, t = greedy_tree_accept(d.tokens[b], d.parents[b], logits[b, : c + 1])
-            else:
+            elif self.spec.sampling == "point_mass":
                 path, t = sample_tree_accept(d.tokens[b], d.parents[b], s.probs(logits[b, : c + 1]), s.generator)
+            else:
+                probs = s.probs(logits[b, : c + 1])
+                path, t = multi_draft_accept(self.spec.sampling, d.tokens[b], d.parents[b], probs, d.q[b], s.generator)
             acc.append(d.tokens[b, path].tolist())
             kept.append([0] + [i + 1 for i in path])
             nxt.append(int(t))
@@ -170,8 +183,8 @@ class StaticTree(_Tree):
         B = len(rows)
         if budgets is None:  # a plain step (a tree is drafted whole whatever the budget: emit truncates)
             return Drafted(cur.new_zeros(B, 0), [0] * B)
-        tokens = self.prop.static_tree(rows, cur, self.spec, self.anc, self.room)
-        return Drafted(tokens, [len(self.spec)] * B, None, self.parents.expand(B, -1),
+        tokens, q = self.prop.static_tree(rows, cur, self.spec, self.anc, self.room)
+        return Drafted(tokens, [len(self.spec)] * B, q, self.parents.expand(B, -1),
                        self.anc.expand(B, -1, -1), self.depths.expand(B, -1))  # fmt: skip
 
 
@@ -187,8 +200,8 @@ class DynamicShape(_Tree):
         B = len(rows)
         if budgets is None:
             return Drafted(cur.new_zeros(B, 0), [0] * B)
-        tokens, parents, anc, depths = self.prop.dynamic_tree(rows, cur, self.spec, self.room)
-        return Drafted(tokens, [tokens.shape[1]] * B, None, parents, anc, depths)
+        tokens, parents, anc, depths, q = self.prop.dynamic_tree(rows, cur, self.spec, self.room)
+        return Drafted(tokens, [tokens.shape[1]] * B, q, parents, anc, depths)
 
 
 def shape_for(target, prop, tree: TreeSpec | DynamicTree | None, draft_len: int, judge=None, stop=None):
@@ -206,27 +219,32 @@ def shape_for(target, prop, tree: TreeSpec | DynamicTree | None, draft_len: int,
     return StaticTree(prop, tree, next(target.parameters()).device)
 
 
-def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
+def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pick=None):
     """The levels and the final selection of a dynamic tree for B rows at once: root_logits (B, V), root_state
-    (B, S) or None -> (tokens (B, N), parents (B, N), tree mask (B, N+1, N+1), depths (B, N+1)); every row's tree
-    has the same N. ``level(run, tokens (B, k), states, d, base, n_fed, anc (B, k, n_fed + k), paths (B, k, d))``
-    runs the drafter on a frontier -> (logits (B, k, V), states or None). Node ids are assigned level by level
-    (children after their parents), an ancestor matrix grows with them, and a stable sort by score ranks them;
-    ``base`` (the root's slot + 1) may be a device tensor (proposers.py ``TreeGraph``)."""
+    (B, S) or None -> (tokens (B, N), parents (B, N), tree mask (B, N+1, N+1), depths (B, N+1), q (B, N+1, V) or
+    None); every row's tree has the same N. ``level(run, tokens (B, k), states, d, base, n_fed, anc (B, k, n_fed +
+    k), paths (B, k, d))`` runs the drafter on a frontier -> (logits (B, k, V), states or None). ``pick(logits, k)``
+    draws each parent's children (eval/tree.py ``pick_children``; default the top-k by draft log-prob); q row 0 is
+    the root's, row i + 1 node i's (zero where nothing was drawn from it), None when no row sampled. Node ids are
+    assigned level by level (children after their parents), an ancestor matrix grows with them, and a stable sort
+    by score ranks them; ``base`` (the root's slot + 1) may be a device tensor (proposers.py ``TreeGraph``)."""
     k, device, B = spec.top_k, root_logits.device, root_logits.shape[0]
+    pick = pick or _top_children
     n_max = k + (spec.depth - 1) * k * k
     rows = torch.arange(B, device=device)[:, None]
-    top = torch.log_softmax(root_logits.float(), -1).topk(k)
+    top = pick(root_logits, k)
     tok = torch.zeros(B, n_max, dtype=torch.long, device=device)
     score = torch.full((B, n_max), float("-inf"), device=device)
     par = torch.full((B, n_max), -1, dtype=torch.long, device=device)
     depth = torch.ones(B, n_max, dtype=torch.long, device=device)
     anc = torch.eye(n_max, dtype=torch.bool, device=device).repeat(B, 1, 1)  # [b, n]: n and its ancestors
-    tok[:, :k], score[:, :k] = top.indices, top.values
+    tok[:, :k], score[:, :k] = top.tokens, top.scores
+    bank = None if top.q is None else [top.q[:, None]]  # the q each expanded node's children were drawn from
+    qidx = torch.full((B, n_max), -1, dtype=torch.long, device=device)  # node -> its row in the bank
     passes = run.passes_state
     state = root_state[:, None].expand(-1, n_max, -1).clone() if passes else None  # a node's input: its parent's
     path = torch.zeros(B, n_max, spec.depth, dtype=torch.long, device=device)  # node tokens from the root down
-    path[:, :k, 0] = top.indices
+    path[:, :k, 0] = top.tokens
     frontier = torch.arange(k, device=device).expand(B, k)
     fed = frontier[:, :0]  # node ids in slot order after base
     for d in range(1, spec.depth):
@@ -242,9 +260,13 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
             path[rows, frontier, :d],
         )  # (B, k, V)
         fed = order
-        cv, ci = torch.log_softmax(out.float(), -1).topk(k, -1)  # (B, k, k)
+        kids = pick(out, k)  # (B, k, k)
+        if bank is not None:
+            bank.append(kids.q)
+            qidx[rows, frontier] = 1 + (d - 1) * k + torch.arange(k, device=device)
         new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
-        tok[:, new], score[:, new] = ci.flatten(1), (score[rows, frontier][:, :, None] + cv).flatten(1)
+        tok[:, new] = kids.tokens.flatten(1)
+        score[:, new] = (score[rows, frontier][:, :, None] + kids.scores).flatten(1)
         par[:, new] = frontier.repeat_interleave(k, 1)
         depth.index_fill_(1, new, d + 1)  # a scalar through index_put_ would be a host copy (no CUDA graph)
         path[:, new] = path[rows, par[:, new]]
@@ -263,4 +285,14 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level):
     mask[:, :, 0] = True
     mask[:, 1:, 1:] = anc[rows[:, :, None], keep[:, :, None], keep[:, None, :]]
     depths = torch.cat([depth.new_zeros(B, 1), depth[rows, keep]], 1).int()
-    return tok[rows, keep], parents, mask, depths
+    q = None
+    if bank is not None:
+        qb, qi = torch.cat(bank, 1), torch.cat([qidx.new_zeros(B, 1), qidx[rows, keep]], 1)  # (B, n + 1)
+        q = torch.where((qi >= 0)[..., None], qb[rows, qi.clamp_min(0)], 0.0)
+    return tok[rows, keep], parents, mask, depths, q
+
+
+def _top_children(logits: torch.Tensor, k: int):
+    """Every parent's top-k children by draft log-prob (what greedy rows and the point-mass rule verify)."""
+    top = torch.log_softmax(logits.float(), -1).topk(k, -1)
+    return Kids(top.indices, top.values, None, None)

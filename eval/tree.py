@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -17,16 +18,44 @@ from draftsmith.kernels.kv import compact_kv
 from draftsmith.kernels.tree import tree_mask
 from draftsmith.recipes.schema import tree_paths
 
+TREE_RULES = ("point_mass", "recursive", "spectr")
+"""How a sampled row's tree is drafted and verified (docs/algorithms.md A11.4): point_mass = the drafter's top-k
+children, accepted by the point-mass walk; recursive = children drawn without replacement from the drafter's q,
+accepted by recursive rejection; spectr = children drawn i.i.d. from q, accepted by SpecTr's k-sequential rule.
+Greedy rows always take the top-k children and the deepest argmax path."""
+
+
+def check_rule(rule: str) -> None:
+    if rule not in TREE_RULES:
+        raise ValueError(f"tree sampling rule {rule!r}: choose one of {', '.join(TREE_RULES)}")
+
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """A static tree: node i is the ``ranks[i]``-th most likely child (0 = top-1) of node ``parents[i]``."""
+    """A static tree: node i is the ``ranks[i]``-th most likely child (0 = top-1) of node ``parents[i]``; under a
+    sampled rule (``sampling``) it is its parent's ``slots[i]``-th draw instead (its place among its siblings)."""
 
     parents: tuple[int, ...]
     ranks: tuple[int, ...]
+    sampling: str = "point_mass"
+
+    def __post_init__(self):
+        check_rule(self.sampling)
 
     def __len__(self) -> int:
         return len(self.parents)
+
+    @property
+    def slots(self) -> list[int]:
+        """Node i's place among its parent's children ordered by rank (0, 1, ... with no gaps)."""
+        seen: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents):
+            seen.setdefault(p, []).append(i)
+        slot = [0] * len(self.parents)
+        for kids in seen.values():
+            for j, i in enumerate(sorted(kids, key=lambda i: self.ranks[i])):
+                slot[i] = j
+        return slot
 
     @property
     def depths(self) -> list[int]:
@@ -45,10 +74,12 @@ class DynamicTree:
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 48
+    sampling: str = "point_mass"  # TREE_RULES
 
     def __post_init__(self):
         if min(self.top_k, self.depth, self.total_tokens) < 1:
             raise ValueError(f"dynamic tree needs top_k, depth, total_tokens >= 1, got {self}")
+        check_rule(self.sampling)
 
 
 def best_nodes(scores: torch.Tensor, depths: torch.Tensor, budget: int) -> torch.Tensor:
@@ -62,14 +93,14 @@ def best_nodes(scores: torch.Tensor, depths: torch.Tensor, budget: int) -> torch
     return keep.gather(-1, (depths.gather(-1, keep) * scores.shape[-1] + keep).argsort(-1))
 
 
-def tree_from_choices(choices: Sequence[Sequence[int]]) -> TreeSpec:
+def tree_from_choices(choices: Sequence[Sequence[int]], sampling: str = "point_mass") -> TreeSpec:
     """Medusa-style choices: each entry is a path of child ranks from the root, e.g. ``[[0], [1], [0, 0]]`` is the
     root's top-2 children plus the top child of the best one. Every prefix of a path must be listed too."""
     paths = tree_paths(choices)  # checked as the recipe checks them
     index: dict[tuple[int, ...], int] = {(): -1}
     for i, p in enumerate(paths):
         index[p] = i
-    return TreeSpec(tuple(index[p[:-1]] for p in paths), tuple(p[-1] for p in paths))
+    return TreeSpec(tuple(index[p[:-1]] for p in paths), tuple(p[-1] for p in paths), sampling)
 
 
 def choices_from_accuracies(acc: Sequence[Sequence[float]], n_nodes: int) -> list[list[int]]:
@@ -199,6 +230,191 @@ def sample_tree_accept(
         node = child
 
 
+class Kids(NamedTuple):
+    """A parent's children for B rows: tokens (B, *, k) in the order the verify tries them, scores (B, *, k) that
+    rank them for a dynamic tree's shape, the distributions sampled rows drew them from (q (B, *, V) fp32, zero for
+    top-k rows; None when no row sampled), and which rows sampled (B,) bool."""
+
+    tokens: torch.Tensor
+    scores: torch.Tensor
+    q: torch.Tensor | None
+    sampled: torch.Tensor
+
+
+def pick_children(rows: list, rule: str, logits: torch.Tensor, k: int) -> Kids:
+    """The ``k`` children of every parent in ``logits`` (B, *, V), row b by ``rows[b].sampler`` under ``rule``.
+
+    Greedy rows, and every row under point_mass: the top-k tokens, scored by draft log-prob. Sampled rows under
+    recursive: k draws without replacement from q = the row's processed draft distribution (Gumbel top-k: the
+    order of the perturbed scores is the order of the draws); under spectr: k i.i.d. draws from q. Their scores
+    are q's k largest log-probs, in rank order, whatever was drawn: a dynamic tree's shape then depends only on
+    the distributions of a node's ancestors, never on which tokens its own children are, which keeps the
+    verification exact. Rows of equal settings and generator draw together (the generator advances as alone)."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k, -1)
+    sampled = torch.tensor([rule != "point_mass" and not r.sampler.greedy for r in rows], device=logits.device)
+    if not bool(sampled.any()):
+        return Kids(top.indices, top.values, None, sampled)
+    tokens, scores = top.indices.clone(), top.values.clone()
+    q = torch.zeros(lp.shape, dtype=torch.float32, device=logits.device)
+    groups: dict = {}
+    for b, r in enumerate(rows):
+        if sampled[b]:
+            groups.setdefault(r.key, []).append(b)
+    for idx in groups.values():
+        s, ix = rows[idx[0]].sampler, torch.tensor(idx, device=logits.device)
+        qi = s.probs(logits[ix])
+        lq = qi.log()
+        scores[ix] = lq.topk(k, -1).values
+        if rule == "recursive":
+            u = torch.rand(qi.shape, generator=s.generator, device=qi.device).clamp_min(torch.finfo(qi.dtype).tiny)
+            tokens[ix] = (lq - torch.log(-torch.log(u))).topk(k, -1).indices  # + Gumbel noise
+        else:
+            draws = torch.multinomial(qi.reshape(-1, qi.shape[-1]), k, replacement=True, generator=s.generator)
+            tokens[ix] = draws.view(*qi.shape[:-1], k)
+        q[ix] = qi
+    return Kids(tokens, scores, q, sampled)
+
+
+class StaticKids:
+    """A static tree's node tokens for B rows, drawn from their parents' draft logits as they are computed:
+    ``token(logits, i)`` is node i's token, (B,) (``pick_children`` once per parent: a top-k row takes the
+    ``ranks[i]``-th best, a sampled row its parent's ``slots[i]``-th draw); ``q()`` then gives the distributions
+    sampled rows drew each parent's children from, (B, N+1, V) root first, or None when no row sampled."""
+
+    def __init__(self, rows: list, spec: TreeSpec):
+        self.rows, self.spec, self.slots = rows, spec, spec.slots
+        self.width: dict[int, int] = {}
+        for p, r in zip(spec.parents, spec.ranks):
+            self.width[p] = max(self.width.get(p, 0), r + 1)
+        self.kids: dict[int, Kids] = {}
+
+    def token(self, logits: torch.Tensor, i: int) -> torch.Tensor:
+        """logits (B, V): node i's parent's children's draft logits -> node i's token (B,)."""
+        par = self.spec.parents[i]
+        if par not in self.kids:
+            self.kids[par] = pick_children(self.rows, self.spec.sampling, logits, self.width[par])
+        k = self.kids[par]
+        top = k.tokens[:, self.spec.ranks[i]]
+        return top if k.q is None else torch.where(k.sampled, k.tokens[:, self.slots[i]], top)
+
+    def q(self) -> torch.Tensor | None:
+        drawn = {p: k.q for p, k in self.kids.items() if k.q is not None}
+        if not drawn:
+            return None
+        first = next(iter(drawn.values()))
+        q = first.new_zeros(first.shape[0], len(self.spec) + 1, first.shape[-1])
+        for p, qp in drawn.items():
+            q[:, p + 1] = qp
+        return q
+
+
+def multi_draft_accept(
+    rule: str,
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    probs: torch.Tensor,
+    q: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Lossless sampling over a tree of sampled children (docs/algorithms.md A11.4). probs (N+1, V): the target's
+    processed distribution at the root and at each node; q (N+1, V): the draft distribution each node's children
+    were drawn from (``pick_children``). Siblings are tried in node order (their draw order); at each node the
+    ``rule`` (recursive or spectr) either accepts a child and descends, or emits a token and stops. Returns (the
+    accepted path of node indices, the token drawn where the walk stopped)."""
+    node_rule = {"recursive": _recursive_node, "spectr": _kseq_node}[rule]
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents.tolist()):
+        children.setdefault(p, []).append(i)
+    toks = tokens.tolist()
+    node, path = -1, []
+    while True:
+        kids = children.get(node, [])
+        j, y = node_rule(probs[node + 1].float(), q[node + 1], [toks[c] for c in kids], generator)
+        if j is None:
+            return path, y
+        path.append(kids[j])
+        node = kids[j]
+
+
+def _draw(p: torch.Tensor, generator) -> int:
+    return int(torch.multinomial(p, 1, generator=generator))
+
+
+def _coin(p: torch.Tensor, generator) -> float:
+    return float(torch.rand((), generator=generator, device=p.device))
+
+
+def _recursive_node(p, q, xs: list[int], generator) -> tuple[int | None, int]:
+    """Recursive rejection over children drawn without replacement from q: child j is accepted with probability
+    min(1, p(x_j) / q_j(x_j)), q_j being q without the earlier children, renormalised; a rejection sets
+    p <- normalised max(0, p - q_j). After the last child (or once q has no mass left) emit y ~ p."""
+    q = q.clone()
+    for j, x in enumerate(xs):
+        mass = float(q.sum())
+        if not mass > 0 or not float(q[x]) > 0:  # q's support is exhausted: the later draws carry no mass
+            break
+        qj = q / mass
+        if _coin(p, generator) * float(qj[x]) < float(p[x]):
+            return j, x
+        rest = (p - qj).clamp_min(0)
+        if float(rest.sum()) > 0:  # else p == q_j up to rounding, where a rejection has probability ~0
+            p = rest / rest.sum()
+        q[x] = 0
+    return None, _draw(p, generator)
+
+
+def kseq_rho(p: torch.Tensor, q: torch.Tensor, k: int, rounds: int = 3) -> float:
+    """SpecTr's k-sequential rule accepts a draft with probability min(1, p / (rho q)); the residual is a
+    distribution iff c(rho) = (1 - (1 - beta)^k) / beta <= rho, beta = sum min(q, p / rho). The smallest such rho in
+    [1, k] accepts most (c(k) <= k always). With the tokens sorted by p / q, beta at any rho is a prefix sum of p
+    (the tokens under rho, over rho) plus a suffix sum of q, so each round checks a 65-point grid at the cost of a
+    binary search per point and narrows the bracket 64-fold; any valid rho keeps the rule exact."""
+    if k <= 1:
+        return 1.0
+    p, q = p.double(), q.double()
+    ratio = torch.where(q > 0, p / q.clamp_min(1e-300), float("inf"))
+    rs, order = ratio.sort()
+    zero = p.new_zeros(1)
+    p_below = torch.cat([zero, p[order].cumsum(0)])  # p mass of the first j tokens by ratio
+    q_above = q.sum() - torch.cat([zero, q[order].cumsum(0)])  # q mass of the rest
+
+    def valid(rho: torch.Tensor) -> torch.Tensor:
+        j = torch.searchsorted(rs, rho)  # tokens with p / q < rho contribute p / rho, the others q
+        beta = p_below[j] / rho + q_above[j]
+        c = torch.where(beta > 0, (1 - (1 - beta) ** k) / beta.clamp_min(1e-300), float(k))
+        return c <= rho
+
+    lo, hi = 1.0, float(k)
+    if bool(valid(torch.tensor([lo], dtype=p.dtype, device=p.device))[0]):
+        return lo
+    for _ in range(rounds):
+        grid = torch.linspace(lo, hi, 65, dtype=p.dtype, device=p.device)
+        ok = valid(grid)
+        ok[-1] = True  # hi: rho = k, or the previous round's valid point
+        i = int(ok.long().argmax())  # >= 1: lo is never valid
+        lo, hi = float(grid[i - 1]), float(grid[i])
+    return hi
+
+
+def _kseq_node(p, q, xs: list[int], generator) -> tuple[int | None, int]:
+    """SpecTr's k-sequential selection over k children drawn i.i.d. from q: child i is accepted with probability
+    min(1, p(x_i) / (rho q(x_i))) (p fixed); if none is, emit y from the residual p - c(rho) min(q, p / rho),
+    normalised (``kseq_rho``)."""
+    if not xs:
+        return None, _draw(p, generator)
+    p, q = p.double(), q.double()
+    rho = kseq_rho(p, q, len(xs))
+    for j, x in enumerate(xs):
+        if _coin(p, generator) * rho * float(q[x]) < float(p[x]):
+            return j, x
+    m = torch.minimum(q, p / rho)
+    beta = float(m.sum())
+    c = len(xs) if beta <= 0 else (1 - (1 - beta) ** len(xs)) / beta
+    rest = (p - c * m).clamp_min(0)
+    return None, _draw(rest if float(rest.sum()) > 0 else p, generator)
+
+
 def compact_cache(cache, start: int, keep: list[int]) -> None:
     """Keep slots ``start + keep[j]`` as slots ``start + j`` (keep ascending), in every layer and the validity mask,
     then cut the cache after them. Used after a tree verify: only the accepted path's K/V survive
@@ -216,12 +432,6 @@ def compact_cache(cache, start: int, keep: list[int]) -> None:
     cache.length = start + len(keep)
 
 
-TREE_HELP = (
-    "A Medusa tree per node count from a heads run's last logged per-head rank accuracies (metrics.jsonl), "
-    "with its expected tau, printed as an eval.tree.choices override."
-)
-
-
 def add_arguments(p) -> None:
     """The options of ``draftsmith tree`` (draftsmith/cli.py adds RUN)."""
     p.add_argument(
@@ -229,10 +439,25 @@ def add_arguments(p) -> None:
         default="2,3,4,6,8,12,16",
         help="comma-separated node counts (tree sizes, root excluded) to build a tree for",
     )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="time the run's target verifying each tree size on --device (in decode steps) and choose, per size, "
+        "the depth, and overall the size, with the highest expected tau per step cost",
+    )
+    p.add_argument(
+        "--draft-cost",
+        type=float,
+        default=0.0,
+        help="--measure: the drafter's cost per tree level as a fraction of a target decode step (about 0 for "
+        "heads; benchmarks/step_costs.py prints it as c for a draft LM or EAGLE)",
+    )
+    p.add_argument("--device", default="cpu", help="--measure: the device to time the target on")
+    p.add_argument("--ctx", type=int, default=256, help="--measure: tokens already in the KV cache when timing")
 
 
 def run_cli(args, run_dir) -> list[str]:
-    """``draftsmith tree RECIPE|RUN_DIR --nodes 2,4,8``: one line per node count -> the printed lines."""
+    """``draftsmith tree RECIPE|RUN_DIR --nodes 2,4,8 [--measure]``: one line per node count -> the printed lines."""
     import json
 
     try:
@@ -243,6 +468,21 @@ def run_cli(args, run_dir) -> list[str]:
         raise ValueError(f"--nodes {args.nodes!r}: give node counts >= 1")
     table = run_accuracies(run_dir)
     lines = []
+    if getattr(args, "measure", False):
+        from draftsmith.eval.sizing import load_target, sized_trees, verify_costs
+
+        costs, note = verify_costs(load_target(run_dir, args.device), sizes, args.ctx, device=args.device)
+        rows = sized_trees(table, costs, args.draft_cost)
+        for r in rows:
+            lines.append(
+                f"nodes {r['nodes']:>3}  depth {r['depth']}  expected tau {r['tau']:.3f}  step cost {r['cost']:.3f}  "
+                f"tau per cost {r['speed']:.3f}  eval.tree.choices={json.dumps(r['choices'], separators=(',', ':'))}"
+            )
+            print(lines[-1])
+        best = max(rows, key=lambda r: r["speed"])
+        lines.append(f"chosen: nodes {best['nodes']}, depth {best['depth']} ({note})")
+        print(lines[-1])
+        return lines
     for n in sizes:
         choices = choices_from_accuracies(table, n)
         lines.append(

@@ -423,6 +423,11 @@ class TreeConfig(Strict):
     """dynamic_tree: levels drafted per step."""
     total_tokens: int = Field(16, gt=0)
     """dynamic_tree: nodes kept (best cumulative draft log-prob) and verified per step."""
+    sampling: Literal["point_mass", "recursive", "spectr"] = "point_mass"
+    """How sampled rows (temperature > 0) draft and verify a tree, all lossless: point_mass = the drafter's top-k
+    children, accepted with the target's probability of each; recursive = children drawn without replacement from
+    the drafter's distribution, recursive rejection sampling; spectr = children drawn independently, SpecTr's
+    k-sequential rule. Greedy rows always take the top-k children."""
 
     @model_validator(mode="after")
     def _valid_choices(self):

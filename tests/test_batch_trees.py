@@ -16,7 +16,7 @@ from test_batch_decode import LENS, NEW, ar, check_caches, make_drafter, prompts
 
 from draftsmith.eval.batch_decoder import BatchDecoder, speculative_generate_batch
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
-from draftsmith.eval.tree import DynamicTree, tree_from_choices
+from draftsmith.eval.tree import TREE_RULES, DynamicTree, tree_from_choices
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -136,15 +136,20 @@ def test_a_tree_row_does_not_depend_on_its_neighbours(tgt, prompts, singles, kin
     assert all(r == results[0] for r in results)
 
 
+@pytest.mark.parametrize("rule", TREE_RULES)
 @pytest.mark.parametrize("tree", list(TREES))
 @pytest.mark.parametrize("kind", PROPOSER_KINDS)
-def test_sampled_tree_rows_follow_the_target_distribution(kind, tree):
-    """4,000 rows of one prompt in one batch, temperature 1, tree verification (the point-mass walk): the joint of
-    their first three tokens matches the target's exact joint; greedy rows in the same batch stay exact."""
+def test_sampled_tree_rows_follow_the_target_distribution(kind, tree, rule):
+    """4,000 rows of one prompt in one batch, temperature 1, tree verification by each rule (the point-mass walk
+    over top-k children, recursive or SpecTr rejection over sampled ones): the joint of their first three tokens
+    matches the target's exact joint; greedy rows in the same batch stay exact."""
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     torch.manual_seed(5)
     drafter = tiny_drafter(kind, t, heads=3, noise=0.3, lm_noise=0.5)
-    spec = {"static": tree_from_choices([[0], [1], [0, 0]]), "dynamic": DynamicTree(top_k=2, depth=2, total_tokens=4)}
+    spec = {
+        "static": tree_from_choices([[0], [1], [0, 0]], rule),
+        "dynamic": DynamicTree(top_k=2, depth=2, total_tokens=4, sampling=rule),
+    }
     prompt, N = [1, 2, 3, 4], 4000
     gen = torch.Generator().manual_seed(0)
     dec = BatchDecoder(t, drafter, tree=spec[tree], max_len=32)

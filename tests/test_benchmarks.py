@@ -41,6 +41,7 @@ MAINTAINED = [
     "code_shape",
     "drafter_compare",
     "long_context",
+    "tree_sampling",
 ]
 EXPERIMENTS = sorted(p.stem for p in (BENCH / "experiments").glob("*.py"))
 # Private package names the experiments still use; the maintained benchmarks use none.

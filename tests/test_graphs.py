@@ -199,7 +199,7 @@ def test_tree_graph_drafts_the_same_tree_as_the_eager_levels():
             for accepted in ([], [7, 9], [11]):  # three steps: the tree's first slot moves on
                 logits, _ = run.root([row], cur, 40, spec.depth)
                 run._pos0, base = run.root_pos([row]), run.rc.length
-                want = [x[0] for x in _Rows._levels(run, logits, None, spec)]  # the eager levels, one row
+                want = [x[0] for x in _Rows._levels(run, logits, None, spec)[:4]]  # the eager levels, one row
                 got = TreeGraph.of(gd, spec)(logits[0], base)
                 for w, g in zip(want, got, strict=True):
                     assert torch.equal(w, g)

@@ -145,7 +145,7 @@ def test_static_tree_nodes_are_ranked_tokens_of_their_depths_distribution(target
     spec = TREES["static"]
     from draftsmith.kernels.tree import tree_mask
 
-    tokens = prop.static_tree([row], torch.tensor([8]), spec, tree_mask(torch.tensor(spec.parents))[0], 16)[0]
+    tokens = prop.static_tree([row], torch.tensor([8]), spec, tree_mask(torch.tensor(spec.parents))[0], 16)[0][0]
     m = drafter.cfg.vocab_size
     logits = drafter(torch.tensor([[5, 6, 8, m, m]]))[0, -3:]
     for tok, d, r in zip(tokens.tolist(), spec.depths, spec.ranks):

@@ -26,6 +26,7 @@ from torch import nn
 
 from draftsmith.eval.decoder import autoregressive_generate, speculative_generate
 from draftsmith.eval.tree import (
+    TREE_RULES,
     DynamicTree,
     ancestor_mask,
     best_nodes,
@@ -149,11 +150,13 @@ def test_tree_beats_chain_acceptance_with_a_noisy_drafter(target):
     assert k >= 10 and chain.accepted_per_step[:k] == ref.accepted_per_step[:k]
 
 
-def test_tree_sampling_matches_target_end_to_end():
-    """Sampling through a branching tree keeps the target's distribution: joint of the first 3 new tokens."""
+@pytest.mark.parametrize("rule", TREE_RULES)
+def test_tree_sampling_matches_target_end_to_end(rule):
+    """Sampling through a branching tree keeps the target's distribution under every rule (batch 1): joint of the
+    first 3 new tokens."""
     target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen, N = torch.Generator().manual_seed(0), 3000
-    spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]])
+    spec = tree_from_choices([[0], [1], [0, 0], [1, 0], [0, 1]], rule)
     emp, joint, st = sampled_joint(
         lambda x: tree_speculative_generate(target, drafter, x, 4, spec, temperature=1.0, generator=gen),
         target,
@@ -202,12 +205,13 @@ def test_best_nodes_are_ancestor_closed_parent_first_and_fixed_size():
         assert got == _closure_reference(scores, parents, depths, budget) and len(got) == budget
 
 
-def test_dynamic_tree_sampling_matches_target_end_to_end():
+@pytest.mark.parametrize("rule", TREE_RULES)
+def test_dynamic_tree_sampling_matches_target_end_to_end(rule):
     target, drafter = tiny_model(0, TINY_CFG8, logit_scale=3.0), tiny_model(1, TINY_CFG8, logit_scale=3.0)
     gen = torch.Generator().manual_seed(1)
     emp, joint, _ = sampled_joint(
         lambda x: tree_speculative_generate(
-            target, drafter, x, 4, DynamicTree(2, 3, 5), temperature=1.0, generator=gen
+            target, drafter, x, 4, DynamicTree(2, 3, 5, rule), temperature=1.0, generator=gen
         ),
         target,
         [1, 2, 3, 4],
