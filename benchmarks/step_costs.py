@@ -110,7 +110,8 @@ def pack_ab(base, a) -> None:
 
 def on_threads(fn, n: int):
     def run():
-        torch.set_num_threads(n)
+        if torch.get_num_threads() != n:  # setting it, even to the same count, restarts the thread pool
+            torch.set_num_threads(n)
         return fn()
 
     return run
