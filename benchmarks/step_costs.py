@@ -36,26 +36,11 @@ import copy
 
 import torch
 
+from draftsmith.eval.sizing import cached_forward as forward
 from draftsmith.eval.timing import interleave
 from draftsmith.models.llama import FusedLinear
 from draftsmith.models.loading import load_model
 from draftsmith.models.registry import load_drafter
-
-
-def forward(model, ctx: int, t: int, device: str):
-    """A callable: one cached forward of t tokens after a ctx-token prefix (prefilled once, here), returning its
-    logits. The tokens are fixed, so two models given the same call see the same input."""
-    cache = model.new_cache(1, ctx + t + 1)
-    x = torch.arange(500, 500 + t, device=device)[None]
-    with torch.no_grad():
-        model(torch.arange(100, 100 + ctx, device=device)[None], cache=cache)
-
-    def fn():
-        cache.length = ctx
-        with torch.no_grad():
-            return model(x, cache=cache)
-
-    return fn
 
 
 def head_models(tgt, sizes: list[int]) -> dict:

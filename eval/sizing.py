@@ -18,8 +18,9 @@ from draftsmith.eval.timing import interleave
 from draftsmith.eval.tree import choices_from_accuracies, expected_tau
 
 
-def _forward(model, ctx: int, t: int, device: str):
-    """One cached forward of t fixed tokens after a ctx-token prefix (prefilled once, here)."""
+def cached_forward(model, ctx: int, t: int, device: str):
+    """A callable: one cached forward of t fixed tokens after a ctx-token prefix (prefilled once, here), returning
+    its logits (the tokens are fixed, so two models given the same call see the same input)."""
     cache = model.new_cache(1, ctx + t + 1)
     x = (torch.arange(t, device=device) * 7 % 61 + 1)[None]  # ids every vocabulary has: the values set no cost
     with torch.no_grad():
@@ -36,8 +37,8 @@ def _forward(model, ctx: int, t: int, device: str):
 def verify_costs(model, sizes: Sequence[int], ctx: int = 256, reps: int = 10, rounds: int = 3, device: str = "cpu"):
     """Each size n's verify (n + 1 tokens after a ctx-token cache) in decode steps (one token), every forward timed
     round-robin in one process (eval/timing.py) -> ({n: cost}, the machine and CPU-share note)."""
-    jobs = {"decode": _forward(model, ctx, 1, device)}
-    jobs.update({f"n{n}": _forward(model, ctx, n + 1, device) for n in sorted(set(sizes))})
+    jobs = {"decode": cached_forward(model, ctx, 1, device)}
+    jobs.update({f"n{n}": cached_forward(model, ctx, n + 1, device) for n in sorted(set(sizes))})
     t = interleave(jobs, warmup=1, repeats=rounds, number=reps, device=device)
     return {n: t.ratio(f"n{n}", "decode") for n in sizes}, t.note
 
