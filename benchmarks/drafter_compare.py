@@ -1,6 +1,7 @@
 """The drafters side by side: DFlash, P-EAGLE, EAGLE-3.1, a fresh MTP layer and HASS (with its two changes alone)
 against EAGLE-3, Hydra++ and PARD, FSPAD against EAGLE-1, Gumiho against Hydra++, Falcon against Medusa and PARD,
-and Kangaroo against a draft LM of as many trained parameters, each trained on the same records with the same
+Kangaroo against a draft LM of as many trained parameters, and GliDe against the same one-layer draft LM without its
+cross-attention over the target's KV cache, each trained on the same records with the same
 steps, micro-batch and loss (FKL; HASS adds its top-k term), then decoded on the same prompts.
 
     python benchmarks/drafter_compare.py                    # generate the records once, train + eval each arm
@@ -48,6 +49,8 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "gumiho": ("gumiho-smollm2", {}),  # 2-layer EAGLE-3 for drafts 1-2, 5 MLP heads for drafts 3-7
     "falcon": ("falcon-smollm2", {}),  # semi-autoregressive: 2 drafts per forward, CSGD
     "medusa": ("medusa-smollm2", {}),  # Falcon's baselines: Medusa-1 heads, and PARD
+    "glide": ("glide-smollm2", {"lags": 3}),  # one layer + a cross-attention over the target's KV cache
+    "draft-lm-1l": ("glide-smollm2", {"kind": "draft_lm", "n_layers": 1, "init_layers": [29]}),  # GliDe without it
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 SETTINGS = {

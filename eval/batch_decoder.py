@@ -84,6 +84,11 @@ class SlotTarget:
     def __init__(self, target, max_len: int):
         self.target, self.rc, self.batch = target, RowCache(target.new_cache, max_len), True
 
+    @property
+    def kv(self):
+        """The target's cache of the active rows."""
+        return self.rc.view
+
     def prefill(self, ids, valid, pos, layers: tuple[int, ...]):
         """Prompts (k, W), right-aligned -> (logits at each last position (k, V), captured states)."""
         self.tmp = self.target.new_cache(*ids.shape)
@@ -131,6 +136,11 @@ class DenseTarget:
 
     def __init__(self, target, max_len: int):
         self.target, self.max_len, self.rc = target, max_len, None
+
+    @property
+    def kv(self):
+        """The target's cache."""
+        return self.cache
 
     def prefill(self, ids, valid, pos, layers: tuple[int, ...]):
         self.cache = self.target.new_cache(1, self.max_len)
@@ -222,6 +232,8 @@ class BatchDecoder:
             max_prefill_pad = PREFILL_PAD.get(self.device.type, PREFILL_PAD["cpu"])
         self.max_prefill_pad = max_prefill_pad
         self.tside = DenseTarget(target, max_len) if one_row else SlotTarget(target, max_len)
+        if hasattr(self.prop, "bind"):  # a drafter that reads the target's cache (GliDe)
+            self.prop.bind(self.tside)
         self.one_row = one_row
         self.rows: list[_Row] = []  # active, in cache-row order
         self.pending: list[_Row] = []  # added, not prefilled yet

@@ -471,7 +471,7 @@ def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | Non
     """The eval recipe's draft tree; None for chain decoding. ``max_depth``: the drafter's limit (heads), which
     caps the default static tree; a tree the recipe makes deeper is refused in one line naming the key."""
     if ec.strategy == "dynamic_tree":
-        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens, ec.tree.sampling)
+        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens, ec.tree.sampling, ec.tree.frontier)
         key, depth = "eval.tree.depth", tree.depth
     elif ec.strategy == "tree":
         # default: the top-1 chain plus the runner-up sibling at every depth
@@ -500,6 +500,7 @@ def _strategy(ec, max_depth: int | None = None) -> tuple[dict, int]:
             "top_k": tree.top_k,
             "depth": tree.depth,
             "total_tokens": tree.total_tokens,
+            "frontier": tree.width,
         }, tree.depth
     depth = max(tree.depths)
     return {"kind": "tree", "nodes": len(tree), "depth": depth, "choices": ec.tree.choices}, depth

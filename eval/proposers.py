@@ -10,6 +10,7 @@ per way a drafter reads the sequence. ``proposer_for`` is the one place that map
   several positions in one forward; ``HybridRows``: Gumiho (``drafts_hybrid``), EAGLE for the first positions and
   MLP heads on its pairs for the later ones; ``BlockFeatureRows``: Falcon (``drafts_blocks``), k drafts per forward
   in blocks, each block read from the cache without writing to it;
+- ``GlimpseRows``: GliDe (``reads_target_cache``), a draft LM that also reads the target's KV cache;
 - ``BlockRows``: DFlash (``drafts_block``), a whole block of drafts in one forward over the target's fused
   features at committed positions, kept in its own ``RowCache``;
 - a draft LM with its own tokenizer has its own proposer, eval/hetero.py ``OwnVocabRows``.
@@ -34,6 +35,7 @@ from draftsmith.eval.row_cache import RowCache, aligned
 from draftsmith.eval.shapes import tree_levels
 from draftsmith.eval.tree import DynamicTree, StaticKids, pick_children
 from draftsmith.models.feature_heads import first_stop, split_stop
+from draftsmith.models.glide import key_order
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,8 @@ def proposer_for(drafter) -> type:
         return FeatureRows
     if getattr(drafter, "drafts_block", False):
         return BlockRows
+    if getattr(drafter, "reads_target_cache", False):
+        return GlimpseRows
     return TokenRows
 
 
@@ -312,6 +316,24 @@ class TokenRows(_Rows):
         self.rc.keep(self.s_root, self.fed, kept)
         for b, (r, k, m) in enumerate(zip(rows, kept.tolist(), n.tolist())):
             r.dpos, r.unread = r.dpos + k, drafts[b, k:m]
+
+
+class GlimpseRows(TokenRows):
+    """GliDe (models/glide.py): a draft LM whose every draft forward also reads the target's KV cache of the
+    committed context. ``bind(side)``: the decoder's target side, whose ``kv`` is the target's cache now (before a
+    step's verify: each row's committed tokens, holes and padding invalid)."""
+
+    def __init__(self, target, drafter, max_len: int, stop=None):
+        super().__init__(target, drafter, max_len, stop)
+        self.side, self.order = None, key_order(target)
+
+    def bind(self, side) -> None:
+        self.side = side
+
+    def _call(self, ids: torch.Tensor, last: int = 0, **kw):
+        if self.side is None:
+            raise RuntimeError("GlimpseRows drafts only after bind(target side)")
+        return super()._call(ids, last, glimpse=self.d.glimpse_of(self.side.kv, self.order), **kw)
 
 
 class HeadRows(_Rows):

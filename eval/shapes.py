@@ -194,7 +194,7 @@ class DynamicShape(_Tree):
     def __init__(self, prop, spec: DynamicTree):
         self.prop, self.spec, self.depth = prop, spec, spec.depth
         self._check_depth(prop)
-        self.room = spec.top_k + (spec.depth - 1) * spec.top_k**2 + self.depth + 2  # every node a step records
+        self.room = spec.max_nodes + self.depth + 2  # every node a step records
 
     def draft(self, dec, rows, cur: torch.Tensor, budgets: list[int] | None) -> Drafted:
         B = len(rows)
@@ -228,9 +228,9 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
     the root's, row i + 1 node i's (zero where nothing was drawn from it), None when no row sampled. Node ids are
     assigned level by level (children after their parents), an ancestor matrix grows with them, and a stable sort
     by score ranks them; ``base`` (the root's slot + 1) may be a device tensor (proposers.py ``TreeGraph``)."""
-    k, device, B = spec.top_k, root_logits.device, root_logits.shape[0]
+    k, f, device, B = spec.top_k, spec.width, root_logits.device, root_logits.shape[0]
     pick = pick or _top_children
-    n_max = k + (spec.depth - 1) * k * k
+    n_max = spec.max_nodes
     rows = torch.arange(B, device=device)[:, None]
     top = pick(root_logits, k)
     tok = torch.zeros(B, n_max, dtype=torch.long, device=device)
@@ -245,7 +245,7 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
     state = root_state[:, None].expand(-1, n_max, -1).clone() if passes else None  # a node's input: its parent's
     path = torch.zeros(B, n_max, spec.depth, dtype=torch.long, device=device)  # node tokens from the root down
     path[:, :k, 0] = top.tokens
-    frontier = torch.arange(k, device=device).expand(B, k)
+    frontier = torch.arange(k, device=device).expand(B, k) if f == k else score[:, :k].topk(f, -1).indices
     fed = frontier[:, :0]  # node ids in slot order after base
     for d in range(1, spec.depth):
         order = torch.cat([fed, frontier], 1)
@@ -260,11 +260,11 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
             path[rows, frontier, :d],
         )  # (B, k, V)
         fed = order
-        kids = pick(out, k)  # (B, k, k)
+        kids = pick(out, k)  # (B, f, k)
         if bank is not None:
             bank.append(kids.q)
-            qidx[rows, frontier] = 1 + (d - 1) * k + torch.arange(k, device=device)
-        new = torch.arange(k + (d - 1) * k * k, k + d * k * k, device=device)  # children, row by row
+            qidx[rows, frontier] = 1 + (d - 1) * f + torch.arange(f, device=device)
+        new = torch.arange(k + (d - 1) * f * k, k + d * f * k, device=device)  # children, row by row
         tok[:, new] = kids.tokens.flatten(1)
         score[:, new] = (score[rows, frontier][:, :, None] + kids.scores).flatten(1)
         par[:, new] = frontier.repeat_interleave(k, 1)
@@ -274,7 +274,7 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
         anc[:, new] |= anc[rows, par[:, new]]
         if passes:
             state[:, new] = out_st.repeat_interleave(k, 1)
-        frontier = new[score[:, new].topk(k, -1).indices]
+        frontier = new[score[:, new].topk(f, -1).indices]
     keep = best_nodes(score, depth, min(spec.total_tokens, n_max))  # ancestor-closed, parents first
     n = keep.shape[1]
     index = torch.full((B, n_max), -1, dtype=torch.long, device=device)

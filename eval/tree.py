@@ -68,18 +68,33 @@ class TreeSpec:
 
 @dataclass(frozen=True)
 class DynamicTree:
-    """EAGLE-2-style dynamic tree (docs/algorithms.md A6.2): per step, expand the ``top_k`` best frontier nodes by
-    cumulative draft log-prob for ``depth`` levels, then keep the ``total_tokens`` best nodes overall."""
+    """EAGLE-2-style dynamic tree (docs/algorithms.md A6.2): per step, expand the ``frontier`` (default ``top_k``)
+    best frontier nodes by cumulative draft log-prob, ``top_k`` children each, for ``depth`` levels, then keep the
+    ``total_tokens`` best nodes overall. ``frontier=1`` is confidence-aware proposal expansion (CaPE, A11.7): the
+    top-1 chain is drafted, and the node budget goes to its siblings where the draft is unsure."""
 
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 48
     sampling: str = "point_mass"  # TREE_RULES
+    frontier: int | None = None
 
     def __post_init__(self):
         if min(self.top_k, self.depth, self.total_tokens) < 1:
             raise ValueError(f"dynamic tree needs top_k, depth, total_tokens >= 1, got {self}")
+        if self.frontier is not None and not 1 <= self.frontier <= self.top_k:
+            raise ValueError(f"dynamic tree needs 1 <= frontier <= top_k, got {self}")
         check_rule(self.sampling)
+
+    @property
+    def width(self) -> int:
+        """Nodes expanded per level."""
+        return self.top_k if self.frontier is None else self.frontier
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes drafted per step before the final selection."""
+        return self.top_k + (self.depth - 1) * self.width * self.top_k
 
 
 def best_nodes(scores: torch.Tensor, depths: torch.Tensor, budget: int) -> torch.Tensor:

@@ -418,7 +418,11 @@ class TreeConfig(Strict):
     """tree: paths of child ranks from the root, e.g. [[0], [1], [0, 0]]; every prefix must be listed. None = the
     top-1 chain of depth draft_len plus the second-best sibling at every depth."""
     top_k: int = Field(4, gt=0)
-    """dynamic_tree: children per expanded node and nodes expanded per level."""
+    """dynamic_tree: children per expanded node, and nodes expanded per level unless ``frontier`` says otherwise."""
+    frontier: int | None = Field(None, gt=0)
+    """dynamic_tree: nodes expanded per level (None = top_k). 1 = confidence-aware proposal expansion (CaPE): the
+    draft's top-1 chain is drafted and total_tokens keeps the chain plus the siblings where the draft is least sure
+    of its top choice (each sibling scored by its cumulative draft log-prob)."""
     depth: int = Field(4, gt=0, le=32)
     """dynamic_tree: levels drafted per step."""
     total_tokens: int = Field(16, gt=0)
@@ -433,6 +437,8 @@ class TreeConfig(Strict):
     def _valid_choices(self):
         if self.choices is not None:
             tree_paths(self.choices)  # raises ValueError naming the bad path
+        if self.frontier is not None and self.frontier > self.top_k:
+            raise ValueError(f"eval.tree.frontier={self.frontier} > eval.tree.top_k={self.top_k}")
         return self
 
 

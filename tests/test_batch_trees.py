@@ -9,6 +9,8 @@ not depend on its neighbours; judged rows equal their own batch-1 judged decode.
 # ruff: noqa: F811  (the module fixtures tgt, prompts and ar are test_batch_decode's: the same target and prompts)
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import PROPOSER_KINDS, TINY_CFG8, exact_joint, tiny_drafter, tiny_model, tv
@@ -143,16 +145,26 @@ def test_sampled_tree_rows_follow_the_target_distribution(kind, tree, rule):
     """4,000 rows of one prompt in one batch, temperature 1, tree verification by each rule (the point-mass walk
     over top-k children, recursive or SpecTr rejection over sampled ones): the joint of their first three tokens
     matches the target's exact joint; greedy rows in the same batch stay exact."""
-    t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
-    torch.manual_seed(5)
-    drafter = tiny_drafter(kind, t, heads=3, noise=0.3, lm_noise=0.5)
     spec = {
         "static": tree_from_choices([[0], [1], [0, 0]], rule),
         "dynamic": DynamicTree(top_k=2, depth=2, total_tokens=4, sampling=rule),
     }
+    _sampled_joint(kind, spec[tree])
+
+
+@pytest.mark.parametrize("rule", TREE_RULES)
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "glide"])
+def test_sampled_cape_rows_follow_the_target_distribution(kind, rule):
+    _sampled_joint(kind, DynamicTree(top_k=2, depth=3, total_tokens=4, sampling=rule, frontier=1))
+
+
+def _sampled_joint(kind: str, spec) -> None:
+    t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
+    torch.manual_seed(5)
+    drafter = tiny_drafter(kind, t, heads=3, noise=0.3, lm_noise=0.5)
     prompt, N = [1, 2, 3, 4], 4000
     gen = torch.Generator().manual_seed(0)
-    dec = BatchDecoder(t, drafter, tree=spec[tree], max_len=32)
+    dec = BatchDecoder(t, drafter, tree=spec, max_len=32)
     ids = [dec.add(torch.tensor(prompt), 3, temperature=1.0, generator=gen) for _ in range(N)]
     greedy = [dec.add(torch.tensor(prompt), 3) for _ in range(3)]
     outs = run(dec, ids + greedy, check=False)
@@ -166,6 +178,34 @@ def test_sampled_tree_rows_follow_the_target_distribution(kind, tree, rule):
     assert tv(emp.sum(2), joint.sum(2)) < 0.06
     acc = sum(dec.stats[i].accepted for i in ids)
     assert 0.05 * N < acc  # some sampled rows walked into the tree
+
+
+CAPE = DynamicTree(top_k=3, depth=4, total_tokens=8, frontier=1)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "hydra", "glide"])
+def test_cape_trees_are_the_top1_chain_plus_siblings_and_lossless_in_batches(tgt, prompts, ar, kind):
+    """frontier=1 (CaPE): every kept node is the top-1 chain's node or a child of one, the chain's nodes are the
+    only ones expanded; greedy rows of a batch equal their own decode."""
+    from draftsmith.eval.shapes import tree_levels
+
+    drafter = make_drafter(kind, tgt)
+    dec = tight(tgt, drafter, CAPE, 5)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    outs = run(dec, ids)
+    assert all(outs[i] == ar[b] for b, i in enumerate(ids))
+    B, V = 3, 11
+    logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
+
+    def level(run, tokens, states, d, base, n_fed, anc, paths):
+        assert tokens.shape[1] == 1  # one node expanded per level
+        return torch.randn(B, 1, V, generator=torch.Generator().manual_seed(d)), None
+
+    toks, parents, mask, depths, _ = tree_levels(SimpleNamespace(passes_state=False), logits, None, 0, CAPE, level)
+    for b in range(B):
+        par = parents[b].tolist()
+        expanded = {p for p in par if p >= 0}
+        assert len({int(depths[b, 1 + p]) for p in expanded}) == len(expanded)  # one expanded node per depth
 
 
 class _StateJudge:

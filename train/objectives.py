@@ -19,6 +19,7 @@ from pydantic import BaseModel
 
 from draftsmith.errors import DraftsmithError
 from draftsmith.models.acceptance import N_EXTRA, acceptance_features
+from draftsmith.models.glide import key_order, lagged, target_kv
 from draftsmith.models.registry import DRAFTERS, drafter_spec
 from draftsmith.models.spec import dotted
 from draftsmith.train import losses
@@ -231,6 +232,30 @@ def draft_lm_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
 
     loss, n, m = model(batch["input_ids"], logits_at=trained_index(batch), head_fn=head_fn, **packed_kw(batch))
     return StepOutput(loss, n, m)
+
+
+def glide_objective(model, batch: dict, cfg, ctx: Context) -> StepOutput:
+    """GliDe (models/glide.py): the draft LM objective once per lag s = 1..lags, the cross-attention reading the
+    target's keys up to s positions before each query (``lagged``), as draft depth s - 1 reads them when decoding.
+    The loss is the mean over the lags; metrics per lag as per draft step (``top1_step{s-1}``)."""
+    if ctx.target is None:
+        raise DraftsmithError("drafter.kind=glide reads the target's KV cache: the target must run in the loop")
+    m = ctx.unwrapped
+    teacher, at, spec = draft_lm_teacher(batch, cfg, ctx), trained_index(batch), _spec(cfg)
+    k, v = target_kv(ctx.target, batch["input_ids"], m.cfg.cache_layer)
+    order = key_order(ctx.target)
+
+    def head_fn(h, head):
+        return (
+            losses.head_loss(h, head, teacher, spec, ctx.generator) * h.shape[0],
+            h.shape[0],
+            _metrics(h, head, teacher, cfg),
+        )
+
+    outs = [model(batch["input_ids"], logits_at=at, head_fn=head_fn, glimpse=lagged(k, v, s, order))
+            for s in range(1, m.cfg.lags + 1)]  # fmt: skip
+    loss = sum(o[0] for o in outs) / len(outs)
+    return StepOutput(loss, outs[0][1], _per_step_metrics(outs, "step"))
 
 
 def _take(t: losses.Teacher, idx: torch.Tensor) -> losses.Teacher:
