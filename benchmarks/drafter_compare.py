@@ -16,7 +16,8 @@ precision are the same for every arm. The MTP arm is a fresh MTP layer of the ta
 Per arm: drafter parameters (without the frozen embeddings / head copies), train tokens/s (the loop's mean over
 the run), teacher-forced top-1 of the first three draft positions at the last logged step, then `draftsmith eval`
 with a chain of 3, the static tree [[0], [0, 0], [1]], (exit6) up to 6 drafts cut by the confidence rule at 0.6,
-and 4-node dynamic trees of depth 3 expanding 3 nodes per level (dyn4) or only the top-1 chain (cape4: CaPE),
+4-node dynamic trees of depth 3 expanding 3 nodes per level (dyn4) or only the top-1 chain (cape4: CaPE), and
+DySpec's confidence-sized tree (dyspec: up to 8 nodes and 5 levels, nodes of cumulative draft probability >= 0.3),
 at T = 0 on MT-bench: τ, speed against own plain decoding measured in the same process, and the lossless count.
 Compare speeds only within one run on a quiet machine.
 """
@@ -51,7 +52,7 @@ ARMS = {  # arm -> (shipped recipe whose drafter section and lr it takes, drafte
     "falcon": ("falcon-smollm2", {}),  # semi-autoregressive: 2 drafts per forward, CSGD
     "medusa": ("medusa-smollm2", {}),  # Falcon's baselines: Medusa-1 heads, and PARD
     "glide": ("glide-smollm2", {"lags": 3}),  # one layer + a cross-attention over the target's KV cache
-    "draft-lm-1l": ("glide-smollm2", {"kind": "draft_lm", "n_layers": 1, "init_layers": [29]}),  # GliDe without it
+    "draft-lm-1l": ("glide-smollm2", {"kind": "draft_lm", "n_layers": 1, "init_layers": [0]}),  # GliDe without it
 }
 MTP = {"kind": "mtp", "init": "random", "ttt_steps": 3}
 DYN4 = ["eval.strategy=dynamic_tree", "eval.tree.top_k=3", "eval.tree.depth=3", "eval.tree.total_tokens=4"]
@@ -61,6 +62,13 @@ SETTINGS = {
     "exit6": ["eval.strategy=chain", "eval.draft_len=6", "eval.stop.rule=confidence", "eval.stop.threshold=0.6"],
     "dyn4": [*DYN4],
     "cape4": [*DYN4, "eval.tree.frontier=1"],
+    "dyspec": [
+        "eval.strategy=dynamic_tree",
+        "eval.tree.top_k=3",
+        "eval.tree.depth=5",
+        "eval.tree.total_tokens=8",
+        "eval.tree.min_prob=0.3",
+    ],  # fmt: skip
 }  # exit6: up to 6 drafts, stopping once the draft's top-1 probability is below 0.6 (Kangaroo's early exit)
 ROOT = Path("runs/compare")
 POS = ("step", "draft", "head")  # metric names of the draft positions: TTT steps, block / PARD drafts, heads

@@ -471,7 +471,8 @@ def build_tree(ec, max_depth: int | None = None) -> TreeSpec | DynamicTree | Non
     """The eval recipe's draft tree; None for chain decoding. ``max_depth``: the drafter's limit (heads), which
     caps the default static tree; a tree the recipe makes deeper is refused in one line naming the key."""
     if ec.strategy == "dynamic_tree":
-        tree = DynamicTree(ec.tree.top_k, ec.tree.depth, ec.tree.total_tokens, ec.tree.sampling, ec.tree.frontier)
+        t = ec.tree
+        tree = DynamicTree(t.top_k, t.depth, t.total_tokens, t.sampling, t.frontier, t.min_prob)
         key, depth = "eval.tree.depth", tree.depth
     elif ec.strategy == "tree":
         # default: the top-1 chain plus the runner-up sibling at every depth
@@ -501,6 +502,7 @@ def _strategy(ec, max_depth: int | None = None) -> tuple[dict, int]:
             "depth": tree.depth,
             "total_tokens": tree.total_tokens,
             "frontier": tree.width,
+            "min_prob": tree.min_prob,
         }, tree.depth
     depth = max(tree.depths)
     return {"kind": "tree", "nodes": len(tree), "depth": depth, "choices": ec.tree.choices}, depth

@@ -290,7 +290,8 @@ class TokenRows(_Rows):
         """A draft LM in a ``GraphedLlama`` at batch 1 drafts every level after the root from one captured graph
         (``TreeGraph``; top-k children only); otherwise the levels run as for any proposer."""
         graphed = isinstance(self.d, GraphedLlama) and not self.hidden and not self.pard
-        if graphed and root_logits.shape[0] == 1 and self.rc.view is self.d._cache and spec.sampling == "point_mass":
+        graphed = graphed and spec.sampling == "point_mass" and spec.min_prob is None  # (fixed shapes, no host reads)
+        if graphed and root_logits.shape[0] == 1 and self.rc.view is self.d._cache:
             graph = TreeGraph.of(self.d, spec)
             if graph.usable:
                 return (*(x[None] for x in graph(root_logits[0], self.rc.length)), None)

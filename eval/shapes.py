@@ -10,6 +10,7 @@ rejection sampling (eval/accept.py), a tree's deepest argmax path, point-mass wa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -247,7 +248,10 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
     path[:, :k, 0] = top.tokens
     frontier = torch.arange(k, device=device).expand(B, k) if f == k else score[:, :k].topk(f, -1).indices
     fed = frontier[:, :0]  # node ids in slot order after base
+    floor = None if spec.min_prob is None else math.log(spec.min_prob)
     for d in range(1, spec.depth):
+        if floor is not None and float(score[rows, frontier].max()) < floor:
+            break  # (DySpec) no frontier node, nor any descendant, can be kept: nothing deeper is drafted
         order = torch.cat([fed, frontier], 1)
         out, out_st = level(
             run,
@@ -275,7 +279,10 @@ def tree_levels(run, root_logits, root_state, base, spec: DynamicTree, level, pi
         if passes:
             state[:, new] = out_st.repeat_interleave(k, 1)
         frontier = new[score[:, new].topk(f, -1).indices]
-    keep = best_nodes(score, depth, min(spec.total_tokens, n_max))  # ancestor-closed, parents first
+    budget = min(spec.total_tokens, n_max)
+    if floor is not None:  # the nodes that reach min_prob (the most any row has; each row keeps its best)
+        budget = max(1, min(budget, int((score >= floor).sum(1).max())))
+    keep = best_nodes(score, depth, budget)  # ancestor-closed, parents first
     n = keep.shape[1]
     index = torch.full((B, n_max), -1, dtype=torch.long, device=device)
     index[rows, keep] = torch.arange(n, device=device).expand(B, n)

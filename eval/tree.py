@@ -71,19 +71,25 @@ class DynamicTree:
     """EAGLE-2-style dynamic tree (docs/algorithms.md A6.2): per step, expand the ``frontier`` (default ``top_k``)
     best frontier nodes by cumulative draft log-prob, ``top_k`` children each, for ``depth`` levels, then keep the
     ``total_tokens`` best nodes overall. ``frontier=1`` is confidence-aware proposal expansion (CaPE, A11.7): the
-    top-1 chain is drafted, and the node budget goes to its siblings where the draft is unsure."""
+    top-1 chain is drafted, and the node budget goes to its siblings where the draft is unsure. ``min_prob``
+    (DySpec, A11.8): a level is drafted only while some frontier node's cumulative draft probability reaches it,
+    and only the nodes that reach it are verified (at least one, at most ``total_tokens``): the tree's size and
+    depth follow the draft's confidence, step by step."""
 
     top_k: int = 8
     depth: int = 5
     total_tokens: int = 48
     sampling: str = "point_mass"  # TREE_RULES
     frontier: int | None = None
+    min_prob: float | None = None  # DySpec (A11.8): grow and keep only nodes of cumulative draft probability >= it
 
     def __post_init__(self):
         if min(self.top_k, self.depth, self.total_tokens) < 1:
             raise ValueError(f"dynamic tree needs top_k, depth, total_tokens >= 1, got {self}")
         if self.frontier is not None and not 1 <= self.frontier <= self.top_k:
             raise ValueError(f"dynamic tree needs 1 <= frontier <= top_k, got {self}")
+        if self.min_prob is not None and not 0 < self.min_prob < 1:
+            raise ValueError(f"dynamic tree needs 0 < min_prob < 1, got {self}")
         check_rule(self.sampling)
 
     @property

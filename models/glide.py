@@ -50,11 +50,13 @@ class GlideDrafterConfig(Strict):
     lags: int = Field(4, gt=0)
     """Training passes per batch: pass s reads the target's keys up to s positions before each query, as drafts at
     depth s - 1 do when decoding. Set it to the draft length (or tree depth) you decode with."""
-    init_from_target: bool = True
-    """Start the self-attention, MLP and norms as the target's last layer and the cross-attention's query and output
-    projections as ``cache_layer``'s (so it starts as that layer's attention over the cache); false: fresh."""
+    init_layer: int | None = 0
+    """The target layer the self-attention, MLP and norms start from (0, the first: its weights expect token
+    embeddings); the cross-attention's query projection and norm start as ``cache_layer``'s and its output
+    projection at zero, so the drafter starts as that one-layer draft LM and learns what to read from the cache.
+    None: all fresh."""
     hidden_dim: int | None = Field(None, gt=0)
-    """MLP width; None = the target's (needed by init_from_target)."""
+    """MLP width; None = the target's (needed by init_layer)."""
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,7 @@ class Glide(Llama):
     def glimpse_of(self, cache, order: torch.Tensor | None = None) -> Glimpse:
         """The target's cache as the drafter reads it while decoding: layer ``cache_layer``'s keys and values at
         every valid slot (the committed context; a batch's holes and padding masked)."""
-        if not isinstance(cache, KVCache):
-            raise DraftsmithError(
-                f"drafter.kind=glide reads the target's slot KV cache; this target keeps a {type(cache).__name__} "
-                f"(a transformers model without a 4-D attention mask): decode it with another drafter"
-            )
+        _check_slots(cache)
         S, i = cache.length, self.cfg.cache_layer
         k, v = cache.k[i][:, :, :S], cache.v[i][:, :, :S]
         if k.shape[1] != self.cfg.n_kv_heads or k.shape[-1] != self.cfg.hd:
@@ -162,6 +160,15 @@ class Glide(Llama):
                 f"channels, the drafter was built for {self.cfg.n_kv_heads} of {self.cfg.hd}"
             )
         return Glimpse(k, v, cache.valid[:, None, None, :S], order)
+
+
+def _check_slots(cache):
+    if not isinstance(cache, KVCache):
+        raise DraftsmithError(
+            f"drafter.kind=glide reads the target's slot KV cache; this target keeps a {type(cache).__name__} "
+            f"(a transformers model without a 4-D attention mask): use another drafter kind"
+        )
+    return cache
 
 
 def key_order(target) -> torch.Tensor | None:
@@ -179,11 +186,7 @@ def key_order(target) -> torch.Tensor | None:
 def target_kv(target, ids: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's keys and values of ``layer`` over ``ids`` (B, T): (B, Hkv, T, hd) each, as its cache holds
     them when decoding (training's side of ``Glide.glimpse_of``)."""
-    cache = target.new_cache(*ids.shape)
-    if not isinstance(cache, KVCache):
-        raise DraftsmithError(
-            f"drafter.kind=glide reads the target's slot KV cache; this target keeps a {type(cache).__name__}"
-        )
+    cache = _check_slots(target.new_cache(*ids.shape))
     target(ids, cache=cache, logits_at=torch.zeros(1, dtype=torch.long, device=ids.device), return_hidden=True)
     T = ids.shape[1]
     return cache.k[layer][:, :, :T], cache.v[layer][:, :, :T]
@@ -216,27 +219,31 @@ def build_glide(cfg: GlideDrafterConfig | dict, target, **_) -> Glide:
         draft.norm.weight.copy_(norm)
         if not mc.tie_embeddings:
             draft.lm_head.weight.copy_(head)
-        if p.init_from_target:
-            _init_from_target(draft, target, layer)
+        if p.init_layer is not None:
+            _init_from_target(draft, target, p.init_layer, layer)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.lm_head.weight.requires_grad_(False)
     return draft
 
 
-def _init_from_target(draft: Glide, target, layer: int) -> None:
-    """The layer starts as the target's last layer; the cross-attention's query, output and norm as ``layer``'s
-    attention (then it computes exactly that layer's attention over the cache at lag 0)."""
+def _init_from_target(draft: Glide, target, start: int, layer: int) -> None:
+    """The layer starts as the target's layer ``start``; the cross-attention's query projection and norms as
+    ``layer``'s attention, its output projection zero (it adds nothing until trained)."""
     blk, n = draft.layers[0], target.cfg.n_layers
+    if not -n <= start < n:
+        raise DraftsmithError(f"drafter.init_layer={start} is outside the target's {n} layers")
     if draft.cfg.hidden_dim != target.cfg.hidden_dim:
-        raise DraftsmithError("drafter.init_from_target needs drafter.hidden_dim to be the target's (or null)")
+        raise DraftsmithError("drafter.init_layer needs drafter.hidden_dim to be the target's (or null)")
     try:
-        last, src = (layer_state(target, i, "drafter.init_from_target") for i in (n - 1, layer))
+        first, src = (layer_state(target, i, "drafter.init_layer") for i in (start % n, layer))
     except DraftsmithError as e:
-        raise DraftsmithError(f"{str(e).split(';')[0]}; set drafter.init_from_target=false") from None
-    blk.load_state_dict(last, strict=False)  # (the cross-attention is not in a plain layer)
-    cross = {k.split(".", 1)[1]: w for k, w in src.items() if k.split(".")[:2] in (["self_attn", "q_proj"],
-             ["self_attn", "o_proj"], ["self_attn", "q_norm"])}  # fmt: skip
-    blk.cross_attn.load_state_dict(cross)
+        raise DraftsmithError(f"{str(e).split(';')[0]}; set drafter.init_layer=null") from None
+    blk.load_state_dict(first, strict=False)  # (the cross-attention is not in a plain layer)
+    keep = (["self_attn", "q_proj"], ["self_attn", "q_norm"])
+    blk.cross_attn.load_state_dict(
+        {k.split(".", 1)[1]: w for k, w in src.items() if k.split(".")[:2] in keep}, strict=False
+    )
+    blk.cross_attn.o_proj.weight.zero_()
     blk.cross_attn_layernorm.weight.copy_(src["input_layernorm.weight"])
 
 

@@ -423,6 +423,11 @@ class TreeConfig(Strict):
     """dynamic_tree: nodes expanded per level (None = top_k). 1 = confidence-aware proposal expansion (CaPE): the
     draft's top-1 chain is drafted and total_tokens keeps the chain plus the siblings where the draft is least sure
     of its top choice (each sibling scored by its cumulative draft log-prob)."""
+    min_prob: float | None = Field(None, gt=0, lt=1)
+    """dynamic_tree: DySpec's acceptance-guided size. A level is drafted only while some frontier node's cumulative
+    draft probability (its estimated chance of acceptance) reaches min_prob, and only the nodes that reach it are
+    verified (at least one, at most total_tokens): confident steps grow deep trees, unsure ones small. None = the
+    fixed depth and size."""
     depth: int = Field(4, gt=0, le=32)
     """dynamic_tree: levels drafted per step."""
     total_tokens: int = Field(16, gt=0)

@@ -154,15 +154,54 @@ def test_sampled_tree_rows_follow_the_target_distribution(kind, tree, rule):
 
 @pytest.mark.parametrize("rule", TREE_RULES)
 @pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "glide"])
-def test_sampled_cape_rows_follow_the_target_distribution(kind, rule):
-    _sampled_joint(kind, DynamicTree(top_k=2, depth=3, total_tokens=4, sampling=rule, frontier=1))
+@pytest.mark.parametrize("tree", ["cape", "dyspec"])
+def test_sampled_cape_and_dyspec_rows_follow_the_target_distribution(kind, rule, tree):
+    spec = {
+        "cape": DynamicTree(top_k=2, depth=3, total_tokens=4, sampling=rule, frontier=1),
+        "dyspec": DynamicTree(top_k=2, depth=3, total_tokens=6, sampling=rule, min_prob=0.1),
+    }
+    _sampled_joint(kind, spec[tree], N=8000)  # three levels: the third token's marginal is the noisiest
 
 
-def _sampled_joint(kind: str, spec) -> None:
+DYSPEC = DynamicTree(top_k=3, depth=4, total_tokens=12, min_prob=0.2)
+
+
+@pytest.mark.parametrize("kind", ["draft_lm", "eagle3", "hydra", "glide"])
+def test_dyspec_trees_keep_the_nodes_above_min_prob_and_stay_lossless_in_batches(tgt, prompts, ar, kind):
+    """min_prob (DySpec): a level is drafted only while a frontier node reaches min_prob; the kept nodes are those
+    that reach it (the row with the most keeps exactly those; at least one node); greedy rows of a batch equal
+    their own decode."""
+    from draftsmith.eval.shapes import tree_levels
+
+    drafter = make_drafter(kind, tgt)
+    dec = tight(tgt, drafter, DYSPEC, 5)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    outs = run(dec, ids)
+    assert all(outs[i] == ar[b] for b, i in enumerate(ids))
+    B, V = 2, 11
+    sharp = torch.full((V,), -9.0)
+    sharp[3] = 9.0  # p(3) ~ 1: a confident draft
+    root = torch.stack([sharp, torch.zeros(V)])  # row 0 sure, row 1 unsure (uniform: 1/11 < 0.2 everywhere)
+    fed = []
+
+    def level(run, tokens, states, d, base, n_fed, anc, paths):
+        fed.append(d)
+        return sharp.expand(B, tokens.shape[1], V).clone(), None
+
+    toks, parents, mask, depths, _ = tree_levels(SimpleNamespace(passes_state=False), root, None, 0, DYSPEC, level)
+    assert fed == [1, 2, 3]  # row 0's chain stays above 0.2 to the full depth
+    assert toks.shape[1] == 4 and toks[0].tolist() == [3] * 4  # its 4-deep chain; row 1 keeps 4 nodes as well
+    assert depths[0].tolist() == [0, 1, 2, 3, 4]
+    fed.clear()
+    toks, *_ = tree_levels(SimpleNamespace(passes_state=False), torch.zeros(B, V), None, 0, DYSPEC, level)
+    assert fed == [] and toks.shape[1] == 1  # nothing reaches 0.2: one node, no drafter forward after the root
+
+
+def _sampled_joint(kind: str, spec, N: int = 4000) -> None:
     t = tiny_model(0, TINY_CFG8, logit_scale=3.0)
     torch.manual_seed(5)
     drafter = tiny_drafter(kind, t, heads=3, noise=0.3, lm_noise=0.5)
-    prompt, N = [1, 2, 3, 4], 4000
+    prompt = [1, 2, 3, 4]
     gen = torch.Generator().manual_seed(0)
     dec = BatchDecoder(t, drafter, tree=spec, max_len=32)
     ids = [dec.add(torch.tensor(prompt), 3, temperature=1.0, generator=gen) for _ in range(N)]

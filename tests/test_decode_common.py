@@ -477,6 +477,7 @@ SHAPES = {
     "static": tree_from_choices([[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]),
     "dynamic": DynamicTree(top_k=3, depth=3, total_tokens=8),
     "cape": DynamicTree(top_k=3, depth=4, total_tokens=8, frontier=1),  # the top-1 chain + unsure siblings
+    "dyspec": DynamicTree(top_k=3, depth=4, total_tokens=10, min_prob=0.05),  # size and depth by confidence
 }
 
 

@@ -44,7 +44,7 @@ FAMILIES = {
     "judge": ({"kind": "judge", "balance": False}, "none"),  # balance weighs per process: off, to compare
     # a fresh adapter: started from the tiny target's last layer the loss is ~0 and the comparison vacuous
     "kangaroo": ({"kind": "kangaroo", "exit_layer": 1, "adapter_init": "random"}, None),
-    "glide": ({"kind": "glide", "init_from_target": False, "lags": 2}, "GlideBlock x1, RMSNorm x1"),  # (likewise)
+    "glide": ({"kind": "glide", "init_layer": None, "lags": 2}, "GlideBlock x1, RMSNorm x1"),  # (likewise)
 }
 STEPS = 3
 

@@ -65,30 +65,31 @@ def test_each_lag_is_what_decoding_reads_at_that_depth(target, cache_layer, inte
                 assert not torch.allclose(got.double(), other.double(), **tol)
 
 
-def test_the_cross_attention_starts_as_the_cache_layers_attention_and_the_right_weights_train(target):
-    """init_from_target: the layer is the target's last; the cross-attention's q / o / norm are the cache layer's,
-    so at lag 0 (a query reading its own and earlier keys) it computes that layer's attention output exactly.
-    Embeddings and LM head are frozen."""
-    from draftsmith.models.glide import build_glide, target_kv
+def test_it_starts_as_a_one_layer_draft_lm_and_its_cross_attention_computes_a_target_layers_attention(target):
+    """init_layer 0: the layer is the target's first and the cross-attention's output projection zero, so the
+    drafter starts as that one-layer draft LM whatever it reads; its query projection and norm are the cache
+    layer's, so with that layer's output projection it computes exactly that layer's attention over the cache at
+    lag 0 (a query reading its own and earlier keys). Embeddings and LM head are frozen."""
+    from draftsmith.models.glide import build_glide, lagged, target_kv
     from draftsmith.models.llama import rope_cos_sin
 
     d = build_glide({"cache_layer": 1}, target)
     ids = torch.randint(3, target.cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(2))
+    k, v = target_kv(target, ids, 1)
+    blk = d.layers[0]
     with torch.no_grad():
+        torch.testing.assert_close(d(ids, glimpse=lagged(k, v, 1)), d(ids), rtol=0, atol=0)
         _, cap = target(ids, capture_layers=(1,))
         x = cap[1]  # the input of target layer 1
         layer = target.layers[1]
         cos, sin = rope_cos_sin(torch.arange(9)[None], target.inv_freq, x.dtype)
         want = layer.self_attn(layer.input_layernorm(x), cos, sin, None, None, 1)
-        from draftsmith.models.glide import lagged
-
-        k, v = target_kv(target, ids, 1)
         g = lagged(k, v, 0)
         g.cos, g.sin = cos, sin
-        blk = d.layers[0]
+        blk.cross_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
         got = blk.cross_attn(blk.cross_attn_layernorm(x), g)
     torch.testing.assert_close(got, want)
-    assert torch.equal(blk.mlp.down_proj.weight, target.layers[2].mlp.down_proj.weight)
+    assert torch.equal(blk.mlp.down_proj.weight, target.layers[0].mlp.down_proj.weight)
     assert not d.embed_tokens.weight.requires_grad and not d.lm_head.weight.requires_grad
     assert all(w.requires_grad for n, w in d.named_parameters() if n.startswith(("layers.", "norm.")))
 
@@ -100,7 +101,9 @@ def test_refusals(target):
         build_glide({"cache_layer": 3}, target)
     with pytest.raises(DraftsmithError, match="hidden_dim to be the target's"):
         build_glide({"hidden_dim": 8}, target)
-    d = build_glide({"hidden_dim": 8, "init_from_target": False}, target)
+    with pytest.raises(DraftsmithError, match=r"drafter.init_layer=5 is outside"):
+        build_glide({"init_layer": 5}, target)
+    d = build_glide({"hidden_dim": 8, "init_layer": None}, target)
     with pytest.raises(DraftsmithError, match="reads the target's slot KV cache"):
         d.glimpse_of(object())
 
@@ -118,8 +121,8 @@ def test_the_objective_trains_every_lag_and_the_cross_attention(target):
     out = glide_objective(d, batch, LossConfig(kind="ce"), Context(unwrapped=d, target=target))
     assert out.n == 10 and torch.isfinite(out.loss_sum)
     assert {"top1_step0", "top1_step1", "top1_step2"} <= set(out.metrics)
-    out.loss_sum.backward()
-    assert d.layers[0].cross_attn.q_proj.weight.grad.abs().sum() > 0
+    out.loss_sum.backward()  # the output projection starts at zero: it takes the first gradient of the branch
+    assert d.layers[0].cross_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(DraftsmithError, match="target must run in the loop"):
         glide_objective(d, batch, LossConfig(kind="ce"), Context(unwrapped=d))
 
