@@ -173,11 +173,7 @@ def test_dyspec_trees_keep_the_nodes_above_min_prob_and_stay_lossless_in_batches
     their own decode."""
     from draftsmith.eval.shapes import tree_levels
 
-    drafter = make_drafter(kind, tgt)
-    dec = tight(tgt, drafter, DYSPEC, 5)
-    ids = [dec.add(p, NEW) for p in prompts[:5]]
-    outs = run(dec, ids)
-    assert all(outs[i] == ar[b] for b, i in enumerate(ids))
+    _five_rows_equal_their_own_decode(tgt, prompts, ar, kind, DYSPEC)
     B, V = 2, 11
     sharp = torch.full((V,), -9.0)
     sharp[3] = 9.0  # p(3) ~ 1: a confident draft
@@ -219,6 +215,14 @@ def _sampled_joint(kind: str, spec, N: int = 4000) -> None:
     assert 0.05 * N < acc  # some sampled rows walked into the tree
 
 
+def _five_rows_equal_their_own_decode(tgt, prompts, ar, kind: str, tree) -> None:
+    """Greedy rows of ragged prompts in one batch under a tight cache equal their own plain decode."""
+    dec = tight(tgt, make_drafter(kind, tgt), tree, 5)
+    ids = [dec.add(p, NEW) for p in prompts[:5]]
+    outs = run(dec, ids)
+    assert all(outs[i] == ar[b] for b, i in enumerate(ids))
+
+
 CAPE = DynamicTree(top_k=3, depth=4, total_tokens=8, frontier=1)
 
 
@@ -228,11 +232,7 @@ def test_cape_trees_are_the_top1_chain_plus_siblings_and_lossless_in_batches(tgt
     only ones expanded; greedy rows of a batch equal their own decode."""
     from draftsmith.eval.shapes import tree_levels
 
-    drafter = make_drafter(kind, tgt)
-    dec = tight(tgt, drafter, CAPE, 5)
-    ids = [dec.add(p, NEW) for p in prompts[:5]]
-    outs = run(dec, ids)
-    assert all(outs[i] == ar[b] for b, i in enumerate(ids))
+    _five_rows_equal_their_own_decode(tgt, prompts, ar, kind, CAPE)
     B, V = 3, 11
     logits = torch.randn(B, V, generator=torch.Generator().manual_seed(0))
 
